@@ -1,0 +1,235 @@
+"""Finds a model's files by name or path, and streams its weights.
+
+A packaged model (see `registry`) or a `.gguf` file is converted once into
+`<cache_dir>/models/<name>/` and served from there afterwards; a Hugging Face directory is used as is.
+Conversion runs under an exclusive file lock and builds the directory under a temporary name before
+renaming it into place, so concurrent processes convert once and never see a half-written directory.
+"""
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from workers.engine.errors import ModelLoadError, UnknownModelError
+from workers.engine.weights.gguf_convert import CONVERTER_VERSION, convert_gguf
+from workers.engine.weights.registry import find_packaged_model, packaged_model_names
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "sluice-manifest.json"
+SHARD_INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    name: str  # served model name: a packaged name, a GGUF file's stem, or the directory's name
+    directory: Path  # a Hugging Face-format directory
+    config: dict  # parsed config.json
+    weight_files: tuple[Path, ...]  # *.safetensors in load order; empty if the directory has none
+    tokenizer_file: Path | None  # tokenizer.json if present
+    tokenizer_config: dict  # parsed tokenizer_config.json, {} if absent
+    generation_config: dict  # parsed generation_config.json, {} if absent
+
+
+def default_cache_dir() -> Path:
+    configured = os.environ.get("SLUICE_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sluice"
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike, *, cache_dir: Path | None = None, progress: bool = True
+) -> ModelFiles:
+    """A packaged model name wins over a directory of the same name; write `./name` for the directory."""
+    cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
+    packaged = find_packaged_model(name_or_path) if isinstance(name_or_path, str) else None
+    if packaged is not None:
+        return _converted(packaged.name, packaged.gguf_path(), cache_dir, progress=progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return _read_model_directory(path.resolve(), name=path.resolve().name)
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path.stem.lower(), path, cache_dir, progress=progress)
+    raise UnknownModelError(
+        f"unknown model {os.fspath(name_or_path)!r}: neither a packaged model "
+        f"(known: {', '.join(packaged_model_names())}) nor a model directory or .gguf file"
+    )
+
+
+def load_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
+    """Opens every weight file before returning, so a bad file fails here, before anything is built."""
+    opened = [(path, _open_safetensors(path)) for path in files.weight_files]
+    return _tensors(opened)
+
+
+def _tensors(opened: list[tuple[Path, safe_open]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path, handle in opened:
+        for tensor_name in handle.keys():
+            try:
+                yield tensor_name, handle.get_tensor(tensor_name)
+            except (SafetensorError, OSError) as error:
+                raise ModelLoadError(f"{path}: cannot read tensor {tensor_name}: {error}") from error
+
+
+def _open_safetensors(path: Path) -> safe_open:
+    """Opening reads the header and checks that the data it describes is all there."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:
+        size = path.stat().st_size if path.exists() else 0
+        raise ModelLoadError(
+            f"{path}: unreadable safetensors file ({size} bytes; truncated or corrupt): {error}"
+        ) from error
+
+
+def _read_model_directory(directory: Path, *, name: str) -> ModelFiles:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{directory}: no config.json, so not a Hugging Face model directory")
+    tokenizer_file = directory / "tokenizer.json"
+    return ModelFiles(
+        name=name,
+        directory=directory,
+        config=_read_json(config_path),
+        weight_files=_weight_files(directory),
+        tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
+        tokenizer_config=_read_json_if_present(directory / "tokenizer_config.json"),
+        generation_config=_read_json_if_present(directory / "generation_config.json"),
+    )
+
+
+def _weight_files(directory: Path) -> tuple[Path, ...]:
+    index_path = directory / SHARD_INDEX_NAME
+    if not index_path.is_file():
+        return tuple(sorted(directory.glob("*.safetensors")))
+    weight_map = _read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError(f"{index_path}: no 'weight_map' object")
+    files = tuple(directory / shard for shard in sorted(set(weight_map.values())))
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise ModelLoadError(f"{index_path}: lists shards that do not exist: {', '.join(missing)}")
+    return files
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"{path}: unreadable JSON: {error}") from error
+    if not isinstance(content, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, found {type(content).__name__}")
+    return content
+
+
+def _read_json_if_present(path: Path) -> dict:
+    return _read_json(path) if path.is_file() else {}
+
+
+def _converted(name: str, gguf_path: Path, cache_dir: Path, *, progress: bool) -> ModelFiles:
+    models_dir = cache_dir / "models"
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ModelLoadError(f"cannot create the model cache {models_dir} (set SLUICE_CACHE_DIR): {error}") from error
+    target = models_dir / name
+    source = _source_record(gguf_path)
+    with _exclusive_lock(models_dir / f".{name}.lock"):
+        cached = _valid_conversion(target, name=name, source=source)
+        if cached is not None:
+            return cached
+        _convert_into_place(gguf_path, target, source=source, progress=progress)
+        return _read_model_directory(target, name=name)
+
+
+def _source_record(gguf_path: Path) -> dict:
+    stat = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+@contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    # flock is released by the kernel if the holder dies, so a crashed converter never wedges the cache.
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _valid_conversion(target: Path, *, name: str, source: dict) -> ModelFiles | None:
+    """The cached directory if it was converted from this very source and its weights open; else None."""
+    if not target.exists():
+        return None
+    try:
+        manifest = _read_json(target / MANIFEST_NAME)
+        if manifest.get("converter_version") != CONVERTER_VERSION or manifest.get("source") != source:
+            logger.info("reconverting %s: its source or the converter changed", target)
+            return None
+        files = _read_model_directory(target, name=name)
+        if not files.weight_files:
+            raise ModelLoadError(f"{target}: no weight files")
+        for path in files.weight_files:
+            _open_safetensors(path)
+    except ModelLoadError as error:
+        logger.warning("reconverting %s: the cached copy is unusable: %s", target, error)
+        return None
+    return files
+
+
+def _convert_into_place(gguf_path: Path, target: Path, *, source: dict, progress: bool) -> None:
+    logger.info("converting %s into %s (once; later starts load the converted copy)", gguf_path, target)
+    _remove_leftovers(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    # mkdtemp makes the directory private; the converted model is shared by every user of the cache.
+    staging.chmod(0o755)
+    try:
+        convert_gguf(gguf_path, staging, progress=progress)
+        manifest = {"converter_version": CONVERTER_VERSION, "source": source, "conversion_id": uuid.uuid4().hex}
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        for path in staging.iterdir():
+            path.chmod(0o644)
+        _fsync_directory_files(staging)
+        if target.exists():
+            retired = target.with_name(f".{target.name}.retired-{uuid.uuid4().hex}")
+            os.rename(target, retired)
+            os.rename(staging, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.rename(staging, target)
+        _fsync(target.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _remove_leftovers(target: Path) -> None:
+    # Only a converter that died mid-way leaves these; under the lock no live one can own them.
+    for pattern in (f".{target.name}.partial-*", f".{target.name}.retired-*"):
+        for leftover in target.parent.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync_directory_files(directory: Path) -> None:
+    for path in directory.iterdir():
+        _fsync(path)
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
