@@ -1,0 +1,245 @@
+"""Chooses the next token of every request in a step from the model's logits.
+
+Order per row: logit_bias → repetition penalty → frequency/presence penalties → greedy rows take the
+argmax; sampled rows: temperature → top-k → top-p → min-p → exponential race. All of it is
+vectorised over the batch on the logits' device and row-local, so a request's token and logprobs do
+not depend on what else is batched (the tests hold this bitwise).
+
+Randomness: a row with a seed draws its noise from a generator seeded by a hash of (seed, step
+index), so its tokens survive preemption and recompute and ignore batch composition; the streams
+differ between CPU and CUDA. Rows without a seed share the sampler's own generator.
+"""
+
+import hashlib
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from kernels import sampling
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """One row per request that samples a token this step, in batch order."""
+
+    params: Sequence[SamplingParams]
+    prompt_token_ids: Sequence[Sequence[int]]
+    output_token_ids: Sequence[Sequence[int]]  # tokens sampled so far; len() is the step index used for seeding
+
+    def __post_init__(self) -> None:
+        rows = len(self.params)
+        if len(self.prompt_token_ids) != rows or len(self.output_token_ids) != rows:
+            raise ValueError(
+                f"SamplingBatch needs one row each, got {rows} params, {len(self.prompt_token_ids)} prompts "
+                f"and {len(self.output_token_ids)} outputs"
+            )
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    rank: int  # 1 + how many tokens are strictly more likely; 1 = most likely
+    top: list[tuple[int, float]]  # the top-k (token id, logprob), most likely first, ties by lower id; [] when k = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows that did not ask for logprobs
+
+
+class Sampler:
+    def __init__(self, *, seed: int = 0) -> None:
+        self._seed = seed
+        self._unseeded_generators: dict[torch.device, torch.Generator] = {}
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ([B, V] float32, any device).
+
+        Logprobs come from the raw logits (log_softmax before bias, penalties and temperature),
+        as vLLM v1 reports them by default: they describe the model, not the sampling settings."""
+        _check_logits(logits, batch)
+        if all(_is_plain_greedy(params) for params in batch.params):
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(batch.params))
+        processed = _process_logits(logits, batch)
+        token_ids = processed.argmax(dim=-1)
+        sampled_rows = [row for row, params in enumerate(batch.params) if not params.is_greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            token_ids.index_copy_(0, rows, self._sample(processed.index_select(0, rows), batch, sampled_rows))
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_token_logprobs(logits, token_ids, batch.params))
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+        params = [batch.params[row] for row in rows]
+        device = logits.device
+        probs = sampling.temperature_softmax(logits, _per_row([p.temperature for p in params], device))
+        if any(p.top_k > 0 for p in params):
+            probs = sampling.top_k_mask(probs, _per_row([p.top_k for p in params], device, torch.int64))
+        if any(p.top_p < 1 for p in params):
+            probs = sampling.top_p_mask(probs, _per_row([p.top_p for p in params], device))
+        if any(p.min_p > 0 for p in params):
+            probs = sampling.min_p_mask(probs, _per_row([p.min_p for p in params], device))
+        steps = [len(batch.output_token_ids[row]) for row in rows]
+        return sampling.exponential_race(probs, self._exponential_noise(params, steps, probs.shape[-1], device))
+
+    def _exponential_noise(
+        self, params: list[SamplingParams], steps: list[int], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        noise = torch.empty(len(params), vocab_size, dtype=torch.float32, device=device)
+        unseeded = [index for index, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            draws = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
+            draws.exponential_(generator=self._generator(self._unseeded_generators, device, self._seed))
+            noise.index_copy_(0, torch.tensor(unseeded, device=device), draws)
+        seeded = self._generator(self._seeded_generators, device, 0)
+        for index, (p, step) in enumerate(zip(params, steps, strict=True)):
+            if p.seed is not None:
+                # One generator per row and step, reseeded rather than advanced, is what makes the
+                # draw independent of which other rows exist.
+                seeded.manual_seed(_row_seed(p.seed, step))
+                noise[index].exponential_(generator=seeded)
+        return noise
+
+    @staticmethod
+    def _generator(cache: dict[torch.device, torch.Generator], device: torch.device, seed: int) -> torch.Generator:
+        if device not in cache:
+            cache[device] = torch.Generator(device=device)
+            cache[device].manual_seed(seed)
+        return cache[device]
+
+
+def _row_seed(seed: int, step: int) -> int:
+    """A 64-bit seed for one row's draw at one step; hashing mixes nearby (seed, step) pairs into
+    unrelated streams, unlike seed + step."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing to change the logits or report: the argmax of the raw logits is the answer."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and params.repetition_penalty == 1
+        and params.frequency_penalty == 0
+        and params.presence_penalty == 0
+    )
+
+
+def _process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Bias and penalties, applied only to the rows that ask for them (out of place)."""
+    processed = logits
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    biased = [row for row, p in enumerate(batch.params) if p.logit_bias]
+    if biased:
+        processed = sampling.add_logit_bias(processed, *_flat_logit_bias(batch.params, biased, vocab_size, device))
+    repeated = [row for row, p in enumerate(batch.params) if p.repetition_penalty != 1]
+    if repeated:
+        seen_tokens = [
+            itertools.chain(batch.prompt_token_ids[row], batch.output_token_ids[row]) for row in repeated
+        ]
+        seen = _token_counts(seen_tokens, vocab_size, device) > 0
+        penalty = _per_row([batch.params[row].repetition_penalty for row in repeated], device)
+        processed = _update_rows(
+            processed, repeated, lambda rows: sampling.apply_repetition_penalty(rows, seen, penalty)
+        )
+    openai = [row for row, p in enumerate(batch.params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
+    if openai:
+        counts = _token_counts([batch.output_token_ids[row] for row in openai], vocab_size, device)
+        frequency = _per_row([batch.params[row].frequency_penalty for row in openai], device)
+        presence = _per_row([batch.params[row].presence_penalty for row in openai], device)
+        processed = _update_rows(
+            processed,
+            openai,
+            lambda rows: sampling.apply_frequency_presence_penalties(rows, counts, frequency, presence),
+        )
+    return processed
+
+
+def _update_rows(
+    logits: torch.Tensor, rows: list[int], op: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    index = torch.tensor(rows, device=logits.device)
+    return logits.index_copy(0, index, op(logits.index_select(0, index)))
+
+
+def _flat_logit_bias(
+    params: Sequence[SamplingParams], rows: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch row, token id, bias) of every bias entry, as three flat tensors."""
+    entries = [(row, token_id, bias) for row in rows for token_id, bias in params[row].logit_bias.items()]
+    for _, token_id, _ in entries:
+        if token_id >= vocab_size:
+            raise ValueError(f"logit_bias token id {token_id} >= vocab size {vocab_size}")
+    row_ids, token_ids, bias = zip(*entries, strict=True)
+    return (
+        _per_row(row_ids, device, torch.int64),
+        _per_row(token_ids, device, torch.int64),
+        _per_row(bias, device),
+    )
+
+
+def _token_counts(rows: Sequence[Iterable[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), V] int32 counts, built on the host and checked there before the device sees ids."""
+    per_row = [list(tokens) for tokens in rows]
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(per_row)), dtype=torch.int64)
+    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
+        raise ValueError(
+            f"token ids must be in [0, {vocab_size}), got [{int(token_ids.min())}, {int(token_ids.max())}]"
+        )
+    row_ids = torch.repeat_interleave(torch.arange(len(per_row)), torch.tensor([len(t) for t in per_row]))
+    return sampling.token_counts(
+        row_ids.to(device), token_ids.to(device), num_rows=len(per_row), vocab_size=vocab_size
+    )
+
+
+def _per_row(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return result
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits.index_select(0, index).log_softmax(dim=-1)
+    chosen_ids = token_ids.index_select(0, index)
+    chosen = logprobs.gather(1, chosen_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_ids, top_values = _top_logprobs(logprobs, max(params[row].logprobs for row in rows))
+    for position, (row, token_id, logprob, rank) in enumerate(
+        zip(rows, chosen_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), strict=True)
+    ):
+        k = params[row].logprobs
+        result[row] = TokenLogprobs(
+            token_id=token_id,
+            logprob=logprob,
+            rank=rank,
+            top=list(zip(top_ids[position][:k], top_values[position][:k], strict=True)),
+        )
+    return result
+
+
+def _top_logprobs(logprobs: torch.Tensor, count: int) -> tuple[list[list[int]], list[list[float]]]:
+    if count == 0:
+        return [[] for _ in logprobs], [[] for _ in logprobs]
+    # A stable sort orders tied tokens by id whatever else is in the batch; topk does not promise that.
+    ordered = logprobs.sort(dim=-1, descending=True, stable=True)
+    return ordered.indices[:, :count].tolist(), ordered.values[:, :count].tolist()
+
+
+def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be [batch, vocab] float32, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.shape[0] != len(batch.params):
+        raise ValueError(f"logits has {logits.shape[0]} rows but the batch has {len(batch.params)}")
