@@ -1,0 +1,184 @@
+"""Prefill and decode throughput of our engine against HF transformers `generate`, same weights, same run.
+
+    python -m bench.engine_throughput                       # CPU, the real SmolLM2, small sizes
+    python -m bench.engine_throughput --device cuda --random-weights \\
+        --batch-sizes 1,16,64,256 --prompt-len 512 --new-tokens 128
+
+Every prompt is distinct random tokens (no prefix-cache hits) of the same length (no padding for HF).
+Prefill tokens/s comes from a run that generates one token; decode tokens/s from the extra time a
+full run takes, over the extra tokens: (T_full - T_prefill) / (B * (new_tokens - 1)). Prints one
+JSON object; `ratios` divides ours by each peer.
+"""
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.smollm2_config import SMOLLM2_135M_CONFIG
+from workers.engine import LLM, SamplingParams
+
+
+def main() -> None:
+    args = _parse_args()
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype or _default_dtype(device)]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = _model_directory(args, Path(scratch))
+        hf_model = _load_hf(model_dir, device, dtype)
+        vocab_size = hf_model.config.vocab_size
+        llm = LLM(
+            model_dir,
+            device=args.device,
+            dtype=dtype,
+            enable_prefix_caching=False,
+            max_num_seqs=max(batch_sizes),
+            max_num_batched_tokens=args.max_batched_tokens,
+            # Room for the largest batch at full length: the benchmark measures batching, not preemption.
+            num_pages=max(batch_sizes) * -(-(args.prompt_len + args.new_tokens) // 16) + 2,
+            max_model_len=args.prompt_len + args.new_tokens,
+        )
+        rows = []
+        for batch_size in batch_sizes:
+            prompts = torch.randint(0, vocab_size, (batch_size, args.prompt_len), generator=torch.Generator().manual_seed(batch_size))
+            runners: dict[str, Callable[[int], None]] = {"sluice": _ours(llm, prompts)}
+            for peer in args.peers.split(","):
+                if peer:
+                    runners[peer] = _hf(hf_model, prompts.to(device), static=peer == "hf_static")
+            for name, run in runners.items():
+                rows.append({"batch_size": batch_size, "engine": name, **_measure(run, device, args.new_tokens, batch_size, args.prompt_len)})
+                print(json.dumps(rows[-1]), flush=True, file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                "benchmark": "engine_throughput",
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "dtype": str(dtype).removeprefix("torch."),
+                "weights": "random (SmolLM2-135M config)" if args.random_weights else args.model,
+                "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens,
+                "rows": rows,
+                "ratios": _ratios(rows),
+            },
+            indent=2,
+        )
+    )
+
+
+def _measure(run: Callable[[int], None], device: torch.device, new_tokens: int, batch_size: int, prompt_len: int) -> dict:
+    run(2)  # warm-up: allocator, kernels, lazy initialisation
+    prefill = _timed(lambda: run(1), device)
+    full = _timed(lambda: run(new_tokens), device)
+    decode_time = max(full - prefill, 1e-9)
+    return {
+        "prefill_tok_s": round(batch_size * prompt_len / prefill, 1),
+        "decode_tok_s": round(batch_size * (new_tokens - 1) / decode_time, 1),
+        "prefill_s": round(prefill, 4),
+        "total_s": round(full, 4),
+    }
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _ours(llm: LLM, prompts: torch.Tensor) -> Callable[[int], None]:
+    token_lists = prompts.tolist()
+
+    def run(new_tokens: int) -> None:
+        results = llm.generate(token_lists, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+        assert all(len(r.token_ids) == new_tokens for r in results)
+
+    return run
+
+
+def _hf(model: torch.nn.Module, prompts: torch.Tensor, *, static: bool) -> Callable[[int], None]:
+    mask = torch.ones_like(prompts)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def run(new_tokens: int) -> None:
+        with torch.inference_mode():
+            out = model.generate(
+                prompts,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **extra,
+            )
+        assert out.shape[1] == prompts.shape[1] + new_tokens
+
+    return run
+
+
+def _model_directory(args: argparse.Namespace, scratch: Path) -> Path:
+    """An HF-format directory both engines load, so they run the very same weights."""
+    if not args.random_weights:
+        from workers.engine.weights import resolve_model
+
+        return resolve_model(args.model).directory
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M_CONFIG)).save_pretrained(scratch)
+    return scratch
+
+
+def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def _ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """ours / peer for each metric, per peer and batch size."""
+    ratios: dict[str, dict[str, float]] = {}
+    ours = {r["batch_size"]: r for r in rows if r["engine"] == "sluice"}
+    for row in rows:
+        if row["engine"] == "sluice":
+            continue
+        mine = ours[row["batch_size"]]
+        for metric in ("prefill_tok_s", "decode_tok_s"):
+            ratios.setdefault(f"{metric} vs {row['engine']}", {})[str(row["batch_size"])] = round(
+                mine[metric] / row[metric], 3
+            )
+    return ratios
+
+
+def _default_dtype(device: torch.device) -> str:
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M config, random weights (no download)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--peers", default="hf_eager,hf_static", help="comma list of hf_eager, hf_static")
+    parser.add_argument("--max-batched-tokens", type=int, default=4096)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()

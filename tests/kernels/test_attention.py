@@ -1,0 +1,133 @@
+import random
+
+import pytest
+import torch
+
+from kernels.attention import BACKENDS, AttentionMetadata, get_backend, write_kv
+
+PAGE = 16
+KV_HEADS, HEADS, HEAD_DIM = 2, 6, 32
+
+
+def naive_attention(q, k, v, positions, window):
+    """float64 softmax attention of queries at `positions` over keys 0..len(k)-1."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * HEAD_DIM**-0.5
+    key_pos = torch.arange(k.shape[0])
+    mask = key_pos[None, :] <= positions[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > positions[:, None] - window
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def paged_batch(seqs, seed=0):
+    """Random keys/values per sequence scattered over shuffled pages; returns cache + metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    total_pages = 1 + sum(-(-s // PAGE) for _, s in seqs)
+    free = list(range(1, total_pages))
+    random.Random(seed).shuffle(free)
+    k_cache = torch.zeros(total_pages, PAGE, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    tables, slots, queries, full_kv = [], [], [], []
+    for q_len, s_len in seqs:
+        table = [free.pop() for _ in range(-(-s_len // PAGE))]
+        k = torch.randn(s_len, KV_HEADS, HEAD_DIM, generator=gen)
+        v = torch.randn(s_len, KV_HEADS, HEAD_DIM, generator=gen)
+        # The cached context goes straight into the pages; the new tokens through write_kv below.
+        for pos in range(s_len):
+            k_cache[table[pos // PAGE], pos % PAGE] = k[pos]
+            v_cache[table[pos // PAGE], pos % PAGE] = v[pos]
+        tables.append(table)
+        slots += [table[p // PAGE] * PAGE + p % PAGE for p in range(s_len - q_len, s_len)]
+        queries.append(torch.randn(q_len, HEADS, HEAD_DIM, generator=gen))
+        full_kv.append((k, v))
+    metadata = AttentionMetadata.build(
+        query_lens=[q for q, _ in seqs],
+        seq_lens=[s for _, s in seqs],
+        block_tables=tables,
+        slot_mapping=slots,
+        device=torch.device("cpu"),
+    )
+    return torch.cat(queries), k_cache, v_cache, metadata, full_kv
+
+
+MIXED = [(1, 1), (1, 37), (5, 300), (40, 40), (17, 530), (3, 16), (12, 12)]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("window", [None, 7, 100])
+def test_backends_match_naive_attention(backend, window):
+    query, k_cache, v_cache, metadata, full_kv = paged_batch(MIXED)
+    out = get_backend(backend)(query, k_cache, v_cache, metadata, scale=HEAD_DIM**-0.5, window=window)
+    for b, (q_len, s_len) in enumerate(MIXED):
+        rows = slice(metadata.query_start[b], metadata.query_start[b + 1])
+        k, v = full_kv[b]
+        expected = naive_attention(query[rows], k, v, torch.arange(s_len - q_len, s_len), window)
+        torch.testing.assert_close(out[rows].double(), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_padding_rows_past_the_batch_are_left_zero():
+    query, k_cache, v_cache, metadata, _ = paged_batch([(3, 20)])
+    padded = torch.cat([query, torch.randn(13, HEADS, HEAD_DIM)])
+    out = get_backend("torch_blockwise")(padded, k_cache, v_cache, metadata, scale=0.1)
+    assert torch.count_nonzero(out[3:]) == 0
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_blockwise_is_bitwise_batch_invariant(window):
+    """A sequence's rows are bitwise equal alone, inside a mixed batch, decoded or prefilled."""
+    attend = get_backend("torch_blockwise")
+    seq = (1, 300)
+    alone = paged_batch([seq], seed=3)
+    out_alone = attend(alone[0], alone[1], alone[2], alone[3], scale=0.2, window=window)
+
+    batch = paged_batch([(7, 600), seq, (1, 5), (30, 30)], seed=4)
+    # Put the same sequence's data into the batch's pages.
+    _, k_cache, v_cache, metadata, _ = batch
+    query = batch[0].clone()
+    table_alone = alone[3].groups[0].block_tables[0]
+    table_batch = metadata.groups[0].block_tables[1]  # group 0 = short-query sequences (b=1, b=2)
+    for page_a, page_b in zip(table_alone.tolist(), table_batch.tolist()):
+        k_cache[page_b] = alone[1][page_a]
+        v_cache[page_b] = alone[2][page_a]
+    row = metadata.query_start[1]
+    query[row] = alone[0][0]
+    out_batch = attend(query, k_cache, v_cache, metadata, scale=0.2, window=window)
+    assert torch.equal(out_batch[row], out_alone[0])
+
+    # The same token computed as the last row of a 300-token prefill.
+    prefill = paged_batch([(300, 300)], seed=3)
+    q_prefill = prefill[0].clone()
+    q_prefill[-1] = alone[0][0]
+    k_p, v_p = prefill[1], prefill[2]
+    for page_a, page_b in zip(table_alone.tolist(), prefill[3].groups[0].block_tables[0].tolist()):
+        k_p[page_b] = alone[1][page_a]
+        v_p[page_b] = alone[2][page_a]
+    out_prefill = attend(q_prefill, k_p, v_p, prefill[3], scale=0.2, window=window)
+    assert torch.equal(out_prefill[-1], out_alone[0])
+
+
+def test_write_kv_stores_at_slots():
+    k_cache = torch.zeros(3, PAGE, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(2, KV_HEADS, HEAD_DIM)
+    write_kv(k_cache, v_cache, key, -key, torch.tensor([PAGE + 3, 2 * PAGE]))
+    assert torch.equal(k_cache[1, 3], key[0]) and torch.equal(k_cache[2, 0], key[1])
+    assert torch.equal(v_cache[2, 0], -key[1])
+
+
+def test_shape_checks_name_the_problem():
+    query, k_cache, v_cache, metadata, _ = paged_batch([(2, 4)])
+    with pytest.raises(ValueError, match="query must be"):
+        get_backend("torch_blockwise")(query[0], k_cache, v_cache, metadata, scale=1.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        get_backend("torch_sdpa")(query[:, :5], k_cache, v_cache, metadata, scale=1.0)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("flash")
+    with pytest.raises(ValueError, match="query_len"):
+        AttentionMetadata.build(
+            query_lens=[5], seq_lens=[3], block_tables=[[1]], slot_mapping=[0] * 5, device=torch.device("cpu")
+        )

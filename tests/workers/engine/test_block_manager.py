@@ -1,0 +1,92 @@
+from workers.engine.block_manager import BlockManager
+from workers.engine.request import Request
+from workers.engine.sampling_params import SamplingParams
+
+
+def make_request(tokens: list[int], rid: str = "r", extra: bytes = b"m") -> Request:
+    return Request(request_id=rid, prompt_token_ids=tokens, params=SamplingParams(), max_tokens=8, hash_extra=extra)
+
+
+def compute(manager: BlockManager, request: Request, count: int) -> None:
+    """What the scheduler and engine do around a step: allocate, then mark computed and key pages."""
+    assert manager.allocate(request, count)
+    request.num_computed_tokens += count
+    manager.cache_full_pages(request)
+
+
+def test_allocation_hands_out_pages_in_order_and_never_the_null_page():
+    manager = BlockManager(num_pages=6, page_size=4)
+    request = make_request(list(range(10)))
+    assert manager.allocate(request, 10)
+    assert request.pages == [1, 2, 3]
+    assert manager.num_free_pages == 2
+    assert [manager.ref_counts[p] for p in (1, 2, 3)] == [1, 1, 1]
+
+
+def test_allocation_is_all_or_nothing():
+    manager = BlockManager(num_pages=3, page_size=4)
+    request = make_request(list(range(12)))
+    assert not manager.allocate(request, 12)  # needs 3 pages, 2 usable
+    assert request.pages == [] and manager.num_free_pages == 2
+
+
+def test_prefix_hit_shares_pages_and_leaves_one_token_to_compute():
+    manager = BlockManager(num_pages=10, page_size=4)
+    first = make_request(list(range(12)), "a")
+    compute(manager, first, 12)
+    second = make_request(list(range(12)), "b")
+    pages, keys = manager.find_cached_prefix(second)
+    # 12 tokens = 3 full pages, but the last token must be recomputed: only 2 pages hit.
+    assert pages == first.pages[:2]
+    assert keys == first.page_hashes[:2]
+    assert manager.allocate(second, 4, (pages, keys))
+    assert second.pages[:2] == first.pages[:2]
+    assert manager.ref_counts[first.pages[0]] == 2
+    assert second.pages[2] not in first.pages
+
+
+def test_different_namespace_does_not_hit():
+    manager = BlockManager(num_pages=10, page_size=4)
+    compute(manager, make_request(list(range(12)), "a", extra=b"tenant-a"), 12)
+    assert manager.find_cached_prefix(make_request(list(range(12)), "b", extra=b"tenant-b")) == ([], [])
+
+
+def test_freed_pages_keep_their_keys_and_can_be_hit_again():
+    manager = BlockManager(num_pages=10, page_size=4)
+    first = make_request(list(range(9)), "a")
+    compute(manager, first, 9)
+    held = list(first.pages)
+    manager.free(first)
+    assert manager.num_free_pages == 9
+    pages, _ = manager.find_cached_prefix(make_request(list(range(9)), "b"))
+    assert pages == held[:2]
+
+
+def test_eviction_order_reuses_unkeyed_pages_first_then_chain_tails():
+    manager = BlockManager(num_pages=6, page_size=4)
+    first = make_request(list(range(9)), "a")  # pages 1, 2 full (keyed), page 3 partial
+    compute(manager, first, 9)
+    manager.free(first)
+    # Free list: untouched 4, 5, then the keyless partial page 3 in front, then tail-first 2, 1.
+    assert list(manager.free_pages) == [3, 4, 5, 2, 1]
+    taker = make_request(list(range(100, 120)), "c")
+    assert manager.allocate(taker, 16)
+    assert taker.pages == [3, 4, 5, 2]
+    # Page 2's key is gone, page 1's prefix is still cached.
+    pages, _ = manager.find_cached_prefix(make_request(list(range(9)), "d"))
+    assert pages == [1]
+
+
+def test_collision_guard_compares_tokens():
+    manager = BlockManager(num_pages=6, page_size=4)
+    first = make_request(list(range(8)), "a")
+    compute(manager, first, 8)
+    page = first.pages[0]
+    manager.page_tokens[page] = (9, 9, 9, 9)  # pretend the key collided with other tokens
+    assert manager.find_cached_prefix(make_request(list(range(8)), "b")) == ([], [])
+
+
+def test_prefix_caching_can_be_disabled():
+    manager = BlockManager(num_pages=10, page_size=4, enable_prefix_caching=False)
+    compute(manager, make_request(list(range(12)), "a"), 12)
+    assert manager.find_cached_prefix(make_request(list(range(12)), "b")) == ([], [])

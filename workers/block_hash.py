@@ -1,0 +1,69 @@
+"""The chained block hash: the one key function for every KV block, engine page or store block.
+
+`h_i = H(h_{i-1}, tokens of block i, extra)`. A block's key therefore names its whole prefix, so a
+prefix match is a walk along the chain that stops at the first unknown key, and a hit on block i
+implies hits on every block before it. The engine's local prefix cache (pages of `page_size`
+tokens) and the global KV store (blocks of a multiple of that) both key blocks with this function;
+only the block length differs.
+
+`extra` carries what besides the tokens decides the KV: the model, the tenant's cache namespace,
+image hashes. It is folded into every block, not only the first, so that two chains that differ
+only in `extra` never share a key.
+
+BLAKE2b is used rather than Python's `hash()` because keys must agree across processes and hosts
+(Python salts `hash()` per process) and must not collide by accident or on purpose: a collision
+would serve one prompt's KV to another.
+"""
+
+from collections.abc import Sequence
+from hashlib import blake2b
+
+import numpy as np
+
+BlockHash = bytes
+
+DIGEST_BYTES = 16
+ROOT_HASH: BlockHash = bytes(DIGEST_BYTES)
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int] | np.ndarray, extra: bytes = b"") -> BlockHash:
+    """Key of one block given its parent's key (ROOT_HASH for the first block)."""
+    h = blake2b(parent, digest_size=DIGEST_BYTES)
+    h.update(np.asarray(token_ids, dtype=np.int32).tobytes())
+    # The length prefix keeps `extra` from being confused with token bytes.
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    return h.digest()
+
+
+def hash_chain(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra: bytes = b"",
+    *,
+    parent: BlockHash = ROOT_HASH,
+    max_blocks: int | None = None,
+) -> list[BlockHash]:
+    """Keys of the full blocks of `token_ids`, in order; a trailing partial block has no key."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    tokens = np.asarray(token_ids, dtype=np.int32)
+    num_blocks = len(tokens) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    data = memoryview(tokens.tobytes())
+    stride = block_size * tokens.itemsize
+    suffix = len(extra).to_bytes(4, "little") + extra
+    keys: list[BlockHash] = []
+    for i in range(num_blocks):
+        h = blake2b(parent, digest_size=DIGEST_BYTES)
+        h.update(data[i * stride : (i + 1) * stride])
+        h.update(suffix)
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+def namespace_extra(model_id: str, cache_namespace: str = "") -> bytes:
+    """The `extra` that separates models and tenants' cache namespaces."""
+    return f"{model_id}\x00{cache_namespace}".encode()

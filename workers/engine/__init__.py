@@ -1,0 +1,34 @@
+"""The inference engine: paged KV, continuous batching, sampling. No Django here.
+
+Names load lazily so that light users (the gateway importing `workers.engine.errors`, the recipe
+importing the tokenizer's errors) do not pull in torch and the whole engine.
+"""
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "workers.engine.llm",
+    "SamplingParams": "workers.engine.sampling_params",
+    "RequestOutput": "workers.engine.outputs",
+    "CompletionOutput": "workers.engine.outputs",
+    "RequestDelta": "workers.engine.outputs",
+    "EngineError": "workers.engine.errors",
+    "InvalidRequestError": "workers.engine.errors",
+    "ModelLoadError": "workers.engine.errors",
+    "UnknownModelError": "workers.engine.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from workers.engine.errors import EngineError, InvalidRequestError, ModelLoadError, UnknownModelError
+    from workers.engine.llm import LLM
+    from workers.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+    from workers.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'workers.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

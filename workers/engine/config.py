@@ -1,0 +1,184 @@
+"""Configuration of a model (from its Hugging Face config) and of the engine that serves it."""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    # "default", "linear" or "llama3"; the remaining fields are read only by the scaled kinds.
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The decoder shape, read once from an HF config dict and checked for consistency."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    # Per layer: None for full attention, else the number of most recent tokens a query sees
+    # (itself included), as HF's sliding-window mask defines it.
+    layer_windows: tuple[int | None, ...]
+    dtype: torch.dtype
+    initializer_range: float = 0.02
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
+        architectures = hf.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            raise ModelLoadError(
+                f"unsupported architecture {architectures or hf.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden_size = int(hf["hidden_size"])
+            num_layers = int(hf["num_hidden_layers"])
+            config = cls(
+                family=family,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=num_layers,
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope=_rope_config(hf),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; its HF config does not say so.
+                attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+                qk_norm=family == "qwen3",
+                layer_windows=_layer_windows(hf, num_layers),
+                dtype=_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+                initializer_range=float(hf.get("initializer_range", 0.02)),
+            )
+        except KeyError as missing:
+            raise ModelLoadError(f"model config lacks required field {missing}") from None
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _rope_config(hf: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelLoadError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial rotary embeddings are not supported (partial_rotary_factor={partial})")
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 8192)
+        ),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+    )
+
+
+def _layer_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        if window is None or hf.get("use_sliding_window") is False:
+            return (None,) * num_layers
+        # Qwen-style configs window the layers from max_window_layers on (HF's default is 28).
+        first_sliding = int(hf.get("max_window_layers", 28)) if "use_sliding_window" in hf else 0
+        layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if unknown:
+        raise ModelLoadError(f"unsupported layer types {sorted(unknown)}")
+    if SLIDING_ATTENTION in layer_types and not window:
+        raise ModelLoadError("layer_types asks for sliding attention but sliding_window is not set")
+    return tuple(int(window) if t == SLIDING_ATTENTION else None for t in layer_types)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ModelLoadError(f"unsupported dtype {name!r}; supported: {sorted(dtypes)}")
+    return dtypes[name]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine runs a model; validated on construction."""
+
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # None: float32 on the CPU, bfloat16 on CUDA
+    attention_backend: str | None = None  # None: the device's default (see kernels.attention)
+    page_size: int = 16
+    num_pages: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (one is reserved), got {self.num_pages}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

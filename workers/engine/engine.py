@@ -1,0 +1,204 @@
+"""The engine loop: admit requests, then step = schedule → execute → update from output."""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import default_backend
+from workers.block_hash import namespace_extra
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.errors import InvalidRequestError
+from workers.engine.kv_cache import KVCache
+from workers.engine.model_loader import LoadedModel
+from workers.engine.model_runner import ModelRunner, SampledToken
+from workers.engine.output_text import OutputText
+from workers.engine.outputs import RequestDelta
+from workers.engine.request import FinishReason, Request
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_pages: int
+    kv_usage: float
+    num_computed_tokens: int  # tokens run through the model since start
+    num_prompt_tokens: int  # prompt tokens admitted since start
+    num_cached_prompt_tokens: int  # of those, served from the prefix cache
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.model_name = loaded.name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.config = config
+        device = torch.device(config.device)
+        dtype = next(loaded.model.parameters()).dtype
+        num_pages = config.num_pages or KVCache.pages_for_bytes(
+            loaded.config, num_bytes=config.kv_cache_bytes, page_size=config.page_size, dtype=dtype
+        )
+        kv_cache = KVCache(loaded.config, num_pages=num_pages, page_size=config.page_size, dtype=dtype, device=device)
+        self.block_manager = BlockManager(
+            num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            kv_cache,
+            attention_backend=config.attention_backend or default_backend(device),
+            device=device,
+            seed=config.seed,
+        )
+        self.requests: dict[str, Request] = {}
+        self.texts: dict[str, OutputText] = {}
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_namespace: str = "",
+    ) -> None:
+        """Admit a request, or raise InvalidRequestError naming the problem (nothing is changed)."""
+        max_tokens = self._validate(request_id, prompt_token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            hash_extra=namespace_extra(self.model_name, cache_namespace),
+        )
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self.texts[request_id] = OutputText(self.tokenizer, params)
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.finish(FinishReason.ABORT)
+        return self._release(request, self._delta(request, [], []))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        output = self.scheduler.schedule()
+        if not output.scheduled:
+            return []
+        sampled = self.runner.execute(output.scheduled)
+        self.scheduler.finish_step(output, self.requests)
+        return [self._update(token) for token in sampled]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_pages=self.block_manager.num_free_pages,
+            num_pages=self.block_manager.num_usable_pages,
+            kv_usage=self.block_manager.usage,
+            num_computed_tokens=self.runner.num_computed_tokens,
+            num_prompt_tokens=self.scheduler.num_admitted_prompt_tokens,
+            num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def _update(self, sampled: SampledToken) -> RequestDelta:
+        request = self.requests[sampled.request_id]
+        token = sampled.token_id
+        request.output_token_ids.append(token)
+        logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
+        request.logprobs.extend(logprobs)
+        params = request.params
+
+        text = self.texts.get(request.request_id)
+        stop_string = text.append([token]) if text is not None else None
+        if token in params.stop_token_ids:
+            request.finish(FinishReason.STOP, token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            request.finish(FinishReason.STOP)
+        elif stop_string is not None:
+            request.finish(FinishReason.STOP, stop_string)
+        elif len(request.output_token_ids) >= request.max_tokens:
+            request.finish(FinishReason.LENGTH)
+
+        delta = self._delta(request, [token], logprobs)
+        return self._release(request, delta) if request.is_finished else delta
+
+    def _delta(self, request: Request, token_ids: list[int], logprobs: list) -> RequestDelta:
+        text = self.texts.get(request.request_id)
+        if text is not None and request.is_finished:
+            text.finish()
+        return RequestDelta(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            text=text.take_delta() if text is not None else None,
+            logprobs=logprobs,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _release(self, request: Request, delta: RequestDelta) -> RequestDelta:
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        self.texts.pop(request.request_id, None)
+        return delta
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
+        """The request's effective max_tokens, after checking everything the engine can check."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise InvalidRequestError(f"the engine runs one sequence per request; fan out n={params.n} before it")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt has {len(bad)} token ids outside the vocabulary [0, {vocab}), e.g. {bad[:3]}"
+            )
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must lie in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model was loaded without one")
+        room = self.max_model_len - len(prompt)
+        if room <= 0:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; the context window is {self.max_model_len} tokens"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"context window of {self.max_model_len} tokens"
+            )
+        pages = self.block_manager.pages_needed(len(prompt) + max_tokens)
+        if pages > self.block_manager.num_usable_pages:
+            raise InvalidRequestError(
+                f"request needs {pages} KV pages at full length; the cache has {self.block_manager.num_usable_pages}"
+            )
+        return max_tokens

@@ -1,0 +1,25 @@
+"""The paged KV cache tensors of one engine."""
+
+import torch
+
+from workers.engine.config import ModelConfig
+
+
+class KVCache:
+    """Per-layer key and value page tensors: [num_pages, page_size, kv_heads, head_dim]."""
+
+    def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+        # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs).
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+        self.num_pages = num_pages
+        self.page_size = page_size
+
+    @staticmethod
+    def pages_for_bytes(config: ModelConfig, *, num_bytes: int, page_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        per_page = 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
+        return max(num_bytes // per_page, 2)

@@ -1,0 +1,147 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+import itertools
+import os
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.errors import InvalidRequestError
+from workers.engine.model_loader import ModelSource, load_model
+from workers.engine.outputs import CompletionOutput, RequestOutput
+from workers.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    """Generate from many prompts at once with continuous batching.
+
+    `model` is a packaged model name ("smollm2-135m-instruct"), a Hugging Face directory, or a
+    config (dict or JSON path) for a random-weight model built from `seed`. String prompts are
+    tokenized with special tokens recognized, since the offline caller writes the whole prompt;
+    the serving path (recipe) never lets user text become a special token.
+    """
+
+    def __init__(
+        self,
+        model: ModelSource,
+        *,
+        tokenizer: str | os.PathLike | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+        dtype: str | torch.dtype | None = None,
+        attention_backend: str | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_bytes: int = 1 << 30,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        config = EngineConfig(
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            page_size=page_size,
+            num_pages=num_pages,
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
+        loaded = load_model(
+            model,
+            device=torch.device(device),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            tokenizer=tokenizer,
+        )
+        self.engine = LLMEngine(loaded, config)
+        self.tokenizer = loaded.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_namespace: str = "",
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Invalid input raises before any work starts."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidRequestError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+
+        results: list[RequestOutput] = []
+        slots: dict[str, CompletionOutput] = {}
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                token_ids = self._tokenize(prompt)
+                result = RequestOutput(request_id=str(next(self._ids)), prompt_token_ids=token_ids, outputs=[])
+                for index in range(params.n):
+                    sub_id = f"{result.request_id}-{index}"
+                    seed = None if params.seed is None else params.seed + index
+                    self.engine.add_request(
+                        sub_id, token_ids, msgspec.structs.replace(params, n=1, seed=seed), cache_namespace=cache_namespace
+                    )
+                    completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
+                    if self.tokenizer is not None:
+                        completion.text = ""
+                    result.outputs.append(completion)
+                    slots[sub_id] = completion
+                results.append(result)
+        except Exception:
+            for sub_id in slots:
+                self.engine.abort_request(sub_id)
+            raise
+
+        by_id = {r.request_id: r for r in results}
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                completion = slots[delta.request_id]
+                completion.token_ids.extend(delta.token_ids)
+                if delta.text is not None:
+                    completion.text += delta.text
+                if completion.logprobs is not None:
+                    completion.logprobs.extend(delta.logprobs)
+                if delta.finished:
+                    completion.finish_reason = delta.finish_reason
+                    completion.stop_reason = delta.stop_reason
+                by_id[delta.request_id.rsplit("-", 1)[0]].num_cached_tokens = delta.num_cached_tokens
+        return results
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer; pass token ids or load one with tokenizer=")
+            return self.tokenizer.encode(prompt, allow_special=True)
+        return list(prompt)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # a single prompt given as token ids
+    for prompt in prompts:
+        if not isinstance(prompt, str | list | tuple):
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    return [p if isinstance(p, str) else list(p) for p in prompts]

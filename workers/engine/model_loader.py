@@ -1,0 +1,83 @@
+"""Builds a ready model (and its tokenizer) from a model name, a directory, or a bare config."""
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipe.tokenizer import Tokenizer
+from workers.engine.config import ModelConfig
+from workers.engine.errors import ModelLoadError
+from workers.engine.models.llama import DecoderForCausalLM
+from workers.engine.weights import load_weights, resolve_model
+
+log = logging.getLogger(__name__)
+
+ModelSource = str | os.PathLike | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: DecoderForCausalLM
+    tokenizer: Tokenizer | None
+    max_model_len: int
+
+
+def load_model(
+    source: ModelSource,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    seed: int,
+    max_model_len: int | None,
+    tokenizer: str | os.PathLike | None = None,
+) -> LoadedModel:
+    """A model from a packaged name or HF directory (its weights), or from a config (random weights).
+
+    A config is a dict, a path to a JSON file, or a directory holding only config.json; its
+    weights are drawn from `seed`, which is how tests and GPU benchmarks build models offline.
+    """
+    files = None
+    if isinstance(source, dict):
+        name, hf_config = str(source.get("_name_or_path") or "random"), source
+    elif Path(source).is_file():
+        name, hf_config = Path(source).stem, _read_json(Path(source))
+    else:
+        files = resolve_model(source)
+        name, hf_config = files.name, files.config
+
+    config = ModelConfig.from_hf_config(hf_config)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    length = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    with torch.device(device):
+        model = DecoderForCausalLM(config, max_positions=length)
+    if files is not None and files.weight_files:
+        model.load_weights(load_weights(files))
+    else:
+        log.warning("model %s has no weights: using random weights (seed %d)", name, seed)
+        model.init_random_weights(seed)
+    # Parameters only: the rotary tables stay float32, as HF computes angles in float32.
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    model.eval()
+
+    if tokenizer is not None:
+        loaded_tokenizer = Tokenizer.from_model_files(resolve_model(tokenizer))
+    elif files is not None and files.tokenizer_file is not None:
+        loaded_tokenizer = Tokenizer.from_model_files(files)
+    else:
+        loaded_tokenizer = None
+    return LoadedModel(name=name, config=config, model=model, tokenizer=loaded_tokenizer, max_model_len=length)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"cannot read model config {path}: {error}") from None

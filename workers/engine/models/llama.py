@@ -1,0 +1,209 @@
+"""The Llama / Qwen2 / Qwen3 decoder family over paged KV.
+
+One module serves the three families: Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm of
+queries and keys; either may window some layers. Projections that read the same input are fused
+(q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
+"""
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionMetadata, PagedAttention, write_kv
+from workers.engine.config import ModelConfig
+from workers.engine.errors import ModelLoadError
+from workers.engine.layers.norm import RMSNorm
+from workers.engine.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.window = window
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        attend: PagedAttention,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = attend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        attend: PagedAttention,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), positions, rotary, kv_cache, metadata, attend
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, window) for window in config.layer_windows)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        metadata: AttentionMetadata,
+        attend: PagedAttention,
+    ) -> torch.Tensor:
+        """Final hidden states ([tokens, hidden]) of the step's flattened tokens."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.rotary, kv_cache, metadata, attend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def init_random_weights(self, seed: int) -> None:
+        """Normal(0, initializer_range) matrices and unit norms, as HF initializes, reproducibly."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    values = torch.randn(param.shape, generator=generator) * self.config.initializer_range
+                    param.copy_(values.to(param.dtype))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the fused layout; every parameter must be covered."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_hf_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, offset = target
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model")
+            param = params[name]
+            rows = param.data[offset : offset + tensor.shape[0]] if offset is not None else param.data
+            if rows.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
+                )
+            with torch.no_grad():
+                rows.copy_(tensor.to(param.dtype))
+            loaded.add(hf_name)
+        expected = _expected_hf_names(self.config)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """Our parameter name and row offset for an HF tensor name; None for tensors we do not use."""
+    name = hf_name.removeprefix("model.")
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None
+    if ".rotary_emb." in name:
+        return None
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    fused = {
+        "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
+        "self_attn.k_proj.": ("self_attn.qkv_proj.", q_size),
+        "self_attn.v_proj.": ("self_attn.qkv_proj.", q_size + kv_size),
+        "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
+    }
+    for part, (replacement, offset) in fused.items():
+        if part in name:
+            return name.replace(part, replacement), offset
+    return name, None
+
+
+def _expected_hf_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    if config.attention_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    for i in range(config.num_layers):
+        names.update(f"model.layers.{i}.{p}" for p in per_layer)
+    return names

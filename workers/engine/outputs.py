@@ -1,0 +1,64 @@
+"""What the engine hands back: per-step deltas (for streaming) and whole results (offline API)."""
+
+from dataclasses import dataclass, field
+
+from workers.engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one engine step added to one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None  # None when the engine has no tokenizer
+    logprobs: list[TokenLogprobs]  # one per new token when the request asked for logprobs
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One prompt's result: its completions (one per `n`), and how much of the prompt was cached."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    # The first completion's fields, for the common n == 1 case.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs

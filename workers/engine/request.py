@@ -1,0 +1,83 @@
+"""A request's state inside the engine: tokens, progress, pages."""
+
+import enum
+from dataclasses import dataclass, field
+
+from workers.block_hash import BlockHash
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampler import TokenLogprobs
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated.
+
+    There is no separate prefill/decode state: `num_computed_tokens` catches up with `num_tokens`
+    step by step; a step that reaches the end samples one more token. A preempted request simply
+    restarts from zero computed tokens, keeping its output, and its prefix pages are usually
+    still cached.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    # Folded into every page hash: separates models and tenants' cache namespaces.
+    hash_extra: bytes
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at the request's first admission.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    pages: list[int] = field(default_factory=list)
+    # Hashes of the request's full pages, in order; the chain continues from the last.
+    page_hashes: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : stop - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: forget the pages; the tokens (output included) are computed again."""
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.pages = []
+        self.page_hashes = []
+        self.num_preemptions += 1

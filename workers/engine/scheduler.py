@@ -1,0 +1,137 @@
+"""Continuous batching with chunked prefill, prefix hits and preemption by recompute.
+
+Each step the scheduler decides how many tokens every request computes, within a token budget:
+running requests first, in arrival order (a decode costs one token, an unfinished prefill
+continues with the next chunk), then waiting requests, whose cached prefix pages are attached
+first. When pages run out, the most recently admitted running request is preempted: its pages
+are freed and it goes back to the front of the queue to be recomputed later. The scheduler moves
+request objects and lists of ints; it never touches tensors.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.request import Request, RequestStatus
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: what the model runner needs and nothing else."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_position: int  # position of token_ids[0] (= tokens already computed)
+    block_table: list[int]  # the request's pages, in order
+    sample: bool  # this step reaches the last known token: sample the next one
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_admitted_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0  # of the admitted prompt tokens, those hit in the prefix cache
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        plan: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, count, preempted):
+                plan.append((request, count))
+                budget -= count
+                index += 1
+
+        # Admitting while preempting would only evict what was just admitted.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            cached_tokens = len(cached[0]) * self.block_manager.page_size
+            count = min(request.num_tokens - cached_tokens, budget)
+            if not self.block_manager.allocate(request, count, cached):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = cached_tokens
+                self.num_admitted_prompt_tokens += len(request.prompt_token_ids)
+                self.num_cached_prompt_tokens += cached_tokens
+            request.num_computed_tokens = cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.append((request, count))
+            budget -= count
+
+        return SchedulerOutput(scheduled=[self._describe(r, n) for r, n in plan], preempted=preempted)
+
+    def _allocate_or_preempt(self, request: Request, count: int, preempted: list[str]) -> bool:
+        """Allocate for `request`, preempting from the back of the running list until it fits.
+
+        False when `request` itself had to be preempted.
+        """
+        while not self.block_manager.allocate(request, count):
+            victim = self.running.pop()
+            self.block_manager.free(victim)
+            victim.reset_for_recompute()
+            self.waiting.appendleft(victim)
+            preempted.append(victim.request_id)
+            self.num_preemptions += 1
+            if victim is request:
+                return False
+        return True
+
+    def _describe(self, request: Request, count: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, start + count),
+            start_position=start,
+            block_table=request.pages,
+            sample=start + count == request.num_tokens,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def finish_step(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Advance computed-token counts and key the pages that became full."""
+        for scheduled in output.scheduled:
+            request = requests[scheduled.request_id]
+            request.num_computed_tokens += len(scheduled.token_ids)
+            self.block_manager.cache_full_pages(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and free its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
