@@ -47,19 +47,29 @@ def main() -> None:
         )
         rows = []
         for batch_size in batch_sizes:
-            prompts = torch.randint(0, vocab_size, (batch_size, args.prompt_len), generator=torch.Generator().manual_seed(batch_size))
+            prompts = torch.randint(
+                0, vocab_size, (batch_size, args.prompt_len), generator=torch.Generator().manual_seed(batch_size)
+            )
             runners: dict[str, Callable[[int], None]] = {"sluice": _ours(llm, prompts)}
             for peer in args.peers.split(","):
                 if peer:
                     runners[peer] = _hf(hf_model, prompts.to(device), static=peer == "hf_static")
             for name, run in runners.items():
-                rows.append({"batch_size": batch_size, "engine": name, **_measure(run, device, args.new_tokens, batch_size, args.prompt_len)})
+                rows.append(
+                    {
+                        "batch_size": batch_size,
+                        "engine": name,
+                        **_measure(run, device, args.new_tokens, batch_size, args.prompt_len),
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True, file=sys.stderr)
     print(
         json.dumps(
             {
                 "benchmark": "engine_throughput",
-                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                "device": torch.cuda.get_device_name(device)
+                if device.type == "cuda"
+                else platform.processor() or "cpu",
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(),
                 "dtype": str(dtype).removeprefix("torch."),
@@ -74,7 +84,9 @@ def main() -> None:
     )
 
 
-def _measure(run: Callable[[int], None], device: torch.device, new_tokens: int, batch_size: int, prompt_len: int) -> dict:
+def _measure(
+    run: Callable[[int], None], device: torch.device, new_tokens: int, batch_size: int, prompt_len: int
+) -> dict:
     run(2)  # warm-up: allocator, kernels, lazy initialisation
     prefill = _timed(lambda: run(1), device)
     full = _timed(lambda: run(new_tokens), device)
@@ -169,7 +181,9 @@ def _default_dtype(device: torch.device) -> str:
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M config, random weights (no download)")
+    parser.add_argument(
+        "--random-weights", action="store_true", help="SmolLM2-135M config, random weights (no download)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-sizes", default="1,4,16")

@@ -57,9 +57,7 @@ TEMPLATES = [
 
 if "DATABASE_URL" not in os.environ:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
-DATABASES = {
-    "default": parse_database_url(os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'sluice.sqlite3'}"))
-}
+DATABASES = {"default": parse_database_url(os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'sluice.sqlite3'}"))}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True

@@ -75,8 +75,8 @@ def test_frequency_presence_penalties_follow_openai(rng: np.random.Generator) ->
 
     penalised = sampling.apply_frequency_presence_penalties(logits, counts, frequency, presence)
 
-    expected = logits.numpy() - frequency.numpy()[:, None] * counts.numpy() - presence.numpy()[:, None] * (
-        counts.numpy() > 0
+    expected = (
+        logits.numpy() - frequency.numpy()[:, None] * counts.numpy() - presence.numpy()[:, None] * (counts.numpy() > 0)
     )
     np.testing.assert_allclose(penalised.numpy(), expected, rtol=1e-6, atol=1e-6)
 

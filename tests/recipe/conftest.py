@@ -6,8 +6,6 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-# workers.engine's package imports the engine, which imports recipe.tokenizer: import it first.
-from workers.engine.weights import ModelFiles, resolve_model
 from recipe.tokenizer import Tokenizer
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -47,14 +45,3 @@ def make_tiny_tokenizer(
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> Tokenizer:
     return make_tiny_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def smollm2_files() -> ModelFiles:
-    """The real model, converted once into the default cache ($SLUICE_CACHE_DIR or ~/.cache/sluice)."""
-    return resolve_model("smollm2-135m-instruct", progress=False)
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_files: ModelFiles) -> Tokenizer:
-    return Tokenizer.from_model_files(smollm2_files)

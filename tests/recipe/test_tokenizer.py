@@ -157,17 +157,6 @@ def test_chat_template_may_live_in_its_own_file(tmp_path: Path) -> None:
     assert Tokenizer.from_model_files(inline).chat_template == "{{ 'inline' }}"
 
 
-@pytest.fixture(scope="module")
-def transformers_gguf_tokenizer():
-    """transformers' tokenizer built from the packaged GGUF's metadata by its own converter (~7 s)."""
-    from transformers import AutoTokenizer
-
-    from workers.engine.weights.registry import find_packaged_model
-
-    gguf_path = find_packaged_model("smollm2-135m-instruct").gguf_path()
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("text", DIGIT_FREE_TEXTS)
 def test_smollm2_matches_transformers_on_digit_free_text(

@@ -19,7 +19,17 @@ _EXPORTS = {
     "UnknownModelError": "workers.engine.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "RequestDelta",
+    "RequestOutput",
+    "SamplingParams",
+    "UnknownModelError",
+]
 
 if TYPE_CHECKING:
     from workers.engine.errors import EngineError, InvalidRequestError, ModelLoadError, UnknownModelError

@@ -64,7 +64,9 @@ class BlockManager:
             pages.append(page)
         return pages, keys[: len(pages)]
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: tuple[list[int], list[BlockHash]] = ([], [])) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached: tuple[list[int], list[BlockHash]] = ([], [])
+    ) -> bool:
         """Give the request pages for `num_new_tokens` more tokens, first attaching `cached` pages.
 
         All or nothing: False (nothing changed) when there are not enough free pages, which the

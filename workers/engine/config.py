@@ -92,8 +92,7 @@ class ModelConfig:
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
-                f"num_attention_heads ({self.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_kv_heads})"
+                f"num_attention_heads ({self.num_heads}) is not a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")

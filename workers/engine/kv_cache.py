@@ -8,7 +8,9 @@ from workers.engine.config import ModelConfig
 class KVCache:
     """Per-layer key and value page tensors: [num_pages, page_size, kv_heads, head_dim]."""
 
-    def __init__(self, config: ModelConfig, *, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, config: ModelConfig, *, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+    ):
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
         # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs).
         self.layers = [

@@ -99,7 +99,10 @@ class LLM:
                     sub_id = f"{result.request_id}-{index}"
                     seed = None if params.seed is None else params.seed + index
                     self.engine.add_request(
-                        sub_id, token_ids, msgspec.structs.replace(params, n=1, seed=seed), cache_namespace=cache_namespace
+                        sub_id,
+                        token_ids,
+                        msgspec.structs.replace(params, n=1, seed=seed),
+                        cache_namespace=cache_namespace,
                     )
                     completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
                     if self.tokenizer is not None:

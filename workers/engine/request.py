@@ -4,8 +4,8 @@ import enum
 from dataclasses import dataclass, field
 
 from workers.block_hash import BlockHash
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sampler import TokenLogprobs
+from workers.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

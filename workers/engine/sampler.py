@@ -142,9 +142,7 @@ def _process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         processed = sampling.add_logit_bias(processed, *_flat_logit_bias(batch.params, biased, vocab_size, device))
     repeated = [row for row, p in enumerate(batch.params) if p.repetition_penalty != 1]
     if repeated:
-        seen_tokens = [
-            itertools.chain(batch.prompt_token_ids[row], batch.output_token_ids[row]) for row in repeated
-        ]
+        seen_tokens = [itertools.chain(batch.prompt_token_ids[row], batch.output_token_ids[row]) for row in repeated]
         seen = _token_counts(seen_tokens, vocab_size, device) > 0
         penalty = _per_row([batch.params[row].repetition_penalty for row in repeated], device)
         processed = _update_rows(
@@ -163,9 +161,7 @@ def _process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return processed
 
 
-def _update_rows(
-    logits: torch.Tensor, rows: list[int], op: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
+def _update_rows(logits: torch.Tensor, rows: list[int], op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     index = torch.tensor(rows, device=logits.device)
     return logits.index_copy(0, index, op(logits.index_select(0, index)))
 
@@ -195,9 +191,7 @@ def _token_counts(rows: Sequence[Iterable[int]], vocab_size: int, device: torch.
             f"token ids must be in [0, {vocab_size}), got [{int(token_ids.min())}, {int(token_ids.max())}]"
         )
     row_ids = torch.repeat_interleave(torch.arange(len(per_row)), torch.tensor([len(t) for t in per_row]))
-    return sampling.token_counts(
-        row_ids.to(device), token_ids.to(device), num_rows=len(per_row), vocab_size=vocab_size
-    )
+    return sampling.token_counts(row_ids.to(device), token_ids.to(device), num_rows=len(per_row), vocab_size=vocab_size)
 
 
 def _per_row(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

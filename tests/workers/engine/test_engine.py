@@ -78,7 +78,9 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(llm):
     others = prompts_of_lengths([5, 60, 33], seed=9)
     batch = llm.generate(others + [prompt], [SamplingParams(temperature=1.0, max_tokens=24)] * 3 + [params])
     assert batch[3].token_ids == first
-    other_seed = llm.generate([prompt], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=99, ignore_eos=True))
+    other_seed = llm.generate(
+        [prompt], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=99, ignore_eos=True)
+    )
     assert other_seed[0].token_ids != first
 
 

@@ -45,6 +45,11 @@ def test_greedy_generation_matches_hf_generate(hf_model, tmp_path):
     for prompt, result in zip(prompts, ours):
         with torch.no_grad():
             reference = hf_model.generate(
-                torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=30,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert result.token_ids == reference

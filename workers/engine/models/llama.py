@@ -90,9 +90,7 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         attend: PagedAttention,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, rotary, kv_cache, metadata, attend
-        )
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, metadata, attend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -104,7 +102,9 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, window) for window in config.layer_windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     def forward(
         self,

@@ -10,7 +10,6 @@ import pytest
 from gguf.quants import dequantize, quantize
 from tokenizers import pre_tokenizers
 
-from workers.engine.weights import ModelFiles, resolve_model
 from workers.engine.weights.gguf_convert import convert_gguf
 
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 64, 4, 2, 96, 2
@@ -131,9 +130,3 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: TinyGguf) -
     directory = tmp_path_factory.mktemp("tiny-llama")
     convert_gguf(tiny_gguf.path, directory, progress=False)
     return directory
-
-
-@pytest.fixture(scope="session")
-def smollm2_files() -> ModelFiles:
-    """The real model, converted once into the default cache ($SLUICE_CACHE_DIR or ~/.cache/sluice)."""
-    return resolve_model("smollm2-135m-instruct", progress=False)

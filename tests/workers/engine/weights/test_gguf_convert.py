@@ -123,18 +123,6 @@ def test_tensor_without_hf_counterpart_is_named(tiny_gguf_factory: Callable[...,
         convert_gguf(variant.path, tmp_path, progress=False)
 
 
-@pytest.fixture(scope="module")
-def transformers_smollm2() -> torch.nn.Module:
-    """transformers' own GGUF loader on the packaged file (about 20-35 s): dequantizes and un-permutes
-    independently of our converter."""
-    from transformers import AutoModelForCausalLM
-
-    from workers.engine.weights.registry import find_packaged_model
-
-    gguf_path = find_packaged_model("smollm2-135m-instruct").gguf_path()
-    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-
-
 @pytest.mark.slow
 def test_smollm2_weights_equal_transformers_gguf_loading(
     smollm2_files: ModelFiles, transformers_smollm2: torch.nn.Module
