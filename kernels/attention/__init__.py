@@ -1,5 +1,6 @@
 """Paged attention backends. Each takes (query, k_cache, v_cache, metadata, scale=, window=)."""
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,9 @@ BACKENDS: dict[str, PagedAttention] = {
 
 
 def default_backend(device: torch.device) -> str:
-    # The blockwise reference is batch-invariant on the CPU; on CUDA the fused SDPA kernels win.
+    """Fused SDPA on CUDA. On the CPU the blockwise reference: batch-invariant by construction and,
+    with its 128-key blocks, faster than SDPA padded to its 512-key split for the short contexts a
+    CPU serves."""
     return "torch_sdpa" if device.type == "cuda" else "torch_blockwise"
 
 
@@ -27,12 +30,53 @@ def get_backend(name: str) -> PagedAttention:
     return BACKENDS[name]
 
 
+@functools.cache
+def sdpa_is_batch_invariant() -> bool:
+    """Whether the SDPA backend gives bitwise-equal rows alone, batched, decoded and prefilled,
+    with and without a window, on this torch build (it relies on the CPU kernel's key split)."""
+    return all(
+        batch_invariant(paged_attention_sdpa, window=window, seed=seed) for window in (None, 37) for seed in (0, 1)
+    )
+
+
+def batch_invariant(attend: PagedAttention, *, window: int | None, seed: int) -> bool:
+    """One 700-token sequence's rows computed as a one-shot prefill, as a chunk, as a lone decode and
+    as a decode among longer and shorter sequences: are they bitwise equal?"""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, heads, head_dim, page, length = 2, 6, 16, 16, 700
+    pages = -(-length // page)
+    k_cache = torch.randn(kv_heads, 4 * pages + 1, page, head_dim, generator=generator)
+    v_cache = torch.randn_like(k_cache).uniform_(-1, 1, generator=generator)
+    query = torch.randn(length, heads, head_dim, generator=generator)
+    table = list(range(1, pages + 1))
+
+    def run(query_lens: list[int], seq_lens: list[int], tables: list[list[int]], rows: torch.Tensor) -> torch.Tensor:
+        metadata = AttentionMetadata.build(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=[0] * sum(query_lens),
+            device=torch.device("cpu"),
+        )
+        return attend(rows, k_cache, v_cache, metadata, scale=0.25, window=window)
+
+    full = run([length], [length], [table], query)
+    chunk = run([40], [530], [table], query[490:530])
+    alone = run([1], [600], [table], query[599:600])
+    others = [list(range(pages + 1, 2 * pages + 1)), list(range(2 * pages + 1, 3 * pages + 1))]
+    mixed_rows = torch.cat([query[10:11], query[599:600], query[20:21]])
+    mixed = run([1, 1, 1], [length, 600, 9], [others[0], table, others[1]], mixed_rows)
+    return torch.equal(chunk, full[490:530]) and torch.equal(alone[0], full[599]) and torch.equal(mixed[1], full[599])
+
+
 __all__ = [
     "BACKENDS",
     "NULL_PAGE",
     "AttentionMetadata",
     "PagedAttention",
+    "batch_invariant",
     "default_backend",
     "get_backend",
+    "sdpa_is_batch_invariant",
     "write_kv",
 ]

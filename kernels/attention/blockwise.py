@@ -1,28 +1,27 @@
-"""Paged attention in plain torch with online softmax over fixed key blocks: the reference backend.
+"""Paged attention in plain torch over fixed key blocks: the reference backend, batch-invariant.
 
-It is also batch-invariant on the CPU: a query row's output is bitwise the same whatever else is
-in the batch, however its prompt was chunked, and whether its token came from prefill or decode.
-Three choices make that so:
-- keys are visited in blocks of a fixed KEY_BLOCK from position 0, each padded to the full block,
-  so every matmul a row takes part in has the same reduction length;
-- a block a row may not see is a no-op (exp(-inf) = 0 exactly, alpha = 1), so extra blocks that
-  other sequences need change nothing;
-- each per-KV-head query matrix has at least MIN_ROWS rows, past the size under which the CPU
-  BLAS switches kernels (and rounding) for small matrices.
+A query row's output is bitwise the same whatever else is in the batch, however its prompt was
+chunked, and whether its token came from prefill or decode. Keys are cut into blocks of a fixed
+KEY_BLOCK from position 0 (the last padded and masked), and every reduction has a shape that does
+not depend on the batch:
+- scores and block-wise softmax numerators are batched matmuls whose reduction lengths are fixed
+  (head_dim, KEY_BLOCK) and whose matrices have at least `min_invariant_rows()` rows (see
+  row_layout), past the size under which the CPU BLAS switches kernels for small matrices;
+- the row maximum is exact in any order;
+- the blocks' partial sums are added one after another (cumsum), so all-masked blocks that only
+  other sequences need, before or after a row's keys, add exact zeros.
+Everything runs as a fixed number of batched ops however many blocks there are. Long queries are
+attended in row chunks to bound memory; rows are independent, so chunking changes no bit.
 """
 
 import torch
 
-from kernels.attention.metadata import (
-    AttentionMetadata,
-    SequenceGroup,
-    check_paged_inputs,
-    gather_pages,
-    visible_keys,
-)
+from kernels.attention.metadata import AttentionMetadata, SequenceGroup, check_paged_inputs, gather_pages, visible_keys
+from kernels.attention.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
+from kernels.batch_invariance import min_invariant_rows
 
-KEY_BLOCK = 256
-MIN_ROWS = 16
+KEY_BLOCK = 64
+ROW_CHUNK = 1024
 
 
 def paged_attention_blockwise(
@@ -36,61 +35,55 @@ def paged_attention_blockwise(
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached keys: [tokens, heads, head_dim]."""
     check_paged_inputs(query, k_cache, v_cache, metadata)
-    if KEY_BLOCK % k_cache.shape[1]:
-        raise ValueError(f"page size {k_cache.shape[1]} must divide the key block {KEY_BLOCK}")
+    if KEY_BLOCK % k_cache.shape[2]:
+        raise ValueError(f"page size {k_cache.shape[2]} must divide the key block {KEY_BLOCK}")
+    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    min_rows = min_invariant_rows() if query.device.type == "cpu" else 1
     out = torch.zeros_like(query)
     for group in metadata.groups:
-        _attend_group(query, out, k_cache, v_cache, group, scale, window)
+        layout = row_layout(group, per_kv=query.shape[1] // kv_heads, min_rows=min_rows, key_multiple=KEY_BLOCK)
+        n, blocks = len(group.seqs), layout.num_keys // KEY_BLOCK
+        q = gather_rows(query, group, layout).mul_(scale).unsqueeze(2)  # [kv, n, 1, rows, d]
+        keys = gather_pages(k_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, head_dim)
+        values = gather_pages(v_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, head_dim)
+        hidden = _hidden_keys(group, layout, window)
+        result = torch.cat(
+            [
+                _attend_rows(q[..., rows, :], keys, values, hidden[..., rows, :])
+                for rows in _row_chunks(layout.rows, min_rows)
+            ],
+            dim=2,
+        )
+        scatter_rows(out, result, group, layout)
     return out
 
 
-def _attend_group(
-    query: torch.Tensor,
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: SequenceGroup,
-    scale: float,
-    window: int | None,
-) -> None:
-    n, width = group.token_index.shape
-    heads, head_dim = query.shape[1], query.shape[2]
-    kv_heads = k_cache.shape[2]
-    per_kv = heads // kv_heads
-    rows = max(width * per_kv, MIN_ROWS)
+def _attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """q [kv, n, 1, r, d] over keys/values [kv, n, blocks, KEY_BLOCK, d] → [kv, n, r, d]."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))  # [kv, n, b, r, K]
+    row_max = scores.amax(dim=(2, 4), keepdim=True)
+    # A row that sees no key (padding) has max -inf; shifting by 0 keeps exp() at 0 instead of NaN.
+    probs = torch.exp(scores - row_max.masked_fill(row_max == float("-inf"), 0.0))
+    partial_sums = probs.sum(dim=-1, keepdim=True)  # [kv, n, b, r, 1]
+    partial_outputs = torch.matmul(probs, values)  # [kv, n, b, r, d]
+    # cumsum adds the blocks in order, one at a time: the last entry is their sequential sum.
+    return partial_outputs.cumsum(dim=2)[:, :, -1] / partial_sums.cumsum(dim=2)[:, :, -1]
 
-    # A KV head's query matrix has one row per (token, head sharing that KV head), token-major.
-    q = query[group.token_index].view(n, width, kv_heads, per_kv, head_dim)
-    q = q.permute(0, 2, 1, 3, 4).reshape(n, kv_heads, width * per_kv, head_dim)
-    row_pos = group.positions.repeat_interleave(per_kv, dim=1)
-    if rows > width * per_kv:
-        q = torch.cat([q, q.new_zeros(n, kv_heads, rows - width * per_kv, head_dim)], dim=2)
-        row_pos = torch.cat([row_pos, row_pos.new_full((n, rows - width * per_kv), -1)], dim=1)
-    row_pos = row_pos.unsqueeze(1)  # broadcast over kv heads
 
-    num_keys = -(-group.max_seq_len // KEY_BLOCK) * KEY_BLOCK
-    # Blocks wholly before every row's window are no-ops; skipping them changes no bit.
-    first = 0 if window is None else max(group.min_context_start - window + 1, 0) // KEY_BLOCK * KEY_BLOCK
-    keys = gather_pages(k_cache, group.block_tables, num_keys)
-    values = gather_pages(v_cache, group.block_tables, num_keys)
+def _row_chunks(rows: int, min_rows: int) -> list[slice]:
+    starts = list(range(0, rows, ROW_CHUNK))
+    if len(starts) > 1 and rows - starts[-1] < min_rows:
+        starts.pop()  # a last chunk too small to be invariant joins the one before
+    return [slice(start, end) for start, end in zip(starts, starts[1:] + [rows], strict=True)]
 
-    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
-    running_max = torch.full((n, kv_heads, rows, 1), float("-inf"), dtype=q.dtype, device=q.device)
-    denom = torch.zeros_like(running_max)
-    acc = torch.zeros_like(q)
-    for start in range(first, num_keys, KEY_BLOCK):
-        k_pos = torch.arange(start, start + KEY_BLOCK, device=q.device)
-        scores = torch.matmul(q, keys[:, :, start : start + KEY_BLOCK].transpose(-1, -2)) * scale
-        scores = torch.where(visible_keys(row_pos, k_pos, group.seq_lens, window), scores, neg_inf)
-        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-        # A row that has seen no key yet keeps max -inf; shift by 0 so exp() gives 0, not NaN.
-        shift = torch.where(new_max == neg_inf, torch.zeros_like(new_max), new_max)
-        probs = torch.exp(scores - shift)
-        alpha = torch.exp(running_max - shift)
-        denom = denom * alpha + probs.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(probs, values[:, :, start : start + KEY_BLOCK])
-        running_max = new_max
 
-    result = (acc[:, :, : width * per_kv] / denom[:, :, : width * per_kv]).view(n, kv_heads, width, per_kv, head_dim)
-    result = result.permute(0, 2, 1, 3, 4).reshape(n, width, heads, head_dim)
-    out[group.token_index[group.valid]] = result[group.valid]
+def _hidden_keys(group: SequenceGroup, layout: RowLayout, window: int | None) -> torch.Tensor:
+    """[1, n, blocks, rows, KEY_BLOCK] True where a row may not see a key; once per step and window."""
+    cache_key = ("blockwise", layout.rows, window)
+    if cache_key not in group.scratch:
+        key_pos = torch.arange(layout.num_keys, device=layout.row_positions.device)
+        hidden = ~visible_keys(layout.row_positions, key_pos, group.seq_lens, window)  # [n, rows, keys]
+        n, rows = layout.row_positions.shape
+        blocks = layout.num_keys // KEY_BLOCK
+        group.scratch[cache_key] = hidden.view(n, rows, blocks, KEY_BLOCK).transpose(1, 2).unsqueeze(0)
+    return group.scratch[cache_key]

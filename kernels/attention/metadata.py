@@ -1,11 +1,14 @@
 """What an attention kernel needs to know about one step's batch, and helpers shared by backends."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 NULL_PAGE = 0  # page 0 is never handed out: padded block-table entries point at it
 DECODE_QUERY_LEN = 8  # sequences with at most this many new tokens are attended together
+PREFILL_PADDING_RATIO = 1.25  # a longer query groups with others at most this much longer
+PREFILL_GROUP_TOKENS = 4096  # padded query tokens per prefill group, to bound its memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,9 +21,13 @@ class SequenceGroup:
     min_context_start: int  # the earliest query position in the group
     token_index: torch.Tensor  # [n, width] row of each query token in the flattened batch; 0 for padding
     valid: torch.Tensor  # [n, width] bool, False for padding
+    valid_slots: torch.Tensor  # flat indices into [n * width] of the real (non-padding) entries
+    valid_tokens: torch.Tensor  # their rows in the flattened batch, in the same order
     positions: torch.Tensor  # [n, width] absolute position of each query token, -1 for padding
     seq_lens: torch.Tensor  # [n]
     block_tables: torch.Tensor  # [n, max_pages]
+    # Per-step values a backend derives once and reuses in every layer (masks, padded positions).
+    scratch: dict[Any, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +82,26 @@ class AttentionMetadata:
 
 
 def _partition(query_lens: list[int]) -> list[list[int]]:
-    """All short-query sequences together, then each longer one alone.
+    """All short-query sequences together, then longer ones in groups of similar query length.
 
-    Batching decode rows amortizes per-call overhead; attending a long prefill alone keeps it from
-    padding every decode row up to its query length.
+    Batching amortizes per-call overhead; grouping by length keeps padding small, so a long prefill
+    never pads every decode row up to its query length. Which group a sequence lands in never
+    changes its results: backends compute each row independently of the others.
     """
     short = [b for b, q in enumerate(query_lens) if q <= DECODE_QUERY_LEN]
-    long = [[b] for b, q in enumerate(query_lens) if q > DECODE_QUERY_LEN]
-    return ([short] if short else []) + long
+    groups = [short] if short else []
+    long = sorted((b for b, q in enumerate(query_lens) if q > DECODE_QUERY_LEN), key=lambda b: -query_lens[b])
+    for b in long:
+        group = groups[-1] if groups and groups[-1] is not short else None
+        if (
+            group is not None
+            and query_lens[b] * PREFILL_PADDING_RATIO >= query_lens[group[0]]
+            and query_lens[group[0]] * (len(group) + 1) <= PREFILL_GROUP_TOKENS
+        ):
+            group.append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 def _build_group(
@@ -94,13 +113,15 @@ def _build_group(
     device: torch.device,
 ) -> SequenceGroup:
     width = max(query_lens[b] for b in seqs)
-    index, valid, positions = [], [], []
-    for b in seqs:
+    index, valid, positions, valid_slots, valid_tokens = [], [], [], [], []
+    for i, b in enumerate(seqs):
         q, s, start = query_lens[b], seq_lens[b], query_start[b]
         pad = width - q
         index.append(list(range(start, start + q)) + [0] * pad)
         valid.append([True] * q + [False] * pad)
         positions.append(list(range(s - q, s)) + [-1] * pad)
+        valid_slots.extend(range(i * width, i * width + q))
+        valid_tokens.extend(range(start, start + q))
     max_pages = max(len(block_tables[b]) for b in seqs)
     tables = [block_tables[b] + [NULL_PAGE] * (max_pages - len(block_tables[b])) for b in seqs]
     return SequenceGroup(
@@ -110,6 +131,8 @@ def _build_group(
         min_context_start=min(seq_lens[b] - query_lens[b] for b in seqs),
         token_index=torch.tensor(index, dtype=torch.long, device=device),
         valid=torch.tensor(valid, dtype=torch.bool, device=device),
+        valid_slots=torch.tensor(valid_slots, dtype=torch.long, device=device),
+        valid_tokens=torch.tensor(valid_tokens, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         seq_lens=torch.tensor([seq_lens[b] for b in seqs], dtype=torch.long, device=device),
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
@@ -123,12 +146,13 @@ def check_paged_inputs(
         raise ValueError(f"query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
-            f"k/v caches must both be [pages, page_size, kv_heads, head_dim], "
+            f"k/v caches must both be [kv_heads, pages, page_size, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if query.shape[2] != k_cache.shape[3] or query.shape[1] % k_cache.shape[2]:
+    if query.shape[2] != k_cache.shape[3] or query.shape[1] % k_cache.shape[0]:
         raise ValueError(
-            f"query heads/head_dim {tuple(query.shape[1:])} do not fit the cache's {tuple(k_cache.shape[2:])}"
+            f"query heads/head_dim {tuple(query.shape[1:])} do not fit the cache's "
+            f"{k_cache.shape[0]} kv heads of size {k_cache.shape[3]}"
         )
     if query.dtype != k_cache.dtype or query.device != k_cache.device:
         raise ValueError(f"query is {query.dtype} on {query.device}, cache {k_cache.dtype} on {k_cache.device}")
@@ -136,22 +160,29 @@ def check_paged_inputs(
         raise ValueError(f"query has {query.shape[0]} rows for {metadata.num_tokens} scheduled tokens")
 
 
-def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Keys (or values) of each sequence's first `num_keys` slots: [n, kv_heads, num_keys, head_dim].
+def gather_pages(cache: torch.Tensor, group: SequenceGroup, num_keys: int) -> torch.Tensor:
+    """Keys (or values) of each sequence's first `num_keys` slots: [kv_heads, n, num_keys, head_dim].
 
+    Contiguous, so each (kv head, sequence) matrix feeds a batched matmul without another copy.
     `num_keys` must be a multiple of the page size; slots past a sequence's length come from its
     padding pages and must be masked by the caller.
     """
-    _, page_size, kv_heads, head_dim = cache.shape
-    num_pages = num_keys // page_size
-    table = block_tables[:, :num_pages]
-    if table.shape[1] < num_pages:
-        pad = torch.full(
-            (table.shape[0], num_pages - table.shape[1]), NULL_PAGE, dtype=table.dtype, device=table.device
-        )
-        table = torch.cat([table, pad], dim=1)
-    gathered = cache[table]  # [n, num_pages, page_size, kv_heads, head_dim]
-    return gathered.reshape(table.shape[0], num_keys, kv_heads, head_dim).transpose(1, 2)
+    kv_heads, _, page_size, head_dim = cache.shape
+    pages = _flat_page_table(group, num_keys // page_size)
+    gathered = cache.index_select(1, pages)  # [kv_heads, n * num_pages, page_size, head_dim]
+    return gathered.view(kv_heads, len(group.seqs), num_keys, head_dim)
+
+
+def _flat_page_table(group: SequenceGroup, num_pages: int) -> torch.Tensor:
+    """The group's block tables cut or NULL_PAGE-padded to `num_pages`, flattened; once per step."""
+    cache_key = ("pages", num_pages)
+    if cache_key not in group.scratch:
+        table = group.block_tables[:, :num_pages]
+        if table.shape[1] < num_pages:
+            pad = table.new_full((table.shape[0], num_pages - table.shape[1]), NULL_PAGE)
+            table = torch.cat([table, pad], dim=1)
+        group.scratch[cache_key] = table.reshape(-1)
+    return group.scratch[cache_key]
 
 
 def write_kv(
@@ -159,10 +190,11 @@ def write_kv(
 ) -> None:
     """Store the new tokens' keys and values ([tokens, kv_heads, head_dim]) at their cache slots."""
     n = slot_mapping.shape[0]
-    if key.shape[0] < n or key.shape[1:] != k_cache.shape[2:]:
+    kv_heads, _, _, head_dim = k_cache.shape
+    if key.shape[0] < n or key.shape[1:] != (kv_heads, head_dim):
         raise ValueError(f"keys {tuple(key.shape)} do not fit cache {tuple(k_cache.shape)} for {n} slots")
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key[:n])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value[:n])
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key[:n].transpose(0, 1))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value[:n].transpose(0, 1))
 
 
 def visible_keys(

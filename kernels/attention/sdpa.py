@@ -1,18 +1,22 @@
-"""Paged attention through torch's fused scaled_dot_product_attention: the fast torch backend.
+"""Paged attention through torch's fused scaled_dot_product_attention.
 
-Each sequence group's keys are gathered from the pages into a padded batch and attended in one
-call with a boolean mask. Fast on CUDA, where SDPA dispatches to fused kernels; not batch-invariant.
+Each group's keys are gathered from the pages and attended in one call with a boolean mask, the
+query heads of a KV head stacked as rows (see row_layout). On the CPU the call is shaped so that
+torch's flash kernel computes every row the same way whatever the batch: at least
+`min_invariant_rows()` rows per matrix, and keys padded to a multiple of the kernel's fixed key
+split (CPU_KEY_SPLIT), so its online softmax visits the same key blocks from position 0 and a
+block a row cannot see changes nothing. `kernels.attention.sdpa_is_batch_invariant` checks this
+on the running torch before the engine relies on it.
 """
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.metadata import (
-    AttentionMetadata,
-    check_paged_inputs,
-    gather_pages,
-    visible_keys,
-)
+from kernels.attention.metadata import AttentionMetadata, SequenceGroup, check_paged_inputs, gather_pages, visible_keys
+from kernels.attention.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
+from kernels.batch_invariance import min_invariant_rows
+
+CPU_KEY_SPLIT = 512  # torch's CPU flash attention splits keys in blocks of this size
 
 
 def paged_attention_sdpa(
@@ -26,17 +30,34 @@ def paged_attention_sdpa(
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached keys: [tokens, heads, head_dim]."""
     check_paged_inputs(query, k_cache, v_cache, metadata)
-    page_size = k_cache.shape[1]
+    kv_heads, _, page_size, _ = k_cache.shape
+    on_cpu = query.device.type == "cpu"
     out = torch.zeros_like(query)
     for group in metadata.groups:
-        num_keys = -(-group.max_seq_len // page_size) * page_size
-        keys = gather_pages(k_cache, group.block_tables, num_keys)
-        values = gather_pages(v_cache, group.block_tables, num_keys)
-        q = query[group.token_index].transpose(1, 2)  # [n, heads, width, head_dim]
-        k_pos = torch.arange(num_keys, device=query.device)
-        mask = visible_keys(group.positions, k_pos, group.seq_lens, window).unsqueeze(1)
-        # Padding rows see no key; let them see key 0 so no row is all -inf (NaN in some kernels).
-        mask[:, :, :, 0] |= ~group.valid.unsqueeze(1)
-        result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[group.token_index[group.valid]] = result.transpose(1, 2)[group.valid]
+        layout = row_layout(
+            group,
+            per_kv=query.shape[1] // kv_heads,
+            min_rows=min_invariant_rows() if on_cpu else 1,
+            key_multiple=CPU_KEY_SPLIT if on_cpu else page_size,
+        )
+        result = F.scaled_dot_product_attention(
+            gather_rows(query, group, layout),
+            gather_pages(k_cache, group, layout.num_keys),
+            gather_pages(v_cache, group, layout.num_keys),
+            attn_mask=_mask(group, layout, window),
+            scale=scale,
+        )
+        scatter_rows(out, result, group, layout)
     return out
+
+
+def _mask(group: SequenceGroup, layout: RowLayout, window: int | None) -> torch.Tensor:
+    """[1, n, rows, num_keys] visibility, shared by the KV heads; once per step and window."""
+    cache_key = ("sdpa_mask", layout.rows, layout.num_keys, window)
+    if cache_key not in group.scratch:
+        key_pos = torch.arange(layout.num_keys, device=layout.row_positions.device)
+        mask = visible_keys(layout.row_positions, key_pos, group.seq_lens, window)
+        # Padding rows see no key; let them see key 0 so no row is all -inf (NaN in some kernels).
+        mask[:, :, 0] |= layout.row_positions < 0
+        group.scratch[cache_key] = mask.unsqueeze(0)
+    return group.scratch[cache_key]

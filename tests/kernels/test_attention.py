@@ -3,7 +3,15 @@ import random
 import pytest
 import torch
 
-from kernels.attention import BACKENDS, AttentionMetadata, get_backend, write_kv
+from kernels.attention import (
+    BACKENDS,
+    AttentionMetadata,
+    batch_invariant,
+    default_backend,
+    get_backend,
+    sdpa_is_batch_invariant,
+    write_kv,
+)
 
 PAGE = 16
 KV_HEADS, HEADS, HEAD_DIM = 2, 6, 32
@@ -29,7 +37,7 @@ def paged_batch(seqs, seed=0):
     total_pages = 1 + sum(-(-s // PAGE) for _, s in seqs)
     free = list(range(1, total_pages))
     random.Random(seed).shuffle(free)
-    k_cache = torch.zeros(total_pages, PAGE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(KV_HEADS, total_pages, PAGE, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
     tables, slots, queries, full_kv = [], [], [], []
     for q_len, s_len in seqs:
@@ -38,8 +46,8 @@ def paged_batch(seqs, seed=0):
         v = torch.randn(s_len, KV_HEADS, HEAD_DIM, generator=gen)
         # The cached context goes straight into the pages; the new tokens through write_kv below.
         for pos in range(s_len):
-            k_cache[table[pos // PAGE], pos % PAGE] = k[pos]
-            v_cache[table[pos // PAGE], pos % PAGE] = v[pos]
+            k_cache[:, table[pos // PAGE], pos % PAGE] = k[pos]
+            v_cache[:, table[pos // PAGE], pos % PAGE] = v[pos]
         tables.append(table)
         slots += [table[p // PAGE] * PAGE + p % PAGE for p in range(s_len - q_len, s_len)]
         queries.append(torch.randn(q_len, HEADS, HEAD_DIM, generator=gen))
@@ -76,10 +84,11 @@ def test_padding_rows_past_the_batch_are_left_zero():
     assert torch.count_nonzero(out[3:]) == 0
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("window", [None, 9])
-def test_blockwise_is_bitwise_batch_invariant(window):
+def test_cpu_backends_are_bitwise_batch_invariant(backend, window):
     """A sequence's rows are bitwise equal alone, inside a mixed batch, decoded or prefilled."""
-    attend = get_backend("torch_blockwise")
+    attend = get_backend(backend)
     seq = (1, 300)
     alone = paged_batch([seq], seed=3)
     out_alone = attend(alone[0], alone[1], alone[2], alone[3], scale=0.2, window=window)
@@ -91,8 +100,8 @@ def test_blockwise_is_bitwise_batch_invariant(window):
     table_alone = alone[3].groups[0].block_tables[0]
     table_batch = metadata.groups[0].block_tables[1]  # group 0 = short-query sequences (b=1, b=2)
     for page_a, page_b in zip(table_alone.tolist(), table_batch.tolist()):
-        k_cache[page_b] = alone[1][page_a]
-        v_cache[page_b] = alone[2][page_a]
+        k_cache[:, page_b] = alone[1][:, page_a]
+        v_cache[:, page_b] = alone[2][:, page_a]
     row = metadata.query_start[1]
     query[row] = alone[0][0]
     out_batch = attend(query, k_cache, v_cache, metadata, scale=0.2, window=window)
@@ -104,19 +113,19 @@ def test_blockwise_is_bitwise_batch_invariant(window):
     q_prefill[-1] = alone[0][0]
     k_p, v_p = prefill[1], prefill[2]
     for page_a, page_b in zip(table_alone.tolist(), prefill[3].groups[0].block_tables[0].tolist()):
-        k_p[page_b] = alone[1][page_a]
-        v_p[page_b] = alone[2][page_a]
+        k_p[:, page_b] = alone[1][:, page_a]
+        v_p[:, page_b] = alone[2][:, page_a]
     out_prefill = attend(q_prefill, k_p, v_p, prefill[3], scale=0.2, window=window)
     assert torch.equal(out_prefill[-1], out_alone[0])
 
 
 def test_write_kv_stores_at_slots():
-    k_cache = torch.zeros(3, PAGE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(KV_HEADS, 3, PAGE, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
     key = torch.randn(2, KV_HEADS, HEAD_DIM)
     write_kv(k_cache, v_cache, key, -key, torch.tensor([PAGE + 3, 2 * PAGE]))
-    assert torch.equal(k_cache[1, 3], key[0]) and torch.equal(k_cache[2, 0], key[1])
-    assert torch.equal(v_cache[2, 0], -key[1])
+    assert torch.equal(k_cache[:, 1, 3], key[0]) and torch.equal(k_cache[:, 2, 0], key[1])
+    assert torch.equal(v_cache[:, 2, 0], -key[1])
 
 
 def test_shape_checks_name_the_problem():
@@ -131,3 +140,27 @@ def test_shape_checks_name_the_problem():
         AttentionMetadata.build(
             query_lens=[5], seq_lens=[3], block_tables=[[1]], slot_mapping=[0] * 5, device=torch.device("cpu")
         )
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("window", [None, 37])
+def test_startup_probe_passes_for_every_cpu_backend(backend, window):
+    assert batch_invariant(get_backend(backend), window=window, seed=5)
+
+
+def test_sdpa_is_batch_invariant_on_this_torch():
+    assert sdpa_is_batch_invariant()
+
+
+def test_defaults_per_device():
+    assert default_backend(torch.device("cpu")) == "torch_blockwise"
+    assert default_backend(torch.device("cuda")) == "torch_sdpa"
+
+
+def test_the_probe_catches_a_backend_that_is_not_invariant():
+    def chunk_sensitive(query, k_cache, v_cache, metadata, *, scale, window=None):
+        # Rounds differently depending on how many tokens share the call, as an unpadded BLAS would.
+        out = get_backend("torch_blockwise")(query, k_cache, v_cache, metadata, scale=scale, window=window)
+        return out + metadata.num_tokens * 1e-7
+
+    assert not batch_invariant(chunk_sensitive, window=None, seed=0)

@@ -10,6 +10,7 @@ from workers.block_hash import namespace_extra
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.errors import InvalidRequestError
+from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.model_loader import LoadedModel
 from workers.engine.model_runner import ModelRunner, SampledToken
@@ -43,6 +44,8 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.config = config
         device = torch.device(config.device)
+        if device.type == "cpu":
+            reuse_freed_memory()
         dtype = next(loaded.model.parameters()).dtype
         num_pages = config.num_pages or KVCache.pages_for_bytes(
             loaded.config, num_bytes=config.kv_cache_bytes, page_size=config.page_size, dtype=dtype

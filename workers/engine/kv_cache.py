@@ -6,12 +6,15 @@ from workers.engine.config import ModelConfig
 
 
 class KVCache:
-    """Per-layer key and value page tensors: [num_pages, page_size, kv_heads, head_dim]."""
+    """Per-layer key and value page tensors: [kv_heads, num_pages, page_size, head_dim].
+
+    Head-major, so gathering a sequence's pages yields each KV head's keys contiguously.
+    """
 
     def __init__(
         self, config: ModelConfig, *, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
     ):
-        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
         # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs).
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

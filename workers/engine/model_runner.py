@@ -1,8 +1,8 @@
 """Turns a scheduled step into tensors, runs the model over the paged KV cache, samples.
 
 This is the only engine component that builds tensors. On the CPU it pads every matmul's row
-count to at least MIN_CPU_ROWS, past the size at which the BLAS switches kernels for small
-matrices; together with the blockwise attention backend this makes results batch-invariant.
+count to at least `min_invariant_rows()`, past the size at which the BLAS switches kernels for
+small matrices; together with the blockwise attention backend this makes results batch-invariant.
 """
 
 from collections.abc import Sequence
@@ -11,12 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionMetadata, get_backend
+from kernels.batch_invariance import min_invariant_rows
 from workers.engine.kv_cache import KVCache
 from workers.engine.models.llama import DecoderForCausalLM
 from workers.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
 from workers.engine.scheduler import ScheduledRequest
-
-MIN_CPU_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +39,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.attend = get_backend(attention_backend)
         self.device = device
-        self.min_rows = MIN_CPU_ROWS if device.type == "cpu" else 1
+        self.min_rows = min_invariant_rows() if device.type == "cpu" else 1
         self.sampler = Sampler(seed=seed)
         self.num_computed_tokens = 0  # tokens run through the model since start: proves prefix hits skip work
 

@@ -21,7 +21,7 @@ CONVERSATIONS = [
     [{"role": "user", "content": "List the first ten prime numbers, separated by commas."}],
 ]
 RAW_PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Über den Wolken muss die Freiheit wohl grenzenlos sein. Ça, c'est",
 ]
 NEW_TOKENS = 64

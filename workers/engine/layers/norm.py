@@ -1,9 +1,11 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and scaled in the input dtype, as HF Llama does."""
+    """Root-mean-square norm. torch's fused op computes what HF Llama's float32 formula does,
+    bit for bit (checked in tests), in one call instead of seven."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -11,7 +13,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # HF normalizes low-precision inputs in float32 and scales in the input dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)

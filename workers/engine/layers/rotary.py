@@ -27,7 +27,7 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates query/key halves by position (HF's rotate_half layout), from a precomputed table."""
+    """Per-position rotation angles, precomputed; `angles` looks them up once per step for all layers."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -36,13 +36,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, heads, head_dim], k: [T, kv_heads, head_dim]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each position, shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of each head ([T, heads, head_dim]) by position, in HF's rotate_half layout."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin

@@ -15,9 +15,10 @@ from kernels.attention import AttentionMetadata, PagedAttention, write_kv
 from workers.engine.config import ModelConfig
 from workers.engine.errors import ModelLoadError
 from workers.engine.layers.norm import RMSNorm
-from workers.engine.layers.rotary import RotaryEmbedding
+from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+RotaryAngles = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -41,20 +42,19 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        angles: RotaryAngles,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attend: PagedAttention,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, : self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # Queries and keys rotate together: one set of ops instead of two.
+        q, k = apply_rotary(qk, *angles).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = attend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
@@ -84,13 +84,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        angles: RotaryAngles,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attend: PagedAttention,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, metadata, attend)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), angles, kv_cache, metadata, attend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -116,8 +115,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ([tokens, hidden]) of the step's flattened tokens."""
         hidden = self.embed_tokens(input_ids)
+        angles = self.rotary.angles(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, kv_cache, metadata, attend)
+            hidden = layer(hidden, angles, kv_cache, metadata, attend)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
