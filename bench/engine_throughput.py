@@ -5,9 +5,10 @@
         --batch-sizes 1,16,64,256 --prompt-len 512 --new-tokens 128
 
 Every prompt is distinct random tokens (no prefix-cache hits) of the same length (no padding for HF).
-Prefill tokens/s comes from a run that generates one token; decode tokens/s from the extra time a
-full run takes, over the extra tokens: (T_full - T_prefill) / (B * (new_tokens - 1)). Prints one
-JSON object; `ratios` divides ours by each peer.
+One timed run per engine and batch size, after a warm-up: prefill tokens/s is B * prompt_len over
+the time until every request has its first token; decode tokens/s is B * (new_tokens - 1) over the
+time from there to the last token (device synchronised at each timestamp). Prints one JSON object;
+`ratios` divides ours by each peer.
 """
 
 import argparse
@@ -50,18 +51,13 @@ def main() -> None:
             prompts = torch.randint(
                 0, vocab_size, (batch_size, args.prompt_len), generator=torch.Generator().manual_seed(batch_size)
             )
-            runners: dict[str, Callable[[int], None]] = {"sluice": _ours(llm, prompts)}
+            runners: dict[str, Callable[[int], tuple[float, float]]] = {"sluice": _ours(llm, prompts)}
             for peer in args.peers.split(","):
                 if peer:
                     runners[peer] = _hf(hf_model, prompts.to(device), static=peer == "hf_static")
             for name, run in runners.items():
-                rows.append(
-                    {
-                        "batch_size": batch_size,
-                        "engine": name,
-                        **_measure(run, device, args.new_tokens, batch_size, args.prompt_len),
-                    }
-                )
+                measured = _measure(run, args.new_tokens, batch_size, args.prompt_len)
+                rows.append({"batch_size": batch_size, "engine": name, **measured})
                 print(json.dumps(rows[-1]), flush=True, file=sys.stderr)
     print(
         json.dumps(
@@ -84,46 +80,80 @@ def main() -> None:
     )
 
 
-def _measure(
-    run: Callable[[int], None], device: torch.device, new_tokens: int, batch_size: int, prompt_len: int
-) -> dict:
-    run(2)  # warm-up: allocator, kernels, lazy initialisation
-    prefill = _timed(lambda: run(1), device)
-    full = _timed(lambda: run(new_tokens), device)
-    decode_time = max(full - prefill, 1e-9)
+def _measure(run: Callable[[int], tuple[float, float]], new_tokens: int, batch_size: int, prompt_len: int) -> dict:
+    run(2)  # warm-up: allocator, kernels, lazy initialisation, compilation
+    first_token_s, total_s = run(new_tokens)
     return {
-        "prefill_tok_s": round(batch_size * prompt_len / prefill, 1),
-        "decode_tok_s": round(batch_size * (new_tokens - 1) / decode_time, 1),
-        "prefill_s": round(prefill, 4),
-        "total_s": round(full, 4),
+        "prefill_tok_s": round(batch_size * prompt_len / first_token_s, 1),
+        "decode_tok_s": round(batch_size * (new_tokens - 1) / (total_s - first_token_s), 1),
+        "first_token_s": round(first_token_s, 4),
+        "total_s": round(total_s, 4),
     }
 
 
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+class _Clock:
+    """Wall-clock time since `start`, taken after the device has finished its queued work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = self.now_raw()
+
+    def now_raw(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def elapsed(self) -> float:
+        return self.now_raw() - self.start
 
 
-def _ours(llm: LLM, prompts: torch.Tensor) -> Callable[[int], None]:
+def _ours(llm: LLM, prompts: torch.Tensor) -> Callable[[int], tuple[float, float]]:
+    """(time until every request has its first token, time until all are done)."""
     token_lists = prompts.tolist()
+    engine = llm.engine
+    device = torch.device(llm.engine.config.device)
 
-    def run(new_tokens: int) -> None:
-        results = llm.generate(token_lists, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
-        assert all(len(r.token_ids) == new_tokens for r in results)
+    def run(new_tokens: int) -> tuple[float, float]:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        clock = _Clock(device)
+        for index, prompt in enumerate(token_lists):
+            engine.add_request(str(index), prompt, params)
+        started: set[str] = set()
+        first_token = None
+        produced = 0
+        while engine.has_unfinished():
+            for delta in engine.step():
+                started.add(delta.request_id)
+                produced += len(delta.token_ids)
+            if first_token is None and len(started) == len(token_lists):
+                first_token = clock.elapsed()
+        assert produced == len(token_lists) * new_tokens
+        return first_token, clock.elapsed()
 
     return run
 
 
-def _hf(model: torch.nn.Module, prompts: torch.Tensor, *, static: bool) -> Callable[[int], None]:
+def _hf(model: torch.nn.Module, prompts: torch.Tensor, *, static: bool) -> Callable[[int], tuple[float, float]]:
+    from transformers.generation.streamers import BaseStreamer
+
     mask = torch.ones_like(prompts)
     extra = {"cache_implementation": "static"} if static else {}
 
-    def run(new_tokens: int) -> None:
+    class TokenTimes(BaseStreamer):
+        """generate() calls put() with the prompt, then once per step with the new tokens."""
+
+        def __init__(self, clock: _Clock) -> None:
+            self.clock = clock
+            self.times: list[float] = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.times.append(self.clock.elapsed())
+
+        def end(self) -> None:
+            pass
+
+    def run(new_tokens: int) -> tuple[float, float]:
+        times = TokenTimes(_Clock(prompts.device))
         with torch.inference_mode():
             out = model.generate(
                 prompts,
@@ -132,9 +162,11 @@ def _hf(model: torch.nn.Module, prompts: torch.Tensor, *, static: bool) -> Calla
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                streamer=times,
                 **extra,
             )
         assert out.shape[1] == prompts.shape[1] + new_tokens
+        return times.times[1], times.times[-1]
 
     return run
 

@@ -55,7 +55,7 @@ def batch_invariant(attend: PagedAttention, *, window: int | None, seed: int) ->
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=tables,
-            slot_mapping=[0] * sum(query_lens),
+            page_size=page,
             device=torch.device("cpu"),
         )
         return attend(rows, k_cache, v_cache, metadata, scale=0.25, window=window)

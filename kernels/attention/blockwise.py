@@ -7,11 +7,13 @@ not depend on the batch:
 - scores and block-wise softmax numerators are batched matmuls whose reduction lengths are fixed
   (head_dim, KEY_BLOCK) and whose matrices have at least `min_invariant_rows()` rows (see
   row_layout), past the size under which the CPU BLAS switches kernels for small matrices;
-- the row maximum is exact in any order;
+- the row maximum over all its keys is exact in any order, and every block's exponentials are
+  taken against it;
 - the blocks' partial sums are added one after another (cumsum), so all-masked blocks that only
   other sequences need, before or after a row's keys, add exact zeros.
-Everything runs as a fixed number of batched ops however many blocks there are. Long queries are
-attended in row chunks to bound memory; rows are independent, so chunking changes no bit.
+Small problems (decode) run as a fixed number of batched ops however many blocks there are; large
+ones (prefill) loop over the blocks with the very same arithmetic. Long queries are attended in
+row chunks to bound memory; rows are independent, so chunking changes no bit.
 """
 
 import torch
@@ -22,6 +24,7 @@ from kernels.batch_invariance import min_invariant_rows
 
 KEY_BLOCK = 64
 ROW_CHUNK = 1024
+BATCHED_ELEMENTS = 1 << 22  # above this many intermediate elements, attend block by block
 
 
 def paged_attention_blockwise(
@@ -49,7 +52,14 @@ def paged_attention_blockwise(
         hidden = _hidden_keys(group, layout, window)
         result = torch.cat(
             [
-                _attend_rows(q[..., rows, :], keys, values, hidden[..., rows, :])
+                _attend_rows(
+                    q[..., rows, :],
+                    keys,
+                    values,
+                    hidden[..., rows, :],
+                    group.scratch,
+                    ("blocks", layout.rows, window, rows.start),
+                )
                 for rows in _row_chunks(layout.rows, min_rows)
             ],
             dim=2,
@@ -58,16 +68,75 @@ def paged_attention_blockwise(
     return out
 
 
-def _attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """q [kv, n, 1, r, d] over keys/values [kv, n, blocks, KEY_BLOCK, d] → [kv, n, r, d]."""
+def _attend_rows(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, scratch: dict, cache_key: tuple
+) -> torch.Tensor:
+    """q [kv, n, 1, r, d] over keys/values [kv, n, blocks, KEY_BLOCK, d] → [kv, n, r, d].
+
+    Both strategies below do the same arithmetic on every element in the same order, so they
+    give the same bits; the choice only trades op count against memory.
+    """
+    kv, n, blocks, _, head_dim = keys.shape
+    if kv * n * blocks * q.shape[3] * (KEY_BLOCK + head_dim) <= BATCHED_ELEMENTS:
+        return _attend_all_blocks_at_once(q, keys, values, hidden)
+    if cache_key not in scratch:
+        scratch[cache_key] = _block_visibility(hidden)
+    return _attend_block_by_block(q, keys, values, hidden, scratch[cache_key])
+
+
+def _block_visibility(hidden: torch.Tensor) -> list[tuple[int, bool]]:
+    """(block, needs a mask) for the blocks some row of the chunk may see.
+
+    A block no row may see (above a causal diagonal, before a window) would add exact zeros, so
+    it is skipped; a block every row sees needs no mask.
+    """
+    visible = ~hidden[0]  # [n, blocks, r, KEY_BLOCK]
+    seen_by_any = visible.flatten(2).any(dim=2).any(dim=0).tolist()
+    seen_by_all = visible.flatten(2).all(dim=2).all(dim=0).tolist()
+    return [(b, not every) for b, (some, every) in enumerate(zip(seen_by_any, seen_by_all, strict=True)) if some]
+
+
+def _attend_all_blocks_at_once(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor
+) -> torch.Tensor:
     scores = torch.matmul(q, keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))  # [kv, n, b, r, K]
-    row_max = scores.amax(dim=(2, 4), keepdim=True)
-    # A row that sees no key (padding) has max -inf; shifting by 0 keeps exp() at 0 instead of NaN.
-    probs = torch.exp(scores - row_max.masked_fill(row_max == float("-inf"), 0.0))
+    probs = torch.exp(scores - _finite(scores.amax(dim=(2, 4), keepdim=True)))
     partial_sums = probs.sum(dim=-1, keepdim=True)  # [kv, n, b, r, 1]
     partial_outputs = torch.matmul(probs, values)  # [kv, n, b, r, d]
     # cumsum adds the blocks in order, one at a time: the last entry is their sequential sum.
     return partial_outputs.cumsum(dim=2)[:, :, -1] / partial_sums.cumsum(dim=2)[:, :, -1]
+
+
+def _attend_block_by_block(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    hidden: torch.Tensor,
+    visibility: list[tuple[int, bool]],
+) -> torch.Tensor:
+    """Two passes over the visible blocks: their scores and the row maximum, then the sums."""
+    q = q.squeeze(2)
+    scores, live = [], []
+    for b, masked in visibility:
+        block = torch.matmul(q, keys[:, :, b].transpose(-1, -2))
+        scores.append(block.masked_fill_(hidden[:, :, b], float("-inf")) if masked else block)
+        live.append(b)
+    row_max = scores[0].amax(dim=-1, keepdim=True)
+    for block in scores[1:]:
+        row_max = torch.maximum(row_max, block.amax(dim=-1, keepdim=True))
+    shift = _finite(row_max)
+    total_sum = total_output = None
+    for block, b in zip(scores, live, strict=True):
+        probs = torch.exp(block.sub_(shift))
+        partial_sum, partial_output = probs.sum(dim=-1, keepdim=True), torch.matmul(probs, values[:, :, b])
+        total_sum = partial_sum if total_sum is None else total_sum + partial_sum
+        total_output = partial_output if total_output is None else total_output + partial_output
+    return total_output / total_sum
+
+
+def _finite(row_max: torch.Tensor) -> torch.Tensor:
+    """A row that sees no key (padding) has max -inf; shifting by 0 keeps exp() at 0 instead of NaN."""
+    return row_max.masked_fill(row_max == float("-inf"), 0.0)
 
 
 def _row_chunks(rows: int, min_rows: int) -> list[slice]:

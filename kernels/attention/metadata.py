@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 NULL_PAGE = 0  # page 0 is never handed out: padded block-table entries point at it
@@ -19,8 +20,8 @@ class SequenceGroup:
     width: int  # the longest query in the group
     max_seq_len: int
     min_context_start: int  # the earliest query position in the group
+    fresh: bool  # every sequence's query starts at position 0 (nothing cached before it)
     token_index: torch.Tensor  # [n, width] row of each query token in the flattened batch; 0 for padding
-    valid: torch.Tensor  # [n, width] bool, False for padding
     valid_slots: torch.Tensor  # flat indices into [n * width] of the real (non-padding) entries
     valid_tokens: torch.Tensor  # their rows in the flattened batch, in the same order
     positions: torch.Tensor  # [n, width] absolute position of each query token, -1 for padding
@@ -42,6 +43,7 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # tokens in context per sequence after this step (cached + new)
     query_start: list[int]  # len B + 1 prefix sums of query_lens
+    positions: torch.Tensor  # [num_tokens] int64 absolute position of each new token
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot (page * page_size + offset) per new token
     groups: list[SequenceGroup]
 
@@ -56,29 +58,39 @@ class AttentionMetadata:
         query_lens: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
-        slot_mapping: list[int],
+        page_size: int,
         device: torch.device,
     ) -> "AttentionMetadata":
+        """Vectorised over tokens: a step may schedule tens of thousands of them."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        if any(q < 1 or q > s for q, s in zip(query_lens, seq_lens)):
+        q_lens = np.asarray(query_lens, dtype=np.int64)
+        s_lens = np.asarray(seq_lens, dtype=np.int64)
+        if q_lens.size == 0 or (q_lens < 1).any() or (q_lens > s_lens).any():
             raise ValueError("every sequence needs 1 <= query_len <= seq_len")
-        query_start = [0]
-        for q in query_lens:
-            query_start.append(query_start[-1] + q)
-        if len(slot_mapping) != query_start[-1]:
-            raise ValueError(f"slot_mapping has {len(slot_mapping)} entries for {query_start[-1]} tokens")
-        groups = [
-            _build_group(seqs, query_lens, seq_lens, query_start, block_tables, device)
-            for seqs in _partition(query_lens)
-        ]
+        tables = _padded_tables(block_tables)
+        if (tables.shape[1] * page_size < s_lens).any():
+            raise ValueError("a block table has fewer pages than its sequence needs")
+        query_start = np.concatenate([[0], np.cumsum(q_lens)])
+        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        positions = np.arange(query_start[-1]) - query_start[seq_of_token] + (s_lens - q_lens)[seq_of_token]
+        slots = tables[seq_of_token, positions // page_size] * page_size + positions % page_size
         return cls(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            query_start=query_start,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            groups=groups,
+            query_lens=list(query_lens),
+            seq_lens=list(seq_lens),
+            query_start=query_start.tolist(),
+            positions=torch.from_numpy(positions).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            groups=[_build_group(seqs, q_lens, s_lens, query_start, tables, device) for seqs in _partition(query_lens)],
         )
+
+
+def _padded_tables(block_tables: list[list[int]]) -> np.ndarray:
+    max_pages = max(len(table) for table in block_tables)
+    tables = np.full((len(block_tables), max_pages), NULL_PAGE, dtype=np.int64)
+    for row, table in enumerate(block_tables):
+        tables[row, : len(table)] = table
+    return tables
 
 
 def _partition(query_lens: list[int]) -> list[list[int]]:
@@ -106,36 +118,32 @@ def _partition(query_lens: list[int]) -> list[list[int]]:
 
 def _build_group(
     seqs: list[int],
-    query_lens: list[int],
-    seq_lens: list[int],
-    query_start: list[int],
-    block_tables: list[list[int]],
+    q_lens: np.ndarray,
+    s_lens: np.ndarray,
+    query_start: np.ndarray,
+    tables: np.ndarray,
     device: torch.device,
 ) -> SequenceGroup:
-    width = max(query_lens[b] for b in seqs)
-    index, valid, positions, valid_slots, valid_tokens = [], [], [], [], []
-    for i, b in enumerate(seqs):
-        q, s, start = query_lens[b], seq_lens[b], query_start[b]
-        pad = width - q
-        index.append(list(range(start, start + q)) + [0] * pad)
-        valid.append([True] * q + [False] * pad)
-        positions.append(list(range(s - q, s)) + [-1] * pad)
-        valid_slots.extend(range(i * width, i * width + q))
-        valid_tokens.extend(range(start, start + q))
-    max_pages = max(len(block_tables[b]) for b in seqs)
-    tables = [block_tables[b] + [NULL_PAGE] * (max_pages - len(block_tables[b])) for b in seqs]
+    index = np.asarray(seqs)
+    q, s, start = q_lens[index], s_lens[index], query_start[index]
+    width = int(q.max())
+    column = np.arange(width)
+    valid = column[None, :] < q[:, None]
+    token_index = np.where(valid, start[:, None] + column[None, :], 0)
+    positions = np.where(valid, (s - q)[:, None] + column[None, :], -1)
+    valid_slots = np.flatnonzero(valid)
     return SequenceGroup(
         seqs=seqs,
         width=width,
-        max_seq_len=max(seq_lens[b] for b in seqs),
-        min_context_start=min(seq_lens[b] - query_lens[b] for b in seqs),
-        token_index=torch.tensor(index, dtype=torch.long, device=device),
-        valid=torch.tensor(valid, dtype=torch.bool, device=device),
-        valid_slots=torch.tensor(valid_slots, dtype=torch.long, device=device),
-        valid_tokens=torch.tensor(valid_tokens, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        seq_lens=torch.tensor([seq_lens[b] for b in seqs], dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+        max_seq_len=int(s.max()),
+        min_context_start=int((s - q).min()),
+        fresh=bool((s == q).all()),
+        token_index=torch.from_numpy(token_index).to(device),
+        valid_slots=torch.from_numpy(valid_slots).to(device),
+        valid_tokens=torch.from_numpy(token_index.reshape(-1)[valid_slots]).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        seq_lens=torch.from_numpy(s.copy()).to(device),
+        block_tables=torch.from_numpy(tables[index]).to(device),
     )
 
 

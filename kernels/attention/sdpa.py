@@ -5,8 +5,8 @@ query heads of a KV head stacked as rows (see row_layout). On the CPU the call i
 torch's flash kernel computes every row the same way whatever the batch: at least
 `min_invariant_rows()` rows per matrix, and keys padded to a multiple of the kernel's fixed key
 split (CPU_KEY_SPLIT), so its online softmax visits the same key blocks from position 0 and a
-block a row cannot see changes nothing. `kernels.attention.sdpa_is_batch_invariant` checks this
-on the running torch before the engine relies on it.
+block a row cannot see changes nothing (`kernels.attention.sdpa_is_batch_invariant` checks this
+on the running torch). On CUDA, groups of prompts with nothing cached take plain causal attention.
 """
 
 import torch
@@ -34,6 +34,9 @@ def paged_attention_sdpa(
     on_cpu = query.device.type == "cpu"
     out = torch.zeros_like(query)
     for group in metadata.groups:
+        if not on_cpu and window is None and group.fresh:
+            _attend_fresh_prompts(query, out, k_cache, v_cache, group, scale)
+            continue
         layout = row_layout(
             group,
             per_kv=query.shape[1] // kv_heads,
@@ -49,6 +52,30 @@ def paged_attention_sdpa(
         )
         scatter_rows(out, result, group, layout)
     return out
+
+
+def _attend_fresh_prompts(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: SequenceGroup,
+    scale: float,
+) -> None:
+    """Prompts with nothing cached: plain causal attention, which SDPA runs as a flash kernel.
+
+    Every query starts at position 0, so the causal mask is the same top-left triangle for all;
+    a shorter prompt's padding rows and keys lie after its real ones, where no real row looks.
+    """
+    n, width = group.token_index.shape
+    page_size = k_cache.shape[2]
+    num_keys = -(-width // page_size) * page_size
+    q = query.index_select(0, group.token_index.view(-1)).view(n, width, *query.shape[1:]).transpose(1, 2)
+    keys = gather_pages(k_cache, group, num_keys).transpose(0, 1)[:, :, :width]
+    values = gather_pages(v_cache, group, num_keys).transpose(0, 1)[:, :, :width]
+    result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    result = result.transpose(1, 2).reshape(n * width, *query.shape[1:])
+    out.index_copy_(0, group.valid_tokens, result.index_select(0, group.valid_slots))
 
 
 def _mask(group: SequenceGroup, layout: RowLayout, window: int | None) -> torch.Tensor:

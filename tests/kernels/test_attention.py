@@ -56,9 +56,10 @@ def paged_batch(seqs, seed=0):
         query_lens=[q for q, _ in seqs],
         seq_lens=[s for _, s in seqs],
         block_tables=tables,
-        slot_mapping=slots,
+        page_size=PAGE,
         device=torch.device("cpu"),
     )
+    assert metadata.slot_mapping.tolist() == slots
     return torch.cat(queries), k_cache, v_cache, metadata, full_kv
 
 
@@ -138,7 +139,11 @@ def test_shape_checks_name_the_problem():
         get_backend("flash")
     with pytest.raises(ValueError, match="query_len"):
         AttentionMetadata.build(
-            query_lens=[5], seq_lens=[3], block_tables=[[1]], slot_mapping=[0] * 5, device=torch.device("cpu")
+            query_lens=[5], seq_lens=[3], block_tables=[[1]], page_size=PAGE, device=torch.device("cpu")
+        )
+    with pytest.raises(ValueError, match="fewer pages"):
+        AttentionMetadata.build(
+            query_lens=[5], seq_lens=[40], block_tables=[[1]], page_size=PAGE, device=torch.device("cpu")
         )
 
 
@@ -164,3 +169,15 @@ def test_the_probe_catches_a_backend_that_is_not_invariant():
         return out + metadata.num_tokens * 1e-7
 
     assert not batch_invariant(chunk_sensitive, window=None, seed=0)
+
+
+def test_blockwise_strategies_give_the_same_bits(monkeypatch):
+    """Decode-sized groups attend all key blocks at once, prefill-sized ones block by block."""
+    import kernels.attention.blockwise as blockwise
+
+    query, k_cache, v_cache, metadata, _ = paged_batch(MIXED, seed=7)
+    attend = get_backend("torch_blockwise")
+    at_once = attend(query, k_cache, v_cache, metadata, scale=0.3, window=11)
+    monkeypatch.setattr(blockwise, "BATCHED_ELEMENTS", 0)
+    block_by_block = attend(query, k_cache, v_cache, metadata, scale=0.3, window=11)
+    assert torch.equal(at_once, block_by_block)

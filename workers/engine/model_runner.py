@@ -45,26 +45,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
-        page_size = self.kv_cache.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for s in scheduled:
-            input_ids.extend(s.token_ids)
-            for pos in range(s.start_position, s.start_position + len(s.token_ids)):
-                positions.append(pos)
-                slots.append(s.block_table[pos // page_size] * page_size + pos % page_size)
+        input_ids = [token for s in scheduled for token in s.token_ids]
         metadata = AttentionMetadata.build(
             query_lens=[len(s.token_ids) for s in scheduled],
             seq_lens=[s.start_position + len(s.token_ids) for s in scheduled],
             block_tables=[s.block_table for s in scheduled],
-            slot_mapping=slots,
+            page_size=self.kv_cache.page_size,
             device=self.device,
         )
         num_tokens = len(input_ids)
         padding = max(self.min_rows - num_tokens, 0)
         ids = torch.tensor(input_ids + [0] * padding, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions + [0] * padding, dtype=torch.long, device=self.device)
+        pos = metadata.positions
+        if padding:
+            pos = torch.cat([pos, pos.new_zeros(padding)])
         hidden = self.model(ids, pos, self.kv_cache.layers, metadata, self.attend)
         self.num_computed_tokens += num_tokens
 

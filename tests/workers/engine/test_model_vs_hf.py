@@ -28,7 +28,7 @@ def test_prefill_logits_match_hf(hf_model, backend):
         query_lens=[45],
         seq_lens=[45],
         block_tables=[table],
-        slot_mapping=[table[p // 16] * 16 + p % 16 for p in range(45)],
+        page_size=16,
         device=torch.device("cpu"),
     )
     with torch.no_grad():
