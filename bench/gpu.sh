@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/workers/engine/test_cuda.py tests/workers/engine/test_sampler.py 2>&1 | tail -5
 python3 -m bench.engine_throughput --device cuda --random-weights --batch-sizes "${BATCH_SIZES:-1,16,64,256}" \
-  --prompt-len 512 --new-tokens 128 --max-batched-tokens 16384 >"$out/engine_throughput_gpu.json" 2>"$out/engine_throughput_gpu.log"
+  --prompt-len 512 --new-tokens 128 --max-batched-tokens 32768 >"$out/engine_throughput_gpu.json" 2>"$out/engine_throughput_gpu.log"
 python3 -c "
 import json; d = json.load(open('$out/engine_throughput_gpu.json'))
 print('batch engine prefill_tok_s decode_tok_s')

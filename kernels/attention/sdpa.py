@@ -11,12 +11,16 @@ on the running torch). On CUDA, groups of prompts with nothing cached take plain
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.attention.metadata import AttentionMetadata, SequenceGroup, check_paged_inputs, gather_pages, visible_keys
 from kernels.attention.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
 from kernels.batch_invariance import min_invariant_rows
 
 CPU_KEY_SPLIT = 512  # torch's CPU flash attention splits keys in blocks of this size
+# cuDNN's attention builds an execution plan per new shape on the host (milliseconds each), and a
+# continuously batched engine sees a new shape almost every step.
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def paged_attention_sdpa(
@@ -30,6 +34,20 @@ def paged_attention_sdpa(
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached keys: [tokens, heads, head_dim]."""
     check_paged_inputs(query, k_cache, v_cache, metadata)
+    if query.device.type == "cuda":
+        with sdpa_kernel(CUDA_BACKENDS):
+            return _attend(query, k_cache, v_cache, metadata, scale, window)
+    return _attend(query, k_cache, v_cache, metadata, scale, window)
+
+
+def _attend(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     kv_heads, _, page_size, _ = k_cache.shape
     on_cpu = query.device.type == "cpu"
     out = torch.zeros_like(query)
