@@ -79,6 +79,9 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     num_cached_prompt_tokens: int
     num_preemptions: int
     sent_at: float  # time.time() on the worker
+    # time.time() when the worker process started: a new value means it restarted and lost the
+    # requests it had in flight.
+    started_at: float = 0.0
 
 
 WorkerInbound = GenerateRequest | AbortRequest

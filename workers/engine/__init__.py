@@ -20,6 +20,7 @@ _EXPORTS = {
     "CompletionOutput": "workers.engine.outputs",
     "RequestDelta": "workers.engine.outputs",
     "EngineError": "workers.engine.errors",
+    "EngineOverloadedError": "workers.engine.errors",
     "InvalidRequestError": "workers.engine.errors",
     "ModelLoadError": "workers.engine.errors",
     "UnknownModelError": "workers.engine.errors",
@@ -29,6 +30,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineError",
+    "EngineOverloadedError",
     "InvalidRequestError",
     "ModelLoadError",
     "RequestDelta",
@@ -38,7 +40,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from workers.engine.errors import EngineError, InvalidRequestError, ModelLoadError, UnknownModelError
+    from workers.engine.errors import (
+        EngineError,
+        EngineOverloadedError,
+        InvalidRequestError,
+        ModelLoadError,
+        UnknownModelError,
+    )
     from workers.engine.llm import LLM
     from workers.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
     from workers.engine.sampling_params import SamplingParams

@@ -9,7 +9,8 @@ from kernels.attention import default_backend
 from workers.block_hash import namespace_extra
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.errors import InvalidRequestError
+from workers.engine.constraints import TokenConstraint
+from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.model_loader import LoadedModel
@@ -17,7 +18,8 @@ from workers.engine.model_runner import ModelRunner, SampledToken
 from workers.engine.output_text import OutputText
 from workers.engine.outputs import RequestDelta
 from workers.engine.request import FinishReason, Request
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampler import TokenLogprobs
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -77,15 +79,27 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_namespace: str = "",
+        constraint: TokenConstraint | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
-        """Admit a request, or raise InvalidRequestError naming the problem (nothing is changed)."""
-        max_tokens = self._validate(request_id, prompt_token_ids, params)
+        """Admit a request, or raise InvalidRequestError naming the problem, or EngineOverloadedError
+        when max_waiting requests already wait (either way nothing is changed).
+
+        `constraint` masks every sampled token and ends the request when it is finished;
+        `prompt_logprobs=k` reports, with the first output, each prompt token's logprob and its top k.
+        """
+        max_tokens = self._validate(request_id, prompt_token_ids, params, prompt_logprobs)
+        max_waiting = self.config.max_waiting
+        if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting (max_waiting)")
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             max_tokens=max_tokens,
             hash_extra=namespace_extra(self.model_name, cache_namespace),
+            constraint=constraint,
+            prompt_logprobs=prompt_logprobs,
         )
         self.requests[request_id] = request
         if self.tokenizer is not None:
@@ -106,9 +120,11 @@ class LLMEngine:
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
-        sampled = self.runner.execute(output.scheduled)
+        result = self.runner.execute(output.scheduled)
+        for computed in result.prompt_logprobs:
+            self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
         self.scheduler.finish_step(output, self.requests)
-        return [self._update(token) for token in sampled]
+        return [self._update(token) for token in result.sampled]
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -131,6 +147,9 @@ class LLMEngine:
         request.logprobs.extend(logprobs)
         params = request.params
 
+        if request.constraint is not None:
+            request.constraint.advance(token)
+
         text = self.texts.get(request.request_id)
         stop_string = text.append([token]) if text is not None else None
         if token in params.stop_token_ids:
@@ -139,13 +158,23 @@ class LLMEngine:
             request.finish(FinishReason.STOP)
         elif stop_string is not None:
             request.finish(FinishReason.STOP, stop_string)
+        elif request.constraint is not None and request.constraint.is_finished():
+            request.finish(FinishReason.STOP)
         elif len(request.output_token_ids) >= request.max_tokens:
             request.finish(FinishReason.LENGTH)
 
-        delta = self._delta(request, [token], logprobs)
+        # Output tokens survive preemption, so the first one is produced exactly once.
+        first = len(request.output_token_ids) == 1 and request.prompt_logprobs is not None
+        delta = self._delta(request, [token], logprobs, request.prompt_token_logprobs if first else None)
         return self._release(request, delta) if request.is_finished else delta
 
-    def _delta(self, request: Request, token_ids: list[int], logprobs: list) -> RequestDelta:
+    def _delta(
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> RequestDelta:
         text = self.texts.get(request.request_id)
         if text is not None and request.is_finished:
             text.finish()
@@ -158,6 +187,7 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _release(self, request: Request, delta: RequestDelta) -> RequestDelta:
@@ -166,7 +196,7 @@ class LLMEngine:
         self.texts.pop(request.request_id, None)
         return delta
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, prompt_logprobs: int | None) -> int:
         """The request's effective max_tokens, after checking everything the engine can check."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -186,6 +216,10 @@ class LLMEngine:
             raise InvalidRequestError(f"stop_token_ids must lie in [0, {vocab})")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if prompt_logprobs is not None and not (
+            isinstance(prompt_logprobs, int) and 0 <= prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs!r}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model was loaded without one")
         room = self.max_model_len - len(prompt)

@@ -14,6 +14,10 @@ class InvalidRequestError(EngineError, ValueError):
     """A request (prompt or sampling parameters) the engine refuses to admit."""
 
 
+class EngineOverloadedError(EngineError):
+    """The engine's waiting queue is full (EngineConfig.max_waiting); the request may be retried."""
+
+
 class UnknownModelError(EngineError, LookupError):
     """A model name that resolves to neither a packaged model nor a local directory."""
 

@@ -17,6 +17,9 @@ class RequestDelta:
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # With the first output of a request that asked for prompt logprobs: entry i is prompt token i
+    # given the tokens before it (None for the first); None otherwise.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,6 +4,7 @@ import enum
 from dataclasses import dataclass, field
 
 from workers.block_hash import BlockHash
+from workers.engine.constraints import TokenConstraint
 from workers.engine.sampler import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
@@ -48,6 +49,12 @@ class Request:
     pages: list[int] = field(default_factory=list)
     # Hashes of the request's full pages, in order; the chain continues from the last.
     page_hashes: list[BlockHash] = field(default_factory=list)
+    # Masks every sampled token; its state follows output_token_ids, so it survives preemption.
+    constraint: TokenConstraint | None = None
+    # Top alternatives per prompt token when the caller asked for prompt logprobs, else None.
+    prompt_logprobs: int | None = None
+    # Entry i: prompt token i given the tokens before it (None for the first); filled during prefill.
+    prompt_token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +71,19 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : stop - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Every prompt position must run through the model (no prefix hits) to report prompt
+        logprobs; once the first token is out they have been reported."""
+        return self.prompt_logprobs is not None and not self.output_token_ids
+
+    def record_prompt_logprobs(self, first_index: int, entries: list[TokenLogprobs]) -> None:
+        """Store the logprobs of prompt tokens first_index, first_index + 1, ... (a recompute after
+        preemption overwrites the same entries)."""
+        if not self.prompt_token_logprobs:
+            self.prompt_token_logprobs = [None] * len(self.prompt_token_ids)
+        self.prompt_token_logprobs[first_index : first_index + len(entries)] = entries
 
     @property
     def is_finished(self) -> bool:

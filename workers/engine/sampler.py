@@ -1,9 +1,10 @@
 """Chooses the next token of every request in a step from the model's logits.
 
-Order per row: logit_bias → repetition penalty → frequency/presence penalties → greedy rows take the
-argmax; sampled rows: temperature → top-k → top-p → min-p → exponential race. All of it is
-vectorised over the batch on the logits' device and row-local, so a request's token and logprobs do
-not depend on what else is batched (the tests hold this bitwise).
+Order per row: logit_bias → repetition penalty → frequency/presence penalties → the output
+constraint's mask of allowed tokens → greedy rows take the argmax; sampled rows: temperature →
+top-k → top-p → min-p → exponential race. All of it is vectorised over the batch on the logits'
+device and row-local, so a request's token and logprobs do not depend on what else is batched (the
+tests hold this bitwise).
 
 Randomness: a row with a seed draws its noise from a generator seeded by a hash of (seed, step
 index), so its tokens survive preemption and recompute and ignore batch composition; the streams
@@ -29,6 +30,9 @@ class SamplingBatch:
     params: Sequence[SamplingParams]
     prompt_token_ids: Sequence[Sequence[int]]
     output_token_ids: Sequence[Sequence[int]]  # tokens sampled so far; len() is the step index used for seeding
+    # Per row, a bool [V] mask of the tokens an output constraint allows (any device), or None for
+    # an unconstrained row; empty when no row is constrained.
+    allowed_tokens: Sequence[torch.Tensor | None] = ()
 
     def __post_init__(self) -> None:
         rows = len(self.params)
@@ -37,6 +41,12 @@ class SamplingBatch:
                 f"SamplingBatch needs one row each, got {rows} params, {len(self.prompt_token_ids)} prompts "
                 f"and {len(self.output_token_ids)} outputs"
             )
+        if self.allowed_tokens and len(self.allowed_tokens) != rows:
+            raise ValueError(f"SamplingBatch has {len(self.allowed_tokens)} allowed-token masks for {rows} rows")
+
+    @property
+    def constrained_rows(self) -> list[int]:
+        return [row for row, mask in enumerate(self.allowed_tokens) if mask is not None]
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -61,10 +71,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` ([B, V] float32, any device).
 
-        Logprobs come from the raw logits (log_softmax before bias, penalties and temperature),
-        as vLLM v1 reports them by default: they describe the model, not the sampling settings."""
+        Logprobs come from the raw logits (log_softmax before bias, penalties, masks and
+        temperature), as vLLM v1 reports them by default: they describe the model, not the sampling
+        settings."""
         _check_logits(logits, batch)
-        if all(_is_plain_greedy(params) for params in batch.params):
+        if not batch.constrained_rows and all(_is_plain_greedy(params) for params in batch.params):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(batch.params))
         processed = _process_logits(logits, batch)
         token_ids = processed.argmax(dim=-1)
@@ -158,7 +169,18 @@ def _process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             openai,
             lambda rows: sampling.apply_frequency_presence_penalties(rows, counts, frequency, presence),
         )
+    constrained = batch.constrained_rows
+    if constrained:
+        allowed = _allowed_token_masks([batch.allowed_tokens[row] for row in constrained], vocab_size, device)
+        processed = _update_rows(processed, constrained, lambda rows: rows.masked_fill(~allowed, -torch.inf))
     return processed
+
+
+def _allowed_token_masks(masks: list[torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:
+    for mask in masks:
+        if mask.dtype != torch.bool or tuple(mask.shape) != (vocab_size,):
+            raise ValueError(f"an allowed-token mask must be bool [{vocab_size}], got {mask.dtype} {tuple(mask.shape)}")
+    return torch.stack(masks).to(device)
 
 
 def _update_rows(logits: torch.Tensor, rows: list[int], op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -206,22 +228,31 @@ def _token_logprobs(
     if not rows:
         return result
     index = torch.tensor(rows, device=logits.device)
-    logprobs = logits.index_select(0, index).log_softmax(dim=-1)
-    chosen_ids = token_ids.index_select(0, index)
-    chosen = logprobs.gather(1, chosen_ids[:, None])
+    chosen = token_logprobs(
+        logits.index_select(0, index), token_ids.index_select(0, index), [params[row].logprobs for row in rows]
+    )
+    for row, entry in zip(rows, chosen, strict=True):
+        result[row] = entry
+    return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i: the logprob and rank of token_ids[i] under raw logits[i], with its top num_top[i]."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
     ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_ids, top_values = _top_logprobs(logprobs, max(params[row].logprobs for row in rows))
-    for position, (row, token_id, logprob, rank) in enumerate(
-        zip(rows, chosen_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), strict=True)
-    ):
-        k = params[row].logprobs
-        result[row] = TokenLogprobs(
+    top_ids, top_values = _top_logprobs(logprobs, max(num_top))
+    return [
+        TokenLogprobs(
             token_id=token_id,
             logprob=logprob,
             rank=rank,
             top=list(zip(top_ids[position][:k], top_values[position][:k], strict=True)),
         )
-    return result
+        for position, (token_id, logprob, rank, k) in enumerate(
+            zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), num_top, strict=True)
+        )
+    ]
 
 
 def _top_logprobs(logprobs: torch.Tensor, count: int) -> tuple[list[list[int]], list[list[float]]]:

@@ -3,7 +3,8 @@
 Each step the scheduler decides how many tokens every request computes, within a token budget:
 running requests first, in arrival order (a decode costs one token, an unfinished prefill
 continues with the next chunk), then waiting requests, whose cached prefix pages are attached
-first. When pages run out, the most recently admitted running request is preempted: its pages
+first (except for a request that reports prompt logprobs: every prompt position must produce
+logits). When pages run out, the most recently admitted running request is preempted: its pages
 are freed and it goes back to the front of the queue to be recomputed later. The scheduler moves
 request objects and lists of ints; it never touches tensors.
 """
@@ -12,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.constraints import TokenConstraint
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
 
@@ -28,6 +30,10 @@ class ScheduledRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    constraint: TokenConstraint | None  # masks the sampled token
+    # Top alternatives to report for the prompt tokens this step computes, when the request asked
+    # for prompt logprobs and they are not yet reported; else None.
+    prompt_logprobs: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +80,7 @@ class Scheduler:
         # Admitting while preempting would only evict what was just admitted.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(request)
+            cached = ([], []) if request.needs_prompt_logits else self.block_manager.find_cached_prefix(request)
             cached_tokens = len(cached[0]) * self.block_manager.page_size
             count = min(request.num_tokens - cached_tokens, budget)
             if not self.block_manager.allocate(request, count, cached):
@@ -119,6 +125,8 @@ class Scheduler:
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            constraint=request.constraint,
+            prompt_logprobs=request.prompt_logprobs if request.needs_prompt_logits else None,
         )
 
     def finish_step(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:

@@ -1,0 +1,100 @@
+"""Real worker processes for tests: a tiny random-weight model behind ipc:// endpoints."""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.workers.engine.hf_reference import TINY_CONFIGS
+from workers.engine_client import EngineClient
+from workers.protocol import GenerateOutput, GenerateRequest, WorkerHeartbeat
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# A long window so that a stream can run for seconds: long enough to abort, cancel or kill it mid-way.
+CONFIG = {**TINY_CONFIGS["llama"], "max_position_embeddings": 4096}
+LONG = 4000  # max_tokens of a stream meant to be cut short
+SEED = 0
+KV_CACHE_BYTES = 1 << 24
+STARTUP_TIMEOUT_S = 60.0
+
+
+def endpoints(directory: Path, name: str) -> tuple[str, str]:
+    """(request, heartbeat) ipc endpoints; ipc paths stay short in a tmp_path_factory directory."""
+    return f"ipc://{directory}/{name}.req", f"ipc://{directory}/{name}.hb"
+
+
+@dataclass
+class WorkerProcess:
+    process: subprocess.Popen
+    endpoints: tuple[str, str]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+
+def worker_command(directory: Path, name: str, *options: str, config: dict = CONFIG) -> list[str]:
+    """Runs a worker of a tiny model as `name` (also its worker id) on `endpoints(directory, name)`."""
+    config_path = directory / f"{name}.json"
+    config_path.write_text(json.dumps(config))
+    request_endpoint, heartbeat_endpoint = endpoints(directory, name)
+    return [
+        sys.executable,
+        "-m",
+        "workers.worker",
+        "--model",
+        str(config_path),
+        "--request-endpoint",
+        request_endpoint,
+        "--heartbeat-endpoint",
+        heartbeat_endpoint,
+        "--seed",
+        str(SEED),
+        "--kv-cache-bytes",
+        str(KV_CACHE_BYTES),
+        "--worker-id",
+        name,
+        *options,
+    ]
+
+
+def start_worker(directory: Path, name: str, *options: str, config: dict = CONFIG) -> WorkerProcess:
+    process = subprocess.Popen(worker_command(directory, name, *options, config=config), cwd=REPO_ROOT)
+    return WorkerProcess(process, endpoints(directory, name))
+
+
+async def connected_client(*workers: tuple[str, str], heartbeat_timeout_s: float = 3.0) -> EngineClient:
+    """A started client that has heard from every worker, given as (request, heartbeat) endpoints."""
+    client = EngineClient(heartbeat_timeout_s=heartbeat_timeout_s)
+    for request_endpoint, heartbeat_endpoint in workers:
+        client.add_worker(request_endpoint, heartbeat_endpoint)
+    await client.start()
+    await wait_for_heartbeat(client, lambda beats: len(beats) == len(workers), timeout_s=STARTUP_TIMEOUT_S)
+    return client
+
+
+async def wait_for_heartbeat(client: EngineClient, condition, timeout_s: float = 10.0) -> list[WorkerHeartbeat]:
+    """The healthy workers' latest heartbeats, once `condition` holds for them."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(beats := client.healthy_workers()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"heartbeats never satisfied the condition; last: {beats}")
+        await asyncio.sleep(0.02)
+    return beats
+
+
+async def collect(client: EngineClient, request: GenerateRequest) -> list[GenerateOutput]:
+    return [output async for output in client.generate(request)]
+
+
+def token_ids(outputs: list[GenerateOutput]) -> list[int]:
+    return [token for output in outputs for token in output.token_ids]

@@ -1,0 +1,230 @@
+"""The gateway's side of the workers: sends GenerateRequests and streams their outputs back (asyncio).
+
+Per worker one DEALER (requests out, outputs in) and one SUB (its heartbeats). One receive task per
+DEALER sorts outputs into per-request queues, so any number of concurrent streams share a socket.
+A worker is healthy while its heartbeats keep coming; when they stop (or it restarts, losing its
+requests), the streams it was serving fail with WorkerUnavailableError instead of waiting forever.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from workers.protocol import (
+    AbortRequest,
+    GenerateError,
+    GenerateOutput,
+    GenerateRequest,
+    WorkerHeartbeat,
+    WorkerInbound,
+    WorkerOutbound,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_TIMEOUT_S = 3.0
+CLOSE_LINGER_MS = 200  # time to deliver the aborts of streams still open at close
+
+
+class WorkerUnavailableError(Exception):
+    """No healthy worker can take the request, or the one serving it went away."""
+
+
+class RequestRejectedError(Exception):
+    """The worker refused or failed the request: kind is "invalid_request", "overloaded" or "internal"."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+# What a stream's queue carries: the worker's messages, or the reason the worker is gone.
+StreamItem = GenerateOutput | GenerateError | WorkerUnavailableError
+
+
+@dataclass(eq=False)
+class WorkerLink:
+    """One worker as this client sees it."""
+
+    request_endpoint: str
+    dealer: zmq.asyncio.Socket
+    subscriber: zmq.asyncio.Socket
+    heartbeat: WorkerHeartbeat | None = None
+    heartbeat_received_at: float = float("-inf")  # time.monotonic() here, immune to clock skew
+    streams: dict[str, asyncio.Queue[StreamItem]] = field(default_factory=dict)  # by request id
+
+    def is_healthy(self, now: float, timeout_s: float) -> bool:
+        return self.heartbeat is not None and now - self.heartbeat_received_at <= timeout_s
+
+    @property
+    def load(self) -> int:
+        # Requests this client has in flight there count at once; the heartbeat adds other
+        # clients' requests but lags by up to an interval: the larger of the two is the estimate.
+        reported = self.heartbeat.num_running + self.heartbeat.num_waiting if self.heartbeat else 0
+        return max(len(self.streams), reported)
+
+    def fail_streams(self, reason: str) -> None:
+        for queue in self.streams.values():
+            queue.put_nowait(WorkerUnavailableError(reason))
+        self.streams.clear()
+
+
+class EngineClient:
+    def __init__(
+        self, context: zmq.asyncio.Context | None = None, *, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    ) -> None:
+        self._own_context = context is None
+        self._context = context or zmq.asyncio.Context()
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._links: list[WorkerLink] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._encoder = msgspec.msgpack.Encoder()
+        self._output_decoder = msgspec.msgpack.Decoder(WorkerOutbound)
+        self._heartbeat_decoder = msgspec.msgpack.Decoder(WorkerHeartbeat)
+
+    def add_worker(self, request_endpoint: str, heartbeat_endpoint: str) -> None:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.connect(request_endpoint)
+        subscriber = self._context.socket(zmq.SUB)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        subscriber.connect(heartbeat_endpoint)
+        link = WorkerLink(request_endpoint, dealer, subscriber)
+        self._links.append(link)
+        if self._tasks:  # already started
+            self._start_link_tasks(link)
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="engine-client-watchdog"))
+        for link in self._links:
+            self._start_link_tasks(link)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for link in self._links:
+            for request_id in link.streams:
+                self._send_now(link, AbortRequest(request_id))
+            link.fail_streams("the engine client closed")
+            link.dealer.close(linger=CLOSE_LINGER_MS)
+            link.subscriber.close(linger=0)
+        self._links.clear()
+        if self._own_context:
+            self._context.term()
+
+    def healthy_workers(self) -> list[WorkerHeartbeat]:
+        now = time.monotonic()
+        return [link.heartbeat for link in self._links if link.is_healthy(now, self._heartbeat_timeout_s)]
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """The request's outputs, up to the one with a finish_reason.
+
+        Raises WorkerUnavailableError (no healthy worker, or it went away mid-stream) or
+        RequestRejectedError. A consumer that stops early (break, cancellation) aborts the request.
+        """
+        link = self._least_loaded_worker()
+        if any(request.request_id in other.streams for other in self._links):
+            raise RequestRejectedError("invalid_request", f"request id {request.request_id!r} is already in use")
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        link.streams[request.request_id] = queue
+        ended = False  # the worker has forgotten the request: nothing to abort
+        try:
+            await link.dealer.send(self._encoder.encode(request))
+            while True:
+                item = await queue.get()
+                if isinstance(item, WorkerUnavailableError):
+                    ended = True
+                    raise item
+                if isinstance(item, GenerateError):
+                    ended = True
+                    raise RequestRejectedError(item.kind, item.message)
+                ended = item.finish_reason is not None
+                yield item
+                if ended:
+                    return
+        finally:
+            if link.streams.get(request.request_id) is queue:
+                del link.streams[request.request_id]
+            if not ended:
+                self._send_now(link, AbortRequest(request.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the worker to stop the request; its stream then ends with finish_reason "abort"."""
+        for link in self._links:
+            if request_id in link.streams:
+                await link.dealer.send(self._encoder.encode(AbortRequest(request_id)))
+                return
+
+    def _least_loaded_worker(self) -> WorkerLink:
+        now = time.monotonic()
+        healthy = [link for link in self._links if link.is_healthy(now, self._heartbeat_timeout_s)]
+        if not healthy:
+            raise WorkerUnavailableError(f"no healthy worker among {len(self._links)}")
+        return min(healthy, key=lambda link: (link.load, link.heartbeat.kv_usage))
+
+    def _send_now(self, link: WorkerLink, message: WorkerInbound) -> None:
+        """Send without awaiting, for cleanup paths that may run while being cancelled or closed."""
+        if link.dealer.closed:
+            return
+        try:
+            link.dealer.send(self._encoder.encode(message), zmq.NOBLOCK).add_done_callback(_log_send_error)
+        except zmq.ZMQError as error:
+            log.warning("could not send %s to %s: %s", type(message).__name__, link.request_endpoint, error)
+
+    def _start_link_tasks(self, link: WorkerLink) -> None:
+        name = link.request_endpoint
+        self._tasks.append(asyncio.create_task(self._receive_outputs(link), name=f"engine-client-outputs {name}"))
+        self._tasks.append(asyncio.create_task(self._receive_heartbeats(link), name=f"engine-client-heartbeats {name}"))
+
+    async def _receive_outputs(self, link: WorkerLink) -> None:
+        while True:
+            payload = await link.dealer.recv()
+            try:
+                message = self._output_decoder.decode(payload)
+            except msgspec.DecodeError as error:
+                log.error("undecodable message from worker %s: %s", link.request_endpoint, error)
+                continue
+            queue = link.streams.get(message.request_id)
+            if queue is not None:
+                queue.put_nowait(message)
+            elif isinstance(message, GenerateError):
+                log.warning("worker %s reports an error: %s: %s", link.request_endpoint, message.kind, message.message)
+
+    async def _receive_heartbeats(self, link: WorkerLink) -> None:
+        while True:
+            payload = await link.subscriber.recv()
+            try:
+                heartbeat = self._heartbeat_decoder.decode(payload)
+            except msgspec.DecodeError as error:
+                log.error("undecodable heartbeat from worker %s: %s", link.request_endpoint, error)
+                continue
+            if link.heartbeat is not None and heartbeat.started_at != link.heartbeat.started_at:
+                link.fail_streams(f"worker {link.request_endpoint} restarted")
+            link.heartbeat = heartbeat
+            link.heartbeat_received_at = time.monotonic()
+
+    async def _watch_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_timeout_s / 4)
+            now = time.monotonic()
+            for link in self._links:
+                if link.streams and not link.is_healthy(now, self._heartbeat_timeout_s):
+                    log.warning(
+                        "worker %s sent no heartbeat for %.1f s",
+                        link.request_endpoint,
+                        now - link.heartbeat_received_at,
+                    )
+                    link.fail_streams(f"worker {link.request_endpoint} stopped sending heartbeats")
+
+
+def _log_send_error(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("send failed: %s", future.exception())
