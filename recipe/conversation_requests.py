@@ -1,0 +1,254 @@
+"""Chat Completions, Responses and Messages requests → a PreparedRequest, through deepseek-recipe.
+
+The library converts the request into a Conversation plus inference and parsing options; this module
+adds what it leaves to the caller: prompt encoding per model family, the context-window check, the
+fields it ignores (n, penalties, logit_bias, top_k, stream_options, max_completion_tokens) and the
+sampling parameters. Its errors become ApiErrors naming the field where the message names one.
+
+Stop strings go to the engine with `include_stop_str_in_output`: the engine stops on them, and the
+processor, seeing the stop string in the text, cuts it and reports it (Anthropic's `stop_sequence`).
+"""
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import deepseek_recipe
+
+from recipe import request_fields
+from recipe.conversation_responses import ConversationResponseFactory, choice_feed
+from recipe.errors import ApiError, invalid_request
+from recipe.prepared_request import PreparedRequest
+from recipe.prompt_encoding import encode_conversation
+from recipe.served_model import ServedModel
+from workers.engine.errors import InvalidRequestError
+from workers.engine.sampling_params import SamplingParams
+from workers.protocol import OutputConstraintSpec
+
+ConversationProtocol = Literal["chat.completions", "responses", "messages"]
+LibraryRequest = (
+    deepseek_recipe.ChatCompletionRequest | deepseek_recipe.ResponsesRequest | deepseek_recipe.MessagesRequest
+)
+
+REQUEST_TYPES = {
+    "chat.completions": deepseek_recipe.ChatCompletionRequest,
+    "responses": deepseek_recipe.ResponsesRequest,
+    "messages": deepseek_recipe.MessagesRequest,
+}
+MAX_TOKENS_FIELDS = {"chat.completions": "max_tokens", "responses": "max_output_tokens", "messages": "max_tokens"}
+MESSAGES_FIELDS = {"chat.completions": "messages", "responses": "input", "messages": "messages"}
+TOOL_CALL_KINDS = ("tool_call", "tool_call_required")
+
+
+def prepare_conversation_request(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> PreparedRequest:
+    # Fields read here are checked before the library sees the body, so that errors name them.
+    n = request_fields.choices(body) if protocol == "chat.completions" else 1
+    stream = request_fields.boolean(body, "stream", default=False)
+    include_usage = request_fields.include_usage(body, stream=stream) if protocol == "chat.completions" else False
+    sampling_fields = _sampling_fields(protocol, body, model)
+    if protocol == "chat.completions":
+        request_fields.integer(body, "seed", low=0, high=request_fields.MAX_SEED)
+    library_request = _library_request(protocol, body)
+    responses_echo, namespace_tools = _responses_settings(library_request)
+    converted = _converted(library_request, model.name)
+    conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
+    forces_tool_call = conversation.tool_choice == "required" and bool(conversation.tools)
+    prompt_token_ids = _encoded(conversation, model, protocol)
+    try:
+        max_tokens = converted.resolve_max_tokens(len(prompt_token_ids), model.max_model_len)
+    except deepseek_recipe.ConversionError as error:
+        raise invalid_request(str(error), MAX_TOKENS_FIELDS[protocol]) from None
+
+    responses = ConversationResponseFactory(
+        protocol=protocol,
+        converted=converted,
+        model_name=model.name,
+        feed=choice_feed(converted, conversation, model, forces_tool_call=forces_tool_call),
+        n=n,
+        include_usage=include_usage,
+        responses_echo=responses_echo,
+        namespace_tools=namespace_tools,
+    )
+    return PreparedRequest(
+        protocol=protocol,
+        model=model.name,
+        stream=stream,
+        n=n,
+        prompt_token_ids=prompt_token_ids,
+        constraint=_constraint(converted.inference_options.output_constraint, model, forces_tool_call),
+        prompt_logprobs=None,
+        params=_sampling_params(sampling_fields, converted, max_tokens),
+        response_factory=responses.new_response,
+    )
+
+
+def count_prompt_tokens(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> int:
+    """The prompt length this request would have (Anthropic's count_tokens)."""
+    converted = _converted(_library_request(protocol, body), model.name)
+    conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
+    return len(_encoded(conversation, model, protocol))
+
+
+def conversion_options(model_name: str) -> deepseek_recipe.ConversionOptions:
+    # Every served model is converted as V4.1 Flash: the versions differ only in prompt encoding,
+    # which recipe.prompt_encoding chooses per model family.
+    options = deepseek_recipe.ConversionOptions(default_thinking_mode=False)
+    return options.with_model_alias(model_name, deepseek_recipe.ModelVersion.DeepseekV41Flash)
+
+
+def _library_request(protocol: ConversationProtocol, body: Mapping) -> LibraryRequest:
+    """The request as the library should see it: without `n` (it rejects n > 1; choices are fanned
+    out here), and with `max_completion_tokens`, which it ignores, as `max_tokens`."""
+    field = MESSAGES_FIELDS[protocol]
+    allowed_types = (str, list) if protocol == "responses" else (list,)
+    if not isinstance(body.get(field), allowed_types):
+        shapes = "a string or a list" if protocol == "responses" else "a list"
+        raise invalid_request(f"`{field}` is required and must be {shapes}", field)
+    library_body = {key: value for key, value in body.items() if key != "n"}
+    if protocol == "chat.completions" and body.get("max_completion_tokens") is not None:
+        request_fields.integer(body, "max_completion_tokens", low=1)
+        library_body["max_tokens"] = library_body.pop("max_completion_tokens")
+    try:
+        return REQUEST_TYPES[protocol](library_body)
+    except ValueError as error:  # a body the library cannot deserialize: missing field, wrong type
+        raise invalid_request(str(error), _named_param(str(error))) from None
+
+
+def _responses_settings(
+    request: LibraryRequest,
+) -> tuple[deepseek_recipe.ResponsesEcho | None, dict[str, tuple[str, str]]]:
+    """What a Responses response reports about its request; read before conversion consumes it."""
+    if not isinstance(request, deepseek_recipe.ResponsesRequest):
+        return None, {}
+    try:
+        return request.echo(), request.namespace_tool_map(conversion_options(request.model))
+    except deepseek_recipe.ConversionError as error:
+        raise _api_error(error) from None
+
+
+def _converted(request: LibraryRequest, model_name: str) -> deepseek_recipe.ConversationRequest:
+    try:
+        return request.convert(conversion_options(model_name))
+    except deepseek_recipe.ConversionError as error:
+        raise _api_error(error) from None
+
+
+def _with_anthropic_any_as_required(
+    protocol: ConversationProtocol, body: Mapping, conversation: deepseek_recipe.Conversation
+) -> deepseek_recipe.Conversation:
+    """Anthropic's tool_choice {"type": "any"} means "use one of the tools"; deepseek-recipe 0.2.0
+    converts it to auto, so the conversation is rebuilt with the choice required."""
+    tool_choice = body.get("tool_choice")
+    is_any = protocol == "messages" and isinstance(tool_choice, Mapping) and tool_choice.get("type") == "any"
+    if not is_any or not conversation.tools or conversation.tool_choice != "auto":
+        return conversation
+    return deepseek_recipe.Conversation(
+        conversation.messages,
+        thinking_mode=conversation.thinking_mode,
+        tools=conversation.tools,
+        tool_choice="required",
+        reasoning_effort=conversation.reasoning_effort,
+        response_format="json_object" if conversation.response_format == "json_object" else "text",
+        response_schema=conversation.response_schema,
+        response_regex=conversation.response_regex,
+    )
+
+
+def _encoded(
+    conversation: deepseek_recipe.Conversation, model: ServedModel, protocol: ConversationProtocol
+) -> list[int]:
+    if any(message.image_sources for message in conversation.messages):
+        raise invalid_request(f"model `{model.name}` does not accept images", MESSAGES_FIELDS[protocol])
+    return encode_conversation(conversation, model)
+
+
+def _api_error(error: deepseek_recipe.ConversionError) -> ApiError:
+    status = error.status_code if 400 <= error.status_code < 500 else 400
+    return ApiError(status, "invalid_request_error", str(error), _named_param(str(error)))
+
+
+_PARAM_PATTERNS = (
+    re.compile(r"Invalid (\w+) value"),
+    re.compile(r"missing field `(\w+)`"),
+    re.compile(r"unknown field `(\w+)`"),
+    re.compile(r"[Ii]nvalid value for '(\w+)'"),
+)
+
+
+# Names the library's messages use for a request field of another name.
+_PARAM_ALIASES = {"tool_call": "tool_choice"}
+
+
+def _named_param(message: str) -> str | None:
+    """The request field a library error message names, when it names one."""
+    for pattern in _PARAM_PATTERNS:
+        match = pattern.search(message)
+        if match:
+            return _PARAM_ALIASES.get(match.group(1), match.group(1))
+    return None
+
+
+def _constraint(
+    constraint: deepseek_recipe.OutputConstraint | None, model: ServedModel, forces_tool_call: bool
+) -> OutputConstraintSpec | None:
+    if constraint is None:
+        return None
+    # The tool-call grammars describe ChatML's native call format; DeepSeek's DSML has none yet.
+    if model.family == "deepseek_v41" and constraint.kind in TOOL_CALL_KINDS:
+        return None
+    kind = "tool_call_required" if forces_tool_call and constraint.kind == "tool_call" else constraint.kind
+    return OutputConstraintSpec(kind=kind, schema=constraint.schema)
+
+
+@dataclass(frozen=True)
+class _SamplingFields:
+    """What the request asks of sampling beyond what the library reports."""
+
+    temperature: float | None  # None: the library's value (DeepSeek models)
+    top_p: float | None
+    top_k: int
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: dict[int, float] | None
+
+
+def _sampling_fields(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> _SamplingFields:
+    is_chat = protocol == "chat.completions"
+    # The library resolves temperature and top_p for DeepSeek models (V4.1 Flash: top_p fixed at 1,
+    # values rounded to 32 bits); other models sample with what the request asked.
+    own_values = model.family != "deepseek_v41"
+    return _SamplingFields(
+        temperature=request_fields.number(body, "temperature", low=0.0, high=2.0, default=1.0) if own_values else None,
+        top_p=request_fields.number(body, "top_p", low=0.0, high=1.0, default=1.0) if own_values else None,
+        top_k=request_fields.integer(body, "top_k", low=0, default=0) if protocol == "messages" else 0,
+        presence_penalty=request_fields.penalty(body, "presence_penalty") if is_chat else 0.0,
+        frequency_penalty=request_fields.penalty(body, "frequency_penalty") if is_chat else 0.0,
+        logit_bias=request_fields.logit_bias(body, model.tokenizer.vocab_size) if is_chat else None,
+    )
+
+
+def _sampling_params(
+    fields: _SamplingFields, converted: deepseek_recipe.ConversationRequest, max_tokens: int
+) -> SamplingParams:
+    options = converted.inference_options
+    temperature = fields.temperature if fields.temperature is not None else (options.temperature or 1.0)
+    top_p = fields.top_p if fields.top_p is not None else (options.top_p or 1.0)
+    if top_p == 0:  # only the most likely token may be chosen: that is greedy decoding
+        temperature, top_p = 0.0, 1.0
+    try:
+        return SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=fields.top_k,
+            seed=options.seed,
+            presence_penalty=fields.presence_penalty,
+            frequency_penalty=fields.frequency_penalty,
+            logit_bias=fields.logit_bias,
+            max_tokens=max_tokens,
+            stop=tuple(converted.parsing_options.stop_sequences),
+            include_stop_str_in_output=True,
+            logprobs=(options.top_logprobs or 0) if options.logprobs else None,
+        )
+    except InvalidRequestError as error:
+        raise invalid_request(str(error)) from None

@@ -1,0 +1,174 @@
+import json
+
+import pytest
+import torch
+
+from recipe.constraints import compile_constraint
+from recipe.tokenizer import Tokenizer
+from workers.engine.constraints import TokenConstraint
+from workers.engine.errors import InvalidRequestError
+from workers.protocol import OutputConstraintSpec
+
+VOCAB = 49152
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TOOLS = json.dumps(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            },
+        },
+    ]
+)
+
+
+def drive(constraint: TokenConstraint, tokenizer: Tokenizer, text: str) -> None:
+    """Feed `text` token by token, checking each token is allowed before it is consumed."""
+    for token_id in tokenizer.encode(text):
+        allowed = constraint.allowed_tokens()
+        assert allowed.dtype == torch.bool and allowed.shape == (VOCAB,)
+        assert allowed[token_id], f"{tokenizer.decode([token_id])!r} was refused after {text!r} began"
+        constraint.advance(token_id)
+
+
+def only_end_of_sequence_is_allowed(constraint: TokenConstraint, tokenizer: Tokenizer) -> bool:
+    return set(constraint.allowed_tokens().nonzero().flatten().tolist()) == set(tokenizer.eos_token_ids)
+
+
+def test_a_json_schema_output_is_followed_token_by_token(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("json", json.dumps(PERSON)), smollm2_tokenizer, VOCAB)
+
+    drive(constraint, smollm2_tokenizer, '{"name": "Ada Lovelace", "age": 36}')
+
+    assert constraint.is_finished()
+    assert only_end_of_sequence_is_allowed(constraint, smollm2_tokenizer)
+
+
+def test_the_mask_refuses_what_the_schema_does_not_allow(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("json", json.dumps(PERSON)), smollm2_tokenizer, VOCAB)
+    drive(constraint, smollm2_tokenizer, '{"name": "Ada", "age": ')
+
+    allowed = constraint.allowed_tokens()
+
+    assert allowed[smollm2_tokenizer.encode("3")[0]]
+    assert not allowed[smollm2_tokenizer.encode('"')[0]]
+    assert not allowed[1]  # <|im_start|>: text never becomes a control token
+    assert not constraint.is_finished()
+    with pytest.raises(ValueError, match="not allowed"):
+        constraint.advance(smollm2_tokenizer.encode('"')[0])
+    constraint.advance(smollm2_tokenizer.encode("3")[0])  # a refused token left the state intact
+
+
+def test_an_empty_schema_means_any_json_object(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("json", ""), smollm2_tokenizer, VOCAB)
+
+    assert not constraint.allowed_tokens()[smollm2_tokenizer.encode("[")[0]]
+    drive(constraint, smollm2_tokenizer, '{"anything": [1, 2.5, null, {"nested": true}]}')
+    assert constraint.is_finished()
+
+
+def test_a_regex_output(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(
+        OutputConstraintSpec("regex", r"(yes|no), [0-9]{2} times"), smollm2_tokenizer, VOCAB
+    )
+
+    drive(constraint, smollm2_tokenizer, "yes, 42 times")
+
+    assert constraint.is_finished()
+    assert only_end_of_sequence_is_allowed(constraint, smollm2_tokenizer)
+
+
+def test_a_required_tool_call_is_the_body_of_one_valid_call(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("tool_call_required", TOOLS), smollm2_tokenizer, VOCAB)
+
+    # The prompt already ends with "<tool_call>": the output starts with the body.
+    assert not constraint.allowed_tokens()[smollm2_tokenizer.encode("Sure")[0]]
+    drive(constraint, smollm2_tokenizer, '{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+
+    assert constraint.is_finished()
+    assert only_end_of_sequence_is_allowed(constraint, smollm2_tokenizer)
+
+
+def test_a_required_tool_call_must_match_the_tools_parameters(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("tool_call_required", TOOLS), smollm2_tokenizer, VOCAB)
+    drive(constraint, smollm2_tokenizer, '{"name": "add", "arguments": {"a": ')
+
+    allowed = constraint.allowed_tokens()
+
+    assert not allowed[smollm2_tokenizer.encode('"')[0]]
+    assert allowed[smollm2_tokenizer.encode("7")[0]]
+
+
+def test_tool_arguments_hold_only_the_declared_parameters(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("tool_call_required", TOOLS), smollm2_tokenizer, VOCAB)
+    drive(constraint, smollm2_tokenizer, '{"name": "get_weather", "arguments": {"city": "Paris"')
+
+    allowed = constraint.allowed_tokens()
+
+    assert allowed[smollm2_tokenizer.encode("}")[0]]
+    assert not allowed[smollm2_tokenizer.encode(",")[0]]
+
+
+def test_an_auto_tool_call_allows_text_or_text_then_valid_calls(smollm2_tokenizer: Tokenizer) -> None:
+    text_only = compile_constraint(OutputConstraintSpec("tool_call", TOOLS), smollm2_tokenizer, VOCAB)
+    drive(text_only, smollm2_tokenizer, "It is sunny, no <tool needed.")
+    assert all(text_only.allowed_tokens()[token] for token in smollm2_tokenizer.eos_token_ids)
+
+    with_call = compile_constraint(OutputConstraintSpec("tool_call", TOOLS), smollm2_tokenizer, VOCAB)
+    drive(
+        with_call,
+        smollm2_tokenizer,
+        'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    )
+    allowed = with_call.allowed_tokens()
+    assert all(allowed[token] for token in smollm2_tokenizer.eos_token_ids)
+    assert not allowed[smollm2_tokenizer.encode("Done")[0]]  # nothing but calls after a call
+
+    opened = compile_constraint(OutputConstraintSpec("tool_call", TOOLS), smollm2_tokenizer, VOCAB)
+    drive(opened, smollm2_tokenizer, "<tool_call>")
+    assert not opened.allowed_tokens()[smollm2_tokenizer.encode("I")[0]]  # an opened call must be valid JSON
+
+
+def test_the_mask_covers_a_vocabulary_padded_past_the_tokenizer(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("regex", "a+"), smollm2_tokenizer, VOCAB + 64)
+
+    allowed = constraint.allowed_tokens()
+
+    assert allowed.shape == (VOCAB + 64,)
+    assert not allowed[VOCAB:].any()
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        (OutputConstraintSpec("json", '{"type": "integer", "minimum": "x"'), "invalid JSON schema: not JSON"),
+        (OutputConstraintSpec("json", '{"type": "colour"}'), "invalid JSON schema: .*colour"),
+        (OutputConstraintSpec("json", '{"type": "string", "pattern": "[a-"}'), "(?s)invalid JSON schema: .*unclosed"),
+        (OutputConstraintSpec("regex", "(unclosed"), "invalid regular expression"),
+        (OutputConstraintSpec("tool_call_required", "[]"), "non-empty list of tools"),
+        (OutputConstraintSpec("tool_call", '[{"type": "function"}]'), "function tools with names"),
+        (OutputConstraintSpec("grammar", "start: x"), "unknown output constraint kind"),
+    ],
+)
+def test_a_bad_constraint_is_an_invalid_request(smollm2_tokenizer: Tokenizer, spec, problem: str) -> None:
+    with pytest.raises(InvalidRequestError, match=problem):
+        compile_constraint(spec, smollm2_tokenizer, VOCAB)
