@@ -3,6 +3,8 @@
 import os
 from pathlib import Path
 
+from django.core.exceptions import ImproperlyConfigured
+
 from controlplane.database_url import parse_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -21,10 +23,15 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "channels",
+    # Project-wide management commands (serve).
+    "controlplane",
 ]
 
-# Our apps keep their migrations in the top-level migrations/ package.
-SLUICE_APPS: list[str] = []
+# Our apps with models (by label, each at controlplane/<label>) keep their migrations in the
+# top-level migrations/ package.
+SLUICE_APPS: list[str] = ["tenants"]
+INSTALLED_APPS += [f"controlplane.{app}" for app in SLUICE_APPS] + ["controlplane.gateway"]
 MIGRATION_MODULES = {app: f"migrations.{app}" for app in SLUICE_APPS}
 
 MIDDLEWARE = [
@@ -63,3 +70,38 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
+
+# The embedded default has no Redis: an in-process channel layer serves one process.
+CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["stderr"], "level": os.environ.get("SLUICE_LOG_LEVEL", "WARNING")},
+    # Django logs every 4xx as a warning; for an API gateway those are the clients' business.
+    "loggers": {"django.request": {"level": "ERROR"}},
+}
+
+
+def _worker_endpoints(value: str) -> list[tuple[str, str]]:
+    """Parses "req|hb,req|hb" into [(request_endpoint, heartbeat_endpoint), ...]."""
+    endpoints = []
+    for pair in filter(None, (item.strip() for item in value.split(","))):
+        request_endpoint, separator, heartbeat_endpoint = pair.partition("|")
+        if not (separator and request_endpoint and heartbeat_endpoint) or "|" in heartbeat_endpoint:
+            raise ImproperlyConfigured(f"SLUICE_WORKER_ENDPOINTS: expected 'request|heartbeat', got {pair!r}")
+        endpoints.append((request_endpoint, heartbeat_endpoint))
+    return endpoints
+
+
+# Gateway. Model names are resolved like `workers.engine.weights.resolve_model` does (packaged name or path).
+_models = os.environ.get("SLUICE_MODELS", "smollm2-135m-instruct")
+SLUICE_MODELS = [name.strip() for name in _models.split(",") if name.strip()]
+# Engine workers to send requests to; `manage.py serve` sets this for the workers it starts. None
+# configured means every generation answers 503 and /healthz says so.
+SLUICE_WORKER_ENDPOINTS = _worker_endpoints(os.environ.get("SLUICE_WORKER_ENDPOINTS", ""))
+SLUICE_MAX_BODY_BYTES = int(os.environ.get("SLUICE_MAX_BODY_BYTES", 4 * 1024 * 1024))
+# Django's own cap on request.body would otherwise be 2.5 MiB.
+DATA_UPLOAD_MAX_MEMORY_SIZE = SLUICE_MAX_BODY_BYTES

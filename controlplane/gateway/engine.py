@@ -1,0 +1,50 @@
+"""The gateway process's one EngineClient, made on first use inside the running event loop."""
+
+import asyncio
+
+from django.conf import settings
+
+from workers.engine_client import EngineClient
+
+# A new client knows no worker as healthy until their first heartbeats (every ~0.1 s) arrive; the
+# first request waits this long for one rather than being refused at once.
+FIRST_HEARTBEAT_WAIT_S = 1.0
+
+# The client is bound to the loop that made it (its sockets and tasks live there). A server has one
+# loop; code that runs several loops one after another (tests, async_to_sync) gets one per loop.
+_current: tuple[asyncio.AbstractEventLoop, asyncio.Task[EngineClient]] | None = None
+
+
+async def _started_client() -> EngineClient:
+    client = EngineClient()
+    for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
+        client.add_worker(request_endpoint, heartbeat_endpoint)
+    await client.start()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + FIRST_HEARTBEAT_WAIT_S
+    while settings.SLUICE_WORKER_ENDPOINTS and not client.healthy_workers() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    return client
+
+
+def _usable(task: asyncio.Task) -> bool:
+    return not task.done() or (not task.cancelled() and task.exception() is None)
+
+
+async def engine_client() -> EngineClient:
+    global _current
+    loop = asyncio.get_running_loop()
+    # No await between the check and the assignment, so concurrent first requests share one client.
+    if _current is None or _current[0] is not loop or not _usable(_current[1]):
+        _current = (loop, loop.create_task(_started_client()))
+    # Shielded: a request cancelled while the client starts must not cancel the start for the others.
+    return await asyncio.shield(_current[1])
+
+
+async def close_engine_client() -> None:
+    global _current
+    if _current is None or _current[0] is not asyncio.get_running_loop():
+        return
+    task, _current = _current[1], None
+    if _usable(task):
+        await (await task).close()

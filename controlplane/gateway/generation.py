@@ -1,0 +1,114 @@
+"""One API call's generation: its n choices run as n engine requests consumed concurrently, and
+every output goes through the recipe's ResponseBuilder, which turns it into protocol events."""
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from controlplane.gateway.errors import as_gateway_error, error_event
+from recipe.api import PreparedRequest, SseEvent
+from workers.engine_client import EngineClient
+from workers.protocol import GenerateOutput, GenerateRequest
+
+RESPONSE_ID_PREFIXES = {
+    "chat.completions": "chatcmpl-",
+    "completions": "cmpl-",
+    "responses": "resp_",
+    "messages": "msg_",
+}
+# What a choice's pump queues when the engine's stream of outputs ends.
+_ENDED = None
+
+
+def encode_sse(event: SseEvent) -> bytes:
+    """One frame: `event:` only when named, and one `data:` line per line of data (SSE has no escaping)."""
+    lines = [f"event: {event.event}\n"] if event.event else []
+    lines += [f"data: {line}\n" for line in event.data.split("\n")]
+    return ("".join(lines) + "\n").encode()
+
+
+class Generation:
+    def __init__(self, client: EngineClient, prepared: PreparedRequest, *, protocol: str, cache_namespace: str) -> None:
+        self._client = client
+        self._protocol = protocol
+        response_id = f"{RESPONSE_ID_PREFIXES[protocol]}{uuid.uuid4().hex}"
+        self._builder = prepared.new_response(response_id, int(time.time()))
+        self._requests = [
+            GenerateRequest(
+                request_id=f"{response_id}-{choice}",
+                prompt_token_ids=prepared.prompt_token_ids,
+                params=prepared.sampling_params(choice),
+                cache_namespace=cache_namespace,
+                constraint=prepared.constraint,
+                prompt_logprobs=prepared.prompt_logprobs,
+            )
+            for choice in range(prepared.n)
+        ]
+        self._events = self._run()
+        self._first: SseEvent | None = None
+
+    async def body(self) -> dict:
+        """The whole response; raises what the engine raised."""
+        async for _ in self._events:
+            pass
+        return self._builder.body()
+
+    async def start_stream(self) -> None:
+        """Waits for the first event, so that an engine that is down or rejects the request still gets
+        an HTTP error status rather than a stream that breaks off; raises what the engine raised."""
+        try:
+            self._first = await anext(self._events, None)
+        except BaseException:
+            await self._events.aclose()
+            raise
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """SSE frames after start_stream(); a later failure ends the stream with an error event."""
+        try:
+            if self._first is not None:
+                yield encode_sse(self._first)
+            async for event in self._events:
+                yield encode_sse(event)
+        except Exception as error:
+            yield encode_sse(error_event(self._protocol, as_gateway_error(error)))
+        finally:
+            await self._events.aclose()
+
+    async def _run(self) -> AsyncIterator[SseEvent]:
+        outputs: asyncio.Queue[tuple[int, GenerateOutput | Exception | None]] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(choice, outputs)) for choice in range(len(self._requests))]
+        running = set(range(len(self._requests)))
+        try:
+            while running:
+                choice, output = await outputs.get()
+                if isinstance(output, Exception):
+                    raise output
+                if output is _ENDED:
+                    if choice in running:
+                        raise RuntimeError(f"engine stream of {self._requests[choice].request_id} ended unfinished")
+                    continue
+                if output.finish_reason is not None:
+                    running.discard(choice)
+                for event in self._builder.push(choice, output):
+                    yield event
+            for event in self._builder.finish():
+                yield event
+        finally:
+            # Reached on success, on an engine error, and when the client went away (the request
+            # task is cancelled, or this generator is closed). Cancelling a pump closes its
+            # `generate` stream, and the engine client aborts every request whose stream is closed
+            # before its final output: the engine stops each choice still running.
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _pump(self, choice: int, outputs: asyncio.Queue) -> None:
+        try:
+            async with aclosing(self._client.generate(self._requests[choice])) as stream:
+                async for output in stream:
+                    outputs.put_nowait((choice, output))
+            outputs.put_nowait((choice, _ENDED))
+        except Exception as error:
+            outputs.put_nowait((choice, error))

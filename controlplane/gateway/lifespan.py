@@ -1,0 +1,46 @@
+"""ASGI lifespan (uvicorn sends it; Django has none): do the slow first-use work before the first
+request, warn loudly when the gateway is open, and disconnect from the workers on shutdown."""
+
+import logging
+
+from asgiref.sync import sync_to_async
+from django.db import connections
+
+from controlplane.gateway.auth import warn_open_mode
+from controlplane.gateway.catalog import served_catalog
+from controlplane.gateway.engine import close_engine_client, engine_client
+from controlplane.tenants.selectors import api_keys_exist
+
+log = logging.getLogger(__name__)
+
+
+def _gateway_is_open() -> bool:
+    try:
+        return not api_keys_exist()
+    finally:
+        # Not a request, so nothing else would close this thread's connection.
+        connections.close_all()
+
+
+async def _start() -> None:
+    await served_catalog()
+    await engine_client()
+    if await sync_to_async(_gateway_is_open)():
+        warn_open_mode()
+
+
+async def lifespan(scope: dict, receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                await _start()
+            except Exception as error:
+                log.exception("gateway startup failed")
+                await send({"type": "lifespan.startup.failed", "message": str(error)})
+                return
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await close_engine_client()
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,86 @@
+"""The OpenAI- and Anthropic-compatible HTTP API. Each view runs the admission checks, calls the
+module that does the work, and renders; every exception becomes an error in its protocol's shape."""
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from controlplane.gateway.admission import admit, admit_caller, prepare
+from controlplane.gateway.catalog import served_catalog
+from controlplane.gateway.engine import engine_client
+from controlplane.gateway.errors import as_gateway_error, error_response
+from controlplane.gateway.generation import Generation
+from recipe.api import count_tokens as recipe_count_tokens
+from recipe.api import list_models
+
+# Proxies must pass events on as they come.
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+View = Callable[..., Awaitable[HttpResponse]]
+
+
+def api_view(view: View) -> View:
+    @csrf_exempt
+    @functools.wraps(view)
+    async def wrapper(request: HttpRequest, *, protocol: str) -> HttpResponse:
+        try:
+            return await view(request, protocol=protocol)
+        except Exception as error:
+            return error_response(protocol, as_gateway_error(error))
+
+    return wrapper
+
+
+@require_POST
+@api_view
+async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
+    admission = await admit(request)
+    prepared = await prepare(admission, protocol=protocol)
+    generation = Generation(
+        await engine_client(), prepared, protocol=protocol, cache_namespace=admission.tenant.prefix_cache_namespace
+    )
+    if prepared.stream:
+        await generation.start_stream()
+        return StreamingHttpResponse(generation.stream(), content_type="text/event-stream", headers=SSE_HEADERS)
+    return JsonResponse(await generation.body())
+
+
+@require_POST
+@api_view
+async def count_tokens(request: HttpRequest, *, protocol: str) -> HttpResponse:
+    admission = await admit(request)
+    input_tokens = await asyncio.to_thread(recipe_count_tokens, admission.body, admission.catalog.models)
+    return JsonResponse({"input_tokens": input_tokens})
+
+
+@require_GET
+@api_view
+async def models(request: HttpRequest, *, protocol: str) -> HttpResponse:
+    await admit_caller(request)
+    catalog = await served_catalog()
+    return JsonResponse(list_models(catalog.models, catalog.created))
+
+
+@require_GET
+async def healthz(request: HttpRequest) -> HttpResponse:
+    """Unauthenticated, for load balancers: 200 while at least one engine worker sends heartbeats."""
+    workers = (await engine_client()).healthy_workers()
+    payload = {
+        "status": "ok" if workers else "unavailable",
+        "workers": [
+            {
+                "worker_id": worker.worker_id,
+                "model": worker.model,
+                "role": worker.role,
+                "num_running": worker.num_running,
+                "num_waiting": worker.num_waiting,
+                "kv_usage": worker.kv_usage,
+            }
+            for worker in workers
+        ],
+    }
+    return JsonResponse(payload, status=200 if workers else 503)

@@ -1,0 +1,56 @@
+"""Who may call the API: tenants and their API keys (only a hash of each key is stored)."""
+
+import secrets
+
+from django.db import models
+
+# The namespace of every tenant that opts into a shared prefix cache.
+SHARED_CACHE_NAMESPACE = "shared"
+
+
+def new_cache_namespace() -> str:
+    return secrets.token_hex(16)
+
+
+class Tenant(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    # A tenant's own namespace is part of every KV block hash it produces, so no tenant can hit
+    # (or time) another tenant's cached prefixes. Unique so two tenants never collide by accident.
+    cache_namespace = models.CharField(max_length=64, unique=True, default=new_cache_namespace)
+    share_prefix_cache = models.BooleanField(
+        default=False, help_text=f"Use the common '{SHARED_CACHE_NAMESPACE}' namespace instead of its own."
+    )
+    rate_limit_rpm = models.PositiveIntegerField(default=600, help_text="Requests per minute.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=~models.Q(cache_namespace=SHARED_CACHE_NAMESPACE), name="tenant_private_cache_namespace"
+            ),
+            models.CheckConstraint(condition=models.Q(rate_limit_rpm__gte=1), name="tenant_rate_limit_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def prefix_cache_namespace(self) -> str:
+        """The namespace its requests are cached under."""
+        return SHARED_CACHE_NAMESPACE if self.share_prefix_cache else self.cache_namespace
+
+
+class ApiKey(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    # The key's first characters: shown to people to tell keys apart, and narrows the lookup.
+    prefix = models.CharField(max_length=12, db_index=True)
+    key_hash = models.CharField(max_length=64, unique=True)  # SHA-256 hex of the whole key
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.tenant.name})"

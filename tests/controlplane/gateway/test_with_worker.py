@@ -1,0 +1,167 @@
+"""The happy path end to end: uvicorn serving the real ASGI application (lifespan included) in a
+thread, one real SmolLM2 worker process on ipc:// sockets, and httpx over TCP."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+from django.test import override_settings
+
+pytest.importorskip("recipe.api")  # skipped, with the import error, until it exists
+pytest.importorskip("workers.worker")  # skipped, with the import error, until it exists
+
+import uvicorn  # noqa: E402
+
+from controlplane.asgi import application  # noqa: E402
+from tests.controlplane.gateway.helpers import SMOLLM2, key_headers, sse_frames, valid_body  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+STARTUP_TIMEOUT_S = 120.0
+# The server's threads only see committed rows.
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+def _wait_for_heartbeat(endpoint: str, process: subprocess.Popen) -> None:
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(endpoint)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        while not subscriber.poll(200):
+            if process.poll() is not None:
+                raise RuntimeError(f"the worker exited with {process.returncode} before its first heartbeat")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no heartbeat from the worker in {STARTUP_TIMEOUT_S} s")
+    finally:
+        subscriber.close(linger=0)
+        context.term()
+
+
+@pytest.fixture(scope="session")
+def smollm2_worker(smollm2_files, tmp_path_factory) -> tuple[str, str]:
+    """(request endpoint, heartbeat endpoint) of a running SmolLM2 worker."""
+    directory = tmp_path_factory.mktemp("worker")
+    endpoints = (f"ipc://{directory}/w.req", f"ipc://{directory}/w.hb")
+    command = [sys.executable, "-m", "workers.worker", "--model", SMOLLM2, "--worker-id", "gateway-tests"]
+    command += ["--request-endpoint", endpoints[0], "--heartbeat-endpoint", endpoints[1]]
+    command += ["--kv-cache-bytes", str(128 << 20)]
+    # One torch thread: on a small shared machine more threads than cores stall the worker's steps
+    # (and so its heartbeats) for seconds.
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        _wait_for_heartbeat(endpoints[1], process)
+        yield endpoints
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def gateway_url(smollm2_worker, django_db_setup, django_db_blocker) -> str:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(application, lifespan="on", log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    with override_settings(SLUICE_WORKER_ENDPOINTS=[smollm2_worker]):
+        with django_db_blocker.unblock():  # the lifespan startup checks whether any key exists
+            thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+            thread.start()
+            while not server.started:
+                assert thread.is_alive(), "the gateway did not start (see its log above)"
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        server.should_exit = True
+        thread.join(timeout=15)
+    listener.close()
+
+
+@pytest.fixture
+def client(gateway_url) -> httpx.Client:
+    with httpx.Client(base_url=gateway_url, timeout=60) as client:
+        yield client
+
+
+def test_healthz_reports_the_worker(client):
+    response = client.get("/healthz")
+
+    assert response.status_code == 200
+    assert [worker["worker_id"] for worker in response.json()["workers"]] == ["gateway-tests"]
+
+
+def test_chat_completion(client, make_api_key):
+    body = valid_body("chat.completions", max_tokens=8, temperature=0)
+
+    response = client.post("/v1/chat/completions", json=body, headers=key_headers(make_api_key()))
+
+    assert response.status_code == 200, response.text
+    completion = response.json()
+    assert completion["object"] == "chat.completion" and completion["model"] == SMOLLM2
+    [choice] = completion["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert completion["usage"]["prompt_tokens"] > 0 and 0 < completion["usage"]["completion_tokens"] <= 8
+
+
+def test_chat_completion_stream(client, make_api_key):
+    body = valid_body("chat.completions", max_tokens=8, temperature=0, stream=True)
+
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=key_headers(make_api_key())) as response:
+        text = response.read().decode()
+
+    assert response.status_code == 200, text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    frames = sse_frames(text)
+    assert frames[-1] == (None, "[DONE]")
+    assert all(event is None for event, _ in frames)
+    chunks = [json.loads(data) for _, data in frames[:-1]]
+    assert "".join(choice["delta"].get("content") or "" for chunk in chunks for choice in chunk["choices"])
+
+
+def test_messages_stream(client, make_api_key):
+    body = valid_body("messages", max_tokens=8, temperature=0, stream=True)
+
+    with client.stream("POST", "/v1/messages", json=body, headers=key_headers(make_api_key(), "x-api-key")) as response:
+        text = response.read().decode()
+
+    assert response.status_code == 200, text
+    frames = sse_frames(text)
+    assert [event for event, _ in frames][0] == "message_start"
+    assert [event for event, _ in frames][-1] == "message_stop"
+    assert "content_block_delta" in [event for event, _ in frames]
+
+
+def _running(client: httpx.Client) -> int:
+    return sum(worker["num_running"] for worker in client.get("/healthz").json()["workers"])
+
+
+def test_a_client_that_hangs_up_stops_its_request_in_the_engine(client, make_api_key):
+    # given: a completion that would run for a long time (counting rarely ends by itself)
+    body = valid_body("completions", prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=1000, temperature=0, stream=True)
+    with client.stream("POST", "/v1/completions", json=body, headers=key_headers(make_api_key())) as response:
+        assert response.status_code == 200
+        next(response.iter_raw())
+        deadline = time.monotonic() + 5
+        while _running(client) == 0:
+            assert time.monotonic() < deadline, "the worker never reported the request running"
+            time.sleep(0.05)
+
+    # when: the response is closed after its first chunk
+    closed_at = time.monotonic()
+
+    # then: the worker stops it long before 1000 tokens
+    while _running(client) != 0:
+        assert time.monotonic() - closed_at < 5, "the request kept running after the client left"
+        time.sleep(0.05)
