@@ -1,8 +1,8 @@
 """An engine worker process: serves GenerateRequests over ZMQ and publishes heartbeats.
 
 Sockets: a ROUTER (requests in; each request's outputs go back to the peer that sent it) and a
-PUB (heartbeats). While the engine has work, the loop checks the ROUTER without blocking between
-steps; when idle it blocks on it until the next heartbeat is due.
+PUB (heartbeats, sent by their own thread). While the engine has work, the loop checks the ROUTER
+without blocking between steps; when idle it blocks on it for up to a heartbeat interval.
 
 Run it with `run_worker_process(WorkerConfig(...))` or `python -m workers.worker --model ...`.
 """
@@ -105,6 +105,10 @@ class Worker:
         self.router.bind(config.request_endpoint)
         self.publisher = context.socket(zmq.PUB)
         self.publisher.bind(config.heartbeat_endpoint)
+        # Heartbeats come from their own thread: one engine step (a long prefill on a CPU) can take
+        # seconds, longer than a client waits before it declares the worker dead. The PUB socket is
+        # used by that thread alone (ZMQ sockets are not thread-safe).
+        self.heartbeat_thread = threading.Thread(target=self._publish_heartbeats, name="heartbeats", daemon=True)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
@@ -123,12 +127,9 @@ class Worker:
             self.config.request_endpoint,
             self.config.heartbeat_endpoint,
         )
-        next_heartbeat = time.monotonic()
+        self.heartbeat_thread.start()
         while not self.stop.is_set():
-            if time.monotonic() >= next_heartbeat:
-                self._publish_heartbeat()
-                next_heartbeat = time.monotonic() + self.config.heartbeat_interval_s
-            idle_ms = 0 if self.engine.has_unfinished() else max(next_heartbeat - time.monotonic(), 0) * 1000
+            idle_ms = 0 if self.engine.has_unfinished() else self.config.heartbeat_interval_s * 1000
             if self.poller.poll(idle_ms):
                 self._receive()
             if self.engine.has_unfinished():
@@ -228,7 +229,12 @@ class Worker:
         # A ROUTER drops messages to peers that are gone rather than blocking.
         self.router.send_multipart([peer, self.encoder.encode(message)])
 
+    def _publish_heartbeats(self) -> None:
+        while not self.stop.wait(self.config.heartbeat_interval_s):
+            self._publish_heartbeat()
+
     def _publish_heartbeat(self) -> None:
+        # Read while the main thread steps: a racy snapshot of counters, good enough for load reports.
         stats = self.engine.stats()
         heartbeat = WorkerHeartbeat(
             worker_id=self.worker_id,
@@ -254,6 +260,7 @@ class Worker:
         for request_id in list(self.owners):
             self._abort(request_id)
         self.router.close(linger=CLOSE_LINGER_MS)
+        self.heartbeat_thread.join()
         self.publisher.close(linger=0)
 
 
@@ -302,8 +309,9 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.worker", description=__doc__.splitlines()[0])
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker's command-line options, shared by this module's CLI and `manage.py run_worker`."""
+    parser.add_argument("--role", default="mixed", choices=["mixed"], help="prefill and decode in one process")
     parser.add_argument("--model", required=True, help="packaged model name, HF directory or config JSON")
     parser.add_argument("--request-endpoint", required=True)
     parser.add_argument("--heartbeat-endpoint", required=True)
@@ -319,27 +327,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-waiting", type=int)
     parser.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    run_worker_process(
-        WorkerConfig(
-            model=args.model,
-            request_endpoint=args.request_endpoint,
-            heartbeat_endpoint=args.heartbeat_endpoint,
-            worker_id=args.worker_id,
-            device=args.device,
-            dtype=args.dtype,
-            tokenizer=args.tokenizer,
-            seed=args.seed,
-            kv_cache_bytes=args.kv_cache_bytes,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_waiting=args.max_waiting,
-            heartbeat_interval_s=args.heartbeat_interval,
-        )
+
+
+def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model=args.model,
+        role=args.role,
+        request_endpoint=args.request_endpoint,
+        heartbeat_endpoint=args.heartbeat_endpoint,
+        worker_id=args.worker_id,
+        device=args.device,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_waiting=args.max_waiting,
+        heartbeat_interval_s=args.heartbeat_interval,
     )
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workers.worker", description=__doc__.splitlines()[0])
+    add_worker_arguments(parser)
+    configure_logging()
+    run_worker_process(config_from_arguments(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ def test_a_dsml_tool_call_and_logprobs_from_tokens(model: ServedModel) -> None:
     prepared = prepare_request("chat.completions", body, {"deepseek-like": model})
     generated = (
         'Sure.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
-        '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+        '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
     )
     builder = prepared.new_response("chatcmpl-ds", 1)
 

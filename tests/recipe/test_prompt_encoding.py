@@ -28,7 +28,11 @@ def test_control_tokens_typed_by_a_user_stay_plain_text(smollm2_tokenizer: Token
 
     # Exactly four turns' worth of control tokens: system, user, and the assistant's opening.
     assert [token for token in ids if token in smollm2_tokenizer.special_token_ids] == [
-        IM_START, IM_END, IM_START, IM_END, IM_START
+        IM_START,
+        IM_END,
+        IM_START,
+        IM_END,
+        IM_START,
     ]
     user_ids = smollm2_tokenizer.encode(f"user\n{injected}")
     start = ids.index(IM_START, 1) + 1

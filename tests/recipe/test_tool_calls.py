@@ -115,8 +115,7 @@ def test_output_that_starts_inside_a_call_opened_by_the_prompt() -> None:
 
 def test_a_list_of_calls_in_one_block_and_arguments_as_a_json_string() -> None:
     block = (
-        '<tool_call>[{"name": "get_time", "arguments": {}}, '
-        '{"name": "get_weather", "arguments": "{\\"days\\": 2}"}]'
+        '<tool_call>[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": "{\\"days\\": 2}"}]'
     )
 
     assert adapt([block + "</tool_call>"]) == library_dsml(("get_time", {}), ("get_weather", {"days": 2}))
