@@ -62,9 +62,10 @@ TEMPLATES = [
     }
 ]
 
-if "DATABASE_URL" not in os.environ:
+# An empty DATABASE_URL counts as unset.
+if not os.environ.get("DATABASE_URL"):
     VAR_DIR.mkdir(parents=True, exist_ok=True)
-DATABASES = {"default": parse_database_url(os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'sluice.sqlite3'}"))}
+DATABASES = {"default": parse_database_url(os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'sluice.sqlite3'}")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True
