@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-installed
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/sluice
 PYTEST_ARGS ?=
+PORT ?= 8000
 
-.PHONY: setup model run test clean
+.PHONY: setup model run demo test clean
 
 setup: $(STAMP)
 
@@ -21,7 +22,13 @@ $(STAMP): pyproject.toml
 model: setup
 	$(PY) -m workers.engine.weights smollm2-135m-instruct
 
+# The whole stack on this machine: gateway + one engine worker with the real model (Ctrl-C stops).
+# SQLite under var/ by default; set DATABASE_URL=postgres://... for PostgreSQL.
 run: model
+	$(PY) manage.py migrate --no-input
+	$(PY) manage.py serve --port $(PORT)
+
+demo: model
 	$(PY) -m workers.engine.demo
 
 test: model

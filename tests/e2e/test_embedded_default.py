@@ -1,0 +1,55 @@
+"""The embedded default (SQLite, one machine) under `manage.py serve`: it serves, a crashed worker is
+restarted and logged, and stopping the supervisor stops every child."""
+
+import os
+import signal
+import subprocess
+import time
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL, start_stack, stop_stack
+
+pytestmark = pytest.mark.slow
+
+
+def children(pid: int) -> dict[int, str]:
+    listed = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(line.split(None, 1)[0]): line.split(None, 1)[1] for line in listed.strip().splitlines()}
+
+
+def chat(stack) -> str:
+    reply = stack.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+    )
+    return reply.choices[0].finish_reason
+
+
+def test_sqlite_stack_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
+    process, stack = start_stack(tmp_path, f"sqlite:///{tmp_path / 'embedded.sqlite3'}", "embedded")
+    try:
+        assert chat(stack) in {"stop", "length"}
+        [worker] = [pid for pid, args in children(process.pid).items() if "run_worker" in args]
+        os.kill(worker, signal.SIGKILL)
+
+        # Meanwhile the gateway answers 503 ("try again shortly"); the restarted worker serves again.
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                assert chat(stack) in {"stop", "length"}
+                break
+            except openai.InternalServerError as error:
+                assert error.status_code == 503
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert [pid for pid, args in children(process.pid).items() if "run_worker" in args] != [worker]
+        assert "worker-0 exited with code -9; restarting" in (tmp_path / "serve.log").read_text()
+        running = list(children(process.pid))
+    finally:
+        stop_stack(process)
+    assert process.returncode == 0
+    for pid in running:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
