@@ -1,0 +1,233 @@
+"""Block data on a directory: one checksummed file per block, written atomically.
+
+The directory may be a local disk or a mount shared by many hosts (CephFS, 3FS, NFS). Nothing here
+locks: a writer writes a temp file next to the final path and renames it into place, so a reader
+sees either no file or a whole one, and two writers of the same key (same key = same content) race
+harmlessly. A writer killed mid-write leaves only a temp file, which `recover()` removes later.
+
+File layout (little-endian):
+
+    magic "SKVB" | version u16 | meta_len u32 | payload_len u64 | checksum 16 B   (the fixed header)
+    meta: msgpack of {key, meta: BlockMeta}, meta_len bytes
+    payload, payload_len bytes
+
+The checksum is BLAKE2b-128 over meta + payload; the fixed fields it does not cover are checked on
+their own (magic, version, and meta_len + payload_len against the file's size). The key is stored
+inside the file so that a file under the wrong name is caught. Bad files are deleted on read: the
+caller then sees a miss and recomputes, and the block is rewritten later.
+"""
+
+import logging
+import os
+import secrets
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from hashlib import blake2b
+from pathlib import Path
+
+import msgspec
+
+from workers.block_hash import BlockHash
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SKVB"
+VERSION = 1
+CHECKSUM_BYTES = 16
+BLOCK_SUFFIX = ".blk"
+TEMP_SUFFIX = ".tmp"
+
+_FIXED = struct.Struct(f"<4sHIQ{CHECKSUM_BYTES}s")
+
+
+class BlockMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What a block file says about itself, enough to rebuild an index entry from the disk alone."""
+
+    traffic_class: str
+    depth: int
+    created_at: float
+
+
+class _FileMeta(msgspec.Struct, frozen=True):
+    key: BlockHash
+    meta: BlockMeta
+
+
+_encode_meta = msgspec.msgpack.Encoder().encode
+_decode_meta = msgspec.msgpack.Decoder(_FileMeta).decode
+
+
+class BlockFiles:
+    def __init__(self, root: Path, *, fsync: bool = False) -> None:
+        """`fsync=True` makes a written block survive power loss; surviving a killed process
+        needs only the rename, so it is off by default."""
+        self.root = Path(root)
+        self.fsync = fsync
+
+    def path(self, key: BlockHash) -> Path:
+        """`root/ab/cd/<hex>.blk`: two levels of 256 folders keep directories small."""
+        name = key.hex()
+        return self.root / name[:2] / name[2:4] / f"{name}{BLOCK_SUFFIX}"
+
+    def write(self, key: BlockHash, payload: bytes | memoryview, meta: BlockMeta) -> int:
+        """Store the block unless its file exists already; returns the file's size."""
+        final = self.path(key)
+        try:
+            return final.stat().st_size
+        except FileNotFoundError:
+            pass
+        data = memoryview(payload).cast("B")
+        meta_bytes = _encode_meta(_FileMeta(key, meta))
+        checksum = blake2b(meta_bytes, digest_size=CHECKSUM_BYTES)
+        checksum.update(data)
+        header = _FIXED.pack(MAGIC, VERSION, len(meta_bytes), data.nbytes, checksum.digest())
+        temp = final.with_name(f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+        changed_dirs = self._make_dirs(final.parent)
+        try:
+            with open(temp, "xb") as f:
+                f.write(header)
+                f.write(meta_bytes)
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(temp, final)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            for directory in (final.parent, *changed_dirs):
+                _fsync_dir(directory)
+        return len(header) + len(meta_bytes) + data.nbytes
+
+    def read(self, key: BlockHash) -> memoryview | None:
+        """The block's payload, or None if the file is missing or bad (a bad file is deleted)."""
+        path = self.path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                data = f.readall()
+        except FileNotFoundError:
+            return None
+        problem, payload_start = _verify(key, data)
+        if problem:
+            log.warning("deleting bad KV block file %s: %s", path, problem)
+            path.unlink(missing_ok=True)
+            return None
+        return memoryview(data)[payload_start:]
+
+    def delete(self, keys: Iterable[BlockHash]) -> int:
+        """Delete the blocks' files; returns how many existed."""
+        deleted = 0
+        for key in keys:
+            try:
+                self.path(key).unlink()
+                deleted += 1
+            except FileNotFoundError:
+                pass
+        return deleted
+
+    def touch_access(self, key: BlockHash, now: float) -> None:
+        """Record a read in the file's mtime, which is how a rebuilt index learns the last access.
+        Best effort: a vanished file, or one another host owns on a shared mount, is left as is."""
+        try:
+            os.utime(self.path(key), (now, now))
+        except OSError:
+            pass
+
+    def scan(self) -> Iterator[tuple[BlockHash, BlockMeta, int, float]]:
+        """(key, meta, file size, mtime) of every block file whose header and metadata are sound.
+
+        Reads headers only, so the payload checksum is left to `read`; temp files and files with an
+        unreadable header are skipped."""
+        for path in self._files(BLOCK_SUFFIX):
+            try:
+                key = bytes.fromhex(path.name[: -len(BLOCK_SUFFIX)])
+                with open(path, "rb") as f:
+                    stat = os.fstat(f.fileno())
+                    fixed = f.read(_FIXED.size)
+                    if len(fixed) < _FIXED.size:
+                        continue
+                    magic, version, meta_len, payload_len, _ = _FIXED.unpack(fixed)
+                    if magic != MAGIC or version != VERSION or _FIXED.size + meta_len + payload_len != stat.st_size:
+                        continue
+                    file_meta = _decode_meta(f.read(meta_len))
+            except (OSError, ValueError, msgspec.DecodeError):
+                continue
+            if file_meta.key == key:
+                yield key, file_meta.meta, stat.st_size, stat.st_mtime
+
+    def recover(self, older_than_s: float = 60) -> int:
+        """Delete temp files older than `older_than_s`: leftovers of writers killed mid-write. Younger
+        ones may belong to a writer still running (on this or another host), so they are kept."""
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for path in self._files(TEMP_SUFFIX):
+            try:
+                if path.stat().st_mtime <= cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def _files(self, suffix: str) -> Iterator[Path]:
+        """Files ending in `suffix` in the two shard levels under root."""
+        for top in _subdirs(self.root):
+            for shard in _subdirs(top):
+                try:
+                    with os.scandir(shard) as it:
+                        names = [e.name for e in it if e.name.endswith(suffix)]
+                except FileNotFoundError:
+                    continue
+                for name in names:
+                    yield Path(shard) / name
+
+    def _make_dirs(self, directory: Path) -> list[Path]:
+        """Create a block's shard folders if absent; returns the folders whose listing changed."""
+        if directory.is_dir():
+            return []
+        changed = [directory.parent] if directory.parent.is_dir() else [directory.parent, directory.parent.parent]
+        directory.mkdir(parents=True, exist_ok=True)
+        return changed
+
+
+def _verify(key: BlockHash, data: bytes) -> tuple[str, int]:
+    """('', payload offset) for a sound file, else (what is wrong, 0)."""
+    if len(data) < _FIXED.size:
+        return f"truncated header ({len(data)} bytes)", 0
+    magic, version, meta_len, payload_len, checksum = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        return f"bad magic {magic!r}", 0
+    if version != VERSION:
+        return f"unknown format version {version}", 0
+    payload_start = _FIXED.size + meta_len
+    if payload_start + payload_len != len(data):
+        return f"size {len(data)} does not match its header ({payload_start + payload_len})", 0
+    view = memoryview(data)
+    actual = blake2b(view[_FIXED.size :], digest_size=CHECKSUM_BYTES).digest()
+    if actual != checksum:
+        return "checksum mismatch", 0
+    try:
+        file_key = _decode_meta(view[_FIXED.size : payload_start]).key
+    except msgspec.DecodeError as e:
+        return f"unreadable metadata ({e})", 0
+    if file_key != key:
+        return f"holds block {file_key.hex()}", 0
+    return "", payload_start
+
+
+def _subdirs(directory: Path) -> list[str]:
+    try:
+        with os.scandir(directory) as it:
+            return [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

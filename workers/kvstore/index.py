@@ -1,0 +1,73 @@
+"""The block index: what the store holds, without the data. One interface, two backends.
+
+`MemoryIndex` (workers.kvstore.memory_index) lives in one process, for the embedded default;
+`RedisIndex` (workers.kvstore.redis_index) is shared by every process and host that uses the same
+Redis. Both pass the same test suite (tests/workers/kvstore/test_index.py).
+
+An entry names a block by its chained hash (workers.block_hash), so a block's presence implies
+nothing about its ancestors: eviction may have removed a chain's middle. `match_prefix` therefore
+walks the chain and stops at the first absent key.
+
+Expiry is not stored: a block expires `ttl(traffic_class)` seconds after its last access, with the
+TTL taken from the policy when the GC runs, so an edited policy applies to blocks already stored.
+`expired()` serves that query per class, oldest access first.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+import msgspec
+
+from workers.block_hash import BlockHash
+
+
+class BlockEntry(msgspec.Struct, frozen=True, kw_only=True):
+    key: BlockHash
+    size: int  # bytes of the block's file
+    traffic_class: str  # decides the TTL; e.g. "chat", "agent"
+    depth: int  # the block's position in its chain (0 = first block of a prompt)
+    created_at: float
+    last_access: float
+    hit_count: int = 0
+
+
+class IndexUsage(msgspec.Struct, frozen=True):
+    num_blocks: int
+    num_bytes: int
+
+
+class BlockIndex(ABC):
+    @abstractmethod
+    def add(self, entries: Sequence[BlockEntry]) -> int:
+        """Insert entries whose keys are absent (a present key keeps its entry); returns how many
+        were inserted."""
+
+    @abstractmethod
+    def get(self, key: BlockHash) -> BlockEntry | None: ...
+
+    @abstractmethod
+    def match_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many of `keys`, from the first, are present: the hit length in blocks. No side effects."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[BlockHash], now: float) -> None:
+        """Record a hit on each present key: last access = now, hit count + 1."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
+        """Delete the present keys; returns the entries removed."""
+
+    @abstractmethod
+    def expired(self, traffic_class: str, cutoff: float, limit: int) -> list[BlockEntry]:
+        """Up to `limit` entries of the class last accessed at or before `cutoff`, oldest first."""
+
+    @abstractmethod
+    def entries(self) -> Iterator[BlockEntry]:
+        """Every entry, in no particular order (a snapshot for the eviction policy to rank)."""
+
+    @abstractmethod
+    def usage(self) -> IndexUsage: ...
+
+    @abstractmethod
+    def traffic_classes(self) -> set[str]:
+        """The classes that have at least one entry."""

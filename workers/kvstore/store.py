@@ -1,0 +1,111 @@
+"""The KV block store as the engine sees it: block files plus an index of them.
+
+The index answers "how much of this chain is stored" without touching the disk; the files hold the
+data and have the last word. Writes go file first, then index, so a crash in between leaves at worst
+an orphan file (found again by a rebuild or the GC), never an index entry without data. Reads trust
+the file, not the index: a block that turns out missing or corrupt ends the read there, and its
+index entry is removed so that later matches stop promising it; the caller recomputes the rest.
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+
+from workers.block_hash import BlockHash
+from workers.kvstore.block_files import BlockFiles, BlockMeta
+from workers.kvstore.index import BlockEntry, BlockIndex
+from workers.kvstore.memory_index import MemoryIndex
+from workers.kvstore.redis_index import RedisIndex
+
+INDEX_URL_HELP = "'memory' or 'redis://host:port/db?prefix=...' (rediss:// for TLS)"
+
+
+class KVStore:
+    def __init__(self, files: BlockFiles, index: BlockIndex, *, clock: Callable[[], float] = time.time) -> None:
+        self.files = files
+        self.index = index
+        self.clock = clock
+
+    def match(self, keys: Sequence[BlockHash]) -> int:
+        """How many blocks of the chain, from the first, the index holds; reads no data."""
+        return self.index.match_prefix(keys)
+
+    def read(self, keys: Sequence[BlockHash]) -> list[memoryview]:
+        """The payloads of the chain's blocks in order, up to the first missing or corrupt one."""
+        payloads = []
+        for key in keys:
+            payload = self.files.read(key)
+            if payload is None:
+                self.index.remove([key])
+                break
+            payloads.append(payload)
+        if payloads:
+            now = self.clock()
+            found = keys[: len(payloads)]
+            self.index.touch(found, now)
+            for key in found:
+                self.files.touch_access(key, now)
+        return payloads
+
+    def write(self, key: BlockHash, payload: bytes | memoryview, *, depth: int, traffic_class: str) -> bool:
+        """Store a block; False if the index holds it already (the payload is then not written)."""
+        if self.contains(key):
+            return False
+        now = self.clock()
+        size = self.files.write(key, payload, BlockMeta(traffic_class=traffic_class, depth=depth, created_at=now))
+        entry = BlockEntry(
+            key=key, size=size, traffic_class=traffic_class, depth=depth, created_at=now, last_access=now
+        )
+        return self.index.add([entry]) == 1
+
+    def contains(self, key: BlockHash) -> bool:
+        return self.index.match_prefix([key]) == 1
+
+
+def open_index(url: str) -> BlockIndex:
+    """An index backend from its URL: 'memory', or a Redis URL whose `prefix` query parameter (default
+    'sluice:kv') names the keys; the other query parameters go to redis-py."""
+    if url == "memory":
+        return MemoryIndex()
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"unknown KV index URL {url!r}: expected {INDEX_URL_HELP}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    prefixes = [value for name, value in query if name == "prefix"]
+    prefix = prefixes[-1] if prefixes else "sluice:kv"
+    if not prefix:
+        raise ValueError(f"KV index URL {url!r} has an empty prefix: expected {INDEX_URL_HELP}")
+    client_url = urlunsplit(parts._replace(query=urlencode([(n, v) for n, v in query if n != "prefix"])))
+    return RedisIndex(redis.Redis.from_url(client_url), prefix)
+
+
+def open_store(directory: Path, index_url: str = "memory", *, fsync: bool = False) -> KVStore:
+    """A store on `directory` (created if absent), after clearing temp files left by killed writers.
+
+    An in-process index starts empty, so it is rebuilt from the block files, added oldest access
+    first because `MemoryIndex.expired` relies on insertion order. A Redis index outlives processes
+    and is shared, so it is used as it is."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = BlockFiles(directory, fsync=fsync)
+    files.recover()
+    index = open_index(index_url)
+    if isinstance(index, MemoryIndex):
+        found = sorted(files.scan(), key=lambda block: block[3])
+        index.add(
+            [
+                BlockEntry(
+                    key=key,
+                    size=size,
+                    traffic_class=meta.traffic_class,
+                    depth=meta.depth,
+                    created_at=meta.created_at,
+                    last_access=mtime,
+                )
+                for key, meta, size, mtime in found
+            ]
+        )
+    return KVStore(files, index)
