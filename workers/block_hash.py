@@ -64,6 +64,12 @@ def hash_chain(
     return keys
 
 
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks of a prompt a cache may serve: at least one token is always computed,
+    since its logits sample the next token."""
+    return max(num_tokens - 1, 0) // block_size
+
+
 def namespace_extra(model_id: str, cache_namespace: str = "") -> bytes:
     """The `extra` that separates models and tenants' cache namespaces."""
     return f"{model_id}\x00{cache_namespace}".encode()

@@ -9,7 +9,7 @@ which keyless pages are reused first, then keyed pages oldest first.
 from collections import OrderedDict
 
 from kernels.attention import NULL_PAGE
-from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain
+from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 from workers.engine.request import Request
 
 
@@ -54,7 +54,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], []
         tokens = request.all_token_ids
-        keys = hash_chain(tokens, self.page_size, request.hash_extra, max_blocks=(len(tokens) - 1) // self.page_size)
+        max_blocks = reusable_blocks(len(tokens), self.page_size)
+        keys = hash_chain(tokens, self.page_size, request.hash_extra, max_blocks=max_blocks)
         pages: list[int] = []
         for i, key in enumerate(keys):
             page = self.cached_pages.get(key)

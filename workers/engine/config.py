@@ -170,6 +170,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Tokens per block of the global KV store (when the engine has one); a multiple of page_size.
+    kv_block_tokens: int = 128
     seed: int = 0
     # Requests allowed to wait for admission; past it add_request refuses (None: unbounded).
     max_waiting: int | None = None
@@ -183,5 +185,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_block_tokens <= 0 or self.kv_block_tokens % self.page_size:
+            raise ValueError(
+                f"kv_block_tokens must be a positive multiple of page_size ({self.page_size}), "
+                f"got {self.kv_block_tokens}"
+            )
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")

@@ -21,8 +21,12 @@ from workers.engine.request import FinishReason, Request
 from workers.engine.sampler import TokenLogprobs
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.engine.scheduler import Scheduler
+from workers.engine.store_connector import StoreConnector, StoreStats
+from workers.kvstore.store import KVStore
 
 log = logging.getLogger(__name__)
+
+MAX_TRAFFIC_CLASS_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +40,14 @@ class EngineStats:
     num_prompt_tokens: int  # prompt tokens admitted since start
     num_cached_prompt_tokens: int  # of those, served from the prefix cache
     num_preemptions: int
+    store: StoreStats | None  # None when the engine has no KV store
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    """`store`, when given, is the global KV block store: prompts fetch their stored prefix from it
+    and every block the engine completes is written to it (see store_connector)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, store: KVStore | None = None) -> None:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -49,6 +57,8 @@ class LLMEngine:
         if device.type == "cpu":
             reuse_freed_memory()
         dtype = next(loaded.model.parameters()).dtype
+        # What decides the bytes of a KV block besides the tokens: blocks of another dtype never match.
+        self.kv_model_id = f"{loaded.name}:{str(dtype).removeprefix('torch.')}"
         num_pages = config.num_pages or KVCache.pages_for_bytes(
             loaded.config, num_bytes=config.kv_cache_bytes, page_size=config.page_size, dtype=dtype
         )
@@ -68,6 +78,7 @@ class LLMEngine:
             device=device,
             seed=config.seed,
         )
+        self.store = StoreConnector(store, kv_cache, block_tokens=config.kv_block_tokens) if store is not None else None
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, OutputText] = {}
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
@@ -81,14 +92,16 @@ class LLMEngine:
         cache_namespace: str = "",
         constraint: TokenConstraint | None = None,
         prompt_logprobs: int | None = None,
+        traffic_class: str = "chat",
     ) -> None:
         """Admit a request, or raise InvalidRequestError naming the problem, or EngineOverloadedError
         when max_waiting requests already wait (either way nothing is changed).
 
         `constraint` masks every sampled token and ends the request when it is finished;
-        `prompt_logprobs=k` reports, with the first output, each prompt token's logprob and its top k.
+        `prompt_logprobs=k` reports, with the first output, each prompt token's logprob and its top k;
+        `traffic_class` sets how long the KV store keeps the blocks this request writes.
         """
-        max_tokens = self._validate(request_id, prompt_token_ids, params, prompt_logprobs)
+        max_tokens = self._validate(request_id, prompt_token_ids, params, prompt_logprobs, traffic_class)
         max_waiting = self.config.max_waiting
         if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting (max_waiting)")
@@ -97,13 +110,17 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             max_tokens=max_tokens,
-            hash_extra=namespace_extra(self.model_name, cache_namespace),
+            hash_extra=namespace_extra(self.kv_model_id, cache_namespace),
             constraint=constraint,
             prompt_logprobs=prompt_logprobs,
+            traffic_class=traffic_class,
         )
         self.requests[request_id] = request
         if self.tokenizer is not None:
             self.texts[request_id] = OutputText(self.tokenizer, params)
+        if self.store is not None and not request.needs_prompt_logits:
+            local_pages, _ = self.block_manager.find_cached_prefix(request)
+            self.store.start_fetch(request, local_hit_tokens=len(local_pages) * self.block_manager.page_size)
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
@@ -120,11 +137,21 @@ class LLMEngine:
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
+        if output.loads:
+            self.store.copy_in(output.loads)
         result = self.runner.execute(output.scheduled)
         for computed in result.prompt_logprobs:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
         self.scheduler.finish_step(output, self.requests)
+        if self.store is not None:
+            for scheduled in output.scheduled:
+                self.store.save_completed_blocks(self.requests[scheduled.request_id])
         return [self._update(token) for token in result.sampled]
+
+    def close(self) -> None:
+        """Finish writing to the KV store; the engine is not used afterwards."""
+        if self.store is not None:
+            self.store.close()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -137,6 +164,7 @@ class LLMEngine:
             num_prompt_tokens=self.scheduler.num_admitted_prompt_tokens,
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            store=self.store.stats() if self.store is not None else None,
         )
 
     def _update(self, sampled: SampledToken) -> RequestDelta:
@@ -196,10 +224,19 @@ class LLMEngine:
         self.texts.pop(request.request_id, None)
         return delta
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, prompt_logprobs: int | None) -> int:
+    def _validate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        prompt_logprobs: int | None,
+        traffic_class: str,
+    ) -> int:
         """The request's effective max_tokens, after checking everything the engine can check."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not (isinstance(traffic_class, str) and 0 < len(traffic_class) <= MAX_TRAFFIC_CLASS_CHARS):
+            raise InvalidRequestError(f"traffic_class must be a name of 1 to {MAX_TRAFFIC_CLASS_CHARS} characters")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:

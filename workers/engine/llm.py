@@ -3,6 +3,7 @@
 import itertools
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 import torch
@@ -13,6 +14,7 @@ from workers.engine.errors import InvalidRequestError
 from workers.engine.model_loader import ModelSource, load_model
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.kvstore.store import open_store
 
 Prompt = str | list[int]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -25,6 +27,10 @@ class LLM:
     config (dict or JSON path) for a random-weight model built from `seed`. String prompts are
     tokenized with special tokens recognized, since the offline caller writes the whole prompt;
     the serving path (recipe) never lets user text become a special token.
+
+    `kv_store` is a directory for the global KV block store (index: "memory" or a redis:// URL):
+    prompts reuse the blocks stored there, and what this engine computes is stored. Call `close()`
+    to finish writing before the process exits.
     """
 
     def __init__(
@@ -43,6 +49,9 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_store: str | os.PathLike | None = None,
+        kv_store_index: str = "memory",
+        kv_block_tokens: int = 128,
     ) -> None:
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -59,6 +68,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
+            kv_block_tokens=kv_block_tokens,
             seed=seed,
         )
         loaded = load_model(
@@ -69,7 +79,8 @@ class LLM:
             max_model_len=max_model_len,
             tokenizer=tokenizer,
         )
-        self.engine = LLMEngine(loaded, config)
+        store = open_store(Path(kv_store), kv_store_index) if kv_store is not None else None
+        self.engine = LLMEngine(loaded, config, store)
         self.tokenizer = loaded.tokenizer
         self._ids = itertools.count()
 
@@ -129,6 +140,9 @@ class LLM:
                     completion.stop_reason = delta.stop_reason
                 by_id[delta.request_id.rsplit("-", 1)[0]].num_cached_tokens = delta.num_cached_tokens
         return results
+
+    def close(self) -> None:
+        self.engine.close()
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -1,7 +1,9 @@
 """A request's state inside the engine: tokens, progress, pages."""
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.block_hash import BlockHash
 from workers.engine.constraints import TokenConstraint
@@ -43,12 +45,21 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0
-    # Prompt tokens served from the prefix cache at the request's first admission.
+    # Decides how long the global KV store keeps the blocks this request writes ("chat", "agent").
+    traffic_class: str = "chat"
+    # Prompt tokens served from the prefix cache or the KV store at the request's first admission.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     pages: list[int] = field(default_factory=list)
     # Hashes of the request's full pages, in order; the chain continues from the last.
     page_hashes: list[BlockHash] = field(default_factory=list)
+    # The request's keys in the global KV store (blocks of its tokens), extended as blocks fill.
+    store_keys: list[BlockHash] = field(default_factory=list)
+    # Blocks from the start that are in the store or queued for it; they survive preemption.
+    num_saved_blocks: int = 0
+    # Store blocks being fetched for the prompt (a Future of store_connector.LoadedBlocks); the
+    # request is admitted once it is done.
+    store_fetch: "Future[Any] | None" = None
     # Masks every sampled token; its state follows output_token_ids, so it survives preemption.
     constraint: TokenConstraint | None = None
     # Top alternatives per prompt token when the caller asked for prompt logprobs, else None.
@@ -84,6 +95,10 @@ class Request:
         if not self.prompt_token_logprobs:
             self.prompt_token_logprobs = [None] * len(self.prompt_token_ids)
         self.prompt_token_logprobs[first_index : first_index + len(entries)] = entries
+
+    @property
+    def is_fetching(self) -> bool:
+        return self.store_fetch is not None and not self.store_fetch.done()
 
     @property
     def is_finished(self) -> bool:

@@ -10,12 +10,14 @@ request objects and lists of ints; it never touches tensors.
 """
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from workers.block_hash import BlockHash
 from workers.engine.block_manager import BlockManager
 from workers.engine.constraints import TokenConstraint
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.store_connector import KVLoad, LoadedBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[str]
+    # Store blocks to copy into pages before the step runs (requests admitted with a store hit).
+    loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -77,26 +81,53 @@ class Scheduler:
                 budget -= count
                 index += 1
 
-        # Admitting while preempting would only evict what was just admitted.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        # Admitting while preempting would only evict what was just admitted. A request whose store
+        # blocks are still being fetched keeps its place; those behind it may go first.
+        loads: list[KVLoad] = []
+        position = 0
+        while not preempted and position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[position]
+            if request.is_fetching:
+                position += 1
+                continue
             cached = ([], []) if request.needs_prompt_logits else self.block_manager.find_cached_prefix(request)
-            cached_tokens = len(cached[0]) * self.block_manager.page_size
-            count = min(request.num_tokens - cached_tokens, budget)
-            if not self.block_manager.allocate(request, count, cached):
+            cached, loaded = self._with_fetched_blocks(request, cached)
+            page_size = self.block_manager.page_size
+            cached_tokens = len(cached[0]) * page_size
+            loaded_tokens = loaded.num_pages * page_size if loaded else 0
+            count = min(request.num_tokens - cached_tokens - loaded_tokens, budget)
+            if not self.block_manager.allocate(request, loaded_tokens + count, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
+            request.store_fetch = None
+            if loaded:
+                first = loaded.first_page
+                loads.append(KVLoad(pages=request.pages[first : first + loaded.num_pages], blocks=loaded.blocks))
             if request.num_preemptions == 0:
-                request.num_cached_tokens = cached_tokens
+                request.num_cached_tokens = cached_tokens + loaded_tokens
                 self.num_admitted_prompt_tokens += len(request.prompt_token_ids)
-                self.num_cached_prompt_tokens += cached_tokens
-            request.num_computed_tokens = cached_tokens
+                self.num_cached_prompt_tokens += cached_tokens + loaded_tokens
+            request.num_computed_tokens = cached_tokens + loaded_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             plan.append((request, count))
             budget -= count
 
-        return SchedulerOutput(scheduled=[self._describe(r, n) for r, n in plan], preempted=preempted)
+        return SchedulerOutput(scheduled=[self._describe(r, n) for r, n in plan], preempted=preempted, loads=loads)
+
+    @staticmethod
+    def _with_fetched_blocks(
+        request: Request, cached: tuple[list[int], list[BlockHash]]
+    ) -> tuple[tuple[list[int], list[BlockHash]], LoadedBlocks | None]:
+        """The cached pages to attach and the store blocks to load after them, if they extend the
+        prefix: fetched blocks start at a block boundary, so local pages past it are dropped."""
+        loaded = request.store_fetch.result() if request.store_fetch is not None else None
+        if loaded is None or not loaded.num_pages:
+            return cached, None
+        pages, keys = cached
+        if len(pages) < loaded.first_page or len(pages) >= loaded.first_page + loaded.num_pages:
+            return cached, None
+        return (pages[: loaded.first_page], keys[: loaded.first_page]), loaded
 
     def _allocate_or_preempt(self, request: Request, count: int, preempted: list[str]) -> bool:
         """Allocate for `request`, preempting from the back of the running list until it fits.

@@ -1,0 +1,187 @@
+"""Moves KV between the engine's pages and the global block store (workers.kvstore).
+
+A store block is `block_tokens` tokens (a multiple of the page size), keyed by the same chained
+hash as the engine's pages (workers.block_hash) with the same `extra`, only over longer blocks.
+
+Reads: when a request arrives, the index says how many of its prompt's blocks the store holds
+(no data read). If that beats the engine-local prefix cache, a reader thread fetches the blocks
+into host memory while the request waits; the scheduler admits it once they are in, and the step
+that admits it copies them into its pages before the model runs. A missing or corrupt block ends
+the fetch there: the rest is recomputed.
+
+Writes: after each step, blocks that became full of computed tokens (prompt or output: the next
+turn of a conversation contains this turn's answer) are copied out of their pages on the engine
+thread — a short device-to-host copy — and written by a writer thread, off the critical path. When
+the writer falls behind, new blocks are dropped rather than stalling the engine.
+"""
+
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.block_hash import ROOT_HASH, BlockHash, hash_chain, reusable_blocks
+from workers.engine.kv_cache import KVCache
+from workers.engine.request import Request
+from workers.kvstore.store import KVStore
+
+log = logging.getLogger(__name__)
+
+# Blocks waiting for the writer thread; past this, new blocks are not stored (counted as dropped).
+MAX_PENDING_WRITES = 256
+READER_THREADS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedBlocks:
+    """Store blocks fetched into host memory for one request, in page units."""
+
+    first_page: int
+    num_pages: int
+    # One tensor per block: [layers, 2 (key, value), kv_heads, block_tokens, head_dim].
+    blocks: list[torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """Copy `blocks` into `pages` (len(pages) = len(blocks) × pages per block) before the step runs."""
+
+    pages: list[int]
+    blocks: list[torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    num_hit_tokens: int  # prompt tokens fetched from the store instead of computed
+    num_blocks_read: int
+    num_blocks_written: int
+    num_writes_dropped: int
+
+
+class StoreConnector:
+    def __init__(self, store: KVStore, kv_cache: KVCache, *, block_tokens: int) -> None:
+        self.store = store
+        self.kv_cache = kv_cache
+        self.block_tokens = block_tokens
+        self.pages_per_block = block_tokens // kv_cache.page_size
+        key_cache, _ = kv_cache.layers[0]
+        num_kv_heads, _, _, head_dim = key_cache.shape
+        self.block_shape = (len(kv_cache.layers), 2, num_kv_heads, block_tokens, head_dim)
+        self.dtype = key_cache.dtype
+        self.block_bytes = int(np.prod(self.block_shape)) * key_cache.element_size()
+        self.readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-read")
+        self.pending_writes: queue.Queue[tuple[BlockHash, int, str, torch.Tensor] | None] = queue.Queue(
+            MAX_PENDING_WRITES
+        )
+        self.writer = threading.Thread(target=self._write_blocks, name="kvstore-write", daemon=True)
+        self.writer.start()
+        self.num_hit_tokens = 0
+        self.num_blocks_read = 0
+        self.num_blocks_written = 0
+        self.num_writes_dropped = 0
+
+    def start_fetch(self, request: Request, local_hit_tokens: int) -> None:
+        """Fetch the request's stored prompt blocks past what the local prefix cache holds, if any."""
+        num_blocks = reusable_blocks(len(request.prompt_token_ids), self.block_tokens)
+        keys = self._keys(request, num_blocks)
+        hit = self.store.match(keys)
+        first = local_hit_tokens // self.block_tokens
+        if hit <= first:
+            return
+        request.store_fetch = self.readers.submit(self._fetch, keys[first:hit], first * self.pages_per_block)
+
+    @torch.inference_mode()
+    def copy_in(self, loads: list[KVLoad]) -> None:
+        page_size = self.kv_cache.page_size
+        for load in loads:
+            self.num_hit_tokens += len(load.pages) * page_size
+            self.num_blocks_read += len(load.blocks)
+            pages = torch.tensor(load.pages, device=self.kv_cache.layers[0][0].device)
+            for layer, (key_cache, value_cache) in enumerate(self.kv_cache.layers):
+                for kind, cache in ((0, key_cache), (1, value_cache)):
+                    data = torch.cat([block[layer, kind] for block in load.blocks], dim=1)
+                    heads, tokens, head_dim = data.shape
+                    cache[:, pages] = data.view(heads, tokens // page_size, page_size, head_dim).to(cache.device)
+
+    @torch.inference_mode()
+    def save_completed_blocks(self, request: Request) -> None:
+        """Queue the request's blocks that became full of computed tokens and are not stored yet."""
+        full = request.num_computed_tokens // self.block_tokens
+        if full <= request.num_saved_blocks:
+            return
+        keys = self._keys(request, full)
+        for index in range(request.num_saved_blocks, full):
+            if self.store.contains(keys[index]):
+                continue
+            if self.pending_writes.full():
+                self.num_writes_dropped += full - index
+                break
+            block = self._gather(request.pages[index * self.pages_per_block : (index + 1) * self.pages_per_block])
+            self.pending_writes.put((keys[index], index, request.traffic_class, block))
+        request.num_saved_blocks = full
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            num_hit_tokens=self.num_hit_tokens,
+            num_blocks_read=self.num_blocks_read,
+            num_blocks_written=self.num_blocks_written,
+            num_writes_dropped=self.num_writes_dropped,
+        )
+
+    def close(self) -> None:
+        """Finish the queued writes (so a restart finds them) and stop the threads."""
+        self.pending_writes.put(None)
+        self.writer.join()
+        self.readers.shutdown(wait=True, cancel_futures=True)
+
+    def _keys(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The request's first `num_blocks` store keys, extending its cached chain as needed."""
+        keys = request.store_keys
+        if len(keys) < num_blocks:
+            start = len(keys) * self.block_tokens
+            tokens = request.token_slice(start, num_blocks * self.block_tokens)
+            parent = keys[-1] if keys else ROOT_HASH
+            keys.extend(hash_chain(tokens, self.block_tokens, request.hash_extra, parent=parent))
+        return keys[:num_blocks]
+
+    def _gather(self, pages: list[int]) -> torch.Tensor:
+        index = torch.tensor(pages, device=self.kv_cache.layers[0][0].device)
+        per_layer = [
+            torch.stack([key_cache[:, index], value_cache[:, index]]) for key_cache, value_cache in self.kv_cache.layers
+        ]
+        # [layers, 2, heads, pages, page_size, dim] → [layers, 2, heads, block_tokens, dim], on the host.
+        return torch.stack(per_layer).reshape(self.block_shape).to("cpu", copy=True).contiguous()
+
+    def _fetch(self, keys: list[BlockHash], first_page: int) -> LoadedBlocks:
+        blocks: list[torch.Tensor] = []
+        try:
+            payloads = self.store.read(keys)
+        except Exception:
+            # An unreachable index or disk costs the hit, never the request.
+            log.exception("fetching KV blocks from the store failed; recomputing")
+            payloads = []
+        for payload in payloads:
+            if len(payload) != self.block_bytes:
+                log.warning(
+                    "store block has %d bytes, expected %d: recomputing from there", len(payload), self.block_bytes
+                )
+                break
+            block = torch.empty(self.block_shape, dtype=self.dtype)
+            block.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            blocks.append(block)
+        return LoadedBlocks(first_page=first_page, num_pages=len(blocks) * self.pages_per_block, blocks=blocks)
+
+    def _write_blocks(self) -> None:
+        while (item := self.pending_writes.get()) is not None:
+            key, depth, traffic_class, block = item
+            try:
+                if self.store.write(key, block.view(-1).view(torch.uint8).numpy().data, depth=depth,
+                                    traffic_class=traffic_class):  # fmt: skip
+                    self.num_blocks_written += 1
+            except OSError:
+                # A full or failing disk costs future hits, never the request.
+                log.exception("writing a KV block to the store failed")
