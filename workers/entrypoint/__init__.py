@@ -1,0 +1,1 @@
+"""The entrypoint: what the data plane decides about a request before any worker sees it."""
