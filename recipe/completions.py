@@ -61,6 +61,7 @@ def prepare_completion(body: Mapping, model: ServedModel) -> PreparedRequest:
         prompt_token_ids=prompt_token_ids,
         constraint=None,
         prompt_logprobs=logprobs if echo and logprobs is not None else None,
+        traffic_class="chat",
         params=params,
         response_factory=new_response,
     )

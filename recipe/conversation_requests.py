@@ -78,6 +78,7 @@ def prepare_conversation_request(protocol: ConversationProtocol, body: Mapping, 
         prompt_token_ids=prompt_token_ids,
         constraint=_constraint(converted.inference_options.output_constraint, model, forces_tool_call),
         prompt_logprobs=None,
+        traffic_class="agent" if conversation.tools else "chat",
         params=_sampling_params(sampling_fields, converted, max_tokens),
         response_factory=responses.new_response,
     )

@@ -51,6 +51,8 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     constraint: OutputConstraintSpec | None
     prompt_logprobs: int | None  # Completions echo with logprobs: alternatives per prompt token
+    # How long the KV store keeps this conversation's blocks: "agent" when it offers tools, else "chat".
+    traffic_class: str
     params: SamplingParams = field(repr=False)  # every choice's params, before the per-choice seed
     response_factory: Callable[[str, int], ResponseBuilder] = field(repr=False)
 

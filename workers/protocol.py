@@ -34,6 +34,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     constraint: OutputConstraintSpec | None = None
     # Logprobs of the prompt tokens themselves (Completions echo): this many alternatives each.
     prompt_logprobs: int | None = None
+    # How long the KV store keeps the blocks this request writes (a TTL policy class: "chat", "agent").
+    traffic_class: str = "chat"
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -82,6 +84,10 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # time.time() when the worker process started: a new value means it restarted and lost the
     # requests it had in flight.
     started_at: float = 0.0
+    # The global KV store, when the worker has one: prompt tokens it served, blocks moved.
+    num_store_hit_tokens: int = 0
+    num_store_blocks_read: int = 0
+    num_store_blocks_written: int = 0
 
 
 WorkerInbound = GenerateRequest | AbortRequest

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,6 +32,10 @@ from workers.engine.llm import DTYPES
 from workers.engine.model_loader import load_model
 from workers.engine.outputs import RequestDelta
 from workers.engine.sampling_params import invalid_request_from
+from workers.kvstore.eviction import POLICIES, get_policy
+from workers.kvstore.gc import GarbageCollector
+from workers.kvstore.store import KVStore, open_store
+from workers.kvstore.ttl import TTLPolicy
 from workers.protocol import (
     AbortRequest,
     GenerateError,
@@ -67,12 +72,23 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_prefix_caching: bool = True
     max_waiting: int | None = None  # requests past this many waiting are answered "overloaded"
     heartbeat_interval_s: float = 0.1
+    kv_store: str | None = None  # directory of the global KV block store; None: no store
+    kv_store_index: str = "memory"  # "memory" (this process only) or "redis://host:port/db"
+    kv_block_tokens: int = 128
+    # The GC of the store, run by this worker every kv_gc_interval_s (0: another process runs it).
+    kv_gc_interval_s: float = 10.0
+    kv_store_capacity_bytes: int = 8 << 30
+    kv_eviction_policy: str = "best"
 
     def __post_init__(self) -> None:
         if self.role != "mixed":
             raise ValueError(f"only the 'mixed' worker role exists so far, got {self.role!r}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
+        if self.kv_gc_interval_s < 0:
+            raise ValueError(f"kv_gc_interval_s must be >= 0, got {self.kv_gc_interval_s}")
+        if self.kv_eviction_policy not in POLICIES:
+            raise ValueError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from {sorted(POLICIES)}")
 
 
 def run_worker_process(config: WorkerConfig) -> None:
@@ -83,12 +99,16 @@ def run_worker_process(config: WorkerConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        engine = _build_engine(config)
+        store = open_store(Path(config.kv_store), config.kv_store_index) if config.kv_store else None
+        engine = _build_engine(config, store)
+        if store is not None and config.kv_gc_interval_s:
+            _start_store_gc(store, config, stop)
         context = zmq.Context()
         try:
             Worker(config, engine, context, stop).serve()
         finally:
             context.destroy(linger=CLOSE_LINGER_MS)
+            engine.close()
     except Exception:
         log.exception("worker %s crashed", config.worker_id or os.getpid())
         raise SystemExit(1) from None
@@ -171,6 +191,7 @@ class Worker:
                 cache_namespace=request.cache_namespace,
                 constraint=constraint,
                 prompt_logprobs=request.prompt_logprobs,
+                traffic_class=request.traffic_class,
             )
         except InvalidRequestError as error:
             self._send(peer, GenerateError(request.request_id, "invalid_request", str(error)))
@@ -236,6 +257,7 @@ class Worker:
     def _publish_heartbeat(self) -> None:
         # Read while the main thread steps: a racy snapshot of counters, good enough for load reports.
         stats = self.engine.stats()
+        store = stats.store
         heartbeat = WorkerHeartbeat(
             worker_id=self.worker_id,
             role=self.config.role,
@@ -251,6 +273,9 @@ class Worker:
             num_preemptions=stats.num_preemptions,
             sent_at=time.time(),
             started_at=self.started_at,
+            num_store_hit_tokens=store.num_hit_tokens if store else 0,
+            num_store_blocks_read=store.num_blocks_read if store else 0,
+            num_store_blocks_written=store.num_blocks_written if store else 0,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 
@@ -264,7 +289,21 @@ class Worker:
         self.publisher.close(linger=0)
 
 
-def _build_engine(config: WorkerConfig) -> LLMEngine:
+def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event) -> None:
+    collector = GarbageCollector(
+        store.index,
+        TTLPolicy(),
+        get_policy(config.kv_eviction_policy),
+        capacity_bytes=config.kv_store_capacity_bytes,
+        delete_data=store.files.delete,
+    )
+    thread = threading.Thread(
+        target=collector.run_forever, args=(stop, config.kv_gc_interval_s), name="kvstore-gc", daemon=True
+    )
+    thread.start()
+
+
+def _build_engine(config: WorkerConfig, store: KVStore | None) -> LLMEngine:
     dtype = DTYPES[config.dtype] if config.dtype else None
     loaded = load_model(
         config.model,
@@ -282,10 +321,11 @@ def _build_engine(config: WorkerConfig) -> LLMEngine:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
+        kv_block_tokens=config.kv_block_tokens,
         seed=config.seed,
         max_waiting=config.max_waiting,
     )
-    return LLMEngine(loaded, engine_config)
+    return LLMEngine(loaded, engine_config, store)
 
 
 def _set_process_title(title: str) -> None:
@@ -327,6 +367,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int)
     parser.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-store", help="directory of the global KV block store (default: no store)")
+    parser.add_argument("--kv-store-index", default="memory", help='"memory" or redis://host:port/db')
+    parser.add_argument("--kv-block-tokens", type=int, default=128)
+    parser.add_argument("--kv-gc-interval", type=float, default=10.0, help="seconds; 0: no GC in this worker")
+    parser.add_argument("--kv-store-capacity-bytes", type=int, default=8 << 30)
+    parser.add_argument("--kv-eviction-policy", default="best", choices=sorted(POLICIES))
 
 
 def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
@@ -347,6 +393,12 @@ def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=args.max_waiting,
         heartbeat_interval_s=args.heartbeat_interval,
+        kv_store=args.kv_store,
+        kv_store_index=args.kv_store_index,
+        kv_block_tokens=args.kv_block_tokens,
+        kv_gc_interval_s=args.kv_gc_interval,
+        kv_store_capacity_bytes=args.kv_store_capacity_bytes,
+        kv_eviction_policy=args.kv_eviction_policy,
     )
 
 

@@ -43,6 +43,7 @@ class Generation:
                 cache_namespace=cache_namespace,
                 constraint=prepared.constraint,
                 prompt_logprobs=prepared.prompt_logprobs,
+                traffic_class=prepared.traffic_class,
             )
             for choice in range(prepared.n)
         ]

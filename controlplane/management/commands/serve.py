@@ -4,7 +4,7 @@ import tempfile
 from pathlib import Path
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.dev_key import dev_api_key
 from controlplane.supervisor import Child, Supervisor, child_env, manage_py
@@ -20,8 +20,33 @@ class Command(BaseCommand):
         parser.add_argument("--model", default=settings.SLUICE_MODELS[0])
         parser.add_argument("--workers", type=int, default=1, help="mixed prefill+decode workers")
         parser.add_argument("--device", default="cpu")
+        parser.add_argument(
+            "--kv-store",
+            default=str(Path(settings.VAR_DIR) / "kvstore"),
+            help="directory of the global KV block store (default: var/kvstore)",
+        )
+        parser.add_argument("--kv-store-index", default="memory", help='"memory" or redis://host:port/db')
+        parser.add_argument("--no-kv-store", action="store_true", help="run without the global KV store")
 
-    def handle(self, *args, host: str, port: int, model: str, workers: int, device: str, **options) -> None:
+    def handle(
+        self,
+        *args,
+        host: str,
+        port: int,
+        model: str,
+        workers: int,
+        device: str,
+        kv_store: str,
+        kv_store_index: str,
+        no_kv_store: bool,
+        **options,
+    ) -> None:
+        if not no_kv_store and kv_store_index == "memory" and workers > 1:
+            raise CommandError(
+                f"{workers} workers share one KV store only through the Redis index: "
+                "pass --kv-store-index redis://127.0.0.1:6379/0 (or --no-kv-store)"
+            )
+        store_arguments = [] if no_kv_store else [f"--kv-store={kv_store}", f"--kv-store-index={kv_store_index}"]
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
         resolve_model(model, progress=True)
         runtime = Path(tempfile.mkdtemp(prefix="sluice-"))
@@ -40,6 +65,9 @@ class Command(BaseCommand):
                     f"--worker-id=worker-{index}",
                     f"--request-endpoint={requests}",
                     f"--heartbeat-endpoint={heartbeats}",
+                    *store_arguments,
+                    # One GC per store: the first worker runs it.
+                    *([] if index == 0 else ["--kv-gc-interval=0"]),
                 ),
                 env=child_env(),
             )
@@ -69,6 +97,7 @@ class Command(BaseCommand):
             f"\nsluice is starting: {len(endpoints)} worker(s) of {model} on {device}\n"
             f"  API        http://{host}:{port}/v1   (OpenAI- and Anthropic-compatible)\n"
             f"  dev key    {key}\n"
+            f"  KV store   {'off' if no_kv_store else f'{kv_store} (index: {kv_store_index})'}\n"
             f"  try        curl http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {key}' "
             f"-H 'content-type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'
