@@ -1,6 +1,7 @@
 """The engine loop: admit requests, then step = schedule → execute → update from output."""
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,8 @@ from workers.kvstore.store import KVStore
 log = logging.getLogger(__name__)
 
 MAX_TRAFFIC_CLASS_CHARS = 64
+# Longest a step with nothing to run waits for a store fetch before returning to its caller.
+FETCH_WAIT_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         output = self.scheduler.schedule()
         if not output.scheduled:
+            self._wait_for_fetches()
             return []
         if output.loads:
             self.store.copy_in(output.loads)
@@ -147,6 +151,13 @@ class LLMEngine:
             for scheduled in output.scheduled:
                 self.store.save_completed_blocks(self.requests[scheduled.request_id])
         return [self._update(token) for token in result.sampled]
+
+    def _wait_for_fetches(self) -> None:
+        """With nothing to run but store fetches in flight, wait for one rather than spin: a spinning
+        caller would hold the GIL the reader threads need."""
+        fetches = [r.store_fetch for r in self.scheduler.waiting if r.is_fetching]
+        if fetches:
+            wait(fetches, timeout=FETCH_WAIT_S, return_when=FIRST_COMPLETED)
 
     def close(self) -> None:
         """Finish writing to the KV store; the engine is not used afterwards."""

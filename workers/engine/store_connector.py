@@ -170,8 +170,9 @@ class StoreConnector:
                     "store block has %d bytes, expected %d: recomputing from there", len(payload), self.block_bytes
                 )
                 break
+            # A copy into an aligned tensor: the payload sits at an arbitrary offset in its file's buffer.
             block = torch.empty(self.block_shape, dtype=self.dtype)
-            block.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            block.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
             blocks.append(block)
         return LoadedBlocks(first_page=first_page, num_pages=len(blocks) * self.pages_per_block, blocks=blocks)
 

@@ -11,10 +11,13 @@ File layout (little-endian):
     meta: msgpack of {key, meta: BlockMeta}, meta_len bytes
     payload, payload_len bytes
 
-The checksum is BLAKE2b-128 over meta + payload; the fixed fields it does not cover are checked on
-their own (magic, version, and meta_len + payload_len against the file's size). The key is stored
-inside the file so that a file under the wrong name is caught. Bad files are deleted on read: the
-caller then sees a miss and recomputes, and the block is rewritten later.
+The checksum is SHA-256 (first 16 bytes) over meta + payload: a fetch verifies every byte it serves,
+and SHA-256 runs at ~1.5 GB/s where the CPU has SHA instructions (x86 since ~2017, ARMv8), about
+three times BLAKE2b's speed, with the same strength against accidental corruption. The fixed fields
+it does not cover are checked on their own (magic, version, and meta_len + payload_len against the
+file's size). The key is stored inside the file so that a file under the wrong name is caught. Bad
+files are deleted on read: the caller then sees a miss and recomputes, and the block is rewritten
+later.
 """
 
 import logging
@@ -23,7 +26,7 @@ import secrets
 import struct
 import time
 from collections.abc import Iterable, Iterator
-from hashlib import blake2b
+from hashlib import sha256
 from pathlib import Path
 
 import msgspec
@@ -79,9 +82,9 @@ class BlockFiles:
             pass
         data = memoryview(payload).cast("B")
         meta_bytes = _encode_meta(_FileMeta(key, meta))
-        checksum = blake2b(meta_bytes, digest_size=CHECKSUM_BYTES)
+        checksum = sha256(meta_bytes)
         checksum.update(data)
-        header = _FIXED.pack(MAGIC, VERSION, len(meta_bytes), data.nbytes, checksum.digest())
+        header = _FIXED.pack(MAGIC, VERSION, len(meta_bytes), data.nbytes, checksum.digest()[:CHECKSUM_BYTES])
         temp = final.with_name(f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
         changed_dirs = self._make_dirs(final.parent)
         try:
@@ -106,7 +109,10 @@ class BlockFiles:
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
-                data = f.readall()
+                # Into a bytearray, so the payload is writable: tensors can wrap it without a copy. A
+                # short read leaves zeros, which the checksum rejects.
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
         except FileNotFoundError:
             return None
         problem, payload_start = _verify(key, data)
@@ -205,7 +211,7 @@ def _verify(key: BlockHash, data: bytes) -> tuple[str, int]:
     if payload_start + payload_len != len(data):
         return f"size {len(data)} does not match its header ({payload_start + payload_len})", 0
     view = memoryview(data)
-    actual = blake2b(view[_FIXED.size :], digest_size=CHECKSUM_BYTES).digest()
+    actual = sha256(view[_FIXED.size :]).digest()[:CHECKSUM_BYTES]
     if actual != checksum:
         return "checksum mismatch", 0
     try:
