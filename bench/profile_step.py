@@ -1,6 +1,6 @@
 """Profile the engine's first steps on a batch (where its time goes), for tuning.
 
-    python -m bench.profile_step --device cuda --batch-size 256 --prompt-len 512 --steps 3
+python -m bench.profile_step --device cuda --batch-size 256 --prompt-len 512 --steps 3
 """
 
 import argparse

@@ -125,4 +125,3 @@ class ChoiceStream:
             return [deepseek_recipe.InferenceChunk.tokens(token_ids)]
         logprobs = [(output.logprobs[index].logprob, output.logprobs[index].top) for index in shown]
         return [deepseek_recipe.InferenceChunk.tokens(token_ids, logprobs)]
-

@@ -111,6 +111,7 @@ def _sampling_params(body: Mapping, max_tokens: int, logprobs: int | None, model
             presence_penalty=request_fields.penalty(body, "presence_penalty"),
             frequency_penalty=request_fields.penalty(body, "frequency_penalty"),
             logit_bias=request_fields.logit_bias(body, model.tokenizer.vocab_size),
+            ignore_eos=request_fields.boolean(body, "ignore_eos", default=False),
             max_tokens=max_tokens,
             stop=_stop_strings(body),
             logprobs=logprobs,

@@ -212,6 +212,7 @@ class _SamplingFields:
     presence_penalty: float
     frequency_penalty: float
     logit_bias: dict[int, float] | None
+    ignore_eos: bool  # vLLM's extension: generate through end-of-sequence tokens (benchmarks)
 
 
 def _sampling_fields(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> _SamplingFields:
@@ -226,6 +227,7 @@ def _sampling_fields(protocol: ConversationProtocol, body: Mapping, model: Serve
         presence_penalty=request_fields.penalty(body, "presence_penalty") if is_chat else 0.0,
         frequency_penalty=request_fields.penalty(body, "frequency_penalty") if is_chat else 0.0,
         logit_bias=request_fields.logit_bias(body, model.tokenizer.vocab_size) if is_chat else None,
+        ignore_eos=request_fields.boolean(body, "ignore_eos", default=False) if is_chat else False,
     )
 
 
@@ -246,6 +248,7 @@ def _sampling_params(
             presence_penalty=fields.presence_penalty,
             frequency_penalty=fields.frequency_penalty,
             logit_bias=fields.logit_bias,
+            ignore_eos=fields.ignore_eos,
             max_tokens=max_tokens,
             stop=tuple(converted.parsing_options.stop_sequences),
             include_stop_str_in_output=True,

@@ -193,10 +193,12 @@ def test_sampling_fields_reach_the_sampling_params(models) -> None:
         presence_penalty=0.5,
         frequency_penalty=-0.5,
         logit_bias={"100": -100, "7": 2.5},
+        ignore_eos=True,
     )
 
     params = prepared.sampling_params(0)
     assert (params.temperature, params.top_p, params.seed) == (0.3, 0.9, 42)
+    assert params.ignore_eos and not chat(models).sampling_params(0).ignore_eos
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
     assert params.logit_bias == {100: -100.0, 7: 2.5}
     assert params.logprobs is None and params.n == 1
