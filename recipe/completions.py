@@ -101,8 +101,7 @@ def _check_context_window(prompt_tokens: int, max_tokens: int, max_model_len: in
 def _sampling_params(body: Mapping, max_tokens: int, logprobs: int | None, model: ServedModel) -> SamplingParams:
     temperature = request_fields.number(body, "temperature", low=0.0, high=2.0, default=1.0)
     top_p = request_fields.number(body, "top_p", low=0.0, high=1.0, default=1.0)
-    if top_p == 0:  # only the most likely token may be chosen: that is greedy decoding
-        temperature, top_p = 0.0, 1.0
+    temperature, top_p = request_fields.greedy_when_top_p_is_zero(temperature, top_p)
     try:
         return SamplingParams(
             temperature=temperature,

@@ -237,8 +237,7 @@ def _sampling_params(
     options = converted.inference_options
     temperature = fields.temperature if fields.temperature is not None else (options.temperature or 1.0)
     top_p = fields.top_p if fields.top_p is not None else (options.top_p or 1.0)
-    if top_p == 0:  # only the most likely token may be chosen: that is greedy decoding
-        temperature, top_p = 0.0, 1.0
+    temperature, top_p = request_fields.greedy_when_top_p_is_zero(temperature, top_p)
     try:
         return SamplingParams(
             temperature=temperature,

@@ -84,3 +84,9 @@ def include_usage(body: Mapping, *, stream: bool) -> bool:
     if not isinstance(include, bool):
         raise invalid_request("`stream_options.include_usage` must be a boolean", "stream_options.include_usage")
     return include
+
+
+def greedy_when_top_p_is_zero(temperature: float, top_p: float) -> tuple[float, float]:
+    """(temperature, top_p) to sample with: top_p 0 lets only the most likely token be chosen, which is
+    greedy decoding."""
+    return (0.0, 1.0) if top_p == 0 else (temperature, top_p)
