@@ -3,6 +3,7 @@ prefix from the blocks its predecessor stored, reports it, and refuses a bad tra
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -67,3 +68,27 @@ def test_a_bad_traffic_class_is_rejected(tmp_path, traffic_class):
     finally:
         assert worker.stop() == 0
     assert error.kind == "invalid_request" and "traffic_class" in error.message
+
+
+def test_the_workers_gc_keeps_the_store_within_its_capacity(tmp_path):
+    store = tmp_path / "kvstore"
+    options = ("--kv-store", str(store), "--kv-block-tokens", "64", "--kv-gc-interval", "0.2")
+    # A capacity of one byte: every block the worker writes is over it, so the GC must evict it.
+    worker = start_worker(tmp_path, "gc", *options, "--kv-store-capacity-bytes", "1")
+    try:
+        serve_once(worker, GenerateRequest("filled", PROMPT, GREEDY))
+
+        async def written():
+            client = await connected_client(worker.endpoints)
+            try:
+                return await wait_for_heartbeat(client, lambda b: b[0].num_store_blocks_written >= 4)
+            finally:
+                await client.close()
+
+        asyncio.run(written())  # the worker did store the prompt's blocks, so the GC had work to do
+        deadline = time.monotonic() + 10
+        while list(store.rglob("*.blk")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        assert worker.stop() == 0
+    assert list(store.rglob("*.blk")) == []
