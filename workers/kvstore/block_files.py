@@ -32,6 +32,7 @@ from pathlib import Path
 import msgspec
 
 from workers.block_hash import BlockHash
+from workers.fsync import fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class BlockFiles:
             raise
         if self.fsync:
             for directory in (final.parent, *changed_dirs):
-                _fsync_dir(directory)
+                fsync_path(directory)
         return len(header) + len(meta_bytes) + data.nbytes
 
     def read(self, key: BlockHash) -> memoryview | None:
@@ -229,11 +230,3 @@ def _subdirs(directory: Path) -> list[str]:
             return [e.path for e in it if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from workers.engine.errors import ModelLoadError, UnknownModelError
 from workers.engine.weights.gguf_convert import CONVERTER_VERSION, convert_gguf
 from workers.engine.weights.registry import find_packaged_model, packaged_model_names
+from workers.fsync import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def _convert_into_place(gguf_path: Path, target: Path, *, source: dict, progress
             shutil.rmtree(retired, ignore_errors=True)
         else:
             os.rename(staging, target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -223,13 +224,5 @@ def _remove_leftovers(target: Path) -> None:
 
 def _fsync_directory_files(directory: Path) -> None:
     for path in directory.iterdir():
-        _fsync(path)
-    _fsync(directory)
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+        fsync_path(path)
+    fsync_path(directory)
