@@ -4,6 +4,9 @@ from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 
+SQLITE_BUSY_TIMEOUT_S = 20
+
+
 class DatabaseUrlError(ValueError):
     pass
 
@@ -27,5 +30,16 @@ def parse_database_url(url: str) -> dict:
         path = parts.path[1:] if parts.path.startswith("/") else parts.path
         if not path:
             raise DatabaseUrlError(f"DATABASE_URL {url!r} names no SQLite file")
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(Path(path))}
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(Path(path)),
+            # The embedded default has several processes writing (gateway, registry heartbeats, the
+            # admin): WAL lets readers run beside the one writer, IMMEDIATE takes the write lock at
+            # BEGIN so a transaction never fails half-way on an upgrade, and writers queue, not fail.
+            "OPTIONS": {
+                "timeout": SQLITE_BUSY_TIMEOUT_S,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+        }
     raise DatabaseUrlError(f"DATABASE_URL scheme {parts.scheme!r} is not supported; use postgres:// or sqlite://")
