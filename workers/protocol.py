@@ -60,7 +60,8 @@ class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=Tr
 
 class GenerateError(msgspec.Struct, tag="error", frozen=True):
     """A request the worker could not admit or finish. kind: "invalid_request", "overloaded",
-    "internal"."""
+    "internal", "draining" (the worker takes no new requests: it never started this one, so it is
+    safe to send it to another worker)."""
 
     request_id: str
     kind: str
@@ -88,7 +89,130 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     num_store_hit_tokens: int = 0
     num_store_blocks_read: int = 0
     num_store_blocks_written: int = 0
+    # Whether the worker takes new requests: "ready", or "draining" / "drained" (it finishes what it
+    # has, then idles) after a DrainRequest; "stopping" after a ShutdownRequest.
+    state: str = "ready"
+    pool: str = ""
+    ttl_policy_version: int = 0
+    ep_layout_version: int = 0
+    heartbeat_endpoint: str = ""
+    hostname: str = ""
 
 
-WorkerInbound = GenerateRequest | AbortRequest
-WorkerOutbound = GenerateOutput | GenerateError
+# Control plane → worker. Each command carries an id chosen by the sender; a worker answers a
+# command id it has seen with the answer it gave then, so a sender may retry after a timeout.
+# Sent on the worker's ROUTER like GenerateRequests; answered with one ControlAck.
+
+
+class DrainRequest(msgspec.Struct, tag="control.drain", frozen=True, forbid_unknown_fields=True):
+    """Take no new requests, finish those in flight, then be "drained"."""
+
+    command_id: str
+
+
+class ResumeRequest(msgspec.Struct, tag="control.resume", frozen=True, forbid_unknown_fields=True):
+    """A draining or drained worker takes requests again."""
+
+    command_id: str
+
+
+class ShutdownRequest(msgspec.Struct, tag="control.shutdown", frozen=True, forbid_unknown_fields=True):
+    """Abort the requests in flight, acknowledge, then exit with code 0."""
+
+    command_id: str
+
+
+class SetTTLPolicyRequest(msgspec.Struct, tag="control.set_ttl_policy", frozen=True, forbid_unknown_fields=True):
+    command_id: str
+    version: int
+    policy: dict  # workers.kvstore.ttl.TTLPolicy.to_dict()
+
+
+class ApplyEPLayoutRequest(msgspec.Struct, tag="control.apply_ep_layout", frozen=True, forbid_unknown_fields=True):
+    command_id: str
+    version: int
+    num_logical_experts: int
+    placement: list[list[int]]  # placement[rank][slot] = logical expert id
+
+
+class StatusRequest(msgspec.Struct, tag="control.status", frozen=True, forbid_unknown_fields=True):
+    command_id: str
+
+
+class ControlAck(msgspec.Struct, tag="control.ack", frozen=True):
+    """The answer to one control command: ok, or not and why (message); the worker's state after it."""
+
+    command_id: str
+    worker_id: str
+    ok: bool
+    state: str  # as WorkerHeartbeat.state
+    message: str = ""
+    ttl_policy_version: int = 0
+    ep_layout_version: int = 0
+    num_in_flight: int = 0
+
+
+ControlRequest = (
+    DrainRequest | ResumeRequest | ShutdownRequest | SetTTLPolicyRequest | ApplyEPLayoutRequest | StatusRequest
+)
+
+
+# Worker → registry (a DEALER to the control plane's ROUTER): sent at start and re-sent until an
+# ok RegistrationAck, so the registry may start after the worker.
+
+
+class WorkerRegistration(msgspec.Struct, tag="register", frozen=True, kw_only=True, forbid_unknown_fields=True):
+    worker_id: str
+    pool: str
+    role: str
+    model: str
+    hostname: str
+    request_endpoint: str  # connectable from other hosts (a wildcard bind address is replaced)
+    heartbeat_endpoint: str
+    ep_size: int = 1
+    num_accelerators: int = 0
+    accelerator_kind: str = "cpu"  # "cpu" or the accelerator's name, e.g. "NVIDIA H200"
+    started_at: float  # as WorkerHeartbeat.started_at
+
+
+class RegistrationAck(msgspec.Struct, tag="register_ack", frozen=True):
+    worker_id: str
+    ok: bool
+    message: str = ""  # why the registry refused it
+
+
+WorkerInbound = GenerateRequest | AbortRequest | ControlRequest
+WorkerOutbound = GenerateOutput | GenerateError | ControlAck
+
+
+# --- KV transfer (prefill → decode) ---
+# A prefill worker sends a request's KV to a decode worker (workers.kv_transfer) as one multipart
+# message per chunk of `chunk_layers` layers: the first is [KVTransferHeader, its layers], each later
+# one [KVTransferChunk, its layers]. A layer frame is the raw bytes of a C-order little-endian
+# [2 (key, value), kv_heads, num_computed_tokens, head_dim] tensor of `dtype`: never pickled.
+
+
+class KVTransferHeader(msgspec.Struct, tag="kv_header", frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # sampled by the prefill worker
+    params: SamplingParams
+    num_computed_tokens: int  # tokens the KV covers
+    num_cached_tokens: int  # prompt tokens the prefill worker served from a cache
+    traffic_class: str
+    cache_namespace: str
+    kv_model_id: str  # model and dtype the KV was computed with
+    dtype: str  # "float32", "bfloat16" or "float16"
+    layer_shape: tuple[int, int, int, int]  # of every layer frame
+    num_layers: int
+    chunk_layers: int  # layers per message; this one carries layers [0, min(chunk_layers, num_layers))
+
+
+class KVTransferChunk(msgspec.Struct, tag="kv_chunk", frozen=True, forbid_unknown_fields=True):
+    """Starts every message of a transfer after the first; they arrive in order."""
+
+    request_id: str
+    first_layer: int  # carries layers [first_layer, min(first_layer + chunk_layers, num_layers))
+
+
+KVTransferMessage = KVTransferHeader | KVTransferChunk

@@ -14,6 +14,7 @@ from workers.engine.constraints import TokenConstraint
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
+from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff, write_layers
 from workers.engine.model_loader import LoadedModel
 from workers.engine.model_runner import ModelRunner, SampledToken
 from workers.engine.output_text import OutputText
@@ -28,6 +29,11 @@ from workers.kvstore.store import KVStore
 log = logging.getLogger(__name__)
 
 MAX_TRAFFIC_CLASS_CHARS = 64
+# Prefill-only requests alive at once, computing or finished and pinning their pages until
+# release_transfer: past it add_request(prefill_only=True) refuses with EngineOverloadedError. Counting
+# the ones still computing is what guarantees a finished prefill never has to drop its KV; the cap
+# bounds the pages a decode side that is slow to pick transfers up can hold on this engine.
+MAX_PENDING_TRANSFERS = 32
 # Longest a step with nothing to run waits for a store fetch before returning to its caller.
 FETCH_WAIT_S = 0.01
 
@@ -44,13 +50,28 @@ class EngineStats:
     num_cached_prompt_tokens: int  # of those, served from the prefix cache
     num_preemptions: int
     store: StoreStats | None  # None when the engine has no KV store
+    num_pending_transfers: int = 0  # finished prefill-only requests pinning pages until released
 
 
 class LLMEngine:
     """`store`, when given, is the global KV block store: prompts fetch their stored prefix from it
-    and every block the engine completes is written to it (see store_connector)."""
+    and every block the engine completes is written to it (see store_connector).
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, store: KVStore | None = None) -> None:
+    Disaggregated serving: a prefill engine admits requests with `prefill_only=True`; each finishes
+    with FinishReason.TRANSFER after its first token, keeping its pages until the caller has taken
+    `export_kv(request_id)` and called `release_transfer(request_id)`. A decode engine continues it
+    with `add_prefilled_request(handoff)`. At most `max_pending_transfers` prefill-only requests
+    exist at once (see MAX_PENDING_TRANSFERS).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        store: KVStore | None = None,
+        *,
+        max_pending_transfers: int = MAX_PENDING_TRANSFERS,
+    ) -> None:
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -84,6 +105,11 @@ class LLMEngine:
         self.store = StoreConnector(store, kv_cache, block_tokens=config.kv_block_tokens) if store is not None else None
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, OutputText] = {}
+        self.max_pending_transfers = max_pending_transfers
+        # Finished prefill-only requests whose pages stay pinned until release_transfer, and the
+        # exports read from those pages (closed on release so a late read cannot see reused pages).
+        self.transfers: dict[str, Request] = {}
+        self.exports: dict[str, list[PagedLayers]] = {}
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
 
     def add_request(
@@ -96,24 +122,35 @@ class LLMEngine:
         constraint: TokenConstraint | None = None,
         prompt_logprobs: int | None = None,
         traffic_class: str = "chat",
+        prefill_only: bool = False,
     ) -> None:
         """Admit a request, or raise InvalidRequestError naming the problem, or EngineOverloadedError
         when max_waiting requests already wait (either way nothing is changed).
 
         `constraint` masks every sampled token and ends the request when it is finished;
         `prompt_logprobs=k` reports, with the first output, each prompt token's logprob and its top k;
-        `traffic_class` sets how long the KV store keeps the blocks this request writes.
+        `traffic_class` sets how long the KV store keeps the blocks this request writes;
+        `prefill_only` ends the request after its first token with finish reason "transfer" (unless
+        that token already finished it: stop or length) and pins its KV for export_kv.
         """
         max_tokens = self._validate(request_id, prompt_token_ids, params, prompt_logprobs, traffic_class)
         max_waiting = self.config.max_waiting
         if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests are already waiting (max_waiting)")
+        if prefill_only:
+            pending = len(self.transfers) + sum(1 for r in self.requests.values() if r.prefill_only)
+            if pending >= self.max_pending_transfers:
+                raise EngineOverloadedError(
+                    f"{pending} prefill-only requests are computing or awaiting transfer (max_pending_transfers)"
+                )
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             max_tokens=max_tokens,
             hash_extra=namespace_extra(self.kv_model_id, cache_namespace),
+            cache_namespace=cache_namespace,
+            prefill_only=prefill_only,
             constraint=constraint,
             prompt_logprobs=prompt_logprobs,
             traffic_class=traffic_class,
@@ -126,7 +163,92 @@ class LLMEngine:
             self.store.start_fetch(request, local_hit_tokens=len(local_pages) * self.block_manager.page_size)
         self.scheduler.add(request)
 
+    def add_prefilled_request(self, handoff: KVHandoff, *, constraint: TokenConstraint | None = None) -> None:
+        """Continue a request a prefill engine started: its KV goes into pages (those the prefix
+        cache already holds are shared, not written again) and its next step is a decode.
+
+        InvalidRequestError when the handoff does not fit this engine (model, layer count, shapes,
+        dtype, token counts); EngineOverloadedError when the running batch is full or its pages
+        cannot be had, so the caller can pick another engine. Either way nothing is changed.
+        `constraint` is compiled afresh by the caller; it is advanced over the tokens already sampled.
+        """
+        if not isinstance(handoff, KVHandoff):
+            raise InvalidRequestError(f"expected a KVHandoff, got {type(handoff).__name__}")
+        max_tokens = self._validate(
+            handoff.request_id, handoff.prompt_token_ids, handoff.params, None, handoff.traffic_class
+        )
+        layers = check_handoff(
+            handoff,
+            kv_model_id=self.kv_model_id,
+            vocab_size=self.model_config.vocab_size,
+            max_tokens=max_tokens,
+            kv_cache=self.runner.kv_cache,
+        )
+        if len(self.scheduler.running) >= self.config.max_num_seqs:
+            raise EngineOverloadedError(f"{len(self.scheduler.running)} requests are already running (max_num_seqs)")
+        request = Request(
+            request_id=handoff.request_id,
+            prompt_token_ids=list(handoff.prompt_token_ids),
+            params=handoff.params,
+            max_tokens=max_tokens,
+            hash_extra=namespace_extra(self.kv_model_id, handoff.cache_namespace),
+            cache_namespace=handoff.cache_namespace,
+            output_token_ids=list(handoff.output_token_ids),
+            traffic_class=handoff.traffic_class,
+            num_cached_tokens=handoff.num_cached_tokens,
+            constraint=constraint,
+        )
+        cached = self.block_manager.find_cached_prefix(request)
+        cached_tokens = len(cached[0]) * self.block_manager.page_size
+        # Pages for every token, the pending sampled one included, so its decode step needs none.
+        if not self.block_manager.allocate(request, request.num_tokens - cached_tokens, cached):
+            raise EngineOverloadedError(
+                f"no room for {request.num_tokens} tokens of KV: "
+                f"{self.block_manager.num_free_pages} of {self.block_manager.num_usable_pages} pages are free"
+            )
+        write_layers(self.runner.kv_cache, request.pages, layers, start=cached_tokens)
+        request.num_computed_tokens = handoff.num_computed_tokens
+        self.block_manager.cache_full_pages(request)
+        if self.store is not None:
+            # The prompt's blocks are the prefill side's to store; decode stores the blocks it completes.
+            request.num_saved_blocks = len(request.prompt_token_ids) // self.store.block_tokens
+        if constraint is not None:
+            for token in request.output_token_ids:
+                constraint.advance(token)
+        if self.tokenizer is not None:
+            text = OutputText(self.tokenizer, request.params)
+            # The prefill side streamed these tokens' text; they only seed detokenization and stop strings.
+            text.append(request.output_token_ids)
+            text.take_delta()
+            self.texts[request.request_id] = text
+        self.requests[request.request_id] = request
+        self.scheduler.add_running(request)
+
+    def export_kv(self, request_id: str) -> KVHandoff:
+        """The handoff of a request that finished with "transfer". Its layers are read from the
+        pinned pages as they are accessed: read them before release_transfer."""
+        request = self.transfers.get(request_id)
+        if request is None:
+            raise InvalidRequestError(f"request {request_id!r} is not awaiting a KV transfer")
+        layers = PagedLayers(self.runner.kv_cache, request.pages, request.num_computed_tokens)
+        self.exports.setdefault(request_id, []).append(layers)
+        return export_handoff(request, layers, self.kv_model_id)
+
+    def release_transfer(self, request_id: str) -> bool:
+        """Unpin a transferred (or abandoned) request's pages; False when none were pinned for it."""
+        request = self.transfers.pop(request_id, None)
+        if request is None:
+            return False
+        for layers in self.exports.pop(request_id, []):
+            layers.close()
+        self.block_manager.free(request)
+        return True
+
     def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Cancel a request: a delta with finish reason "abort", or None when the engine does not run
+        it. A finished prefill awaiting transfer has reported its finish; aborting it only frees it."""
+        if self.release_transfer(request_id):
+            return None
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -176,6 +298,7 @@ class LLMEngine:
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             store=self.store.stats() if self.store is not None else None,
+            num_pending_transfers=len(self.transfers),
         )
 
     def _update(self, sampled: SampledToken) -> RequestDelta:
@@ -201,6 +324,8 @@ class LLMEngine:
             request.finish(FinishReason.STOP)
         elif len(request.output_token_ids) >= request.max_tokens:
             request.finish(FinishReason.LENGTH)
+        elif request.prefill_only:
+            request.finish(FinishReason.TRANSFER)
 
         # Output tokens survive preemption, so the first one is produced exactly once.
         first = len(request.output_token_ids) == 1 and request.prompt_logprobs is not None
@@ -230,7 +355,11 @@ class LLMEngine:
         )
 
     def _release(self, request: Request, delta: RequestDelta) -> RequestDelta:
-        self.scheduler.remove(request)
+        if request.finish_reason is FinishReason.TRANSFER:
+            self.scheduler.detach(request)
+            self.transfers[request.request_id] = request
+        else:
+            self.scheduler.remove(request)
         del self.requests[request.request_id]
         self.texts.pop(request.request_id, None)
         return delta
@@ -244,7 +373,7 @@ class LLMEngine:
         traffic_class: str,
     ) -> int:
         """The request's effective max_tokens, after checking everything the engine can check."""
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.transfers:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not (isinstance(traffic_class, str) and 0 < len(traffic_class) <= MAX_TRAFFIC_CLASS_CHARS):
             raise InvalidRequestError(f"traffic_class must be a name of 1 to {MAX_TRAFFIC_CLASS_CHARS} characters")

@@ -13,7 +13,7 @@ class RequestDelta:
     token_ids: list[int]
     text: str | None  # None when the engine has no tokenizer
     logprobs: list[TokenLogprobs]  # one per new token when the request asked for logprobs
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "transfer" (a prefill-only request) once finished
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache

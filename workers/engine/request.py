@@ -21,6 +21,9 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the caller
+    # A prefill-only request computed its prompt and sampled its first token: its KV waits, pinned,
+    # for export to a decode engine (LLMEngine.export_kv).
+    TRANSFER = "transfer"
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +42,10 @@ class Request:
     max_tokens: int
     # Folded into every page hash: separates models and tenants' cache namespaces.
     hash_extra: bytes
+    # The tenant's cache namespace folded into hash_extra; a KV handoff carries it to the decode engine.
+    cache_namespace: str = ""
+    # Stop after the first sampled token and keep the KV for a decode engine (FinishReason.TRANSFER).
+    prefill_only: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -167,10 +167,20 @@ class Scheduler:
             request.num_computed_tokens += len(scheduled.token_ids)
             self.block_manager.cache_full_pages(request)
 
+    def add_running(self, request: Request) -> None:
+        """Join a request whose pages already hold its KV (computed by a prefill engine) to the running
+        batch: its next step is a decode. If it is preempted, it is recomputed like any other."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and free its pages."""
+        self.detach(request)
+        self.block_manager.free(request)
+
+    def detach(self, request: Request) -> None:
+        """Take a request out of the queues, keeping its pages (a finished prefill awaiting transfer)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request)

@@ -26,6 +26,7 @@ import torch
 
 from workers.block_hash import ROOT_HASH, BlockHash, hash_chain, reusable_blocks
 from workers.engine.kv_cache import KVCache
+from workers.engine.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
 from workers.kvstore.store import KVStore
 
@@ -103,9 +104,7 @@ class StoreConnector:
             pages = torch.tensor(load.pages, device=self.kv_cache.layers[0][0].device)
             for layer, (key_cache, value_cache) in enumerate(self.kv_cache.layers):
                 for kind, cache in ((0, key_cache), (1, value_cache)):
-                    data = torch.cat([block[layer, kind] for block in load.blocks], dim=1)
-                    heads, tokens, head_dim = data.shape
-                    cache[:, pages] = data.view(heads, tokens // page_size, page_size, head_dim).to(cache.device)
+                    scatter_tokens(cache, pages, torch.cat([block[layer, kind] for block in load.blocks], dim=1))
 
     @torch.inference_mode()
     def save_completed_blocks(self, request: Request) -> None:
@@ -150,11 +149,11 @@ class StoreConnector:
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
         index = torch.tensor(pages, device=self.kv_cache.layers[0][0].device)
+        # [layers, 2 (key, value), heads, block_tokens, dim], on the host.
         per_layer = [
-            torch.stack([key_cache[:, index], value_cache[:, index]]) for key_cache, value_cache in self.kv_cache.layers
+            torch.stack([gather_tokens(cache, index, self.block_tokens) for cache in kv]) for kv in self.kv_cache.layers
         ]
-        # [layers, 2, heads, pages, page_size, dim] → [layers, 2, heads, block_tokens, dim], on the host.
-        return torch.stack(per_layer).reshape(self.block_shape).to("cpu", copy=True).contiguous()
+        return torch.stack(per_layer).to("cpu", copy=True).contiguous()
 
     def _fetch(self, keys: list[BlockHash], first_page: int) -> LoadedBlocks:
         blocks: list[torch.Tensor] = []

@@ -1,0 +1,166 @@
+"""What a prefill engine hands a decode engine: a request's state after its first token, and its KV.
+
+The sampler needs no state of its own here: a seeded row's draw depends only on its seed and the
+number of tokens sampled so far (see sampler), and output_token_ids carries that count, so prefill
+on one engine plus decode on another samples exactly what one engine would. Rows without a seed
+draw from each engine's own generator and cannot continue identically anywhere else.
+
+The KV travels as one tensor per layer, [2 (key, value), kv_heads, num_computed_tokens, head_dim]:
+token-major, independent of either engine's page size. `PagedLayers` copies a layer out of the
+prefill engine's pages only when it is read, so a sender can ship layer i while layer i + 1 is
+still being copied; `write_layers` puts received layers into the decode engine's pages.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import overload
+
+import torch
+
+from workers.engine.errors import InvalidRequestError
+from workers.engine.kv_cache import KVCache
+from workers.engine.kv_pages import gather_tokens, scatter_tokens
+from workers.engine.request import Request
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandoff:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # sampled by the prefill engine (the first token)
+    params: SamplingParams
+    # Tokens whose KV `layers` holds: every token but the last sampled one, whose KV decode computes.
+    num_computed_tokens: int
+    num_cached_tokens: int  # prompt tokens the prefill side served from a cache; reported by decode
+    traffic_class: str
+    cache_namespace: str
+    # The model and dtype the KV was computed with (LLMEngine.kv_model_id): KV of another never fits.
+    kv_model_id: str
+    kv_dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+    # Per layer: [2, num_kv_heads, num_computed_tokens, head_dim] of kv_dtype, contiguous, on the CPU.
+    layers: Sequence[torch.Tensor]
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.num_kv_heads, self.num_computed_tokens, self.head_dim)
+
+    def materialized(self) -> "KVHandoff":
+        """The same handoff with every layer copied out now (a PagedLayers reads pages lazily)."""
+        return replace(self, layers=list(self.layers))
+
+
+class PagedLayers(Sequence[torch.Tensor]):
+    """A pinned request's KV, one layer copied to the host per read.
+
+    Valid until the engine releases the request's pages (LLMEngine.release_transfer); reading a
+    layer afterwards raises instead of returning whatever the reused pages then hold.
+    """
+
+    def __init__(self, kv_cache: KVCache, pages: list[int], num_tokens: int) -> None:
+        self._layers = kv_cache.layers
+        key_cache, _ = kv_cache.layers[0]
+        self.dtype = key_cache.dtype
+        self.num_kv_heads, _, _, self.head_dim = key_cache.shape
+        self._index = torch.tensor(pages, device=kv_cache.layers[0][0].device)
+        self._num_tokens = num_tokens
+        self._closed = False
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if self._closed:
+            raise RuntimeError("the request's pages were released; export the KV before release_transfer")
+        key_cache, value_cache = self._layers[index]
+        with torch.inference_mode():
+            keys = gather_tokens(key_cache, self._index, self._num_tokens)
+            values = gather_tokens(value_cache, self._index, self._num_tokens)
+            # torch.stack makes a fresh contiguous tensor; on the CPU it is the only copy.
+            return torch.stack([keys, values]).to("cpu")
+
+
+def export_handoff(request: Request, layers: "PagedLayers", kv_model_id: str) -> KVHandoff:
+    """The handoff of a finished prefill, its KV read from the request's pages through `layers`."""
+    return KVHandoff(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        output_token_ids=list(request.output_token_ids),
+        params=request.params,
+        num_computed_tokens=request.num_computed_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        traffic_class=request.traffic_class,
+        cache_namespace=request.cache_namespace,
+        kv_model_id=kv_model_id,
+        kv_dtype=layers.dtype,
+        num_kv_heads=layers.num_kv_heads,
+        head_dim=layers.head_dim,
+        layers=layers,
+    )
+
+
+def check_handoff(
+    handoff: KVHandoff, *, kv_model_id: str, vocab_size: int, max_tokens: int, kv_cache: KVCache
+) -> list[torch.Tensor]:
+    """The handoff's layers, once its model, tokens and KV are known to fit an engine with this
+    cache (the engine has checked the prompt and sampling params); else InvalidRequestError."""
+    name = handoff.request_id
+    if handoff.kv_model_id != kv_model_id:
+        raise InvalidRequestError(
+            f"handoff {name!r} holds KV of {handoff.kv_model_id!r}; this engine serves {kv_model_id!r}"
+        )
+    prompt, output = handoff.prompt_token_ids, handoff.output_token_ids
+    if not output or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in output):
+        raise InvalidRequestError(f"handoff {name!r} needs its sampled tokens, each in [0, {vocab_size})")
+    if len(output) >= max_tokens:
+        raise InvalidRequestError(
+            f"handoff {name!r} already has {len(output)} of its {max_tokens} tokens: nothing to decode"
+        )
+    num_tokens = len(prompt) + len(output)
+    if handoff.num_computed_tokens != num_tokens - 1:
+        raise InvalidRequestError(
+            f"handoff {name!r} has KV for {handoff.num_computed_tokens} tokens; "
+            f"its {num_tokens} tokens need KV for all but the last ({num_tokens - 1})"
+        )
+    if not 0 <= handoff.num_cached_tokens <= len(prompt):
+        raise InvalidRequestError(
+            f"handoff {name!r} reports {handoff.num_cached_tokens} cached tokens for a prompt of {len(prompt)}"
+        )
+    key_cache, _ = kv_cache.layers[0]
+    num_kv_heads, _, _, head_dim = key_cache.shape
+    expected = (2, num_kv_heads, handoff.num_computed_tokens, head_dim)
+    layers = list(handoff.layers)
+    if len(layers) != len(kv_cache.layers):
+        raise InvalidRequestError(
+            f"handoff {name!r} has {len(layers)} layers of KV; the model has {len(kv_cache.layers)}"
+        )
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, torch.Tensor) or layer.dtype != key_cache.dtype or tuple(layer.shape) != expected:
+            got = f"{layer.dtype} {tuple(layer.shape)}" if isinstance(layer, torch.Tensor) else type(layer).__name__
+            raise InvalidRequestError(f"handoff {name!r} layer {index} is {got}; expected {key_cache.dtype} {expected}")
+    return layers
+
+
+@torch.inference_mode()
+def write_layers(kv_cache: KVCache, pages: list[int], layers: Sequence[torch.Tensor], *, start: int) -> None:
+    """Write tokens [start, num_computed_tokens) of `layers` into the request's `pages` (all of them,
+    from the first); `start` is page-aligned: the pages before it came from the prefix cache."""
+    page_size = kv_cache.page_size
+    first_page = start // page_size
+    index = torch.tensor(pages[first_page:], device=kv_cache.layers[0][0].device)
+    for (key_cache, value_cache), layer in zip(kv_cache.layers, layers, strict=True):
+        scatter_tokens(key_cache, index, layer[0, :, start:])
+        scatter_tokens(value_cache, index, layer[1, :, start:])

@@ -1,0 +1,207 @@
+"""Sends a KVHandoff from a prefill worker to a decode worker over ZMQ, and rebuilds it there.
+
+Wire format (structs in workers.protocol, "KV transfer"): one multipart message per chunk of
+`chunk_layers` layers, [KVTransferHeader, layer frames] first and [KVTransferChunk, layer frames]
+after. Chunks are separate messages because ZMQ delivers a multipart message only whole: this way
+the receiver holds layer 0 while later layers are still being copied out of the sender's pages.
+Layer frames leave zero-copy (ZMQ keeps a reference to the tensor's buffer until it is sent) and
+arrive as views of the received frames when those are writable and aligned (zmq.Frame buffers are).
+
+The receiver trusts nothing in a transfer: every count, length, dtype and shape is checked before a
+byte is interpreted, and any mismatch raises KVTransferError and drops that transfer's partial
+state, so a malformed or truncated transfer costs that one request only. Both ends must share byte
+order (every host we run on is little-endian).
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from workers.engine.kv_handoff import KVHandoff
+from workers.protocol import KVTransferChunk, KVTransferHeader, KVTransferMessage
+
+# The KV dtypes a transfer may name; anything else is refused before it is interpreted.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Transfers a receiver assembles at once; a header past this is refused (bounds memory held by
+# senders that died mid-transfer; HandoffAssembler.discard drops one explicitly).
+MAX_PARTIAL_TRANSFERS = 64
+
+Frame = zmq.Frame | bytes | bytearray | memoryview
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVTransferMessage)
+
+
+class KVTransferError(Exception):
+    """A transfer that cannot be assembled; `request_id` names it when the frames said which."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message if request_id is None else f"KV transfer {request_id!r}: {message}")
+        self.request_id = request_id
+
+
+def encode_handoff(handoff: KVHandoff, *, chunk_layers: int = 1) -> Iterator[list[Frame | np.ndarray]]:
+    """The messages of one transfer, in order. Each layer is read (copied out of pages, for an
+    engine's export) only when its message is built, so send each message before taking the next."""
+    if chunk_layers < 1:
+        raise ValueError(f"chunk_layers must be >= 1, got {chunk_layers}")
+    dtype = next((name for name, value in DTYPES.items() if value == handoff.kv_dtype), None)
+    if dtype is None:
+        raise ValueError(f"KV dtype {handoff.kv_dtype} cannot be transferred; allowed: {sorted(DTYPES)}")
+    num_layers = len(handoff.layers)
+    header = KVTransferHeader(
+        request_id=handoff.request_id,
+        prompt_token_ids=handoff.prompt_token_ids,
+        output_token_ids=handoff.output_token_ids,
+        params=handoff.params,
+        num_computed_tokens=handoff.num_computed_tokens,
+        num_cached_tokens=handoff.num_cached_tokens,
+        traffic_class=handoff.traffic_class,
+        cache_namespace=handoff.cache_namespace,
+        kv_model_id=handoff.kv_model_id,
+        dtype=dtype,
+        layer_shape=handoff.layer_shape,
+        num_layers=num_layers,
+        chunk_layers=chunk_layers,
+    )
+    for first in range(0, num_layers, chunk_layers):
+        lead = header if first == 0 else KVTransferChunk(request_id=handoff.request_id, first_layer=first)
+        layers = [_layer_frame(handoff, i) for i in range(first, min(first + chunk_layers, num_layers))]
+        yield [_encoder.encode(lead), *layers]
+
+
+def send_handoff(socket: zmq.Socket, handoff: KVHandoff, *, chunk_layers: int = 1) -> None:
+    """Send a handoff as consecutive messages on `socket` (PUSH, PAIR or DEALER: ordered, one peer)."""
+    for message in encode_handoff(handoff, chunk_layers=chunk_layers):
+        socket.send_multipart(message, copy=False)
+
+
+@dataclass(slots=True)
+class _Partial:
+    header: KVTransferHeader
+    dtype: torch.dtype
+    layer_bytes: int
+    layers: list[torch.Tensor] = field(default_factory=list)
+
+
+class HandoffAssembler:
+    """Rebuilds handoffs from received messages (any number of transfers interleaved by request).
+
+    `feed` takes one message's frames (without a ROUTER's identity frame) and returns the KVHandoff
+    when that message completes it, else None; it raises KVTransferError for anything malformed.
+    """
+
+    def __init__(self, *, max_partial: int = MAX_PARTIAL_TRANSFERS) -> None:
+        self.max_partial = max_partial
+        self.partial: dict[str, _Partial] = {}
+
+    def feed(self, frames: Sequence[Frame]) -> KVHandoff | None:
+        if not frames:
+            raise KVTransferError("empty message")
+        try:
+            lead = _decoder.decode(_buffer(frames[0]))
+        except msgspec.DecodeError as error:
+            raise KVTransferError(f"unreadable header frame: {error}") from None
+        request_id = lead.request_id
+        try:
+            if isinstance(lead, KVTransferHeader):
+                state, first = self._start(lead), 0
+            else:
+                state, first = self._continue(lead), lead.first_layer
+            count = min(state.header.chunk_layers, state.header.num_layers - first)
+            if len(frames) != 1 + count:
+                raise KVTransferError(f"message for layers from {first} has {len(frames) - 1} frames, expected {count}")
+            state.layers.extend(_tensor(frame, state, first + i) for i, frame in enumerate(frames[1:]))
+        except KVTransferError as error:
+            self.partial.pop(request_id, None)
+            raise KVTransferError(str(error.args[0]), request_id) from None
+        if len(state.layers) < state.header.num_layers:
+            return None
+        del self.partial[request_id]
+        return _handoff(state)
+
+    def discard(self, request_id: str) -> None:
+        """Forget a partly received transfer (its sender gave up or died)."""
+        self.partial.pop(request_id, None)
+
+    def _start(self, header: KVTransferHeader) -> _Partial:
+        if header.request_id in self.partial:
+            raise KVTransferError("a second header arrived before the first transfer completed")
+        if len(self.partial) >= self.max_partial:
+            raise KVTransferError(f"{len(self.partial)} transfers are already being assembled")
+        dtype = DTYPES.get(header.dtype)
+        if dtype is None:
+            raise KVTransferError(f"dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
+        two, heads, tokens, head_dim = header.layer_shape
+        num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
+        if not 0 < header.num_computed_tokens <= num_tokens:
+            raise KVTransferError(f"num_computed_tokens {header.num_computed_tokens} is not in [1, {num_tokens}]")
+        if two != 2 or heads < 1 or head_dim < 1 or tokens != header.num_computed_tokens:
+            raise KVTransferError(
+                f"layer shape {header.layer_shape} is not [2, heads, {header.num_computed_tokens}, head_dim]"
+            )
+        if header.num_layers < 1 or header.chunk_layers < 1:
+            raise KVTransferError(f"num_layers {header.num_layers} and chunk_layers {header.chunk_layers} must be >= 1")
+        layer_bytes = 2 * heads * tokens * head_dim * dtype.itemsize
+        state = _Partial(header=header, dtype=dtype, layer_bytes=layer_bytes)
+        self.partial[header.request_id] = state
+        return state
+
+    def _continue(self, chunk: KVTransferChunk) -> _Partial:
+        state = self.partial.get(chunk.request_id)
+        if state is None:
+            raise KVTransferError("a chunk arrived without a header")
+        if chunk.first_layer != len(state.layers):
+            raise KVTransferError(f"chunk starts at layer {chunk.first_layer}; expected {len(state.layers)}")
+        return state
+
+
+def _layer_frame(handoff: KVHandoff, index: int) -> np.ndarray:
+    layer = handoff.layers[index]
+    if layer.dtype != handoff.kv_dtype or tuple(layer.shape) != handoff.layer_shape:
+        raise ValueError(
+            f"layer {index} is {layer.dtype} {tuple(layer.shape)}; the handoff says {handoff.kv_dtype} "
+            f"{handoff.layer_shape}"
+        )
+    # Bytes, not the dtype: numpy has no bfloat16.
+    return layer.to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def _buffer(frame: Frame) -> memoryview:
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+
+
+def _tensor(frame: Frame, state: _Partial, index: int) -> torch.Tensor:
+    buffer = _buffer(frame)
+    if buffer.nbytes != state.layer_bytes:
+        raise KVTransferError(f"layer {index} has {buffer.nbytes} bytes, expected {state.layer_bytes}")
+    data = np.frombuffer(buffer, dtype=np.uint8)
+    # A read-only buffer (bytes) or one the dtype cannot be read from in place is copied; zmq.Frame
+    # buffers are writable and malloc-aligned, so received layers are views of the frames.
+    if not data.flags.writeable or data.ctypes.data % state.dtype.itemsize:
+        data = data.copy()
+    return torch.from_numpy(data).view(state.dtype).view(state.header.layer_shape)
+
+
+def _handoff(state: _Partial) -> KVHandoff:
+    header = state.header
+    _, heads, _, head_dim = header.layer_shape
+    return KVHandoff(
+        request_id=header.request_id,
+        prompt_token_ids=header.prompt_token_ids,
+        output_token_ids=header.output_token_ids,
+        params=header.params,
+        num_computed_tokens=header.num_computed_tokens,
+        num_cached_tokens=header.num_cached_tokens,
+        traffic_class=header.traffic_class,
+        cache_namespace=header.cache_namespace,
+        kv_model_id=header.kv_model_id,
+        kv_dtype=state.dtype,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        layers=state.layers,
+    )
