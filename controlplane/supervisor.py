@@ -2,7 +2,8 @@
 
 Children die with the supervisor (PR_SET_PDEATHSIG), a child that exits unexpectedly is logged
 and restarted with a growing delay, and SIGINT/SIGTERM stop everything: SIGTERM to each child,
-then SIGKILL to whatever has not exited after a grace period.
+then SIGKILL to whatever has not exited after a grace period. A child that exits with code 0 was
+asked to stop (a worker told to shut down by the control plane) and is left stopped.
 """
 
 import ctypes
@@ -41,6 +42,7 @@ class Child:
     restarts: int = 0
     restart_at: float | None = None
     exit_codes: list[int] = field(default_factory=list)
+    stopped: bool = False  # exited with code 0: not to be restarted
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)
@@ -70,6 +72,8 @@ class Supervisor:
 
     def _tend(self, now: float) -> None:
         for child in self.children:
+            if child.stopped:
+                continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.start()
@@ -78,6 +82,10 @@ class Supervisor:
             if code is None:
                 continue
             child.exit_codes.append(code)
+            if code == 0:
+                child.stopped = True
+                log.warning("%s exited with code 0 (asked to stop); not restarting it", child.name)
+                continue
             if now - child.started_at >= STABLE_AFTER:
                 child.restarts = 0
             delay = RESTART_DELAYS[min(child.restarts, len(RESTART_DELAYS) - 1)]

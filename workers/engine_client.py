@@ -4,6 +4,7 @@ Per worker one DEALER (requests out, outputs in) and one SUB (its heartbeats). O
 DEALER sorts outputs into per-request queues, so any number of concurrent streams share a socket.
 A worker is healthy while its heartbeats keep coming; when they stop (or it restarts, losing its
 requests), the streams it was serving fail with WorkerUnavailableError instead of waiting forever.
+New requests go only to healthy workers whose heartbeats say they are "ready" (not draining).
 """
 
 import asyncio
@@ -18,6 +19,7 @@ import zmq.asyncio
 
 from workers.protocol import (
     AbortRequest,
+    ControlAck,
     GenerateError,
     GenerateOutput,
     GenerateRequest,
@@ -29,6 +31,7 @@ from workers.protocol import (
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 3.0
+READY = "ready"  # WorkerHeartbeat.state of a worker that takes new requests
 CLOSE_LINGER_MS = 200  # time to deliver the aborts of streams still open at close
 
 
@@ -62,6 +65,15 @@ class WorkerLink:
 
     def is_healthy(self, now: float, timeout_s: float) -> bool:
         return self.heartbeat is not None and now - self.heartbeat_received_at <= timeout_s
+
+    def is_ready(self, now: float, timeout_s: float) -> bool:
+        return self.is_healthy(now, timeout_s) and self.heartbeat.state == READY
+
+    def mark_draining(self) -> None:
+        """The worker refused a request as draining before its heartbeat said so: believe the refusal
+        until its next heartbeat."""
+        if self.heartbeat is not None:
+            self.heartbeat = msgspec.structs.replace(self.heartbeat, state="draining")
 
     @property
     def load(self) -> int:
@@ -127,17 +139,21 @@ class EngineClient:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """The request's outputs, up to the one with a finish_reason.
 
-        Raises WorkerUnavailableError (no healthy worker, or it went away mid-stream) or
+        Raises WorkerUnavailableError (no ready worker, or it went away mid-stream) or
         RequestRejectedError. A consumer that stops early (break, cancellation) aborts the request.
+        A worker that refuses the request as draining never started it: it goes to another ready
+        worker, once.
         """
         link = self._least_loaded_worker()
         if any(request.request_id in other.streams for other in self._links):
             raise RequestRejectedError("invalid_request", f"request id {request.request_id!r} is already in use")
+        payload = self._encoder.encode(request)
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         link.streams[request.request_id] = queue
         ended = False  # the worker has forgotten the request: nothing to abort
+        redirected = False
         try:
-            await link.dealer.send(self._encoder.encode(request))
+            await link.dealer.send(payload)
             while True:
                 item = await queue.get()
                 if isinstance(item, WorkerUnavailableError):
@@ -145,7 +161,18 @@ class EngineClient:
                     raise item
                 if isinstance(item, GenerateError):
                     ended = True
-                    raise RequestRejectedError(item.kind, item.message)
+                    if item.kind != "draining":
+                        raise RequestRejectedError(item.kind, item.message)
+                    if redirected:
+                        raise WorkerUnavailableError(f"worker {link.request_endpoint} is draining: {item.message}")
+                    redirected = True
+                    link.mark_draining()
+                    del link.streams[request.request_id]
+                    link = self._least_loaded_worker()
+                    link.streams[request.request_id] = queue
+                    ended = False
+                    await link.dealer.send(payload)
+                    continue
                 ended = item.finish_reason is not None
                 yield item
                 if ended:
@@ -165,10 +192,10 @@ class EngineClient:
 
     def _least_loaded_worker(self) -> WorkerLink:
         now = time.monotonic()
-        healthy = [link for link in self._links if link.is_healthy(now, self._heartbeat_timeout_s)]
-        if not healthy:
-            raise WorkerUnavailableError(f"no healthy worker among {len(self._links)}")
-        return min(healthy, key=lambda link: (link.load, link.heartbeat.kv_usage))
+        ready = [link for link in self._links if link.is_ready(now, self._heartbeat_timeout_s)]
+        if not ready:
+            raise WorkerUnavailableError(f"no healthy worker ready for requests among {len(self._links)}")
+        return min(ready, key=lambda link: (link.load, link.heartbeat.kv_usage))
 
     def _send_now(self, link: WorkerLink, message: WorkerInbound) -> None:
         """Send without awaiting, for cleanup paths that may run while being cancelled or closed."""
@@ -191,6 +218,9 @@ class EngineClient:
                 message = self._output_decoder.decode(payload)
             except msgspec.DecodeError as error:
                 log.error("undecodable message from worker %s: %s", link.request_endpoint, error)
+                continue
+            if isinstance(message, ControlAck):  # control commands come from the control plane, not from here
+                log.warning("unexpected control ack from worker %s: %s", link.request_endpoint, message)
                 continue
             queue = link.streams.get(message.request_id)
             if queue is not None:

@@ -1,8 +1,9 @@
 """An engine worker process: serves GenerateRequests over ZMQ and publishes heartbeats.
 
-Sockets: a ROUTER (requests in; each request's outputs go back to the peer that sent it) and a
-PUB (heartbeats, sent by their own thread). While the engine has work, the loop checks the ROUTER
-without blocking between steps; when idle it blocks on it for up to a heartbeat interval.
+Sockets: a ROUTER (requests and control commands in; each request's outputs and each command's
+ControlAck go back to the peer that sent it) and a PUB (heartbeats, sent by their own thread). While
+the engine has work, the loop checks the ROUTER without blocking between steps; when idle it blocks
+on it for up to a heartbeat interval. With a registry endpoint, a thread announces the worker there.
 
 Run it with `run_worker_process(WorkerConfig(...))` or `python -m workers.worker --model ...`.
 """
@@ -38,13 +39,23 @@ from workers.kvstore.store import KVStore, open_store
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol import (
     AbortRequest,
+    ApplyEPLayoutRequest,
+    ControlRequest,
+    DrainRequest,
     GenerateError,
     GenerateOutput,
     GenerateRequest,
+    ResumeRequest,
+    SetTTLPolicyRequest,
+    ShutdownRequest,
+    StatusRequest,
     WorkerHeartbeat,
     WorkerInbound,
     WorkerOutbound,
+    WorkerRegistration,
 )
+from workers.registry import register_until_acknowledged
+from workers.worker_control import WorkerControl
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +90,15 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_gc_interval_s: float = 10.0
     kv_store_capacity_bytes: int = 8 << 30
     kv_eviction_policy: str = "best"
+    pool: str = ""  # the pool the control plane scales this worker in
+    registry_endpoint: str | None = None  # where to register (a RegistryServer); None: nowhere
+    ep_size: int = 1  # expert-parallel ranks: the shape an ApplyEPLayoutRequest must have
 
     def __post_init__(self) -> None:
         if self.role != "mixed":
             raise ValueError(f"only the 'mixed' worker role exists so far, got {self.role!r}")
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
         if self.kv_gc_interval_s < 0:
@@ -92,7 +108,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def run_worker_process(config: WorkerConfig) -> None:
-    """The worker's entry point: returns after SIGTERM/SIGINT; a crash is logged and exits 1."""
+    """The worker's entry point: returns after SIGTERM/SIGINT or a ShutdownRequest; a crash is logged
+    and exits 1."""
     _set_process_title(PROCESS_TITLE)
     _die_with_parent()
     stop = threading.Event()
@@ -101,11 +118,10 @@ def run_worker_process(config: WorkerConfig) -> None:
     try:
         store = open_store(Path(config.kv_store), config.kv_store_index) if config.kv_store else None
         engine = _build_engine(config, store)
-        if store is not None and config.kv_gc_interval_s:
-            _start_store_gc(store, config, stop)
+        collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
         context = zmq.Context()
         try:
-            Worker(config, engine, context, stop).serve()
+            Worker(config, engine, context, stop, collector).serve()
         finally:
             context.destroy(linger=CLOSE_LINGER_MS)
             engine.close()
@@ -115,16 +131,26 @@ def run_worker_process(config: WorkerConfig) -> None:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, engine: LLMEngine, context: zmq.Context, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: LLMEngine,
+        context: zmq.Context,
+        stop: threading.Event,
+        collector: GarbageCollector | None = None,
+    ) -> None:
         self.config = config
         self.engine = engine
         self.stop = stop
-        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.hostname = socket.gethostname()
+        self.worker_id = config.worker_id or f"{self.hostname}-{os.getpid()}"
         self.started_at = time.time()
         self.router = context.socket(zmq.ROUTER)
         self.router.bind(config.request_endpoint)
         self.publisher = context.socket(zmq.PUB)
         self.publisher.bind(config.heartbeat_endpoint)
+        self.request_endpoint = connectable_endpoint(self.router, self.hostname)
+        self.heartbeat_endpoint = connectable_endpoint(self.publisher, self.hostname)
         # Heartbeats come from their own thread: one engine step (a long prefill on a CPU) can take
         # seconds, longer than a client waits before it declares the worker dead. The PUB socket is
         # used by that thread alone (ZMQ sockets are not thread-safe).
@@ -134,10 +160,29 @@ class Worker:
         self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
         self.encoder = msgspec.msgpack.Encoder()
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
+        self.control = WorkerControl(
+            self.worker_id, ep_size=config.ep_size, collector=collector, num_in_flight=lambda: len(self.owners)
+        )
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             GenerateRequest: self._on_generate,
             AbortRequest: self._on_abort,
+            DrainRequest: self._on_control,
+            ResumeRequest: self._on_control,
+            ShutdownRequest: self._on_shutdown,
+            SetTTLPolicyRequest: self._on_control,
+            ApplyEPLayoutRequest: self._on_control,
+            StatusRequest: self._on_control,
         }
+        self.registration_thread = (
+            threading.Thread(
+                target=register_until_acknowledged,
+                args=(context, config.registry_endpoint, self._registration(), stop),
+                name="registration",
+                daemon=True,
+            )
+            if config.registry_endpoint
+            else None
+        )
 
     def serve(self) -> None:
         log.info(
@@ -148,6 +193,8 @@ class Worker:
             self.config.heartbeat_endpoint,
         )
         self.heartbeat_thread.start()
+        if self.registration_thread is not None:
+            self.registration_thread.start()
         while not self.stop.is_set():
             idle_ms = 0 if self.engine.has_unfinished() else self.config.heartbeat_interval_s * 1000
             if self.poller.poll(idle_ms):
@@ -155,6 +202,7 @@ class Worker:
             if self.engine.has_unfinished():
                 for delta in self.engine.step():
                     self._send_delta(delta)
+                self.control.check_drained()
         self._shut_down()
 
     def _receive(self) -> None:
@@ -179,9 +227,14 @@ class Worker:
         except Exception:
             # A bug in admitting one request must not take the others down with the process.
             log.exception("handling %s failed", type(message).__name__)
-            self._send(peer, GenerateError(message.request_id, "internal", "the worker failed to handle the message"))
+            message_id = getattr(message, "request_id", None) or getattr(message, "command_id", "")
+            self._send(peer, GenerateError(message_id, "internal", "the worker failed to handle the message"))
 
     def _on_generate(self, peer: bytes, request: GenerateRequest) -> None:
+        if not self.control.accepting:
+            message = f"worker {self.worker_id} is {self.control.state} and takes no new requests"
+            self._send(peer, GenerateError(request.request_id, "draining", message))
+            return
         try:
             constraint = self._compile_constraint(request) if request.constraint is not None else None
             self.engine.add_request(
@@ -210,6 +263,18 @@ class Worker:
 
     def _on_abort(self, peer: bytes, request: AbortRequest) -> None:
         self._abort(request.request_id)
+        self.control.check_drained()
+
+    def _on_control(self, peer: bytes, request: ControlRequest) -> None:
+        self._send(peer, self.control.handle(request))
+
+    def _on_shutdown(self, peer: bytes, request: ShutdownRequest) -> None:
+        """Abort what is in flight before acknowledging, so the ack confirms nothing is left running."""
+        for request_id in list(self.owners):
+            self._abort(request_id)
+        self._on_control(peer, request)
+        log.info("worker %s shutting down (command %s)", self.worker_id, request.command_id)
+        self.stop.set()
 
     def _abort(self, request_id: str) -> None:
         """Stop a request; its owner gets a last output with finish_reason "abort"."""
@@ -262,7 +327,7 @@ class Worker:
             worker_id=self.worker_id,
             role=self.config.role,
             model=self.engine.model_name,
-            request_endpoint=self.config.request_endpoint,
+            request_endpoint=self.request_endpoint,
             max_model_len=self.engine.max_model_len,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
@@ -276,8 +341,31 @@ class Worker:
             num_store_hit_tokens=store.num_hit_tokens if store else 0,
             num_store_blocks_read=store.num_blocks_read if store else 0,
             num_store_blocks_written=store.num_blocks_written if store else 0,
+            state=self.control.state,
+            pool=self.config.pool,
+            ttl_policy_version=self.control.ttl_policy_version,
+            ep_layout_version=self.control.ep_layout_version,
+            heartbeat_endpoint=self.heartbeat_endpoint,
+            hostname=self.hostname,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
+
+    def _registration(self) -> WorkerRegistration:
+        device = torch.device(self.config.device)
+        on_cuda = device.type == "cuda"
+        return WorkerRegistration(
+            worker_id=self.worker_id,
+            pool=self.config.pool,
+            role=self.config.role,
+            model=self.engine.model_name,
+            hostname=self.hostname,
+            request_endpoint=self.request_endpoint,
+            heartbeat_endpoint=self.heartbeat_endpoint,
+            ep_size=self.config.ep_size,
+            num_accelerators=1 if on_cuda else 0,
+            accelerator_kind=torch.cuda.get_device_name(device) if on_cuda else device.type,
+            started_at=self.started_at,
+        )
 
     def _shut_down(self) -> None:
         """Abort what is in flight, so that every stream ends with an output rather than a timeout."""
@@ -286,10 +374,23 @@ class Worker:
             self._abort(request_id)
         self.router.close(linger=CLOSE_LINGER_MS)
         self.heartbeat_thread.join()
+        if self.registration_thread is not None:
+            self.registration_thread.join()
         self.publisher.close(linger=0)
 
 
-def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event) -> None:
+def connectable_endpoint(bound: zmq.Socket, hostname: str) -> str:
+    """The endpoint a socket is bound to, as a peer on another host connects to it: a wildcard TCP
+    address names this host instead, and port 0 the port the system chose."""
+    endpoint = bound.getsockopt_string(zmq.LAST_ENDPOINT)
+    scheme, _, address = endpoint.partition("://")
+    host, _, port = address.rpartition(":")
+    if scheme == "tcp" and host in ("0.0.0.0", "[::]", "*"):
+        return f"tcp://{hostname}:{port}"
+    return endpoint
+
+
+def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event) -> GarbageCollector:
     collector = GarbageCollector(
         store.index,
         TTLPolicy(),
@@ -301,6 +402,7 @@ def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event)
         target=collector.run_forever, args=(stop, config.kv_gc_interval_s), name="kvstore-gc", daemon=True
     )
     thread.start()
+    return collector
 
 
 def _build_engine(config: WorkerConfig, store: KVStore | None) -> LLMEngine:
@@ -373,6 +475,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-gc-interval", type=float, default=10.0, help="seconds; 0: no GC in this worker")
     parser.add_argument("--kv-store-capacity-bytes", type=int, default=8 << 30)
     parser.add_argument("--kv-eviction-policy", default="best", choices=sorted(POLICIES))
+    parser.add_argument("--pool", default="", help="the pool the control plane scales this worker in")
+    parser.add_argument("--registry-endpoint", help="register with the control plane's registry there")
+    parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
 
 
 def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
@@ -399,6 +504,9 @@ def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
         kv_gc_interval_s=args.kv_gc_interval,
         kv_store_capacity_bytes=args.kv_store_capacity_bytes,
         kv_eviction_policy=args.kv_eviction_policy,
+        pool=args.pool,
+        registry_endpoint=args.registry_endpoint,
+        ep_size=args.ep_size,
     )
 
 

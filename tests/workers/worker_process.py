@@ -1,4 +1,5 @@
-"""Real worker processes for tests: a tiny random-weight model behind ipc:// endpoints."""
+"""Real worker processes for tests: a tiny random-weight model behind ipc:// endpoints, and plain
+synchronous sockets to talk to them directly."""
 
 import asyncio
 import json
@@ -6,12 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+import zmq
+
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine_client import EngineClient
-from workers.protocol import GenerateOutput, GenerateRequest, WorkerHeartbeat
+from workers.protocol import GenerateOutput, GenerateRequest, WorkerHeartbeat, WorkerInbound, WorkerOutbound
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A long window so that a stream can run for seconds: long enough to abort, cancel or kill it mid-way.
@@ -98,3 +103,51 @@ async def collect(client: EngineClient, request: GenerateRequest) -> list[Genera
 
 def token_ids(outputs: list[GenerateOutput]) -> list[int]:
     return [token for output in outputs for token in output.token_ids]
+
+
+class Dealer:
+    """A synchronous DEALER to one worker: messages in order, replies decoded (for tests that need
+    the worker to see several messages in a known order)."""
+
+    def __init__(self, request_endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(request_endpoint)
+
+    def send(self, *messages: WorkerInbound) -> None:
+        for message in messages:
+            self.socket.send(msgspec.msgpack.encode(message))
+
+    def receive(self, timeout_s: float = 30.0) -> WorkerOutbound:
+        if not self.socket.poll(timeout_s * 1000):
+            raise TimeoutError(f"no reply in {timeout_s} s")
+        return msgspec.msgpack.decode(self.socket.recv(), type=WorkerOutbound)
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+
+    def __enter__(self) -> "Dealer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def wait_for_worker_heartbeat(
+    heartbeat_endpoint: str, condition: Callable[[WorkerHeartbeat], bool] = lambda _: True, timeout_s: float = 60.0
+) -> WorkerHeartbeat:
+    """The first heartbeat from `heartbeat_endpoint` that satisfies `condition` (synchronous)."""
+    deadline = time.monotonic() + timeout_s
+    with zmq.Context() as context, context.socket(zmq.SUB) as subscriber:
+        subscriber.setsockopt(zmq.LINGER, 0)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        subscriber.connect(heartbeat_endpoint)
+        last = None
+        while (left := deadline - time.monotonic()) > 0:
+            if subscriber.poll(left * 1000):
+                last = msgspec.msgpack.decode(subscriber.recv(), type=WorkerHeartbeat)
+                if condition(last):
+                    return last
+        raise TimeoutError(f"no heartbeat satisfied the condition; last: {last}")

@@ -1,0 +1,248 @@
+"""Worker registration, both sides: the worker announces itself to a registry until one acknowledges
+it; the registry records workers through callbacks and watches their heartbeats.
+
+The registry holds no storage of its own: the control plane passes callables that write where it
+keeps the cluster topology (PostgreSQL), so this module needs no Django. Sockets: the registry binds
+a ROUTER (registrations in, RegistrationAcks out) and connects one SUB to every registered worker's
+heartbeat PUB; a worker connects a DEALER to the registry.
+"""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from workers.protocol import RegistrationAck, WorkerHeartbeat, WorkerRegistration
+
+log = logging.getLogger(__name__)
+
+REGISTRATION_RETRY_S = 2.0
+POLL_S = 0.1
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def register_until_acknowledged(
+    context: zmq.Context,
+    endpoint: str,
+    registration: WorkerRegistration,
+    stop: threading.Event,
+    *,
+    retry_interval_s: float = REGISTRATION_RETRY_S,
+) -> bool:
+    """Send `registration` to the registry at `endpoint`, again every `retry_interval_s` until it
+    answers ok or `stop` is set; returns whether it was acknowledged. Run it on its own thread: the
+    registry may start long after the worker, or refuse it until an operator acts."""
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(RegistrationAck)
+    payload = encoder.encode(registration)
+    with context.socket(zmq.DEALER) as dealer:
+        dealer.setsockopt(zmq.LINGER, 0)
+        # Queue nothing while the registry is away: otherwise every retry would wait in the queue and
+        # a registry that comes up later would be flooded with copies.
+        dealer.setsockopt(zmq.IMMEDIATE, 1)
+        dealer.connect(endpoint)
+        next_send = 0.0
+        last_refusal = None
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_send:
+                try:
+                    dealer.send(payload, zmq.NOBLOCK)
+                    next_send = now + retry_interval_s
+                except zmq.Again:  # not connected yet: try again shortly
+                    next_send = now + POLL_S
+            if not dealer.poll(POLL_S * 1000):
+                continue
+            try:
+                ack = decoder.decode(dealer.recv())
+            except msgspec.DecodeError as error:
+                log.error("undecodable answer from the registry %s: %s", endpoint, error)
+                continue
+            if ack.ok:
+                log.info("worker %s registered with %s", registration.worker_id, endpoint)
+                return True
+            if ack.message != last_refusal:
+                log.warning("registry %s refused worker %s: %s", endpoint, registration.worker_id, ack.message)
+                last_refusal = ack.message
+    return False
+
+
+@dataclass
+class _Watched:
+    registration: WorkerRegistration
+    last_heard: float  # time.monotonic(): its last heartbeat, or its registration
+    last_reported: float = float("-inf")
+    last_state: str = ""
+    silent: bool = False
+
+
+class RegistryServer:
+    """Accepts worker registrations and watches the registered workers' heartbeats.
+
+    on_register(registration) returns None to accept, or a message saying why it is refused (the
+    worker will retry). on_heartbeat(heartbeat) is called for the heartbeats of registered workers,
+    at most once per `heartbeat_report_interval_s` per worker unless its state changed (0: every one).
+    on_silence(worker_id) is called once when a registered worker sends no heartbeat for
+    `heartbeat_timeout_s`, and again only after its heartbeats resumed and stopped again.
+    Callbacks run on the serving thread; one that raises is logged and does not stop the server.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        on_register: Callable[[WorkerRegistration], str | None],
+        on_heartbeat: Callable[[WorkerHeartbeat], object],
+        on_silence: Callable[[str], object],
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        heartbeat_report_interval_s: float = 0.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be positive, got {heartbeat_timeout_s}")
+        self.endpoint = endpoint
+        self.bound_endpoint = ""  # as bound, e.g. with the port chosen for "tcp://*:0"
+        self._on_register = on_register
+        self._on_heartbeat = on_heartbeat
+        self._on_silence = on_silence
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._report_interval_s = heartbeat_report_interval_s
+        self._context = context or zmq.Context.instance()
+        self._workers: dict[str, _Watched] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._registration_decoder = msgspec.msgpack.Decoder(WorkerRegistration)
+        self._heartbeat_decoder = msgspec.msgpack.Decoder(WorkerHeartbeat)
+        self._bound = threading.Event()
+        self._bind_error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Serve on a daemon thread; returns once bound (raises if the endpoint cannot be bound)."""
+        self._thread = threading.Thread(target=self.serve, args=(self._stop,), name="worker-registry", daemon=True)
+        self._thread.start()
+        self._bound.wait()
+        if self._bind_error is not None:
+            raise self._bind_error
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def serve(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set (blocking)."""
+        router = self._context.socket(zmq.ROUTER)
+        subscriber = self._context.socket(zmq.SUB)
+        try:
+            router.setsockopt(zmq.LINGER, 0)
+            subscriber.setsockopt(zmq.LINGER, 0)
+            subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+            try:
+                router.bind(self.endpoint)
+            except zmq.ZMQError as error:
+                self._bind_error = error
+                raise
+            finally:
+                self._bound.set()
+            self.bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            log.info("worker registry listening on %s", self.bound_endpoint)
+            poller = zmq.Poller()
+            poller.register(router, zmq.POLLIN)
+            poller.register(subscriber, zmq.POLLIN)
+            poll_ms = min(self._heartbeat_timeout_s / 4, POLL_S) * 1000
+            while not stop.is_set():
+                ready = dict(poller.poll(poll_ms))
+                if router in ready:
+                    self._receive_registrations(router, subscriber)
+                if subscriber in ready:
+                    self._receive_heartbeats(subscriber)
+                self._check_silence(time.monotonic())
+        finally:
+            router.close()
+            subscriber.close()
+
+    def _receive_registrations(self, router: zmq.Socket, subscriber: zmq.Socket) -> None:
+        while True:
+            try:
+                peer, *frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                if len(frames) != 1:
+                    raise msgspec.DecodeError(f"expected one message frame, got {len(frames)}")
+                registration = self._registration_decoder.decode(frames[0])
+            except msgspec.DecodeError as error:
+                log.warning("malformed registration from peer %s: %s", peer.hex(), error)
+                router.send_multipart([peer, self._encoder.encode(RegistrationAck("", False, str(error)))])
+                continue
+            refusal = self._register(registration, subscriber)
+            ack = RegistrationAck(registration.worker_id, refusal is None, refusal or "")
+            router.send_multipart([peer, self._encoder.encode(ack)])
+
+    def _register(self, registration: WorkerRegistration, subscriber: zmq.Socket) -> str | None:
+        try:
+            refusal = self._on_register(registration)
+        except Exception as error:
+            log.exception("on_register failed for worker %s", registration.worker_id)
+            return f"the registry failed to record the worker: {error}"
+        if refusal is not None:
+            return refusal
+        previous = self._workers.get(registration.worker_id)
+        endpoint = registration.heartbeat_endpoint
+        if previous is None or previous.registration.heartbeat_endpoint != endpoint:
+            if previous is not None and not self._watches(previous.registration.heartbeat_endpoint, previous):
+                subscriber.disconnect(previous.registration.heartbeat_endpoint)
+            if not self._watches(endpoint, previous):
+                subscriber.connect(endpoint)
+        # A registration starts a new lifetime (a restart re-registers): silence is counted from it.
+        self._workers[registration.worker_id] = _Watched(registration, last_heard=time.monotonic())
+        log.info("registered worker %s (%s, heartbeats on %s)", registration.worker_id, registration.pool, endpoint)
+        return None
+
+    def _watches(self, endpoint: str, besides: _Watched | None) -> bool:
+        """Whether a registered worker other than `besides` publishes on `endpoint`."""
+        return any(w is not besides and w.registration.heartbeat_endpoint == endpoint for w in self._workers.values())
+
+    def _receive_heartbeats(self, subscriber: zmq.Socket) -> None:
+        while True:
+            try:
+                payload = subscriber.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                heartbeat = self._heartbeat_decoder.decode(payload)
+            except msgspec.DecodeError as error:
+                log.error("undecodable heartbeat: %s", error)
+                continue
+            watched = self._workers.get(heartbeat.worker_id)
+            if watched is None:
+                continue
+            now = time.monotonic()
+            watched.last_heard = now
+            if watched.silent:
+                watched.silent = False
+                log.info("worker %s sends heartbeats again", heartbeat.worker_id)
+            if heartbeat.state == watched.last_state and now - watched.last_reported < self._report_interval_s:
+                continue
+            watched.last_reported = now
+            watched.last_state = heartbeat.state
+            self._call(self._on_heartbeat, heartbeat)
+
+    def _check_silence(self, now: float) -> None:
+        for worker_id, watched in self._workers.items():
+            if not watched.silent and now - watched.last_heard > self._heartbeat_timeout_s:
+                watched.silent = True
+                log.warning("worker %s sent no heartbeat for %.1f s", worker_id, now - watched.last_heard)
+                self._call(self._on_silence, worker_id)
+
+    @staticmethod
+    def _call(callback: Callable[[object], object], argument: object) -> None:
+        try:
+            callback(argument)
+        except Exception:
+            log.exception("registry callback %s failed", getattr(callback, "__name__", callback))

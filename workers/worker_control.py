@@ -1,0 +1,157 @@
+"""A worker's answers to control commands: its drain state machine, the versions of the TTL policy and
+expert layout it runs, and a memory of recent answers so that a retried command is not acted on twice.
+
+States: ready → draining (requests in flight) → drained (none left) → ready again on Resume;
+stopping after a Shutdown. Only a ready worker takes new requests. This class holds no sockets: the
+worker calls `handle` for each command and `check_drained` after requests finish.
+"""
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from workers.kvstore.gc import GarbageCollector
+from workers.kvstore.ttl import TTLPolicy
+from workers.protocol import (
+    ApplyEPLayoutRequest,
+    ControlAck,
+    ControlRequest,
+    DrainRequest,
+    ResumeRequest,
+    SetTTLPolicyRequest,
+    ShutdownRequest,
+    StatusRequest,
+)
+
+log = logging.getLogger(__name__)
+
+READY = "ready"
+DRAINING = "draining"
+DRAINED = "drained"
+STOPPING = "stopping"
+# Enough to cover any sender's retries of one command, bounded so a long-lived worker does not grow.
+REMEMBERED_ANSWERS = 1024
+
+
+class WorkerControl:
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        ep_size: int,
+        collector: GarbageCollector | None,
+        num_in_flight: Callable[[], int],
+        remembered_answers: int = REMEMBERED_ANSWERS,
+    ) -> None:
+        self.worker_id = worker_id
+        self.state = READY
+        self.ttl_policy_version = 0
+        self.ep_layout_version = 0
+        self._ep_size = ep_size
+        self._collector = collector
+        self._num_in_flight = num_in_flight
+        self._answers: OrderedDict[str, ControlAck] = OrderedDict()
+        self._remembered_answers = remembered_answers
+        # Each action returns "" when done, or why it was refused (and then changes nothing).
+        self._actions: dict[type, Callable[..., str]] = {
+            DrainRequest: self._drain,
+            ResumeRequest: self._resume,
+            ShutdownRequest: self._shut_down,
+            SetTTLPolicyRequest: self._set_ttl_policy,
+            ApplyEPLayoutRequest: self._apply_ep_layout,
+            StatusRequest: lambda request: "",
+        }
+
+    @property
+    def accepting(self) -> bool:
+        return self.state == READY
+
+    def handle(self, request: ControlRequest) -> ControlAck:
+        """Act on `request` unless its command id was seen before; either way, the answer to send."""
+        answer = self._answers.get(request.command_id)
+        if answer is not None:
+            return answer
+        refusal = self._actions[type(request)](request)
+        if refusal:
+            log.warning("worker %s refused %s: %s", self.worker_id, type(request).__name__, refusal)
+        answer = self.ack(request.command_id, ok=not refusal, message=refusal)
+        # A status is an observation, not an action: a repeated one should see the state of now.
+        if not isinstance(request, StatusRequest):
+            self._answers[request.command_id] = answer
+            if len(self._answers) > self._remembered_answers:
+                self._answers.popitem(last=False)
+        return answer
+
+    def ack(self, command_id: str, *, ok: bool, message: str = "") -> ControlAck:
+        return ControlAck(
+            command_id=command_id,
+            worker_id=self.worker_id,
+            ok=ok,
+            state=self.state,
+            message=message,
+            ttl_policy_version=self.ttl_policy_version,
+            ep_layout_version=self.ep_layout_version,
+            num_in_flight=self._num_in_flight(),
+        )
+
+    def check_drained(self) -> None:
+        """Call when requests finish: a draining worker with none left is drained."""
+        if self.state == DRAINING and self._num_in_flight() == 0:
+            self.state = DRAINED
+            log.info("worker %s drained", self.worker_id)
+
+    def _drain(self, request: DrainRequest) -> str:
+        if self.state == READY:
+            self.state = DRAINING
+            self.check_drained()
+        return "" if self.state != STOPPING else "the worker is shutting down"
+
+    def _resume(self, request: ResumeRequest) -> str:
+        if self.state == STOPPING:
+            return "the worker is shutting down"
+        self.state = READY
+        return ""
+
+    def _shut_down(self, request: ShutdownRequest) -> str:
+        self.state = STOPPING
+        return ""
+
+    def _set_ttl_policy(self, request: SetTTLPolicyRequest) -> str:
+        if request.version < self.ttl_policy_version:
+            return f"TTL policy version {request.version} is older than the active version {self.ttl_policy_version}"
+        try:
+            policy = TTLPolicy.from_dict(request.policy)
+        except ValueError as error:
+            return f"invalid TTL policy: {error}"
+        # A worker without a GC records the version anyway: the control plane tracks what each
+        # worker has acknowledged, and the store's GC runs in another process then.
+        if self._collector is not None:
+            self._collector.set_ttl_policy(policy)
+        self.ttl_policy_version = request.version
+        return ""
+
+    def _apply_ep_layout(self, request: ApplyEPLayoutRequest) -> str:
+        refusal = ep_layout_error(request, self._ep_size)
+        if refusal:
+            return refusal
+        # The models served so far are dense: a valid layout is recorded, and there are no experts to
+        # move. MoE models will re-place their experts here.
+        self.ep_layout_version = request.version
+        return ""
+
+
+def ep_layout_error(request: ApplyEPLayoutRequest, ep_size: int) -> str:
+    """Why `request` is not a valid layout for `ep_size` ranks, or "" when it is."""
+    experts = request.num_logical_experts
+    if experts < 1:
+        return f"num_logical_experts must be positive, got {experts}"
+    if len(request.placement) != ep_size:
+        return f"the placement has {len(request.placement)} ranks; this worker has ep_size {ep_size}"
+    placed = [expert for rank in request.placement for expert in rank]
+    outside = sorted({expert for expert in placed if not 0 <= expert < experts})
+    if outside:
+        return f"expert ids {outside} are outside 0..{experts - 1}"
+    missing = sorted(set(range(experts)) - set(placed))
+    if missing:
+        return f"experts {missing} have no slot on any rank"
+    return ""
