@@ -2,24 +2,24 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from controlplane.tenants.models import ApiKey, Tenant
+from controlplane.tenants.models import ApiKey, Tenant, TenantUsage
 from controlplane.tenants.services import api_key_revoke
 
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ["name", "rate_limit_rpm", "share_prefix_cache", "created_at"]
+    list_display = ["name", "rate_limit_rpm", "token_quota_per_day", "share_prefix_cache", "created_at"]
     search_fields = ["name"]
     readonly_fields = ["cache_namespace", "created_at"]
 
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ["prefix", "tenant", "created_at", "last_used_at", "revoked_at"]
+    list_display = ["prefix", "name", "tenant", "created_at", "last_used_at", "revoked_at"]
     list_filter = ["revoked_at"]
     list_select_related = ["tenant"]
-    search_fields = ["prefix", "tenant__name"]
-    fields = ["tenant", "prefix", "created_at", "last_used_at", "revoked_at"]
+    search_fields = ["prefix", "name", "tenant__name"]
+    fields = ["tenant", "name", "prefix", "created_at", "last_used_at", "revoked_at"]
     readonly_fields = fields
     actions = ["revoke"]
 
@@ -32,3 +32,22 @@ class ApiKeyAdmin(admin.ModelAdmin):
         for api_key in queryset:
             api_key_revoke(api_key=api_key)
         self.message_user(request, f"Revoked {len(queryset)} key(s).", messages.SUCCESS)
+
+
+@admin.register(TenantUsage)
+class TenantUsageAdmin(admin.ModelAdmin):
+    """Read-only: the gateway records usage."""
+
+    list_display = ["day", "tenant", "requests", "prompt_tokens", "cached_tokens", "completion_tokens"]
+    list_filter = ["day"]
+    list_select_related = ["tenant"]
+    search_fields = ["tenant__name"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: TenantUsage | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: TenantUsage | None = None) -> bool:
+        return False

@@ -21,6 +21,9 @@ class Tenant(models.Model):
         default=False, help_text=f"Use the common '{SHARED_CACHE_NAMESPACE}' namespace instead of its own."
     )
     rate_limit_rpm = models.PositiveIntegerField(default=600, help_text="Requests per minute.")
+    token_quota_per_day = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Prompt plus completion tokens per UTC day; empty = unlimited."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -42,6 +45,7 @@ class Tenant(models.Model):
 
 class ApiKey(models.Model):
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100, blank=True, help_text="A label people give the key.")
     # The key's first characters: shown to people to tell keys apart, and narrows the lookup.
     prefix = models.CharField(max_length=12, db_index=True)
     key_hash = models.CharField(max_length=64, unique=True)  # SHA-256 hex of the whole key
@@ -54,3 +58,26 @@ class ApiKey(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.tenant.name})"
+
+
+class TenantUsage(models.Model):
+    """What a tenant used in one UTC day; one row per (tenant, day), incremented in place."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage")
+    day = models.DateField()
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0, help_text="Prompt tokens served from the KV cache.")
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        verbose_name_plural = "tenant usage"
+        ordering = ["-day", "tenant_id"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "day"], name="tenantusage_unique_day")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.name} {self.day}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens

@@ -1,11 +1,14 @@
-"""Factories for the control plane's suites (tenants, API keys)."""
+"""Factories for the control plane's suites (tenants, API keys, pools, instances, users in roles)."""
 
 from collections.abc import Callable
 
 import pytest
+from django.contrib.auth.models import Group, User
 
 from controlplane.tenants.models import Tenant
 from controlplane.tenants.services import api_key_create, tenant_get_or_create
+from controlplane.topology.models import Cluster, EngineInstance, Pool
+from controlplane.topology.services import instance_register, pool_create
 
 
 @pytest.fixture
@@ -27,5 +30,56 @@ def make_api_key(make_tenant) -> Callable[..., str]:
     def make(tenant: str = "acme", **fields) -> str:
         _, raw_key = api_key_create(tenant=make_tenant(tenant, **fields))
         return raw_key
+
+    return make
+
+
+@pytest.fixture
+def make_pool(db) -> Callable[..., Pool]:
+    """A pool in cluster "test" (created on first use); fields override pool_create's defaults."""
+
+    def make(name: str = "decode", *, kind: str = "decode", **fields) -> Pool:
+        cluster, _ = Cluster.objects.get_or_create(name="test")
+        fields = {"model": "smollm2-135m-instruct", "min_instances": 0, "max_instances": 8, **fields}
+        return pool_create(cluster=cluster, name=name, kind=kind, **fields)
+
+    return make
+
+
+@pytest.fixture
+def make_instance(make_pool) -> Callable[..., EngineInstance]:
+    """A registered (ready) instance of `pool` (default: a decode pool), then any fields set directly."""
+    counter = iter(range(1_000_000))
+
+    def make(pool: Pool | None = None, **fields) -> EngineInstance:
+        pool = pool or Pool.objects.filter(name="decode").first() or make_pool()
+        n = next(counter)
+        instance = instance_register(
+            worker_id=fields.pop("worker_id", f"{pool.name}-{n}"),
+            pool_name=pool.name,
+            cluster_name=pool.cluster.name,
+            role=pool.kind,
+            model=pool.model,
+            hostname="host-a",
+            request_endpoint=fields.pop("request_endpoint", f"ipc:///tmp/sluice-test-{n}.req"),
+            heartbeat_endpoint=f"ipc:///tmp/sluice-test-{n}.hb",
+        )
+        if fields:
+            EngineInstance.objects.filter(pk=instance.pk).update(**fields)
+            instance.refresh_from_db()
+        return instance
+
+    return make
+
+
+@pytest.fixture
+def make_user(db) -> Callable[..., User]:
+    """A staff user in the named role's group ("admin", "operator", "auditor", "tenant"; None: no group)."""
+
+    def make(role: str | None, username: str | None = None) -> User:
+        user = User.objects.create_user(username=username or f"{role or 'nobody'}-user", password="pw", is_staff=True)
+        if role is not None:
+            user.groups.add(Group.objects.get(name=role))
+        return user
 
     return make
