@@ -23,6 +23,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "django_filters",
+    "drf_spectacular",
     "channels",
     # Project-wide management commands (serve).
     "controlplane",
@@ -30,8 +32,9 @@ INSTALLED_APPS = [
 
 # Our apps with models (by label, each at controlplane/<label>) keep their migrations in the
 # top-level migrations/ package.
-SLUICE_APPS: list[str] = ["tenants"]
-INSTALLED_APPS += [f"controlplane.{app}" for app in SLUICE_APPS] + ["controlplane.gateway"]
+SLUICE_APPS: list[str] = ["tenants", "topology", "policies"]
+# access (roles as groups) has no models; it comes after the apps whose permissions it assigns.
+INSTALLED_APPS += [f"controlplane.{app}" for app in SLUICE_APPS] + ["controlplane.access", "controlplane.gateway"]
 MIGRATION_MODULES = {app: f"migrations.{app}" for app in SLUICE_APPS}
 
 MIDDLEWARE = [
@@ -72,8 +75,54 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
 
+# The control-plane API under /api/v1/ (controlplane.api).
+REST_FRAMEWORK = {
+    # The first class answers anonymous requests with `WWW-Authenticate: Bearer`, which makes them 401s, not 403s.
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.api.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["controlplane.api.permissions.RolePermission"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    # \u-escaped output: an error message that quotes a client's lone surrogate still encodes.
+    "UNICODE_JSON": False,
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # No OPTIONS introspection (OPTIONS answers 405): the schema describes every endpoint.
+    "DEFAULT_METADATA_CLASS": None,
+    "DEFAULT_PAGINATION_CLASS": "controlplane.api.pagination.LimitOffsetPagination",
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "controlplane.api.filters.StableOrderingFilter",
+    ],
+    "EXCEPTION_HANDLER": "controlplane.api.errors.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "controlplane.api.schema.AutoSchema",
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "sluice control plane",
+    "DESCRIPTION": "Pools, engine instances, scaling events, KV TTL policies, EP layouts, tenants and their keys.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    # Separate request and response components, so read-only fields are never asked for.
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {"ErrorTypeEnum": "controlplane.api.errors.ERROR_TYPES"},
+}
+
 # The embedded default has no Redis: an in-process channel layer serves one process.
 CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery: control messages to workers (drain, TTL and EP layout pushes). Without a broker the embedded
+# default runs each task in-process when it is queued (after the transaction that queued it commits).
+CELERY_TASK_ALWAYS_EAGER = not os.environ.get("SLUICE_CELERY_BROKER_URL")
+# Eager tasks never reach a broker; the in-memory one only keeps kombu from looking for a default one.
+CELERY_BROKER_URL = os.environ.get("SLUICE_CELERY_BROKER_URL") or "memory://"
+CELERY_TASK_ACKS_LATE = True  # a worker that dies mid-task leaves it queued for another
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+# How long a drain may take before the task gives up and records control_failed.
+SLUICE_DRAIN_TIMEOUT_S = float(os.environ.get("SLUICE_DRAIN_TIMEOUT_S", 600))
 
 LOGGING = {
     "version": 1,

@@ -1,0 +1,113 @@
+"""Writes to the policies: TTL versions (never edited) and EP layouts (validated, activated one per pool)."""
+
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Max
+from django.utils import timezone
+
+from controlplane.common.actors import actor_label, actor_user
+from controlplane.common.errors import ConflictError, DomainValidationError
+from controlplane.common.validation import full_clean_or_raise
+from controlplane.policies import tasks
+from controlplane.policies.models import EPLayout, TrafficClass, TTLPolicy
+from controlplane.policies.validation import ep_layout_errors
+from controlplane.topology.models import Pool, ScalingAction
+from controlplane.topology.selectors import pool_live_ranks
+from controlplane.topology.services import queue_task, scaling_event_record
+
+
+@transaction.atomic
+def traffic_class_create(*, name: str, description: str = "") -> TrafficClass:
+    """A new class; blocks of it get the default class's TTL until it has a TTL policy of its own."""
+    traffic_class = TrafficClass(name=name, description=description)
+    full_clean_or_raise(traffic_class)
+    traffic_class.save()
+    return traffic_class
+
+
+@transaction.atomic
+def ttl_policy_set(*, traffic_class: TrafficClass, ttl_seconds: int, actor: Any, reason: str = "") -> TTLPolicy:
+    """A new version of the class's TTL, pushed to every live instance once committed."""
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds <= 0:
+        raise DomainValidationError(fields={"ttl_seconds": ["must be a positive number of seconds"]})
+    # The class row's lock serializes concurrent edits of one class, so versions never collide.
+    locked = TrafficClass.objects.select_for_update().get(pk=traffic_class.pk)
+    last = locked.ttl_policies.aggregate(last=Max("version"))["last"] or 0
+    policy = TTLPolicy.objects.create(
+        traffic_class=locked,
+        version=last + 1,
+        ttl_seconds=ttl_seconds,
+        created_by=actor_user(actor),
+        created_by_label=actor_label(actor),
+        reason=reason,
+    )
+    queue_task(tasks.ttl_policy_push_task)
+    return policy
+
+
+def ep_layout_max_ranks(*, pool: Pool) -> int:
+    """Ranks a layout may use: those of the pool's live instances (sum of their ep_size); when none
+    is live, pool.max_instances (one rank per instance), so a layout can be prepared before start."""
+    return pool_live_ranks(pool_id=pool.pk) or pool.max_instances
+
+
+def ep_layout_check(*, pool: Pool, num_logical_experts: Any, placement: Any) -> None:
+    """Raises DomainValidationError with field-level messages when the layout does not fit the pool."""
+    errors = ep_layout_errors(
+        placement=placement,
+        num_logical_experts=num_logical_experts,
+        pool_num_experts=pool.num_experts,
+        expert_slots_per_rank=pool.expert_slots_per_rank,
+        max_ranks=ep_layout_max_ranks(pool=pool),
+    )
+    if errors:
+        raise DomainValidationError(fields=errors)
+
+
+@transaction.atomic
+def ep_layout_create(*, pool: Pool, num_logical_experts: int, placement: list[list[int]], actor: Any) -> EPLayout:
+    """A validated, inactive layout with the pool's next version number."""
+    locked = Pool.objects.select_for_update().get(pk=pool.pk)
+    ep_layout_check(pool=locked, num_logical_experts=num_logical_experts, placement=placement)
+    last = locked.ep_layouts.aggregate(last=Max("version"))["last"] or 0
+    return EPLayout.objects.create(
+        pool=locked,
+        version=last + 1,
+        num_logical_experts=num_logical_experts,
+        placement=placement,
+        created_by=actor_user(actor),
+        created_by_label=actor_label(actor),
+    )
+
+
+@transaction.atomic
+def ep_layout_activate(*, layout: EPLayout, actor: Any, reason: str = "", now: datetime | None = None) -> EPLayout:
+    """Makes `layout` its pool's active one (checked again: instances may have changed since it was
+    created), deactivates the previous one, records ep_layout_applied, and pushes it once committed."""
+    now = now or timezone.now()
+    pool = Pool.objects.select_for_update().get(pk=layout.pool_id)
+    locked = EPLayout.objects.select_for_update().get(pk=layout.pk)
+    if locked.is_active:
+        raise ConflictError(f"EP layout v{locked.version} of pool {pool.name} is already active")
+    ep_layout_check(pool=pool, num_logical_experts=locked.num_logical_experts, placement=locked.placement)
+    previous = EPLayout.objects.filter(pool=pool, is_active=True).first()
+    if previous is not None:
+        # Before activating the new one: the partial unique constraint allows one active row at any time.
+        previous.is_active = False
+        previous.save(update_fields=["is_active"])
+    locked.is_active = True
+    locked.activated_at = now
+    locked.save(update_fields=["is_active", "activated_at"])
+    scaling_event_record(
+        action=ScalingAction.EP_LAYOUT_APPLIED,
+        actor=actor,
+        reason=reason,
+        pool=pool,
+        before={"version": None if previous is None else previous.version},
+        after={"version": locked.version, "layout_id": locked.pk},
+        now=now,
+    )
+    queue_task(tasks.ep_layout_push_task, locked.pk)
+    return locked

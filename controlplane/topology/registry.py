@@ -1,0 +1,89 @@
+"""The control plane's side of worker registration: records what a workers.registry.RegistryServer
+hears (registrations, heartbeats, silences) in the topology through the services.
+
+The callbacks run on the registry's serving thread, which keeps its own database connection; each
+one drops a connection the database closed meanwhile, so a restarted PostgreSQL costs one callback.
+"""
+
+import logging
+from datetime import timedelta
+
+from django.db import close_old_connections
+from django.utils import timezone
+
+from controlplane.common.errors import DomainValidationError
+from controlplane.policies.tasks import ttl_policy_push_task
+from controlplane.topology import services
+from controlplane.topology.models import EngineInstance, InstanceState
+from workers.protocol import WorkerHeartbeat, WorkerRegistration
+
+log = logging.getLogger(__name__)
+
+
+class TopologyRecorder:
+    def __init__(self, *, heartbeat_timeout_s: float) -> None:
+        self.heartbeat_timeout = timedelta(seconds=heartbeat_timeout_s)
+
+    def on_register(self, registration: WorkerRegistration) -> str | None:
+        close_old_connections()
+        try:
+            instance = services.instance_register(
+                worker_id=registration.worker_id,
+                pool_name=registration.pool,
+                role=registration.role,
+                model=registration.model,
+                hostname=registration.hostname,
+                request_endpoint=registration.request_endpoint,
+                heartbeat_endpoint=registration.heartbeat_endpoint,
+                ep_size=registration.ep_size,
+                num_accelerators=registration.num_accelerators,
+                accelerator_kind=registration.accelerator_kind,
+                started_at=registration.started_at,
+            )
+        except DomainValidationError as error:
+            return error.message
+        # A new worker starts with the built-in TTL defaults: give it the policy in force.
+        ttl_policy_push_task.delay(instance.pk)
+        return None
+
+    def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
+        close_old_connections()
+        services.instance_record_heartbeat(
+            worker_id=heartbeat.worker_id,
+            state=heartbeat.state,
+            num_running=heartbeat.num_running,
+            num_waiting=heartbeat.num_waiting,
+            kv_usage=heartbeat.kv_usage,
+            ttl_policy_version=heartbeat.ttl_policy_version,
+            ep_layout_version=heartbeat.ep_layout_version,
+            at=timezone.now(),
+        )
+
+    def on_silence(self, worker_id: str) -> None:
+        self.fail_silent()
+
+    def fail_silent(self) -> None:
+        """Every live instance silent for longer than the timeout becomes failed, also those this
+        registry never heard from (registered before it started)."""
+        close_old_connections()
+        for instance in services.instances_fail_silent(older_than=timezone.now() - self.heartbeat_timeout):
+            log.warning("engine instance %s failed: no heartbeat", instance.worker_id)
+
+
+def known_registrations() -> list[WorkerRegistration]:
+    """Workers registered before this registry started, as they registered (they will not again)."""
+    instances = EngineInstance.objects.select_related("pool", "node").exclude(state=InstanceState.STOPPED)
+    return [
+        WorkerRegistration(
+            worker_id=instance.worker_id,
+            pool=instance.pool.name,
+            role=instance.pool.kind,
+            model=instance.pool.model,
+            hostname=instance.node.hostname if instance.node else "",
+            request_endpoint=instance.request_endpoint,
+            heartbeat_endpoint=instance.heartbeat_endpoint,
+            ep_size=instance.ep_size,
+            started_at=instance.started_at,
+        )
+        for instance in instances
+    ]

@@ -1,0 +1,83 @@
+from datetime import datetime
+
+from django.db.models import F, QuerySet, Sum
+
+from controlplane.topology.models import (
+    LIVE_STATES,
+    EngineInstance,
+    InstanceState,
+    Pool,
+    ScalingAction,
+    ScalingEvent,
+)
+
+
+def pool_list() -> QuerySet[Pool]:
+    return Pool.objects.select_related("cluster").order_by("cluster__name", "name")
+
+
+def pool_by_name(*, name: str, cluster_name: str | None = None) -> list[Pool]:
+    """Pools with that name (in that cluster when given): more than one means the name is ambiguous."""
+    pools = Pool.objects.select_related("cluster").filter(name=name)
+    if cluster_name is not None:
+        pools = pools.filter(cluster__name=cluster_name)
+    return list(pools[:2])
+
+
+def instance_list(*, pool_id: int | None = None, state: str | None = None) -> QuerySet[EngineInstance]:
+    instances = EngineInstance.objects.select_related("pool", "node").order_by("pool_id", "worker_id")
+    if pool_id is not None:
+        instances = instances.filter(pool_id=pool_id)
+    if state is not None:
+        instances = instances.filter(state=state)
+    return instances
+
+
+def instances_live(*, pool_id: int | None = None) -> QuerySet[EngineInstance]:
+    """Instances that hold a worker process (starting, ready, draining): where control messages go."""
+    instances = EngineInstance.objects.filter(state__in=LIVE_STATES).order_by("id")
+    return instances if pool_id is None else instances.filter(pool_id=pool_id)
+
+
+def instances_least_loaded_ready(*, pool_id: int) -> QuerySet[EngineInstance]:
+    """Ready instances, least loaded first: fewest requests, then least KV in use, then newest."""
+    return (
+        EngineInstance.objects.filter(pool_id=pool_id, state=InstanceState.READY)
+        .annotate(load=F("num_running") + F("num_waiting"))
+        .order_by("load", "kv_usage", "-registered_at", "-id")
+    )
+
+
+def pool_live_ranks(*, pool_id: int) -> int:
+    """Sum of ep_size over the pool's live instances (0 when none is live)."""
+    return instances_live(pool_id=pool_id).aggregate(ranks=Sum("ep_size"))["ranks"] or 0
+
+
+def pool_scaled_in_window(*, pool_id: int, since: datetime) -> tuple[int, int]:
+    """(instances added, instances removed) by pool_scaled events since `since`, from their before/after."""
+    added = removed = 0
+    events = ScalingEvent.objects.filter(pool_id=pool_id, action=ScalingAction.POOL_SCALED, created_at__gte=since)
+    for before, after in events.values_list("before", "after"):
+        change = after["target_instances"] - before["target_instances"]
+        added += max(change, 0)
+        removed += max(-change, 0)
+    return added, removed
+
+
+def scaling_event_list(
+    *,
+    pool_id: int | None = None,
+    instance_id: int | None = None,
+    action: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> QuerySet[ScalingEvent]:
+    events = ScalingEvent.objects.select_related("pool", "instance")
+    filters = {
+        "pool_id": pool_id,
+        "instance_id": instance_id,
+        "action": action,
+        "created_at__gte": since,
+        "created_at__lt": until,
+    }
+    return events.filter(**{name: value for name, value in filters.items() if value is not None})

@@ -1,0 +1,73 @@
+"""Control messages to one engine instance (drain, stop, resume), sent over ZMQ; outcomes are
+recorded through the services. Tasks take ids and hold no rules."""
+
+from django.conf import settings
+
+from controlplane.celery import app
+from controlplane.topology import services
+from controlplane.topology.models import EngineInstance
+from workers.control_client import (
+    ControlRejectedError,
+    ControlTimeoutError,
+    new_command_id,
+    send_control,
+    wait_for_state,
+)
+from workers.protocol import ControlAck, ControlRequest, DrainRequest, ResumeRequest, ShutdownRequest
+
+CONTROL_ERRORS = (ControlTimeoutError, ControlRejectedError)
+
+
+class ControlRefusedError(Exception):
+    """The worker understood the command and answered ok=False."""
+
+
+def send_checked(endpoint: str, request: ControlRequest) -> ControlAck:
+    ack = send_control(endpoint, request)
+    if not ack.ok:
+        raise ControlRefusedError(f"worker {ack.worker_id} refused {type(request).__name__}: {ack.message}")
+    return ack
+
+
+def _record_failure(instance_id: int, command: str, error: Exception) -> None:
+    services.instance_record_control_failure(
+        instance_id=instance_id, command=command, error=f"{type(error).__name__}: {error}"
+    )
+
+
+@app.task
+def instance_drain_task(instance_id: int) -> None:
+    endpoint = EngineInstance.objects.values_list("request_endpoint", flat=True).get(pk=instance_id)
+    try:
+        ack = send_checked(endpoint, DrainRequest(command_id=new_command_id()))
+        if ack.state != "drained":
+            if app.conf.task_always_eager:
+                # Eager tasks (the embedded default) run inside the API request that asked for the
+                # drain, which must not wait for streams to finish: the registry records "drained"
+                # from the worker's heartbeats instead.
+                return
+            wait_for_state(endpoint, "drained", timeout_s=settings.SLUICE_DRAIN_TIMEOUT_S)
+    except (*CONTROL_ERRORS, ControlRefusedError) as error:
+        _record_failure(instance_id, "drain", error)
+        return
+    services.instance_mark_drained(instance_id=instance_id)
+
+
+@app.task
+def instance_stop_task(instance_id: int) -> None:
+    endpoint = EngineInstance.objects.values_list("request_endpoint", flat=True).get(pk=instance_id)
+    try:
+        send_checked(endpoint, ShutdownRequest(command_id=new_command_id()))
+    except (*CONTROL_ERRORS, ControlRefusedError) as error:
+        _record_failure(instance_id, "shutdown", error)
+        return
+    services.instance_mark_stopped(instance_id=instance_id)
+
+
+@app.task
+def instance_resume_task(instance_id: int) -> None:
+    endpoint = EngineInstance.objects.values_list("request_endpoint", flat=True).get(pk=instance_id)
+    try:
+        send_checked(endpoint, ResumeRequest(command_id=new_command_id()))
+    except (*CONTROL_ERRORS, ControlRefusedError) as error:
+        _record_failure(instance_id, "resume", error)
