@@ -10,7 +10,7 @@ heartbeat PUB; a worker connects a DEALER to the registry.
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -89,6 +89,10 @@ class RegistryServer:
     on_silence(worker_id) is called once when a registered worker sends no heartbeat for
     `heartbeat_timeout_s`, and again only after its heartbeats resumed and stopped again.
     Callbacks run on the serving thread; one that raises is logged and does not stop the server.
+    `known` are workers registered before this server started (a restarted registry learns them from
+    the control plane's records): they are watched at once, without calling on_register, because
+    workers do not register again once acknowledged. on_exit runs on the serving thread as it ends
+    (to release what the callbacks held there, such as a database connection).
     """
 
     def __init__(
@@ -100,6 +104,8 @@ class RegistryServer:
         on_silence: Callable[[str], object],
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         heartbeat_report_interval_s: float = 0.0,
+        known: Sequence[WorkerRegistration] = (),
+        on_exit: Callable[[], object] = lambda: None,
         context: zmq.Context | None = None,
     ) -> None:
         if heartbeat_timeout_s <= 0:
@@ -113,6 +119,8 @@ class RegistryServer:
         self._report_interval_s = heartbeat_report_interval_s
         self._context = context or zmq.Context.instance()
         self._workers: dict[str, _Watched] = {}
+        self._known = list(known)
+        self._on_exit = on_exit
         self._encoder = msgspec.msgpack.Encoder()
         self._registration_decoder = msgspec.msgpack.Decoder(WorkerRegistration)
         self._heartbeat_decoder = msgspec.msgpack.Decoder(WorkerHeartbeat)
@@ -151,6 +159,8 @@ class RegistryServer:
                 self._bound.set()
             self.bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             log.info("worker registry listening on %s", self.bound_endpoint)
+            for registration in self._known:
+                self._watch(registration, subscriber)
             poller = zmq.Poller()
             poller.register(router, zmq.POLLIN)
             poller.register(subscriber, zmq.POLLIN)
@@ -165,6 +175,7 @@ class RegistryServer:
         finally:
             router.close()
             subscriber.close()
+            self._on_exit()
 
     def _receive_registrations(self, router: zmq.Socket, subscriber: zmq.Socket) -> None:
         while True:
@@ -192,6 +203,10 @@ class RegistryServer:
             return f"the registry failed to record the worker: {error}"
         if refusal is not None:
             return refusal
+        self._watch(registration, subscriber)
+        return None
+
+    def _watch(self, registration: WorkerRegistration, subscriber: zmq.Socket) -> None:
         previous = self._workers.get(registration.worker_id)
         endpoint = registration.heartbeat_endpoint
         if previous is None or previous.registration.heartbeat_endpoint != endpoint:
@@ -201,8 +216,7 @@ class RegistryServer:
                 subscriber.connect(endpoint)
         # A registration starts a new lifetime (a restart re-registers): silence is counted from it.
         self._workers[registration.worker_id] = _Watched(registration, last_heard=time.monotonic())
-        log.info("registered worker %s (%s, heartbeats on %s)", registration.worker_id, registration.pool, endpoint)
-        return None
+        log.info("watching worker %s (%s, heartbeats on %s)", registration.worker_id, registration.pool, endpoint)
 
     def _watches(self, endpoint: str, besides: _Watched | None) -> bool:
         """Whether a registered worker other than `besides` publishes on `endpoint`."""

@@ -149,3 +149,36 @@ def test_a_worker_registers_with_a_registry_that_starts_after_it(registry, tmp_p
     finally:
         assert worker.stop() == 0
     assert [r.worker_id for r in recorder.registrations] == ["early"]
+
+
+def test_a_restarted_registry_watches_the_workers_it_is_told_about(tmp_path):
+    # given a worker that registered with an earlier registry, which is gone
+    worker = start_worker(tmp_path, "known")
+    try:
+        wait_for_worker_heartbeat(worker.endpoints[1])
+        recorder = Recorder()
+        request_endpoint, heartbeat_endpoint = worker.endpoints
+        known = msgspec.structs.replace(registration("known", heartbeat_endpoint), request_endpoint=request_endpoint)
+        server = RegistryServer(
+            f"ipc://{tmp_path}/registry",
+            on_register=recorder.on_register,
+            on_heartbeat=recorder.heartbeats.append,
+            on_silence=recorder.silences.append,
+            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+            known=[known],
+        )
+        # when the new registry starts
+        server.start()
+        try:
+            wait_until(lambda: recorder.heartbeats)
+            worker.process.send_signal(signal.SIGKILL)
+            worker.process.wait()
+            wait_until(lambda: recorder.silences)
+        finally:
+            server.stop()
+    finally:
+        worker.stop()
+    # then it follows the worker without a new registration
+    assert recorder.registrations == []
+    assert {beat.worker_id for beat in recorder.heartbeats} == {"known"}
+    assert recorder.silences == ["known"]
