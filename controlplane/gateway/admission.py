@@ -7,6 +7,7 @@ from django.http import HttpRequest
 
 from controlplane.gateway.auth import authenticate
 from controlplane.gateway.catalog import Catalog, require_model, served_catalog
+from controlplane.gateway.quota import check_token_quota
 from controlplane.gateway.rate_limit import check_rate_limit
 from controlplane.gateway.request_body import check_body_size, parse_json_object
 from controlplane.tenants.models import Tenant
@@ -21,9 +22,10 @@ class Admission:
 
 
 async def admit_caller(request: HttpRequest) -> Tenant:
-    """The key, then the tenant's rate limit."""
+    """The key, then the tenant's rate limit and daily token quota."""
     tenant = await authenticate(request)
     check_rate_limit(tenant)
+    await check_token_quota(tenant)
     return tenant
 
 

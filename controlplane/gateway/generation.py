@@ -4,10 +4,11 @@ every output goes through the recipe's ResponseBuilder, which turns it into prot
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from controlplane.gateway.errors import as_gateway_error, error_event
+from controlplane.gateway.usage import UsageCount
 from recipe.api import PreparedRequest, SseEvent
 from workers.engine_client import EngineClient
 from workers.protocol import GenerateOutput, GenerateRequest
@@ -30,9 +31,20 @@ def encode_sse(event: SseEvent) -> bytes:
 
 
 class Generation:
-    def __init__(self, client: EngineClient, prepared: PreparedRequest, *, protocol: str, cache_namespace: str) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        prepared: PreparedRequest,
+        *,
+        protocol: str,
+        cache_namespace: str,
+        on_end: Callable[[UsageCount], None] | None = None,
+    ) -> None:
+        """on_end gets the tokens used once the generation ends, however it ends."""
         self._client = client
         self._protocol = protocol
+        self._on_end = on_end
+        self._usage = UsageCount()
         response_id = f"{RESPONSE_ID_PREFIXES[protocol]}{uuid.uuid4().hex}"
         self._builder = prepared.new_response(response_id, int(time.time()))
         self._requests = [
@@ -90,6 +102,7 @@ class Generation:
                     if choice in running:
                         raise RuntimeError(f"engine stream of {self._requests[choice].request_id} ended unfinished")
                     continue
+                self._usage.add(output)
                 if output.finish_reason is not None:
                     running.discard(choice)
                 for event in self._builder.push(choice, output):
@@ -104,6 +117,8 @@ class Generation:
             for pump in pumps:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
+            if self._on_end is not None:
+                self._on_end(self._usage)
 
     async def _pump(self, choice: int, outputs: asyncio.Queue) -> None:
         try:

@@ -9,6 +9,7 @@ from django.db import connections
 from controlplane.gateway.auth import warn_open_mode
 from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import close_engine_client, engine_client
+from controlplane.gateway.usage import wait_for_recordings
 from controlplane.tenants.selectors import api_keys_exist
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ async def lifespan(scope: dict, receive, send) -> None:
                 return
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            await wait_for_recordings()
             await close_engine_client()
             await send({"type": "lifespan.shutdown.complete"})
             return

@@ -14,6 +14,7 @@ from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import engine_client
 from controlplane.gateway.errors import as_gateway_error, error_response
 from controlplane.gateway.generation import Generation
+from controlplane.gateway.usage import record_usage_later
 from recipe.api import count_tokens as recipe_count_tokens
 from recipe.api import list_models
 
@@ -40,8 +41,13 @@ def api_view(view: View) -> View:
 async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
     admission = await admit(request)
     prepared = await prepare(admission, protocol=protocol)
+    tenant_id = admission.tenant.pk
     generation = Generation(
-        await engine_client(), prepared, protocol=protocol, cache_namespace=admission.tenant.prefix_cache_namespace
+        await engine_client(),
+        prepared,
+        protocol=protocol,
+        cache_namespace=admission.tenant.prefix_cache_namespace,
+        on_end=lambda usage: record_usage_later(tenant_id, usage),
     )
     if prepared.stream:
         await generation.start_stream()
