@@ -1,0 +1,1 @@
+"""Prefill and decode load balancers, and the baselines they are measured against."""
