@@ -73,15 +73,18 @@ async def models(request: HttpRequest, *, protocol: str) -> HttpResponse:
 
 @require_GET
 async def healthz(request: HttpRequest) -> HttpResponse:
-    """Unauthenticated, for load balancers: 200 while at least one engine worker sends heartbeats."""
+    """Unauthenticated, for load balancers: 200 while at least one engine worker sends heartbeats and
+    takes requests (a draining or drained worker is listed but does not count)."""
     workers = (await engine_client()).healthy_workers()
+    serving = any(worker.state == "ready" for worker in workers)
     payload = {
-        "status": "ok" if workers else "unavailable",
+        "status": "ok" if serving else "unavailable",
         "workers": [
             {
                 "worker_id": worker.worker_id,
                 "model": worker.model,
                 "role": worker.role,
+                "state": worker.state,
                 "num_running": worker.num_running,
                 "num_waiting": worker.num_waiting,
                 "kv_usage": worker.kv_usage,
@@ -89,4 +92,4 @@ async def healthz(request: HttpRequest) -> HttpResponse:
             for worker in workers
         ],
     }
-    return JsonResponse(payload, status=200 if workers else 503)
+    return JsonResponse(payload, status=200 if serving else 503)

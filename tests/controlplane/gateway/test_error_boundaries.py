@@ -17,6 +17,7 @@ from tests.controlplane.gateway.helpers import (  # noqa: E402
     key_headers,
     valid_body,
 )
+from workers.protocol import WorkerHeartbeat  # noqa: E402
 
 OPENAI_AUTH = "authentication_error"
 HEADERS = ["authorization", "x-api-key"]
@@ -219,3 +220,37 @@ def test_open_mode_without_any_key_serves_everyone_as_anonymous(api, no_workers,
     assert [response.status_code for response in responses] == [503, 529]
     assert Tenant.objects.filter(name=ANONYMOUS_TENANT).count() == 1
     assert caplog.text.count("gateway is OPEN") == 1
+
+
+@pytest.mark.parametrize(("state", "status"), [("ready", 200), ("draining", 503), ("drained", 503)])
+def test_healthz_counts_only_workers_that_take_requests(api, monkeypatch, state, status):
+    heartbeat = WorkerHeartbeat(
+        worker_id="w0",
+        role="mixed",
+        model="m",
+        request_endpoint="ipc:///w0",
+        max_model_len=8192,
+        num_running=0,
+        num_waiting=0,
+        kv_usage=0.0,
+        num_free_pages=10,
+        num_prompt_tokens=0,
+        num_cached_prompt_tokens=0,
+        num_preemptions=0,
+        sent_at=0.0,
+        state=state,
+    )
+
+    class Client:
+        def healthy_workers(self):
+            return [heartbeat]
+
+    async def engine_client():
+        return Client()
+
+    monkeypatch.setattr("controlplane.gateway.views.engine_client", engine_client)
+
+    response = api.request("GET", "/healthz")
+
+    assert response.status_code == status
+    assert [worker["state"] for worker in response.json()["workers"]] == [state]
