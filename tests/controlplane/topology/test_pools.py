@@ -180,7 +180,7 @@ def test_a_failure_after_the_event_rolls_back_the_event_and_the_scaling(make_poo
     events_before = ScalingEvent.objects.count()
 
     # when: marking the surplus draining fails after pool_scaled was written
-    with mock.patch.object(services, "_drain_surplus", side_effect=RuntimeError("boom")):
+    with mock.patch.object(services.pools, "_drain_surplus", side_effect=RuntimeError("boom")):
         with pytest.raises(RuntimeError):
             pool_scale(pool=pool, target_instances=0, actor=None, now=NOW)
 
