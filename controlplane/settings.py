@@ -152,6 +152,9 @@ SLUICE_MODELS = [name.strip() for name in _models.split(",") if name.strip()]
 # Engine workers to send requests to; `manage.py serve` sets this for the workers it starts. None
 # configured means every generation answers 503 and /healthz says so.
 SLUICE_WORKER_ENDPOINTS = _worker_endpoints(os.environ.get("SLUICE_WORKER_ENDPOINTS", ""))
+# The global KV store's index when the workers share one (a redis:// URL; `serve` sets it): the
+# gateway reads each prompt's hit length from it to weigh its prefill work. Empty: no index.
+SLUICE_KV_STORE_INDEX = os.environ.get("SLUICE_KV_STORE_INDEX", "")
 SLUICE_MAX_BODY_BYTES = int(os.environ.get("SLUICE_MAX_BODY_BYTES", 4 * 1024 * 1024))
 # Django's own cap on request.body would otherwise be 2.5 MiB.
 DATA_UPLOAD_MAX_MEMORY_SIZE = SLUICE_MAX_BODY_BYTES

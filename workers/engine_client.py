@@ -5,18 +5,26 @@ DEALER sorts outputs into per-request queues, so any number of concurrent stream
 A worker is healthy while its heartbeats keep coming; when they stop (or it restarts, losing its
 requests), the streams it was serving fail with WorkerUnavailableError instead of waiting forever.
 New requests go only to healthy workers whose heartbeats say they are "ready" (not draining).
+
+With ready prefill and decode workers, a request is split between them (workers.split_stream):
+its outputs still arrive as one stream. Otherwise one worker runs it whole (mixed workers, or a
+pool that lost its other half).
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from workers.entrypoint.router import Router, cost_model_from_environment
+from workers.kvstore.index import BlockIndex
 from workers.protocol import (
     AbortRequest,
     ControlAck,
@@ -52,6 +60,12 @@ class RequestRejectedError(Exception):
 StreamItem = GenerateOutput | GenerateError | WorkerUnavailableError
 
 
+class StreamSink(Protocol):
+    """Where a link puts a request's messages: its stream's queue, or a wrapper (split_stream)."""
+
+    def put_nowait(self, item: StreamItem) -> None: ...
+
+
 @dataclass(eq=False)
 class WorkerLink:
     """One worker as this client sees it."""
@@ -61,13 +75,20 @@ class WorkerLink:
     subscriber: zmq.asyncio.Socket
     heartbeat: WorkerHeartbeat | None = None
     heartbeat_received_at: float = float("-inf")  # time.monotonic() here, immune to clock skew
-    streams: dict[str, asyncio.Queue[StreamItem]] = field(default_factory=dict)  # by request id
+    streams: dict[str, StreamSink] = field(default_factory=dict)  # by request id
+    # The decode requests this client placed here, and their reserved peak KV (entrypoint.router).
+    num_decode_requests: int = 0
+    reserved_kv_tokens: int = 0
 
     def is_healthy(self, now: float, timeout_s: float) -> bool:
         return self.heartbeat is not None and now - self.heartbeat_received_at <= timeout_s
 
     def is_ready(self, now: float, timeout_s: float) -> bool:
         return self.is_healthy(now, timeout_s) and self.heartbeat.state == READY
+
+    @property
+    def role(self) -> str:
+        return self.heartbeat.role if self.heartbeat is not None else ""
 
     def mark_draining(self) -> None:
         """The worker refused a request as draining before its heartbeat said so: believe the refusal
@@ -90,8 +111,17 @@ class WorkerLink:
 
 class EngineClient:
     def __init__(
-        self, context: zmq.asyncio.Context | None = None, *, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+        self,
+        context: zmq.asyncio.Context | None = None,
+        *,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+        store_index: BlockIndex | None = None,
+        router: Router | None = None,
     ) -> None:
+        """`store_index`: the global KV store's index, shared with the workers (Redis), from which a
+        request's hit length is read to weigh its prefill work; None: every prompt counts whole."""
+        self.store_index = store_index
+        self.router = router or Router(cost_model_from_environment())
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -124,7 +154,7 @@ class EngineClient:
         self._tasks.clear()
         for link in self._links:
             for request_id in link.streams:
-                self._send_now(link, AbortRequest(request_id))
+                self.send_now(link, AbortRequest(request_id))
             link.fail_streams("the engine client closed")
             link.dealer.close(linger=CLOSE_LINGER_MS)
             link.subscriber.close(linger=0)
@@ -142,11 +172,26 @@ class EngineClient:
         Raises WorkerUnavailableError (no ready worker, or it went away mid-stream) or
         RequestRejectedError. A consumer that stops early (break, cancellation) aborts the request.
         A worker that refuses the request as draining never started it: it goes to another ready
-        worker, once.
+        worker, once. A split request is retried as split_stream describes.
         """
-        link = self._least_loaded_worker()
         if any(request.request_id in other.streams for other in self._links):
             raise RequestRejectedError("invalid_request", f"request id {request.request_id!r} is already in use")
+        # Imported here: split_stream builds on this module's links.
+        from workers.split_stream import SplitStream
+
+        ready_roles = {link.role for link in self.ready_links()}
+        stream = (
+            SplitStream(self, request).outputs()
+            if {"prefill", "decode"} <= ready_roles
+            else self.generate_whole(request)
+        )
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                yield output
+
+    async def generate_whole(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """The request run start to end on one worker, the least loaded of the ready ones."""
+        link = self._least_loaded_worker()
         payload = self._encoder.encode(request)
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         link.streams[request.request_id] = queue
@@ -181,14 +226,21 @@ class EngineClient:
             if link.streams.get(request.request_id) is queue:
                 del link.streams[request.request_id]
             if not ended:
-                self._send_now(link, AbortRequest(request.request_id))
+                self.send_now(link, AbortRequest(request.request_id))
 
     async def abort(self, request_id: str) -> None:
-        """Ask the worker to stop the request; its stream then ends with finish_reason "abort"."""
+        """Ask the workers that have the request to stop it; its stream then ends with finish_reason
+        "abort"."""
         for link in self._links:
             if request_id in link.streams:
                 await link.dealer.send(self._encoder.encode(AbortRequest(request_id)))
-                return
+
+    def ready_links(self) -> list[WorkerLink]:
+        now = time.monotonic()
+        return [link for link in self._links if link.is_ready(now, self._heartbeat_timeout_s)]
+
+    async def send(self, link: WorkerLink, message: WorkerInbound) -> None:
+        await link.dealer.send(self._encoder.encode(message))
 
     def _least_loaded_worker(self) -> WorkerLink:
         now = time.monotonic()
@@ -197,7 +249,7 @@ class EngineClient:
             raise WorkerUnavailableError(f"no healthy worker ready for requests among {len(self._links)}")
         return min(ready, key=lambda link: (link.load, link.heartbeat.kv_usage))
 
-    def _send_now(self, link: WorkerLink, message: WorkerInbound) -> None:
+    def send_now(self, link: WorkerLink, message: WorkerInbound) -> None:
         """Send without awaiting, for cleanup paths that may run while being cancelled or closed."""
         if link.dealer.closed:
             return

@@ -5,7 +5,13 @@ them. This module holds no logic. Names say where a message is in the pipeline: 
 goes to a worker, an `...Output` comes back for one request, a `Worker...` describes a worker.
 
 Sockets: each worker binds a ROUTER (requests in, outputs out) and a PUB (heartbeats). A gateway
-connects one DEALER per worker and a SUB to every worker's PUB.
+connects one DEALER per worker and a SUB to every worker's PUB. A decode worker also binds a PULL,
+its transfer endpoint, where prefill workers push KV (see "KV transfer" below).
+
+Disaggregated request path: the gateway sends an ExpectTransferRequest to the decode worker it chose,
+then the GenerateRequest, with `decode_endpoint` set to that worker's transfer endpoint, to a prefill
+worker. The prefill worker sends the first output (finish_reason "transfer") to the gateway and the
+KV to the decode worker, which streams the remaining outputs to the peer that sent the expectation.
 """
 
 import msgspec
@@ -36,6 +42,17 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     prompt_logprobs: int | None = None
     # How long the KV store keeps the blocks this request writes (a TTL policy class: "chat", "agent").
     traffic_class: str = "chat"
+    # A decode worker's transfer endpoint: prefill only, then send the KV there (the first output
+    # ends with finish_reason "transfer"). "": run the whole request here.
+    decode_endpoint: str = ""
+
+
+class ExpectTransferRequest(msgspec.Struct, tag="expect_transfer", frozen=True, forbid_unknown_fields=True):
+    """To a decode worker: a prefill worker will send this request's KV; stream its outputs to me.
+    Aborting the request id drops the expectation; one whose KV never arrives fails after a timeout."""
+
+    request_id: str
+    constraint: OutputConstraintSpec | None = None  # compiled afresh and advanced over the first token
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -49,7 +66,8 @@ class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=Tr
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprobs] = []
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    # "stop", "length", "abort", or "transfer": a prefill worker's last output, the rest comes from decode.
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -61,7 +79,8 @@ class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=Tr
 class GenerateError(msgspec.Struct, tag="error", frozen=True):
     """A request the worker could not admit or finish. kind: "invalid_request", "overloaded",
     "internal", "draining" (the worker takes no new requests: it never started this one, so it is
-    safe to send it to another worker)."""
+    safe to send it to another worker), "transfer_failed" (the request's KV could not be sent or
+    continued from: its decode part never started)."""
 
     request_id: str
     kind: str
@@ -70,7 +89,7 @@ class GenerateError(msgspec.Struct, tag="error", frozen=True):
 
 class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: str
-    role: str  # "mixed" (prefill and decode in one process); "prefill" / "decode" later
+    role: str  # "mixed" (prefill and decode in one process), "prefill" or "decode"
     model: str
     request_endpoint: str
     max_model_len: int
@@ -97,6 +116,17 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     ep_layout_version: int = 0
     heartbeat_endpoint: str = ""
     hostname: str = ""
+    transfer_endpoint: str = ""  # a decode worker's PULL for KV transfers
+    kv_capacity_tokens: int = 0  # tokens of KV the worker's pages hold
+    max_num_seqs: int = 0  # its largest batch
+    # How far the fitted step-time model's predictions are off on this worker lately: relative
+    # error, median and 90th percentile (zeros when it runs without a cost model).
+    cost_model_error_p50: float = 0.0
+    cost_model_error_p90: float = 0.0
+    # What the entrypoint needs to key a prompt's blocks like this worker does (prefix_match):
+    # kv_block_tokens is 0 when the worker has no KV store.
+    kv_model_id: str = ""
+    kv_block_tokens: int = 0
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a
@@ -169,6 +199,7 @@ class WorkerRegistration(msgspec.Struct, tag="register", frozen=True, kw_only=Tr
     hostname: str
     request_endpoint: str  # connectable from other hosts (a wildcard bind address is replaced)
     heartbeat_endpoint: str
+    transfer_endpoint: str = ""  # a decode worker's PULL for KV transfers
     ep_size: int = 1
     num_accelerators: int = 0
     accelerator_kind: str = "cpu"  # "cpu" or the accelerator's name, e.g. "NVIDIA H200"
@@ -181,7 +212,7 @@ class RegistrationAck(msgspec.Struct, tag="register_ack", frozen=True):
     message: str = ""  # why the registry refused it
 
 
-WorkerInbound = GenerateRequest | AbortRequest | ControlRequest
+WorkerInbound = GenerateRequest | ExpectTransferRequest | AbortRequest | ControlRequest
 WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 
 

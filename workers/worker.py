@@ -2,8 +2,15 @@
 
 Sockets: a ROUTER (requests and control commands in; each request's outputs and each command's
 ControlAck go back to the peer that sent it) and a PUB (heartbeats, sent by their own thread). While
-the engine has work, the loop checks the ROUTER without blocking between steps; when idle it blocks
-on it for up to a heartbeat interval. With a registry endpoint, a thread announces the worker there.
+the engine has work, the loop checks its sockets without blocking between steps; when idle it blocks
+on them for up to a heartbeat interval. With a registry endpoint, a thread announces the worker there.
+
+Roles: a "mixed" worker runs whole requests. A "prefill" worker runs a request that names a
+`decode_endpoint` up to its first token, then sends the KV there on its sender thread and releases
+the pages once sent (workers.transfer_link). A "decode" worker also binds a PULL, its transfer
+endpoint: it continues the requests whose KV arrives there, streaming their outputs to the peer that
+sent the ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
+has lost all of its other half keeps serving.
 
 Run it with `run_worker_process(WorkerConfig(...))` or `python -m workers.worker --model ...`.
 """
@@ -25,6 +32,7 @@ import msgspec
 import torch
 import zmq
 
+from workers.cost_model import PrefillCostModel
 from workers.engine.config import EngineConfig
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import LLMEngine
@@ -32,8 +40,9 @@ from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.llm import DTYPES
 from workers.engine.model_loader import load_model
 from workers.engine.outputs import RequestDelta
+from workers.engine.request import FinishReason
 from workers.engine.sampling_params import invalid_request_from
-from workers.kvstore.eviction import POLICIES, get_policy
+from workers.kvstore.eviction import get_policy
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import KVStore, open_store
 from workers.kvstore.ttl import TTLPolicy
@@ -42,9 +51,11 @@ from workers.protocol import (
     ApplyEPLayoutRequest,
     ControlRequest,
     DrainRequest,
+    ExpectTransferRequest,
     GenerateError,
     GenerateOutput,
     GenerateRequest,
+    OutputConstraintSpec,
     ResumeRequest,
     SetTTLPolicyRequest,
     ShutdownRequest,
@@ -55,6 +66,8 @@ from workers.protocol import (
     WorkerRegistration,
 )
 from workers.registry import register_until_acknowledged
+from workers.transfer_link import Received, SendResult, TransferReceiver, TransferSender
+from workers.worker_config import WorkerConfig, add_worker_arguments, config_from_arguments
 from workers.worker_control import WorkerControl
 
 log = logging.getLogger(__name__)
@@ -64,47 +77,6 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # Inbound messages handled between two engine steps, so a flood of requests cannot stall decoding.
 MAX_MESSAGES_PER_STEP = 256
 CLOSE_LINGER_MS = 500  # time to flush the final outputs of aborted requests at shutdown
-
-
-class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str  # a packaged model name, a Hugging Face directory, or a config JSON (random weights)
-    request_endpoint: str  # bound by the ROUTER, e.g. "tcp://*:7100" or "ipc:///run/sluice/w0.req"
-    heartbeat_endpoint: str  # bound by the PUB
-    worker_id: str = ""  # "" = "<hostname>-<pid>"
-    role: str = "mixed"
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
-    tokenizer: str | None = None  # a model name or directory to take the tokenizer from
-    seed: int = 0
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    max_waiting: int | None = None  # requests past this many waiting are answered "overloaded"
-    heartbeat_interval_s: float = 0.1
-    kv_store: str | None = None  # directory of the global KV block store; None: no store
-    kv_store_index: str = "memory"  # "memory" (this process only) or "redis://host:port/db"
-    kv_block_tokens: int = 128
-    # The GC of the store, run by this worker every kv_gc_interval_s (0: another process runs it).
-    kv_gc_interval_s: float = 10.0
-    kv_store_capacity_bytes: int = 8 << 30
-    kv_eviction_policy: str = "best"
-    pool: str = ""  # the pool the control plane scales this worker in
-    registry_endpoint: str | None = None  # where to register (a RegistryServer); None: nowhere
-    ep_size: int = 1  # expert-parallel ranks: the shape an ApplyEPLayoutRequest must have
-
-    def __post_init__(self) -> None:
-        if self.role != "mixed":
-            raise ValueError(f"only the 'mixed' worker role exists so far, got {self.role!r}")
-        if self.ep_size < 1:
-            raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
-        if self.kv_gc_interval_s < 0:
-            raise ValueError(f"kv_gc_interval_s must be >= 0, got {self.kv_gc_interval_s}")
-        if self.kv_eviction_policy not in POLICIES:
-            raise ValueError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from {sorted(POLICIES)}")
 
 
 def run_worker_process(config: WorkerConfig) -> None:
@@ -151,20 +123,35 @@ class Worker:
         self.publisher.bind(config.heartbeat_endpoint)
         self.request_endpoint = connectable_endpoint(self.router, self.hostname)
         self.heartbeat_endpoint = connectable_endpoint(self.publisher, self.hostname)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.receiver: TransferReceiver | None = None
+        self.transfer_endpoint = ""
+        if config.role == "decode":
+            pull = context.socket(zmq.PULL)
+            pull.bind(config.transfer_endpoint)
+            self.transfer_endpoint = connectable_endpoint(pull, self.hostname)
+            self.receiver = TransferReceiver(pull, config.transfer_timeout_s)
+            self.poller.register(pull, zmq.POLLIN)
+        self.sender: TransferSender | None = None
+        if config.role == "prefill":
+            self.sender = TransferSender(context)
+            self.poller.register(self.sender.results, zmq.POLLIN)
+        self.decode_endpoints: dict[str, str] = {}  # request id → where its KV goes after prefill
+        self.sending: dict[str, bytes] = {}  # request id → owner, while its KV is being sent
         # Heartbeats come from their own thread: one engine step (a long prefill on a CPU) can take
         # seconds, longer than a client waits before it declares the worker dead. The PUB socket is
         # used by that thread alone (ZMQ sockets are not thread-safe).
         self.heartbeat_thread = threading.Thread(target=self._publish_heartbeats, name="heartbeats", daemon=True)
-        self.poller = zmq.Poller()
-        self.poller.register(self.router, zmq.POLLIN)
         self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
         self.encoder = msgspec.msgpack.Encoder()
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
         self.control = WorkerControl(
-            self.worker_id, ep_size=config.ep_size, collector=collector, num_in_flight=lambda: len(self.owners)
+            self.worker_id, ep_size=config.ep_size, collector=collector, num_in_flight=self._num_in_flight
         )
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             GenerateRequest: self._on_generate,
+            ExpectTransferRequest: self._on_expect_transfer,
             AbortRequest: self._on_abort,
             DrainRequest: self._on_control,
             ResumeRequest: self._on_control,
@@ -197,8 +184,17 @@ class Worker:
             self.registration_thread.start()
         while not self.stop.is_set():
             idle_ms = 0 if self.engine.has_unfinished() else self.config.heartbeat_interval_s * 1000
-            if self.poller.poll(idle_ms):
+            ready = dict(self.poller.poll(idle_ms))
+            if self.router in ready:
                 self._receive()
+            if self.receiver is not None:
+                if self.receiver.pull in ready:
+                    for received in self.receiver.receive(MAX_MESSAGES_PER_STEP):
+                        self._continue_transfer(received)
+                for received in self.receiver.expired(time.monotonic()):
+                    self._continue_transfer(received)
+            if self.sender is not None and self.sender.results in ready:
+                self._finish_sends(self.sender.take_results())
             if self.engine.has_unfinished():
                 for delta in self.engine.step():
                     self._send_delta(delta)
@@ -235,8 +231,12 @@ class Worker:
             message = f"worker {self.worker_id} is {self.control.state} and takes no new requests"
             self._send(peer, GenerateError(request.request_id, "draining", message))
             return
+        if request.decode_endpoint and self.sender is None:
+            message = f"worker {self.worker_id} is a {self.config.role} worker: it does not send KV"
+            self._send(peer, GenerateError(request.request_id, "invalid_request", message))
+            return
         try:
-            constraint = self._compile_constraint(request) if request.constraint is not None else None
+            constraint = self._compile_constraint(request.constraint) if request.constraint is not None else None
             self.engine.add_request(
                 request.request_id,
                 request.prompt_token_ids,
@@ -245,6 +245,7 @@ class Worker:
                 constraint=constraint,
                 prompt_logprobs=request.prompt_logprobs,
                 traffic_class=request.traffic_class,
+                prefill_only=bool(request.decode_endpoint),
             )
         except InvalidRequestError as error:
             self._send(peer, GenerateError(request.request_id, "invalid_request", str(error)))
@@ -252,14 +253,57 @@ class Worker:
             self._send(peer, GenerateError(request.request_id, "overloaded", str(error)))
         else:
             self.owners[request.request_id] = peer
+            if request.decode_endpoint:
+                self.decode_endpoints[request.request_id] = request.decode_endpoint
 
-    def _compile_constraint(self, request: GenerateRequest) -> TokenConstraint:
+    def _on_expect_transfer(self, peer: bytes, request: ExpectTransferRequest) -> None:
+        request_id = request.request_id
+        if self.receiver is None:
+            message = f"worker {self.worker_id} is a {self.config.role} worker: it takes no KV transfers"
+            self._send(peer, GenerateError(request_id, "invalid_request", message))
+        elif not self.control.accepting:
+            message = f"worker {self.worker_id} is {self.control.state} and takes no new requests"
+            self._send(peer, GenerateError(request_id, "draining", message))
+        elif request_id in self.owners or request_id in self.receiver.expected:
+            message = f"request id {request_id!r} is already in use"
+            self._send(peer, GenerateError(request_id, "invalid_request", message))
+        else:
+            self.receiver.expect(request_id, peer, request.constraint)
+
+    def _continue_transfer(self, received: Received) -> None:
+        """A transfer this worker expected completed or failed: admit the request, or tell its owner."""
+        peer, request_id = received.expectation.peer, received.request_id
+        error = received.error
+        if received.handoff is not None:
+            try:
+                spec = received.expectation.constraint
+                constraint = self._compile_constraint(spec) if spec is not None else None
+                self.engine.add_prefilled_request(received.handoff, constraint=constraint)
+            except (InvalidRequestError, EngineOverloadedError) as refusal:
+                error = str(refusal)
+            else:
+                self.owners[request_id] = peer
+                return
+        log.warning("KV transfer of %s failed: %s", request_id, error)
+        self._send(peer, GenerateError(request_id, "transfer_failed", error))
+        self.control.check_drained()
+
+    def _finish_sends(self, results: list[SendResult]) -> None:
+        """The sender thread is done with these handoffs: their pages can go."""
+        for result in results:
+            self.engine.release_transfer(result.request_id)
+            owner = self.sending.pop(result.request_id, None)
+            if result.error and owner is not None:
+                self._send(owner, GenerateError(result.request_id, "transfer_failed", result.error))
+        self.control.check_drained()
+
+    def _compile_constraint(self, spec: OutputConstraintSpec) -> TokenConstraint:
         # Imported here: grammar compilation is recipe's job and only constrained requests need it.
         from recipe.constraints import compile_constraint
 
         if self.engine.tokenizer is None:
             raise InvalidRequestError("output constraints need a tokenizer; this model was loaded without one")
-        return compile_constraint(request.constraint, self.engine.tokenizer, self.engine.model_config.vocab_size)
+        return compile_constraint(spec, self.engine.tokenizer, self.engine.model_config.vocab_size)
 
     def _on_abort(self, peer: bytes, request: AbortRequest) -> None:
         self._abort(request.request_id)
@@ -270,20 +314,35 @@ class Worker:
 
     def _on_shutdown(self, peer: bytes, request: ShutdownRequest) -> None:
         """Abort what is in flight before acknowledging, so the ack confirms nothing is left running."""
-        for request_id in list(self.owners):
+        expected = list(self.receiver.expected) if self.receiver is not None else []
+        for request_id in [*self.owners, *expected]:
             self._abort(request_id)
         self._on_control(peer, request)
         log.info("worker %s shutting down (command %s)", self.worker_id, request.command_id)
         self.stop.set()
 
     def _abort(self, request_id: str) -> None:
-        """Stop a request; its owner gets a last output with finish_reason "abort"."""
+        """Stop a request; its owner gets a last output with finish_reason "abort" (a request whose KV
+        is being sent has reported its last output: sending stops, and its pages go when it has)."""
+        if request_id in self.sending:
+            self.sending[request_id] = b""  # its owner gets no transfer_failed for this
+            self.sender.cancel(request_id)
+            return
+        expectation = self.receiver.drop(request_id) if self.receiver is not None else None
+        if expectation is not None:
+            self._send(expectation.peer, GenerateOutput(request_id, [], "", finish_reason="abort"))
+            return
         delta = self.engine.abort_request(request_id)
         if delta is not None:
             self._send_delta(delta)
 
+    def _num_in_flight(self) -> int:
+        expected = len(self.receiver.expected) if self.receiver is not None else 0
+        return len(self.owners) + len(self.sending) + expected
+
     def _send_delta(self, delta: RequestDelta) -> None:
         owner = self.owners.pop(delta.request_id) if delta.finished else self.owners[delta.request_id]
+        decode_endpoint = self.decode_endpoints.pop(delta.request_id, "") if delta.finished else ""
         output = GenerateOutput(
             request_id=delta.request_id,
             token_ids=delta.token_ids,
@@ -296,6 +355,9 @@ class Worker:
             prompt_logprobs=delta.prompt_logprobs,
         )
         self._send(owner, output)
+        if delta.finish_reason == FinishReason.TRANSFER:
+            self.sending[delta.request_id] = owner
+            self.sender.submit(delta.request_id, decode_endpoint, self.engine.export_kv(delta.request_id))
 
     def _reject_malformed(self, peer: bytes, reason: str, payload: bytes) -> None:
         log.warning("malformed message from peer %s: %s", peer.hex(), reason)
@@ -309,7 +371,9 @@ class Worker:
         except msgspec.DecodeError:
             return ""
         request_id = fields.get("request_id") if isinstance(fields, dict) else None
-        return request_id if isinstance(request_id, str) and request_id not in self.owners else ""
+        if not isinstance(request_id, str) or request_id in self.owners or request_id in self.sending:
+            return ""
+        return request_id
 
     def _send(self, peer: bytes, message: WorkerOutbound) -> None:
         # A ROUTER drops messages to peers that are gone rather than blocking.
@@ -347,6 +411,13 @@ class Worker:
             ep_layout_version=self.control.ep_layout_version,
             heartbeat_endpoint=self.heartbeat_endpoint,
             hostname=self.hostname,
+            transfer_endpoint=self.transfer_endpoint,
+            kv_capacity_tokens=stats.num_pages * self.engine.config.page_size,
+            cost_model_error_p50=stats.cost_model_error[0],
+            cost_model_error_p90=stats.cost_model_error[1],
+            max_num_seqs=self.config.max_num_seqs,
+            kv_model_id=self.engine.kv_model_id,
+            kv_block_tokens=self.engine.store.block_tokens if self.engine.store is not None else 0,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 
@@ -361,6 +432,7 @@ class Worker:
             hostname=self.hostname,
             request_endpoint=self.request_endpoint,
             heartbeat_endpoint=self.heartbeat_endpoint,
+            transfer_endpoint=self.transfer_endpoint,
             ep_size=self.config.ep_size,
             num_accelerators=1 if on_cuda else 0,
             accelerator_kind=torch.cuda.get_device_name(device) if on_cuda else device.type,
@@ -369,9 +441,12 @@ class Worker:
 
     def _shut_down(self) -> None:
         """Abort what is in flight, so that every stream ends with an output rather than a timeout."""
-        log.info("worker %s stopping; aborting %d requests", self.worker_id, len(self.owners))
-        for request_id in list(self.owners):
+        log.info("worker %s stopping; aborting %d requests", self.worker_id, self._num_in_flight())
+        expected = list(self.receiver.expected) if self.receiver is not None else []
+        for request_id in [*self.owners, *self.sending, *expected]:
             self._abort(request_id)
+        if self.sender is not None:
+            self._finish_sends(self.sender.close())
         self.router.close(linger=CLOSE_LINGER_MS)
         self.heartbeat_thread.join()
         if self.registration_thread is not None:
@@ -426,6 +501,8 @@ def _build_engine(config: WorkerConfig, store: KVStore | None) -> LLMEngine:
         kv_block_tokens=config.kv_block_tokens,
         seed=config.seed,
         max_waiting=config.max_waiting,
+        cost_model=PrefillCostModel.load(Path(config.cost_model)) if config.cost_model else None,
+        step_budget_s=config.step_budget_ms / 1000 if config.step_budget_ms else None,
     )
     return LLMEngine(loaded, engine_config, store)
 
@@ -449,65 +526,6 @@ def _die_with_parent() -> None:
         log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
     elif os.getppid() != parent:  # the parent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker's command-line options, shared by this module's CLI and `manage.py run_worker`."""
-    parser.add_argument("--role", default="mixed", choices=["mixed"], help="prefill and decode in one process")
-    parser.add_argument("--model", required=True, help="packaged model name, HF directory or config JSON")
-    parser.add_argument("--request-endpoint", required=True)
-    parser.add_argument("--heartbeat-endpoint", required=True)
-    parser.add_argument("--worker-id", default="")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES))
-    parser.add_argument("--tokenizer")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-waiting", type=int)
-    parser.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--kv-store", help="directory of the global KV block store (default: no store)")
-    parser.add_argument("--kv-store-index", default="memory", help='"memory" or redis://host:port/db')
-    parser.add_argument("--kv-block-tokens", type=int, default=128)
-    parser.add_argument("--kv-gc-interval", type=float, default=10.0, help="seconds; 0: no GC in this worker")
-    parser.add_argument("--kv-store-capacity-bytes", type=int, default=8 << 30)
-    parser.add_argument("--kv-eviction-policy", default="best", choices=sorted(POLICIES))
-    parser.add_argument("--pool", default="", help="the pool the control plane scales this worker in")
-    parser.add_argument("--registry-endpoint", help="register with the control plane's registry there")
-    parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
-
-
-def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(
-        model=args.model,
-        role=args.role,
-        request_endpoint=args.request_endpoint,
-        heartbeat_endpoint=args.heartbeat_endpoint,
-        worker_id=args.worker_id,
-        device=args.device,
-        dtype=args.dtype,
-        tokenizer=args.tokenizer,
-        seed=args.seed,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting=args.max_waiting,
-        heartbeat_interval_s=args.heartbeat_interval,
-        kv_store=args.kv_store,
-        kv_store_index=args.kv_store_index,
-        kv_block_tokens=args.kv_block_tokens,
-        kv_gc_interval_s=args.kv_gc_interval,
-        kv_store_capacity_bytes=args.kv_store_capacity_bytes,
-        kv_eviction_policy=args.kv_eviction_policy,
-        pool=args.pool,
-        registry_endpoint=args.registry_endpoint,
-        ep_size=args.ep_size,
-    )
 
 
 def configure_logging() -> None:

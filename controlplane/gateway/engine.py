@@ -5,6 +5,8 @@ import asyncio
 from django.conf import settings
 
 from workers.engine_client import EngineClient
+from workers.kvstore.index import BlockIndex
+from workers.kvstore.store import open_index
 
 # A new client knows no worker as healthy until their first heartbeats (every ~0.1 s) arrive; the
 # first request waits this long for one rather than being refused at once.
@@ -15,8 +17,14 @@ FIRST_HEARTBEAT_WAIT_S = 1.0
 _current: tuple[asyncio.AbstractEventLoop, asyncio.Task[EngineClient]] | None = None
 
 
+def _store_index() -> BlockIndex | None:
+    """The global KV store's index when the workers share one (Redis): routing reads hit lengths from it."""
+    url = settings.SLUICE_KV_STORE_INDEX
+    return open_index(url) if url and url != "memory" else None
+
+
 async def _started_client() -> EngineClient:
-    client = EngineClient()
+    client = EngineClient(store_index=_store_index())
     for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
         client.add_worker(request_endpoint, heartbeat_endpoint)
     await client.start()

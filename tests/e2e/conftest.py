@@ -62,14 +62,15 @@ def wait_until_ready(base_url: str, process: subprocess.Popen, timeout: float = 
     raise TimeoutError("the stack did not become healthy")
 
 
-def start_stack(tmp: Path, database_url: str, tenant: str) -> tuple[subprocess.Popen, Stack]:
+def start_stack(tmp: Path, database_url: str, tenant: str, *serve_args: str) -> tuple[subprocess.Popen, Stack]:
+    """`serve_args` go to `manage.py serve` (e.g. "--workers=1"; default: one prefill and one decode worker)."""
     env = dict(os.environ, DATABASE_URL=database_url, SLUICE_VAR_DIR=str(tmp), PYTHONUNBUFFERED="1")
     manage(env, "migrate", "--no-input")
     api_key = manage(env, "create_api_key", "--tenant", tenant).strip().splitlines()[-1]
     port = free_port()
     log = open(tmp / "serve.log", "w")
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "manage.py"), "serve", f"--port={port}", f"--model={MODEL}"],
+        [sys.executable, str(ROOT / "manage.py"), "serve", f"--port={port}", f"--model={MODEL}", *serve_args],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -47,9 +47,13 @@ class WorkerProcess:
         return self.process.wait()
 
 
-def worker_command(directory: Path, name: str, *options: str, config: dict = CONFIG) -> list[str]:
-    """Runs a worker of a tiny model as `name` (also its worker id) on `endpoints(directory, name)`."""
-    config_path = directory / f"{name}.json"
+def worker_command(
+    directory: Path, name: str, *options: str, config: dict = CONFIG, model: str | None = None
+) -> list[str]:
+    """Runs a worker of a tiny model as `name` (also its worker id) on `endpoints(directory, name)`.
+    The model is named after its config file: `model` (default: `name`); workers that hand KV to
+    each other must serve the same model name."""
+    config_path = directory / f"{model or name}.json"
     config_path.write_text(json.dumps(config))
     request_endpoint, heartbeat_endpoint = endpoints(directory, name)
     return [
@@ -72,8 +76,20 @@ def worker_command(directory: Path, name: str, *options: str, config: dict = CON
     ]
 
 
-def start_worker(directory: Path, name: str, *options: str, config: dict = CONFIG) -> WorkerProcess:
-    process = subprocess.Popen(worker_command(directory, name, *options, config=config), cwd=REPO_ROOT)
+def transfer_endpoint(directory: Path, name: str) -> str:
+    return f"ipc://{directory}/{name}.kv"
+
+
+def role_options(directory: Path, name: str, role: str) -> list[str]:
+    """The options that make worker `name` a mixed, prefill or decode worker."""
+    options = ["--role", role]
+    return [*options, "--transfer-endpoint", transfer_endpoint(directory, name)] if role == "decode" else options
+
+
+def start_worker(
+    directory: Path, name: str, *options: str, config: dict = CONFIG, model: str | None = None
+) -> WorkerProcess:
+    process = subprocess.Popen(worker_command(directory, name, *options, config=config, model=model), cwd=REPO_ROOT)
     return WorkerProcess(process, endpoints(directory, name))
 
 

@@ -1,5 +1,16 @@
-"""`python manage.py serve`: the whole stack on this machine (gateway + engine workers), supervised."""
+"""`python manage.py serve`: the whole stack on this machine (gateway + engine workers), supervised.
 
+Workers: one prefill and one decode worker by default (`--prefill N --decode M` for more), or
+`--workers K` mixed workers (prefill and decode in one process) instead.
+
+The KV store: with the in-process ("memory") index only one process may use the store, so
+`--workers` must be 1 and `--prefill` 1; decode workers then run without the store (the prefill
+worker stores every prompt's blocks; the blocks decode completes are not stored). With the Redis
+index every worker uses the store, decode workers persisting the blocks they complete, and the
+gateway reads the index to weigh each request's prefill work by its hit length.
+"""
+
+import socket
 import tempfile
 from pathlib import Path
 
@@ -8,7 +19,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.dev_key import dev_api_key
 from controlplane.supervisor import Child, Supervisor, child_env, manage_py
+from controlplane.topology.services import topology_ensure_local
 from workers.engine.weights import resolve_model
+from workers.entrypoint.router import STEP_BUDGET_S
 
 
 class Command(BaseCommand):
@@ -18,7 +31,9 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--model", default=settings.SLUICE_MODELS[0])
-        parser.add_argument("--workers", type=int, default=1, help="mixed prefill+decode workers")
+        parser.add_argument("--workers", type=int, help="run this many mixed prefill+decode workers instead")
+        parser.add_argument("--prefill", type=int, help="prefill workers (default 1)")
+        parser.add_argument("--decode", type=int, help="decode workers (default 1)")
         parser.add_argument("--device", default="cpu")
         parser.add_argument(
             "--kv-store",
@@ -34,45 +49,67 @@ class Command(BaseCommand):
         host: str,
         port: int,
         model: str,
-        workers: int,
+        workers: int | None,
+        prefill: int | None,
+        decode: int | None,
         device: str,
         kv_store: str,
         kv_store_index: str,
         no_kv_store: bool,
         **options,
     ) -> None:
-        if not no_kv_store and kv_store_index == "memory" and workers > 1:
+        roles = _worker_roles(workers, prefill, decode)
+        shared_index = kv_store_index != "memory"
+        # Who uses the store: every worker with a shared index; with a process-local one, the only
+        # mixed or prefill worker (decode workers go without).
+        store_users = [role for role in roles if role != "decode"]
+        if not no_kv_store and not shared_index and len(store_users) > 1:
             raise CommandError(
-                f"{workers} workers share one KV store only through the Redis index: "
+                f"{len(store_users)} {store_users[0]} workers share one KV store only through the Redis index: "
                 "pass --kv-store-index redis://127.0.0.1:6379/0 (or --no-kv-store)"
             )
         store_arguments = [] if no_kv_store else [f"--kv-store={kv_store}", f"--kv-store-index={kv_store_index}"]
+        # A step-time model fitted on this machine (python -m bench.fit_cost_model) plans prefill steps
+        # and routing; without one the gateway routes by a nominal model and steps have no time budget.
+        fitted = Path(settings.VAR_DIR) / "cost_model.json"
+        cost_arguments = (
+            [f"--cost-model={fitted}", f"--step-budget-ms={STEP_BUDGET_S * 1000:g}"] if fitted.exists() else []
+        )
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
         resolve_model(model, progress=True)
         runtime = Path(tempfile.mkdtemp(prefix="sluice-"))
-        endpoints = [
-            (f"ipc://{runtime}/worker-{index}.requests", f"ipc://{runtime}/worker-{index}.heartbeats")
-            for index in range(workers)
-        ]
+        # Workers register here; the registry keeps their EngineInstance rows current.
+        registry_endpoint = f"ipc://{runtime}/registry"
+        pools = [(role, role, roles.count(role)) for role in dict.fromkeys(roles)]
+        topology_ensure_local(hostname=socket.gethostname(), model=model, pools=pools)
+        names = [_worker_name(role, roles[:index].count(role)) for index, role in enumerate(roles)]
+        endpoints = [(f"ipc://{runtime}/{name}.requests", f"ipc://{runtime}/{name}.heartbeats") for name in names]
         children = [
             Child(
-                name=f"worker-{index}",
+                name=name,
                 argv=manage_py(
                     "run_worker",
-                    "--role=mixed",
+                    f"--role={role}",
                     f"--model={model}",
                     f"--device={device}",
-                    f"--worker-id=worker-{index}",
+                    f"--worker-id={name}",
                     f"--request-endpoint={requests}",
                     f"--heartbeat-endpoint={heartbeats}",
-                    *store_arguments,
+                    *([f"--transfer-endpoint=ipc://{runtime}/{name}.kv"] if role == "decode" else []),
+                    *(store_arguments if shared_index or role != "decode" else []),
+                    *(cost_arguments if role != "decode" else []),
+                    f"--pool={role}",
+                    f"--registry-endpoint={registry_endpoint}",
                     # One GC per store: the first worker runs it.
                     *([] if index == 0 else ["--kv-gc-interval=0"]),
                 ),
                 env=child_env(),
             )
-            for index, (requests, heartbeats) in enumerate(endpoints)
+            for index, (name, role, (requests, heartbeats)) in enumerate(zip(names, roles, endpoints))
         ]
+        children.append(
+            Child(name="registry", argv=manage_py("run_registry", f"--endpoint={registry_endpoint}"), env=child_env())
+        )
         children.append(
             Child(
                 name="gateway",
@@ -89,14 +126,20 @@ class Command(BaseCommand):
                 env=child_env(
                     SLUICE_MODELS=model,
                     SLUICE_WORKER_ENDPOINTS=",".join(f"{r}|{h}" for r, h in endpoints),
+                    # The gateway reads a shared index for hit lengths; a process-local one is the worker's alone.
+                    SLUICE_KV_STORE_INDEX=kv_store_index if shared_index and not no_kv_store else "",
+                    SLUICE_COST_MODEL=str(fitted) if fitted.exists() else "",
                 ),
             )
         )
         key = dev_api_key()
         self.stdout.write(
-            f"\nsluice is starting: {len(endpoints)} worker(s) of {model} on {device}\n"
+            f"\nsluice is starting: {_describe(roles)} of {model} on {device}\n"
             f"  API        http://{host}:{port}/v1   (OpenAI- and Anthropic-compatible)\n"
             f"  dev key    {key}\n"
+            f"  control    http://{host}:{port}/admin/ and /api/v1/docs/ "
+            "(users: python manage.py createsuperuser)\n"
+            f"  cost model {fitted if fitted.exists() else 'nominal (fit one: python -m bench.fit_cost_model)'}\n"
             f"  KV store   {'off' if no_kv_store else f'{kv_store} (index: {kv_store_index})'}\n"
             f"  try        curl http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {key}' "
             f"-H 'content-type: application/json' "
@@ -105,3 +148,25 @@ class Command(BaseCommand):
         )
         self.stdout.flush()
         Supervisor(children).run()
+
+
+def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) -> list[str]:
+    """The role of each worker to start, prefill workers first."""
+    if workers is not None:
+        if prefill is not None or decode is not None:
+            raise CommandError("--workers (mixed workers) excludes --prefill and --decode")
+        if workers < 1:
+            raise CommandError(f"--workers must be at least 1, got {workers}")
+        return ["mixed"] * workers
+    prefill, decode = 1 if prefill is None else prefill, 1 if decode is None else decode
+    if prefill < 1 or decode < 1:
+        raise CommandError(f"--prefill and --decode must be at least 1, got {prefill} and {decode}")
+    return ["prefill"] * prefill + ["decode"] * decode
+
+
+def _worker_name(role: str, index: int) -> str:
+    return f"worker-{index}" if role == "mixed" else f"{role}-{index}"
+
+
+def _describe(roles: list[str]) -> str:
+    return ", ".join(f"{roles.count(role)} {role}" for role in dict.fromkeys(roles)) + " worker(s)"
