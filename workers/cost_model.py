@@ -63,6 +63,10 @@ class PrefillCostModel:
     def predict(self, q: int, c: int = 0) -> float:
         return self.a + self.b * q + self.d * q * q + self.e * q * c
 
+    def predict_step(self, rows: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one batched step computing (q, c) rows: one fixed cost plus each row's terms."""
+        return self.a + sum(self.predict(q, c) - self.a for q, c in rows)
+
     def predict_prefill(self, tokens: int, cached: int, budget_s: float, *, limit: int) -> float:
         """Seconds to compute `tokens - cached` tokens in chunks, each the largest that fits `budget_s`."""
         total = 0.0

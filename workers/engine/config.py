@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from workers.cost_model import PrefillCostModel
 from workers.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -175,6 +176,10 @@ class EngineConfig:
     seed: int = 0
     # Requests allowed to wait for admission; past it add_request refuses (None: unbounded).
     max_waiting: int | None = None
+    # The fitted step-time model (bench.fit_cost_model): with it the engine tracks how far its
+    # predictions are off; with step_budget_s too, each step is also capped to that predicted time.
+    cost_model: PrefillCostModel | None = None
+    step_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -192,3 +197,5 @@ class EngineConfig:
             )
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
+        if self.step_budget_s is not None and (self.cost_model is None or not self.step_budget_s > 0):
+            raise ValueError(f"step_budget_s needs a cost_model and must be positive, got {self.step_budget_s}")

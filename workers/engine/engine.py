@@ -1,6 +1,7 @@
 """The engine loop: admit requests, then step = schedule → execute → update from output."""
 
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
@@ -8,6 +9,7 @@ import torch
 
 from kernels.attention import default_backend
 from workers.block_hash import namespace_extra
+from workers.cost_model import PredictionErrorTracker
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.constraints import TokenConstraint
@@ -22,7 +24,8 @@ from workers.engine.outputs import RequestDelta
 from workers.engine.request import FinishReason, Request
 from workers.engine.sampler import TokenLogprobs
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.step_budget import StepBudget
 from workers.engine.store_connector import StoreConnector, StoreStats
 from workers.kvstore.store import KVStore
 
@@ -51,6 +54,8 @@ class EngineStats:
     num_preemptions: int
     store: StoreStats | None  # None when the engine has no KV store
     num_pending_transfers: int = 0  # finished prefill-only requests pinning pages until released
+    # (p50, p90) relative error of the cost model's step-time predictions lately; zeros without one.
+    cost_model_error: tuple[float, float] = (0.0, 0.0)
 
 
 class LLMEngine:
@@ -90,11 +95,16 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        self.step_budget = (
+            StepBudget(config.cost_model, config.step_budget_s) if config.step_budget_s is not None else None
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            step_budget=self.step_budget,
         )
+        self.prediction_errors = PredictionErrorTracker() if config.cost_model is not None else None
         self.runner = ModelRunner(
             loaded.model,
             kv_cache,
@@ -265,7 +275,10 @@ class LLMEngine:
             return []
         if output.loads:
             self.store.copy_in(output.loads)
+        started = time.perf_counter()
         result = self.runner.execute(output.scheduled)
+        if self.prediction_errors is not None:
+            self._record_prediction(output, time.perf_counter() - started)
         for computed in result.prompt_logprobs:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
         self.scheduler.finish_step(output, self.requests)
@@ -273,6 +286,10 @@ class LLMEngine:
             for scheduled in output.scheduled:
                 self.store.save_completed_blocks(self.requests[scheduled.request_id])
         return [self._update(token) for token in result.sampled]
+
+    def _record_prediction(self, output: SchedulerOutput, seconds: float) -> None:
+        rows = [(len(scheduled.token_ids), scheduled.start_position) for scheduled in output.scheduled]
+        self.prediction_errors.record(self.config.cost_model.predict_step(rows), seconds)
 
     def _wait_for_fetches(self) -> None:
         """With nothing to run but store fetches in flight, wait for one rather than spin: a spinning
@@ -299,6 +316,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             store=self.store.stats() if self.store is not None else None,
             num_pending_transfers=len(self.transfers),
+            cost_model_error=self.prediction_errors.percentiles() if self.prediction_errors else (0.0, 0.0),
         )
 
     def _update(self, sampled: SampledToken) -> RequestDelta:
@@ -340,7 +358,9 @@ class LLMEngine:
         prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> RequestDelta:
         text = self.texts.get(request.request_id)
-        if text is not None and request.is_finished:
+        # A transferred request is not over: its held-back tail (a possible stop string, partial UTF-8)
+        # is streamed by the decode engine, whose text is seeded to stream exactly what follows this.
+        if text is not None and request.is_finished and request.finish_reason is not FinishReason.TRANSFER:
             text.finish()
         return RequestDelta(
             request_id=request.request_id,

@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from workers.cost_model import PrefillCostModel
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import InvalidRequestError
@@ -52,6 +53,8 @@ class LLM:
         kv_store: str | os.PathLike | None = None,
         kv_store_index: str = "memory",
         kv_block_tokens: int = 128,
+        cost_model: PrefillCostModel | None = None,
+        step_budget_s: float | None = None,
     ) -> None:
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -70,6 +73,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             kv_block_tokens=kv_block_tokens,
             seed=seed,
+            cost_model=cost_model,
+            step_budget_s=step_budget_s,
         )
         loaded = load_model(
             model,

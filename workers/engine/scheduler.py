@@ -17,6 +17,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.constraints import TokenConstraint
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.step_budget import StepBudget
 from workers.engine.store_connector import KVLoad, LoadedBlocks
 
 
@@ -51,10 +52,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        step_budget: StepBudget | None = None,
+    ) -> None:
+        """`step_budget`, when given, also caps each step by predicted time (see step_budget)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_budget = step_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_admitted_prompt_tokens = 0
@@ -69,6 +79,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        time_left = self.step_budget.start_step() if self.step_budget is not None else None
         plan: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
@@ -76,6 +87,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if time_left is not None:
+                count = time_left.fit(count, request.num_computed_tokens, first=not plan)
+                if not count:
+                    index += 1
+                    continue
             if self._allocate_or_preempt(request, count, preempted):
                 plan.append((request, count))
                 budget -= count
@@ -96,6 +112,10 @@ class Scheduler:
             cached_tokens = len(cached[0]) * page_size
             loaded_tokens = loaded.num_pages * page_size if loaded else 0
             count = min(request.num_tokens - cached_tokens - loaded_tokens, budget)
+            if time_left is not None:
+                count = time_left.fit(count, cached_tokens + loaded_tokens, first=not plan)
+                if not count:
+                    break
             if not self.block_manager.allocate(request, loaded_tokens + count, cached):
                 break
             del self.waiting[position]
