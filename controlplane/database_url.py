@@ -3,7 +3,6 @@
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-
 SQLITE_BUSY_TIMEOUT_S = 20
 
 
