@@ -85,6 +85,7 @@ class SplitStream:
         self.request = request
         self.delivered: list[int] = []  # tokens the consumer has been given
         self.avoid: set[WorkerLink] = set()  # decode workers that failed this request
+        self.num_split_attempts = 0
 
     async def outputs(self) -> AsyncIterator[GenerateOutput]:
         params = self.request.params
@@ -193,7 +194,11 @@ class SplitStream:
             return 0
 
     async def _split(self, prefill: WorkerLink, decode: WorkerLink, cost: float) -> AsyncIterator[GenerateOutput]:
-        client, request, request_id = self.client, self.request, self.request.request_id
+        # Each attempt goes to the workers under an id of its own: the answer to an abort sent when an
+        # earlier attempt ended (a decode worker replies to it) must not end this one.
+        self.num_split_attempts += 1
+        request_id = f"{self.request.request_id}#{self.num_split_attempts}"
+        client, request = self.client, msgspec.structs.replace(self.request, request_id=request_id)
         peak = sum(expected_peak(request, decode.heartbeat.max_model_len))
         decode.num_decode_requests += 1
         decode.reserved_kv_tokens += peak
@@ -233,7 +238,7 @@ class SplitStream:
                     holding.discard(prefill)
                 if item.finish_reason is not None:
                     holding.discard(prefill if side == PREFILL else decode)
-                yield item
+                yield msgspec.structs.replace(item, request_id=self.request.request_id)
                 if item.finish_reason is not None:
                     return
         finally:

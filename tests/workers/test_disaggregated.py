@@ -110,6 +110,28 @@ def test_split_outputs_equal_the_mixed_workers_and_report_cached_tokens(pool, na
     assert {o.num_cached_tokens for o in again} == {(len(REQUESTS[2].prompt_token_ids) - 1) // page * page}
 
 
+def test_more_streams_than_the_prefill_worker_pins_at_once_all_equal_the_mixed_workers(pool):
+    # Beyond its cap of prefills awaiting transfer (32) the prefill worker answers "overloaded" and the
+    # request is tried again; the answer to the abort of the earlier attempt must not end the retry.
+    requests = [GenerateRequest(f"many-{i}", random_prompt(12, seed=100 + i), greedy(6)) for i in range(72)]
+
+    async def go():
+        mixed = await connected_client(pool["m"].endpoints)
+        split = await connected_client(pool["p0"].endpoints, pool["d0"].endpoints)
+        try:
+            return await outputs_of(mixed, requests), await outputs_of(split, requests)
+        finally:
+            await mixed.close()
+            await split.close()
+
+    expected, got = run(go())
+    assert [token_ids(outputs) for outputs in got] == [token_ids(outputs) for outputs in expected]
+    assert {outputs[-1].finish_reason for outputs in got} == {"length"}
+    assert {output.request_id for outputs, request in zip(got, requests) for output in outputs} == {
+        request.request_id for request in requests
+    }
+
+
 def free_pages(client: EngineClient) -> dict[str, int]:
     return {beat.worker_id: beat.num_free_pages for beat in client.healthy_workers()}
 
