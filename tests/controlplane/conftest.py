@@ -1,8 +1,10 @@
 """Factories for the control plane's suites (tenants, API keys, pools, instances, users in roles)."""
 
+import importlib
 from collections.abc import Callable
 
 import pytest
+from django.apps import apps as django_apps
 from django.contrib.auth.models import Group, User
 
 from controlplane.tenants.models import Tenant
@@ -83,3 +85,12 @@ def make_user(db) -> Callable[..., User]:
         return user
 
     return make
+
+
+@pytest.fixture
+def default_ttl_policies(transactional_db) -> None:
+    """The traffic classes and first TTLs that a data migration creates. A transactional test's flush
+    empties every table, so its tests that need them create them again (the roles' groups come back
+    by themselves: the flush runs post_migrate)."""
+    migration = importlib.import_module("migrations.policies.0002_default_ttl_policies")
+    migration.create_defaults(django_apps, None)

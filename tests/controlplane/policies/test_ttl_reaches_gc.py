@@ -14,7 +14,7 @@ from tests.workers.worker_process import CONFIG, collect, connected_client, star
 from workers.engine import SamplingParams
 from workers.protocol import GenerateRequest
 
-pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("default_ttl_policies")]
 
 PROMPT = [random.Random(2).randrange(CONFIG["vocab_size"]) for _ in range(300)]
 

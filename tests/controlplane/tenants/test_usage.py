@@ -39,8 +39,7 @@ def test_negative_counts_are_refused(make_tenant):
     assert not TenantUsage.objects.exists()
 
 
-# serialized_rollback: the flush after a transactional test would drop the data migrations' rows.
-@pytest.mark.django_db(transaction=True, serialized_rollback=True)
+@pytest.mark.django_db(transaction=True)
 def test_concurrent_recordings_lose_nothing(make_tenant):
     # given: threads that all record the first usage of the day at once
     tenant = make_tenant("acme")

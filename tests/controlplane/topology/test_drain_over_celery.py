@@ -25,7 +25,7 @@ from tests.workers.worker_process import Dealer, collect, connected_client, star
 from workers.engine import SamplingParams
 from workers.protocol import ControlAck, GenerateError, GenerateRequest, StatusRequest
 
-pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
+pytestmark = pytest.mark.django_db(transaction=True)
 
 REDIS_URL = "redis://127.0.0.1:6379/14"
 ROOT = Path(__file__).resolve().parents[3]

@@ -16,7 +16,7 @@ from controlplane.topology.services import topology_ensure_local
 from tests.workers.worker_process import start_worker, wait_for_worker_heartbeat
 from workers.registry import RegistryServer
 
-pytestmark = pytest.mark.django_db(transaction=True, serialized_rollback=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("default_ttl_policies")]
 
 TIMEOUT_S = 1.0
 
