@@ -127,6 +127,16 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # kv_block_tokens is 0 when the worker has no KV store.
     kv_model_id: str = ""
     kv_block_tokens: int = 0
+    # The global KV store as this worker's index reads it (zeros without a store). Only the worker that
+    # runs the store's GC knows its capacity, watermarks (fractions of it) and eviction totals since
+    # the worker started; the others send zeros.
+    kv_store_bytes: int = 0
+    kv_store_blocks: int = 0
+    kv_store_capacity_bytes: int = 0
+    kv_store_low_watermark: float = 0.0
+    kv_store_high_watermark: float = 0.0
+    kv_store_evicted_expired: int = 0
+    kv_store_evicted_capacity: int = 0
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a

@@ -44,6 +44,7 @@ from workers.engine.request import FinishReason
 from workers.engine.sampling_params import invalid_request_from
 from workers.kvstore.eviction import get_policy
 from workers.kvstore.gc import GarbageCollector
+from workers.kvstore.index import IndexUsage
 from workers.kvstore.store import KVStore, open_store
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol import (
@@ -149,6 +150,8 @@ class Worker:
         self.control = WorkerControl(
             self.worker_id, ep_size=config.ep_size, collector=collector, num_in_flight=self._num_in_flight
         )
+        self.collector = collector
+        self.store_usage = IndexUsage(num_blocks=0, num_bytes=0)  # the last read, kept when a read fails
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             GenerateRequest: self._on_generate,
             ExpectTransferRequest: self._on_expect_transfer,
@@ -387,6 +390,8 @@ class Worker:
         # Read while the main thread steps: a racy snapshot of counters, good enough for load reports.
         stats = self.engine.stats()
         store = stats.store
+        store_usage = self._read_store_usage()
+        collector = self.collector
         heartbeat = WorkerHeartbeat(
             worker_id=self.worker_id,
             role=self.config.role,
@@ -418,8 +423,26 @@ class Worker:
             max_num_seqs=self.config.max_num_seqs,
             kv_model_id=self.engine.kv_model_id,
             kv_block_tokens=self.engine.store.block_tokens if self.engine.store is not None else 0,
+            kv_store_bytes=store_usage.num_bytes,
+            kv_store_blocks=store_usage.num_blocks,
+            kv_store_capacity_bytes=collector.capacity_bytes if collector else 0,
+            kv_store_low_watermark=collector.low_watermark if collector else 0.0,
+            kv_store_high_watermark=collector.high_watermark if collector else 0.0,
+            kv_store_evicted_expired=collector.evicted_expired if collector else 0,
+            kv_store_evicted_capacity=collector.evicted_capacity if collector else 0,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
+
+    def _read_store_usage(self) -> IndexUsage:
+        """The store index's totals; a shared (Redis) index that fails to answer must not stop the
+        heartbeats, which would make the worker look dead, so the last totals read stand in."""
+        if self.engine.store is None:
+            return self.store_usage
+        try:
+            self.store_usage = self.engine.store.store.index.usage()
+        except Exception:
+            log.warning("reading the KV store index's usage failed", exc_info=True)
+        return self.store_usage
 
     def _registration(self) -> WorkerRegistration:
         device = torch.device(self.config.device)

@@ -63,11 +63,17 @@ class GarbageCollector:
         self._index = index
         self._ttl = ttl
         self._policy = get_policy(policy) if isinstance(policy, str) else policy
+        self.capacity_bytes = capacity_bytes
+        self.low_watermark = low_watermark
+        self.high_watermark = high_watermark
         self._high_bytes = high_watermark * capacity_bytes
         self._low_bytes = low_watermark * capacity_bytes
         self._delete_data = delete_data
         self._clock = clock
         self._expire_batch = expire_batch
+        # Blocks this collector removed since it was made, by reason: for heartbeats and /metrics.
+        self.evicted_expired = 0
+        self.evicted_capacity = 0
 
     def set_ttl_policy(self, ttl: TTLPolicy) -> None:
         """Use `ttl` from the next run on (a run in progress finishes with the policy it started with)."""
@@ -83,6 +89,7 @@ class GarbageCollector:
             removed = self._expire_class(traffic_class, now - ttl.ttl_for(traffic_class))
             if removed:
                 expired[traffic_class] = len(removed)
+                self.evicted_expired += len(removed)
                 bytes_freed += sum(entry.size for entry in removed)
         evicted = 0
         usage = self._index.usage()
@@ -93,6 +100,7 @@ class GarbageCollector:
                 if not removed:
                     break
                 evicted += len(removed)
+                self.evicted_capacity += len(removed)
                 bytes_freed += sum(entry.size for entry in removed)
                 # Writers may have added blocks meanwhile: check again rather than trust the arithmetic.
                 usage = self._index.usage()
