@@ -31,7 +31,9 @@ run: model
 demo: model
 	$(PY) -m workers.engine.demo
 
+# The dashboard's browser test drives Debian's chromium.
 test: model
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -26,13 +26,17 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular",
     "channels",
+    # Dash apps embedded in Django pages; its models record the apps it serves.
+    "django_plotly_dash.apps.DjangoPlotlyDashConfig",
+    # The operator dashboard (dashboard/), with the login page's template.
+    "dashboard",
     # Project-wide management commands (serve).
     "controlplane",
 ]
 
 # Our apps with models (by label, each at controlplane/<label>) keep their migrations in the
 # top-level migrations/ package.
-SLUICE_APPS: list[str] = ["tenants", "topology", "policies"]
+SLUICE_APPS: list[str] = ["tenants", "topology", "policies", "telemetry"]
 # access (roles as groups) has no models; it comes after the apps whose permissions it assigns.
 INSTALLED_APPS += [f"controlplane.{app}" for app in SLUICE_APPS] + ["controlplane.access", "controlplane.gateway"]
 MIGRATION_MODULES = {app: f"migrations.{app}" for app in SLUICE_APPS}
@@ -74,6 +78,28 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
 STATIC_URL = "static/"
+# Dash's scripts (components, plotly.js) are found in their Python packages at request time; the
+# gateway serves them itself (controlplane/urls.py), so no collectstatic step is needed.
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    "django_plotly_dash.finders.DashAssetFinder",
+    "django_plotly_dash.finders.DashComponentFinder",
+    "django_plotly_dash.finders.DashAppDirectoryFinder",
+]
+
+# The dashboard (dashboard/): operators sign in with Django's login page.
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/dashboard/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+# django-plotly-dash puts each Dash app in an iframe of the page that embeds it.
+X_FRAME_OPTIONS = "SAMEORIGIN"
+PLOTLY_DASH = {
+    # Scripts come from this server, never a CDN: operators' browsers may have no internet access.
+    "serve_locally": True,
+    # Its layout, callback and script endpoints answer only the roles that may view the dashboard.
+    "view_decorator": "dashboard.access.dash_view_decorator",
+}
 
 # The control-plane API under /api/v1/ (controlplane.api).
 REST_FRAMEWORK = {
@@ -158,3 +184,6 @@ SLUICE_KV_STORE_INDEX = os.environ.get("SLUICE_KV_STORE_INDEX", "")
 SLUICE_MAX_BODY_BYTES = int(os.environ.get("SLUICE_MAX_BODY_BYTES", 4 * 1024 * 1024))
 # Django's own cap on request.body would otherwise be 2.5 MiB.
 DATA_UPLOAD_MAX_MEMORY_SIZE = SLUICE_MAX_BODY_BYTES
+
+# Telemetry (controlplane.telemetry): the gateway keeps one-minute rollups this many days.
+SLUICE_TELEMETRY_RETENTION_DAYS = int(os.environ.get("SLUICE_TELEMETRY_RETENTION_DAYS", 14))

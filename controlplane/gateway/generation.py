@@ -4,7 +4,7 @@ every output goes through the recipe's ResponseBuilder, which turns it into prot
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from controlplane.gateway.errors import as_gateway_error, error_event
@@ -38,9 +38,9 @@ class Generation:
         *,
         protocol: str,
         cache_namespace: str,
-        on_end: Callable[[UsageCount], None] | None = None,
+        on_end: Callable[[UsageCount], Awaitable[None]] | None = None,
     ) -> None:
-        """on_end gets the tokens used once the generation ends, however it ends."""
+        """on_end gets the tokens used and the outputs' timing once the generation ends, however it ends."""
         self._client = client
         self._protocol = protocol
         self._on_end = on_end
@@ -102,7 +102,7 @@ class Generation:
                     if choice in running:
                         raise RuntimeError(f"engine stream of {self._requests[choice].request_id} ended unfinished")
                     continue
-                self._usage.add(output)
+                self._usage.add(output, choice=choice)
                 if output.finish_reason is not None:
                     running.discard(choice)
                 for event in self._builder.push(choice, output):
@@ -118,7 +118,7 @@ class Generation:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
             if self._on_end is not None:
-                self._on_end(self._usage)
+                await self._on_end(self._usage)
 
     async def _pump(self, choice: int, outputs: asyncio.Queue) -> None:
         try:

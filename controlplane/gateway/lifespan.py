@@ -1,5 +1,6 @@
 """ASGI lifespan (uvicorn sends it; Django has none): do the slow first-use work before the first
-request, warn loudly when the gateway is open, and disconnect from the workers on shutdown."""
+request, start the telemetry collector, warn loudly when the gateway is open, and stop the collector
+and disconnect from the workers on shutdown."""
 
 import logging
 
@@ -9,7 +10,7 @@ from django.db import connections
 from controlplane.gateway.auth import warn_open_mode
 from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import close_engine_client, engine_client
-from controlplane.gateway.usage import wait_for_recordings
+from controlplane.telemetry.collector import close_telemetry_collector, telemetry_collector
 from controlplane.tenants.selectors import api_keys_exist
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ def _gateway_is_open() -> bool:
 async def _start() -> None:
     await served_catalog()
     await engine_client()
+    await telemetry_collector()
     if await sync_to_async(_gateway_is_open)():
         warn_open_mode()
 
@@ -42,7 +44,7 @@ async def lifespan(scope: dict, receive, send) -> None:
                 return
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
-            await wait_for_recordings()
+            await close_telemetry_collector()
             await close_engine_client()
             await send({"type": "lifespan.shutdown.complete"})
             return

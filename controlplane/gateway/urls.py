@@ -10,4 +10,5 @@ urlpatterns = [
     path("v1/messages", views.generate, {"protocol": "messages"}),
     path("v1/messages/count_tokens", views.count_tokens, {"protocol": "messages.count_tokens"}),
     path("healthz", views.healthz),
+    path("metrics", views.metrics),
 ]

@@ -1,13 +1,14 @@
 """What each API call used, counted from the engine's outputs and recorded per tenant and day.
 
-Recording is a database write that must not hold up the response: it runs after the generation
-ends, off the event loop, and the tasks are kept referenced until done so none is collected early.
-A request that ends early (client gone, engine error) is recorded with what it did use.
+Recording is one database write (off the event loop), awaited as the generation ends, before its
+response is complete: the tenant's next request sees it, so a daily quota is exact, and nothing is
+written after a response is over. A request that ends early (client gone, engine error) is recorded
+with what it did use.
 """
 
-import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
 
@@ -16,31 +17,42 @@ from workers.protocol import GenerateOutput
 
 log = logging.getLogger(__name__)
 
-_pending: set[asyncio.Task] = set()
-
 
 @dataclass(slots=True)
 class UsageCount:
-    """One API call's tokens; n choices share one prompt, so it is counted once."""
+    """One API call's tokens; n choices share one prompt, so it is counted once. It also times the
+    outputs for telemetry (time.monotonic() seconds)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None  # until the first output that carried tokens
+    # Between consecutive outputs of one choice: per engine step, as vLLM measures it, so a step that
+    # brings several (speculative) tokens counts once.
+    inter_token_s: list[float] = field(default_factory=list)
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # by choice; a choice cut short has none
+    _last_output_at: dict[int, float] = field(default_factory=dict)
 
-    def add(self, output: GenerateOutput) -> None:
+    def add(self, output: GenerateOutput, *, choice: int = 0) -> None:
+        now = time.monotonic()
         if output.num_prompt_tokens:
             self.prompt_tokens = output.num_prompt_tokens
             self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
         self.completion_tokens += len(output.token_ids)
+        if output.token_ids:
+            if self.ttft_s is None:
+                self.ttft_s = now - self.started_at
+            if choice in self._last_output_at:
+                self.inter_token_s.append(now - self._last_output_at[choice])
+            self._last_output_at[choice] = now
+        if output.finish_reason is not None:
+            self.finish_reasons[choice] = output.finish_reason
 
 
-def record_usage_later(tenant_id: int, usage: UsageCount) -> None:
-    task = asyncio.get_running_loop().create_task(_record(tenant_id, usage))
-    _pending.add(task)
-    task.add_done_callback(_pending.discard)
-
-
-async def _record(tenant_id: int, usage: UsageCount) -> None:
+async def record_usage(tenant_id: int, usage: UsageCount) -> None:
+    """Adds the call's tokens to the tenant's row of the day; a failure is logged, not raised: the
+    client was served either way."""
     try:
         await sync_to_async(tenant_usage_record)(
             tenant_id=tenant_id,
@@ -50,9 +62,3 @@ async def _record(tenant_id: int, usage: UsageCount) -> None:
         )
     except Exception:
         log.exception("recording usage of tenant %d failed", tenant_id)
-
-
-async def wait_for_recordings() -> None:
-    """For shutdown and tests: the recordings started so far, finished."""
-    if _pending:
-        await asyncio.gather(*list(_pending), return_exceptions=True)

@@ -8,13 +8,17 @@ from collections.abc import Awaitable, Callable
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from controlplane.gateway.admission import admit, admit_caller, prepare
 from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import engine_client
 from controlplane.gateway.errors import as_gateway_error, error_response
 from controlplane.gateway.generation import Generation
-from controlplane.gateway.usage import record_usage_later
+from controlplane.gateway.usage import UsageCount, record_usage
+from controlplane.telemetry.collector import record_finished_request
+from controlplane.telemetry.metrics import exposition
+from controlplane.telemetry.windows import RequestSample
 from recipe.api import count_tokens as recipe_count_tokens
 from recipe.api import list_models
 
@@ -47,12 +51,26 @@ async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
         prepared,
         protocol=protocol,
         cache_namespace=admission.tenant.prefix_cache_namespace,
-        on_end=lambda usage: record_usage_later(tenant_id, usage),
+        on_end=lambda usage: _generation_ended(tenant_id, usage),
     )
     if prepared.stream:
         await generation.start_stream()
         return StreamingHttpResponse(generation.stream(), content_type="text/event-stream", headers=SSE_HEADERS)
     return JsonResponse(await generation.body())
+
+
+async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
+    await record_usage(tenant_id, usage)
+    record_finished_request(
+        RequestSample(
+            ttft_s=usage.ttft_s,
+            inter_token_s=tuple(usage.inter_token_s),
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens,
+            generation_tokens=usage.completion_tokens,
+            finish_reasons=tuple(usage.finish_reasons.values()),
+        )
+    )
 
 
 @require_POST
@@ -93,3 +111,11 @@ async def healthz(request: HttpRequest) -> HttpResponse:
         ],
     }
     return JsonResponse(payload, status=200 if serving else 503)
+
+
+@require_GET
+async def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus metrics. Unauthenticated like /healthz: it is for a scraper on the operator network
+    (keep it off the public listener there); it holds counts and latencies, no tenant or prompt data."""
+    workers = (await engine_client()).healthy_workers()
+    return HttpResponse(exposition(workers), content_type=CONTENT_TYPE_PLAIN_0_0_4)

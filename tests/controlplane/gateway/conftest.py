@@ -26,7 +26,6 @@ class Api:
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         from controlplane.asgi import application
         from controlplane.gateway.engine import close_engine_client
-        from controlplane.gateway.usage import wait_for_recordings
 
         transport = httpx.ASGITransport(app=application)
         try:
@@ -34,8 +33,6 @@ class Api:
                 async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
                     return await client.request(method, path, **kwargs)
         finally:
-            # As the lifespan's shutdown does: usage recordings started by the request complete.
-            await wait_for_recordings()
             await close_engine_client()
 
 

@@ -1,0 +1,178 @@
+"""The gateway's telemetry collector: an asyncio task in the gateway process.
+
+It hears of each finished API call from the gateway (`record_finished_request`), reads the workers'
+heartbeats from the gateway's EngineClient, and every tick (~1 s) publishes a snapshot of the last
+minute to this process and to the Channels group "telemetry". When a minute ends it writes that
+minute's rollup; once an hour it deletes rollups past the retention. Database work runs in a thread
+(sync_to_async), never on the event loop.
+
+It lives in the gateway because that is where requests are measured and heartbeats already arrive.
+Several gateways each collect their own share: their snapshots differ, and their rollups of one
+minute overwrite each other (the last written wins).
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import connections
+
+from controlplane.gateway.engine import engine_client
+from controlplane.telemetry import live
+from controlplane.telemetry.metrics import observe_request
+from controlplane.telemetry.services import rollup_upsert, rollups_delete_before
+from controlplane.telemetry.snapshot import build_snapshot, kv_store
+from controlplane.telemetry.windows import MinuteTotals, RequestSample, RequestWindow, minute_start
+from workers.protocol import WorkerHeartbeat
+
+log = logging.getLogger(__name__)
+
+GROUP = "telemetry"
+TICK_S = 1.0
+PRUNE_EVERY_S = 3600.0
+
+Heartbeats = Callable[[], Awaitable[list[WorkerHeartbeat]]]
+
+
+async def gateway_heartbeats() -> list[WorkerHeartbeat]:
+    return (await engine_client()).healthy_workers()
+
+
+class TelemetryCollector:
+    def __init__(
+        self,
+        heartbeats: Heartbeats = gateway_heartbeats,
+        *,
+        clock: Callable[[], float] = time.time,
+        window_s: float = live.WINDOW_S,
+        retention: timedelta | None = None,
+    ) -> None:
+        """`clock` gives epoch seconds: minutes are wall-clock minutes."""
+        self._heartbeats = heartbeats
+        self._clock = clock
+        self._retention = retention or timedelta(days=settings.SLUICE_TELEMETRY_RETENTION_DAYS)
+        now = clock()
+        self._started_at = now
+        self._window = RequestWindow(window_s)
+        self._minute = MinuteTotals(minute_start(now))
+        self._finished: list[MinuteTotals] = []  # minutes ended and not yet written
+        self._prune_at = now
+
+    def record_request(self, sample: RequestSample) -> None:
+        now = self._clock()
+        self._roll(now)
+        self._window.add(now, sample)
+        self._minute.add(sample)
+
+    async def tick(self) -> dict:
+        """One round: snapshot, broadcast, write the minutes that ended, prune when due; returns the snapshot."""
+        workers = await self._heartbeats()
+        now = self._clock()
+        self._roll(now)
+        store = kv_store(workers)
+        if store is not None:
+            self._minute.kv_store_bytes = store["bytes"]
+        snapshot = build_snapshot(
+            at=datetime.fromtimestamp(now, UTC),
+            window_s=self._window.span_s,
+            workers=workers,
+            totals=self._window.totals(now),
+            elapsed_s=now - self._started_at,
+        )
+        live.publish(snapshot)
+        await self._broadcast(snapshot)
+        await self._write_finished()
+        if now >= self._prune_at:
+            self._prune_at = now + PRUNE_EVERY_S
+            await self._prune(now)
+        return snapshot
+
+    async def run(self, interval_s: float = TICK_S) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("telemetry tick failed")
+            await asyncio.sleep(interval_s)
+
+    def _roll(self, now: float) -> None:
+        start = minute_start(now)
+        if start > self._minute.start:
+            self._finished.append(self._minute)
+            self._minute = MinuteTotals(start, kv_store_bytes=self._minute.kv_store_bytes)
+
+    async def _broadcast(self, snapshot: dict) -> None:
+        try:
+            await get_channel_layer().group_send(GROUP, {"type": "telemetry.update", "snapshot": snapshot})
+        except Exception:
+            log.warning("broadcasting telemetry failed", exc_info=True)
+
+    async def _write_finished(self) -> None:
+        finished, self._finished = self._finished, []
+        for minute in finished:
+            try:
+                await sync_to_async(_in_tidy_connection)(rollup_upsert, **minute.rollup_fields())
+            except Exception:
+                log.exception("writing the telemetry rollup of %s failed", minute.rollup_fields()["minute"])
+
+    async def _prune(self, now: float) -> None:
+        cutoff = datetime.fromtimestamp(now, UTC) - self._retention
+        try:
+            await sync_to_async(_in_tidy_connection)(rollups_delete_before, cutoff=cutoff)
+        except Exception:
+            log.exception("deleting old telemetry rollups failed")
+
+
+def _in_tidy_connection(work: Callable[..., Any], **kwargs: Any) -> Any:
+    """Runs database work the way a request would: the collector is no request, so nothing else
+    drops its thread's connection once it is broken or past CONN_MAX_AGE. A connection inside a
+    transaction is someone else's (a test's) and is left alone."""
+    _close_stale_connections()
+    try:
+        return work(**kwargs)
+    finally:
+        _close_stale_connections()
+
+
+def _close_stale_connections() -> None:
+    for connection in connections.all(initialized_only=True):
+        if not connection.in_atomic_block:
+            connection.close_if_unusable_or_obsolete()
+
+
+# The collector runs on the loop that started it, like the gateway's EngineClient (engine.py): a
+# server has one loop; tests and async_to_sync get one per loop.
+_current: tuple[asyncio.AbstractEventLoop, TelemetryCollector, asyncio.Task] | None = None
+
+
+async def telemetry_collector() -> TelemetryCollector:
+    """This loop's collector, started on first use (the gateway's lifespan starts it)."""
+    global _current
+    loop = asyncio.get_running_loop()
+    if _current is None or _current[0] is not loop or _current[2].done():
+        collector = TelemetryCollector()
+        _current = (loop, collector, loop.create_task(collector.run(), name="telemetry-collector"))
+    return _current[1]
+
+
+async def close_telemetry_collector() -> None:
+    global _current
+    if _current is None or _current[0] is not asyncio.get_running_loop():
+        return
+    task, _current = _current[2], None
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    live.forget()
+
+
+def record_finished_request(sample: RequestSample) -> None:
+    """Counts a finished API call in /metrics and, when this loop runs a collector, in its windows."""
+    observe_request(sample)
+    if _current is not None and _current[0] is asyncio.get_running_loop():
+        _current[1].record_request(sample)

@@ -1,0 +1,129 @@
+"""The gateway's Prometheus metrics, under vLLM's names where vLLM has one and `sluice:` otherwise.
+
+Request metrics are measured by the gateway as generations end, so they count every worker's work
+once. Per-worker figures come from the workers' latest heartbeats at scrape time, so a stopped
+worker's series disappear with it. A dedicated registry keeps the process's default collectors and
+anything a library registers globally out of the exposition.
+"""
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from controlplane.telemetry.snapshot import pool_of
+from controlplane.telemetry.windows import RequestSample
+from workers.protocol import WorkerHeartbeat
+
+REQUEST_REGISTRY = CollectorRegistry()
+
+_TTFT = Histogram(
+    "vllm:time_to_first_token_seconds",
+    "Time from the gateway handing a request to the engine to its first token.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0),
+    registry=REQUEST_REGISTRY,
+)
+_ITL = Histogram(
+    "vllm:inter_token_latency_seconds",
+    "Time between consecutive outputs of one request (one per engine step).",
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0),
+    registry=REQUEST_REGISTRY,
+)
+_PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", registry=REQUEST_REGISTRY)
+_GENERATION_TOKENS = Counter("vllm:generation_tokens", "Tokens generated.", registry=REQUEST_REGISTRY)
+_PREFIX_QUERIES = Counter(
+    "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=REQUEST_REGISTRY
+)
+_PREFIX_HITS = Counter(
+    "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=REQUEST_REGISTRY
+)
+_REQUEST_SUCCESS = Counter(
+    "vllm:request_success",
+    "Finished requests (one per choice), by why they finished.",
+    ["finished_reason"],
+    registry=REQUEST_REGISTRY,
+)
+
+
+def observe_request(sample: RequestSample) -> None:
+    if sample.ttft_s is not None:
+        _TTFT.observe(sample.ttft_s)
+    for latency in sample.inter_token_s:
+        _ITL.observe(latency)
+    _PROMPT_TOKENS.inc(sample.prompt_tokens)
+    _GENERATION_TOKENS.inc(sample.generation_tokens)
+    _PREFIX_QUERIES.inc(sample.prompt_tokens)
+    _PREFIX_HITS.inc(sample.cached_tokens)
+    for reason in sample.finish_reasons:
+        _REQUEST_SUCCESS.labels(finished_reason=reason).inc()
+
+
+class _Scrape:
+    """One scrape's collector: the request metrics, then families built from `workers`."""
+
+    def __init__(self, workers: list[WorkerHeartbeat]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterable[Metric]:
+        yield from REQUEST_REGISTRY.collect()
+        yield from heartbeat_families(self._workers)
+
+
+def exposition(workers: list[WorkerHeartbeat]) -> bytes:
+    """The text exposition format; `workers` are the healthy workers' latest heartbeats."""
+    return generate_latest(_Scrape(workers))
+
+
+def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
+    labels = ["worker", "pool"]
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests in the worker's running batch.", labels=labels)
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued on the worker.", labels=labels)
+    kv_usage = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "Fraction of the worker's KV pages in use (0 to 1).", labels=labels
+    )
+    store_bytes = GaugeMetricFamily(
+        "sluice:kv_store_bytes", "Bytes in the global KV store, as the worker's index reads it.", labels=["worker"]
+    )
+    store_blocks = GaugeMetricFamily(
+        "sluice:kv_store_blocks", "Blocks in the global KV store, as the worker's index reads it.", labels=["worker"]
+    )
+    capacity = GaugeMetricFamily(
+        "sluice:kv_store_capacity_bytes", "The store capacity the worker's GC keeps to.", labels=["worker"]
+    )
+    watermark = GaugeMetricFamily(
+        "sluice:kv_store_watermark",
+        "The GC's watermarks as fractions of capacity: it evicts above high, down to low.",
+        labels=["worker", "level"],
+    )
+    evictions = CounterMetricFamily(
+        "sluice:kv_store_gc_evictions",
+        "Blocks the worker's store GC removed since the worker started, by reason.",
+        labels=["worker", "reason"],
+    )
+    pool_load: dict[str, int] = defaultdict(int)
+    for heartbeat in workers:
+        worker, pool = heartbeat.worker_id, pool_of(heartbeat)
+        running.add_metric([worker, pool], heartbeat.num_running)
+        waiting.add_metric([worker, pool], heartbeat.num_waiting)
+        kv_usage.add_metric([worker, pool], heartbeat.kv_usage)
+        pool_load[pool] += heartbeat.num_running + heartbeat.num_waiting
+        if heartbeat.kv_block_tokens:
+            store_bytes.add_metric([worker], heartbeat.kv_store_bytes)
+            store_blocks.add_metric([worker], heartbeat.kv_store_blocks)
+        if heartbeat.kv_store_capacity_bytes:
+            capacity.add_metric([worker], heartbeat.kv_store_capacity_bytes)
+            watermark.add_metric([worker, "low"], heartbeat.kv_store_low_watermark)
+            watermark.add_metric([worker, "high"], heartbeat.kv_store_high_watermark)
+            evictions.add_metric([worker, "expired"], heartbeat.kv_store_evicted_expired)
+            evictions.add_metric([worker, "capacity"], heartbeat.kv_store_evicted_capacity)
+    load = GaugeMetricFamily("sluice:pool_load", "Requests running and waiting on the pool's workers.", labels=["pool"])
+    for pool, value in sorted(pool_load.items()):
+        load.add_metric([pool], value)
+    # Per pool, EP rank and expert slot; no heartbeat reports expert loads yet, so it has no samples.
+    expert_load = GaugeMetricFamily(
+        "sluice:expert_load",
+        "Tokens routed to each expert slot lately (MoE pools only).",
+        labels=["pool", "rank", "slot"],
+    )
+    return [running, waiting, kv_usage, store_bytes, store_blocks, capacity, watermark, evictions, load, expert_load]

@@ -1,0 +1,23 @@
+from django.db import models
+
+
+class TelemetryRollup(models.Model):
+    """What the gateway served in one minute, as its telemetry collector measured it. Latency
+    percentiles are None for a minute without a sample; kv_store_bytes for one without a store."""
+
+    minute = models.DateTimeField(unique=True)  # the minute's start (UTC)
+    requests = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    generation_tokens = models.PositiveBigIntegerField(default=0)
+    ttft_p50_s = models.FloatField(null=True)
+    ttft_p99_s = models.FloatField(null=True)
+    itl_p50_s = models.FloatField(null=True)
+    itl_p99_s = models.FloatField(null=True)
+    kv_store_bytes = models.PositiveBigIntegerField(null=True)
+
+    class Meta:
+        ordering = ["minute"]
+
+    def __str__(self) -> str:
+        return f"telemetry {self.minute:%Y-%m-%d %H:%M}"

@@ -1,0 +1,29 @@
+from datetime import timedelta
+
+from django.utils import timezone
+
+from controlplane.telemetry.models import TelemetryRollup
+
+ROLLUP_FIELDS = (
+    "minute",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "generation_tokens",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "kv_store_bytes",
+)
+
+
+def rollup_series(*, minutes: int = 60) -> list[dict]:
+    """The rollups of the last `minutes` minutes, oldest first, each with its cache hit rate
+    (cached prompt tokens / prompt tokens; None for a minute without prompt tokens)."""
+    since = timezone.now() - timedelta(minutes=minutes)
+    rows = TelemetryRollup.objects.filter(minute__gte=since).order_by("minute").values(*ROLLUP_FIELDS)
+    return [
+        {**row, "cache_hit_rate": row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else None}
+        for row in rows
+    ]

@@ -1,0 +1,44 @@
+from datetime import datetime
+
+from django.db import transaction
+
+from controlplane.telemetry.models import TelemetryRollup
+
+
+@transaction.atomic
+def rollup_upsert(
+    *,
+    minute: datetime,
+    requests: int,
+    prompt_tokens: int,
+    cached_tokens: int,
+    generation_tokens: int,
+    ttft_p50_s: float | None,
+    ttft_p99_s: float | None,
+    itl_p50_s: float | None,
+    itl_p99_s: float | None,
+    kv_store_bytes: int | None,
+) -> TelemetryRollup:
+    """Writes the minute's row, replacing one written before (a retried write is harmless)."""
+    rollup, _ = TelemetryRollup.objects.update_or_create(
+        minute=minute,
+        defaults={
+            "requests": requests,
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "generation_tokens": generation_tokens,
+            "ttft_p50_s": ttft_p50_s,
+            "ttft_p99_s": ttft_p99_s,
+            "itl_p50_s": itl_p50_s,
+            "itl_p99_s": itl_p99_s,
+            "kv_store_bytes": kv_store_bytes,
+        },
+    )
+    return rollup
+
+
+@transaction.atomic
+def rollups_delete_before(*, cutoff: datetime) -> int:
+    """Deletes the rows of minutes that start before `cutoff`; returns how many."""
+    deleted, _ = TelemetryRollup.objects.filter(minute__lt=cutoff).delete()
+    return deleted

@@ -1,0 +1,87 @@
+"""The live snapshot the collector broadcasts: the workers' latest heartbeats and the window's
+request figures, as a JSON-ready dict (its shape is the dashboard's contract)."""
+
+from collections import defaultdict
+from datetime import datetime
+
+from controlplane.telemetry.windows import Totals, percentiles
+from workers.protocol import WorkerHeartbeat
+
+
+def pool_of(heartbeat: WorkerHeartbeat) -> str:
+    """The pool a worker reports, or its role for one started outside any pool (tests, tiny setups)."""
+    return heartbeat.pool or heartbeat.role
+
+
+def empty_snapshot(at: datetime, window_s: float) -> dict:
+    return build_snapshot(at=at, window_s=window_s, workers=[], totals=Totals(), elapsed_s=window_s)
+
+
+def build_snapshot(
+    *, at: datetime, window_s: float, workers: list[WorkerHeartbeat], totals: Totals, elapsed_s: float
+) -> dict:
+    """`totals` are the window's requests; rates divide by `elapsed_s`, the part of the window the
+    collector has been running (a collector started 10 s ago has seen 10 s of traffic, not 60)."""
+    seconds = max(min(elapsed_s, window_s), 1.0)
+    return {
+        "at": at.isoformat(),
+        "window_s": window_s,
+        "workers": [_worker(heartbeat) for heartbeat in workers],
+        "pools": _pools(workers),
+        "requests": totals.requests,
+        "prompt_tokens_per_s": totals.prompt_tokens / seconds,
+        "generation_tokens_per_s": totals.generation_tokens / seconds,
+        "cache_hit_rate": totals.cache_hit_rate,
+        "ttft_s": percentiles(totals.ttft_s),
+        "itl_s": percentiles(totals.inter_token_s),
+        "kv_store": kv_store(workers),
+        # No heartbeat carries expert loads yet; MoE pools will fill this in.
+        "expert_load": {},
+    }
+
+
+def kv_store(workers: list[WorkerHeartbeat]) -> dict | None:
+    """The global store as the workers see it: usage from any that has one (they share its index),
+    capacity and watermarks from the one that runs its GC. None when no worker has a store."""
+    with_store = [heartbeat for heartbeat in workers if heartbeat.kv_block_tokens]
+    if not with_store:
+        return None
+    usage = max(with_store, key=lambda heartbeat: heartbeat.sent_at)
+    collector = next((heartbeat for heartbeat in with_store if heartbeat.kv_store_capacity_bytes), None)
+    return {
+        "bytes": usage.kv_store_bytes,
+        "blocks": usage.kv_store_blocks,
+        "capacity_bytes": collector.kv_store_capacity_bytes if collector else None,
+        "low_watermark": collector.kv_store_low_watermark if collector else None,
+        "high_watermark": collector.kv_store_high_watermark if collector else None,
+    }
+
+
+def _worker(heartbeat: WorkerHeartbeat) -> dict:
+    return {
+        "worker_id": heartbeat.worker_id,
+        "role": heartbeat.role,
+        "pool": pool_of(heartbeat),
+        "state": heartbeat.state,
+        "num_running": heartbeat.num_running,
+        "num_waiting": heartbeat.num_waiting,
+        "kv_usage": heartbeat.kv_usage,
+    }
+
+
+def _pools(workers: list[WorkerHeartbeat]) -> list[dict]:
+    by_pool: dict[str, list[WorkerHeartbeat]] = defaultdict(list)
+    for heartbeat in workers:
+        by_pool[pool_of(heartbeat)].append(heartbeat)
+    return [
+        {
+            "pool": pool,
+            "role": members[0].role,
+            "instances": len(members),
+            "ready": sum(heartbeat.state == "ready" for heartbeat in members),
+            "num_running": sum(heartbeat.num_running for heartbeat in members),
+            "num_waiting": sum(heartbeat.num_waiting for heartbeat in members),
+            "kv_usage_mean": sum(heartbeat.kv_usage for heartbeat in members) / len(members),
+        }
+        for pool, members in sorted(by_pool.items())
+    ]

@@ -1,0 +1,119 @@
+"""The collector's arithmetic, free of clocks and I/O: request samples, percentiles, the rolling
+window behind the live snapshot and the totals of the minute being rolled up."""
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+# Requests whose latencies one window or minute keeps at most: the percentiles of a busy minute are
+# then those of its last this-many requests, and the memory stays bounded.
+MAX_SAMPLES = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSample:
+    """One finished API call, as the gateway measured it."""
+
+    ttft_s: float | None  # None when no token came (an error, or a client gone early)
+    inter_token_s: tuple[float, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    finish_reasons: tuple[str, ...] = ()  # one per choice that finished
+
+
+def percentile(ordered: Sequence[float], fraction: float) -> float:
+    """Nearest rank: the smallest value with at least `fraction` of the values at or below it."""
+    return ordered[max(math.ceil(fraction * len(ordered)) - 1, 0)]
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {"p50": percentile(ordered, 0.5), "p90": percentile(ordered, 0.9), "p99": percentile(ordered, 0.99)}
+
+
+@dataclass(slots=True)
+class Totals:
+    """Counts and latency samples of a set of requests."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    inter_token_s: list[float] = field(default_factory=list)
+
+    def add(self, sample: RequestSample) -> None:
+        self.requests += 1
+        self.prompt_tokens += sample.prompt_tokens
+        self.cached_tokens += sample.cached_tokens
+        self.generation_tokens += sample.generation_tokens
+        if sample.ttft_s is not None:
+            self.ttft_s.append(sample.ttft_s)
+        self.inter_token_s.extend(sample.inter_token_s)
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+class RequestWindow:
+    """The requests that finished in the last `span_s` seconds (at most MAX_SAMPLES of them)."""
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self._samples: deque[tuple[float, RequestSample]] = deque(maxlen=MAX_SAMPLES)
+
+    def add(self, at: float, sample: RequestSample) -> None:
+        self._samples.append((at, sample))
+
+    def totals(self, now: float) -> Totals:
+        while self._samples and self._samples[0][0] <= now - self.span_s:
+            self._samples.popleft()
+        totals = Totals()
+        for _, sample in self._samples:
+            totals.add(sample)
+        return totals
+
+
+def minute_start(at: float) -> float:
+    return at - at % 60
+
+
+@dataclass(slots=True)
+class MinuteTotals:
+    """The minute starting at `start` (epoch seconds): what its rollup row will hold."""
+
+    start: float
+    totals: Totals = field(default_factory=Totals)
+    kv_store_bytes: int | None = None  # the last the heartbeats reported in the minute
+
+    def add(self, sample: RequestSample) -> None:
+        if self.totals.requests < MAX_SAMPLES:
+            self.totals.add(sample)
+        else:
+            # Still counted; only its latencies are left out of the percentiles.
+            self.totals.add(
+                RequestSample(None, (), sample.prompt_tokens, sample.cached_tokens, sample.generation_tokens)
+            )
+
+    def rollup_fields(self) -> dict:
+        """The keyword arguments of services.rollup_upsert."""
+        ttft = percentiles(self.totals.ttft_s)
+        itl = percentiles(self.totals.inter_token_s)
+        return {
+            "minute": datetime.fromtimestamp(self.start, UTC),
+            "requests": self.totals.requests,
+            "prompt_tokens": self.totals.prompt_tokens,
+            "cached_tokens": self.totals.cached_tokens,
+            "generation_tokens": self.totals.generation_tokens,
+            "ttft_p50_s": ttft["p50"] if ttft else None,
+            "ttft_p99_s": ttft["p99"] if ttft else None,
+            "itl_p50_s": itl["p50"] if itl else None,
+            "itl_p99_s": itl["p99"] if itl else None,
+            "kv_store_bytes": self.kv_store_bytes,
+        }

@@ -1,0 +1,173 @@
+"""Snapshot and rollup dicts → Dash components and Plotly figures. Presentation only: every number shown
+here was computed by the telemetry collector or read by a controlplane selector."""
+
+from collections.abc import Iterable, Sequence
+
+import plotly.graph_objects as go
+from dash import dcc, html
+
+NO_WORKERS = "No data: no engine worker is running"
+DENSE_MODEL = "dense model: no experts"
+
+# Traces of each time-series figure: (snapshot path, rollup field, legend name). The live extension
+# (a clientside callback in telemetry_app) appends to the same traces in the same order.
+SERIES: dict[str, list[tuple[str, str, str]]] = {
+    "hit-rate-graph": [("cache_hit_rate", "cache_hit_rate", "cache hit rate")],
+    "latency-graph": [
+        ("ttft_s.p50", "ttft_p50_s", "TTFT p50"),
+        ("ttft_s.p99", "ttft_p99_s", "TTFT p99"),
+        ("itl_s.p50", "itl_p50_s", "ITL p50"),
+        ("itl_s.p99", "itl_p99_s", "ITL p99"),
+    ],
+    "tokens-graph": [
+        ("prompt_tokens_per_s", "prompt_tokens", "prompt tokens/s"),
+        ("generation_tokens_per_s", "generation_tokens", "generation tokens/s"),
+    ],
+}
+SERIES_TITLES = {
+    "hit-rate-graph": ("Prefix-cache hit rate", "fraction of prompt tokens"),
+    "latency-graph": ("Latency percentiles", "seconds"),
+    "tokens-graph": ("Throughput", "tokens/s"),
+}
+PER_MINUTE_FIELDS = {"prompt_tokens", "generation_tokens"}
+
+
+def _layout(figure: go.Figure, title: str, yaxis: str = "") -> go.Figure:
+    figure.update_layout(title=title, yaxis_title=yaxis, height=300, margin={"l": 60, "r": 20, "t": 40, "b": 40})
+    return figure
+
+
+def _empty_figure(title: str, message: str) -> go.Figure:
+    figure = _layout(go.Figure(), title)
+    figure.add_annotation(text=message, showarrow=False, xref="paper", yref="paper", x=0.5, y=0.5)
+    figure.update_xaxes(visible=False)
+    figure.update_yaxes(visible=False)
+    return figure
+
+
+def no_data_banner(snapshot: dict) -> tuple[str, dict]:
+    """(text, style) of the banner that says the numbers below are not coming from any worker."""
+    if snapshot["workers"]:
+        return "", {"display": "none"}
+    return NO_WORKERS, {"display": "block", "padding": "1rem", "background": "#fff3cd", "fontWeight": "bold"}
+
+
+def percent(value: float | None) -> str:
+    return "no data" if value is None else f"{value * 100:.2f}%"
+
+
+def table(table_id: str, columns: Sequence[str], rows: Iterable[Sequence], *, empty: str) -> html.Table | html.P:
+    rows = list(rows)
+    if not rows:
+        return html.P(empty, id=f"{table_id}-empty")
+    head = html.Thead(html.Tr([html.Th(column) for column in columns]))
+    body = html.Tbody([html.Tr([html.Td(cell) for cell in row]) for row in rows])
+    return html.Table([head, body], id=table_id, style={"borderSpacing": "1rem 0.2rem"})
+
+
+def pool_rows(pools: Iterable, snapshot: dict) -> list[tuple]:
+    """Configured pools (topology models) with what the snapshot saw of them."""
+    live = {pool["pool"]: pool for pool in snapshot["pools"]}
+    rows = []
+    for pool in pools:
+        seen = live.get(pool.name, {})
+        kv = seen.get("kv_usage_mean")
+        rows.append(
+            (
+                pool.cluster.name,
+                pool.name,
+                pool.kind,
+                pool.model,
+                f"{pool.min_instances}..{pool.max_instances} (target {pool.target_instances})",
+                f"{seen.get('ready', 0)}/{seen.get('instances', 0)}",
+                seen.get("num_running", 0),
+                seen.get("num_waiting", 0),
+                percent(kv),
+            )
+        )
+    return rows
+
+
+def worker_rows(snapshot: dict) -> list[tuple]:
+    return [
+        (
+            worker["worker_id"],
+            worker["pool"],
+            worker["role"],
+            worker["state"],
+            worker["num_running"],
+            worker["num_waiting"],
+            percent(worker["kv_usage"]),
+        )
+        for worker in snapshot["workers"]
+    ]
+
+
+def series_figure(graph_id: str, rollups: Sequence[dict]) -> go.Figure:
+    """One time-series figure seeded from the per-minute rollups; per-minute token counts become rates."""
+    title, yaxis = SERIES_TITLES[graph_id]
+    figure = _layout(go.Figure(), title, yaxis)
+    for _, field, name in SERIES[graph_id]:
+        scale = 1 / 60 if field in PER_MINUTE_FIELDS else 1
+        values = [None if row[field] is None else row[field] * scale for row in rollups]
+        figure.add_trace(go.Scatter(x=[row["minute"] for row in rollups], y=values, name=name, mode="lines+markers"))
+    if graph_id == "hit-rate-graph":
+        figure.update_yaxes(range=[0, 1.05])
+    return figure
+
+
+def kv_store_figure(kv_store: dict | None) -> go.Figure:
+    """Usage as a fraction of capacity against the GC's watermarks (fractions too); in bytes when no
+    worker that runs the store's GC has reported its capacity."""
+    title = "KV block store usage"
+    if kv_store is None:
+        return _empty_figure(title, "no KV block store reported")
+    capacity = kv_store["capacity_bytes"]
+    label = f"{kv_store['bytes']:,} bytes in {kv_store['blocks']:,} blocks"
+    used = kv_store["bytes"] / capacity if capacity else kv_store["bytes"]
+    figure = _layout(go.Figure(go.Bar(x=[used], y=["store"], orientation="h", text=[label], name="used")), title)
+    figure.update_layout(height=220)
+    if not capacity:
+        figure.update_xaxes(title="bytes (capacity not reported)")
+        return figure
+    for name, fraction, color in (
+        ("low watermark", kv_store["low_watermark"], "orange"),
+        ("high watermark", kv_store["high_watermark"], "red"),
+    ):
+        if fraction is not None:
+            figure.add_vline(x=fraction, line_color=color, line_dash="dash", annotation_text=name)
+    figure.update_xaxes(range=[0, 1], title="fraction of capacity", tickformat=".0%")
+    return figure
+
+
+def scaling_timeline(events: Sequence) -> go.Figure:
+    title = "Scaling events"
+    if not events:
+        return _empty_figure(title, "no scaling events in this period")
+    figure = _layout(go.Figure(), title, "pool")
+    figure.add_trace(
+        go.Scatter(
+            x=[event.created_at for event in events],
+            y=[event.pool.name if event.pool else "-" for event in events],
+            mode="markers",
+            marker={"size": 12},
+            text=[f"{event.action} by {event.actor_label}: {event.reason}" for event in events],
+            hoverinfo="text+x",
+        )
+    )
+    return figure
+
+
+def expert_heatmaps(expert_load: dict[str, list[list[float]]]) -> list:
+    if not expert_load:
+        return [html.P(DENSE_MODEL, id="expert-load-empty")]
+    return [
+        dcc.Graph(
+            figure=_layout(
+                go.Figure(go.Heatmap(z=loads, colorscale="Viridis", colorbar={"title": "load"})),
+                f"Expert load: pool {pool}",
+                "rank",
+            ).update_xaxes(title="expert slot")
+        )
+        for pool, loads in sorted(expert_load.items())
+    ]

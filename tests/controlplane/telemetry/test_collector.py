@@ -1,0 +1,204 @@
+"""The collector's live snapshot: window figures under a fake clock, pools and the KV store from
+heartbeats, the empty snapshot without workers, and the broadcast to the Channels group."""
+
+import json
+
+import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+from controlplane.gateway.engine import close_engine_client
+from controlplane.telemetry import live
+from controlplane.telemetry.collector import (
+    GROUP,
+    TelemetryCollector,
+    close_telemetry_collector,
+    record_finished_request,
+    telemetry_collector,
+)
+from controlplane.telemetry.windows import RequestSample
+
+SNAPSHOT_KEYS = {
+    "at",
+    "window_s",
+    "workers",
+    "pools",
+    "requests",
+    "prompt_tokens_per_s",
+    "generation_tokens_per_s",
+    "cache_hit_rate",
+    "ttft_s",
+    "itl_s",
+    "kv_store",
+    "expert_load",
+}
+
+
+def sample(ttft_s: float | None = 0.1, *, itl=(), prompt: int = 100, cached: int = 0, generated: int = 10):
+    return RequestSample(ttft_s, tuple(itl), prompt, cached, generated, ("stop",))
+
+
+@pytest.fixture
+def collector(clock, heartbeats, db) -> TelemetryCollector:
+    return TelemetryCollector(heartbeats, clock=clock)
+
+
+def tick(collector: TelemetryCollector) -> dict:
+    return async_to_sync(collector.tick)()
+
+
+def test_the_window_gives_percentiles_hit_rate_and_token_rates(collector, clock):
+    # given: 100 requests over 30 s with TTFTs of 0.01 .. 1.00 s, each 100 prompt tokens, 40 of them cached
+    for n in range(1, 101):
+        collector.record_request(sample(n / 100, itl=(n / 1000,), prompt=100, cached=40, generated=6))
+    clock.now += 30
+
+    # when
+    snapshot = tick(collector)
+
+    # then: nearest-rank percentiles; rates over the 30 s the collector has run
+    assert snapshot["requests"] == 100
+    assert snapshot["ttft_s"] == {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+    assert snapshot["itl_s"] == {"p50": 0.05, "p90": 0.09, "p99": 0.099}
+    assert snapshot["cache_hit_rate"] == pytest.approx(0.4)
+    assert snapshot["prompt_tokens_per_s"] == pytest.approx(100 * 100 / 30)
+    assert snapshot["generation_tokens_per_s"] == pytest.approx(100 * 6 / 30)
+    assert snapshot["window_s"] == 60
+
+
+def test_requests_leave_the_window_after_a_minute(collector, clock):
+    collector.record_request(sample(5.0, prompt=1000, cached=1000))
+    clock.now += 50
+    collector.record_request(sample(0.2, prompt=100, cached=0))
+    clock.now += 20  # the first request is 70 s old, the second 20 s
+
+    snapshot = tick(collector)
+
+    assert snapshot["requests"] == 1
+    assert snapshot["ttft_s"]["p99"] == 0.2
+    assert snapshot["cache_hit_rate"] == 0.0
+    assert snapshot["prompt_tokens_per_s"] == pytest.approx(100 / 60)
+
+
+def test_a_request_without_tokens_counts_but_has_no_latency(collector, clock):
+    collector.record_request(sample(None, prompt=0, generated=0))
+
+    snapshot = tick(collector)
+
+    assert snapshot["requests"] == 1
+    assert snapshot["ttft_s"] is None and snapshot["itl_s"] is None and snapshot["cache_hit_rate"] is None
+
+
+def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, make_heartbeat):
+    store = {"kv_block_tokens": 64, "kv_store_bytes": 4096, "kv_store_blocks": 4}
+    heartbeats.workers = [
+        make_heartbeat("p0", role="prefill", pool="prefill", num_running=2, kv_usage=0.5, **store),
+        make_heartbeat("p1", role="prefill", pool="prefill", num_waiting=3, kv_usage=0.25, state="draining", **store),
+        make_heartbeat(
+            "d0",
+            role="decode",
+            pool="decode",
+            num_running=1,
+            kv_store_capacity_bytes=1 << 20,
+            kv_store_low_watermark=0.8,
+            kv_store_high_watermark=0.95,
+            **store,
+        ),
+    ]
+
+    snapshot = tick(collector)
+
+    assert [worker["worker_id"] for worker in snapshot["workers"]] == ["p0", "p1", "d0"]
+    assert snapshot["workers"][1] == {
+        "worker_id": "p1",
+        "role": "prefill",
+        "pool": "prefill",
+        "state": "draining",
+        "num_running": 0,
+        "num_waiting": 3,
+        "kv_usage": 0.25,
+    }
+    assert snapshot["pools"] == [
+        {
+            "pool": "decode",
+            "role": "decode",
+            "instances": 1,
+            "ready": 1,
+            "num_running": 1,
+            "num_waiting": 0,
+            "kv_usage_mean": 0.0,
+        },
+        {
+            "pool": "prefill",
+            "role": "prefill",
+            "instances": 2,
+            "ready": 1,
+            "num_running": 2,
+            "num_waiting": 3,
+            "kv_usage_mean": 0.375,
+        },
+    ]
+    assert snapshot["kv_store"] == {
+        "bytes": 4096,
+        "blocks": 4,
+        "capacity_bytes": 1 << 20,
+        "low_watermark": 0.8,
+        "high_watermark": 0.95,
+    }
+
+
+def test_without_workers_the_snapshot_is_empty_but_complete(collector):
+    snapshot = tick(collector)
+
+    assert set(snapshot) == SNAPSHOT_KEYS
+    assert snapshot["workers"] == [] and snapshot["pools"] == []
+    assert snapshot["requests"] == 0 and snapshot["prompt_tokens_per_s"] == 0.0
+    assert snapshot["cache_hit_rate"] is None and snapshot["ttft_s"] is None and snapshot["itl_s"] is None
+    assert snapshot["kv_store"] is None and snapshot["expert_load"] == {}
+    assert json.loads(json.dumps(snapshot)) == snapshot
+
+
+def test_current_snapshot_is_the_latest_tick_or_an_empty_one(collector, make_heartbeat, heartbeats):
+    live.forget()
+    assert set(live.current_snapshot()) == SNAPSHOT_KEYS
+    assert live.current_snapshot()["workers"] == []
+
+    heartbeats.workers = [make_heartbeat("w0")]
+    snapshot = tick(collector)
+
+    assert live.current_snapshot() == snapshot
+    live.forget()
+
+
+def test_each_tick_reaches_the_channels_group(collector, make_heartbeat, heartbeats):
+    heartbeats.workers = [make_heartbeat("w0", num_running=1)]
+
+    async def listen_to_a_tick() -> tuple[dict, dict]:
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+        await layer.group_add(GROUP, channel)
+        try:
+            snapshot = await collector.tick()
+            return snapshot, await layer.receive(channel)
+        finally:
+            await layer.group_discard(GROUP, channel)
+
+    snapshot, message = async_to_sync(listen_to_a_tick)()
+
+    assert message == {"type": "telemetry.update", "snapshot": snapshot}
+    assert message["snapshot"]["workers"][0]["num_running"] == 1
+
+
+def test_the_gateways_requests_reach_this_loops_collector(db, no_workers):
+    async def record_then_tick() -> dict:
+        collector = await telemetry_collector()
+        try:
+            record_finished_request(sample(0.3, prompt=10, cached=5, generated=2))
+            return await collector.tick()
+        finally:
+            await close_telemetry_collector()
+            await close_engine_client()
+
+    snapshot = async_to_sync(record_then_tick)()
+
+    assert snapshot["requests"] == 1 and snapshot["cache_hit_rate"] == 0.5

@@ -1,0 +1,122 @@
+"""/metrics through the real ASGI application: Prometheus's text format (as prometheus_client's own
+parser reads it), open to a scraper without a key, counters that move as requests are served, and
+per-worker gauges that exist only while the worker sends heartbeats."""
+
+import pytest
+
+pytest.importorskip("recipe.api")  # the gateway's views need it
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from controlplane.telemetry.metrics import exposition  # noqa: E402
+from tests.controlplane.gateway.helpers import key_headers, valid_body  # noqa: E402
+from workers.protocol import GenerateOutput  # noqa: E402
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def samples(text: str) -> Samples:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def scrape(api) -> Samples:
+    response = api.request("GET", "/metrics")
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    return samples(response.text)
+
+
+def three_tokens(cached: int):
+    async def script(request):
+        for index in range(3):
+            yield GenerateOutput(
+                request_id=request.request_id,
+                token_ids=[28 + index],
+                text="a",
+                finish_reason="length" if index == 2 else None,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=cached,
+            )
+
+    return script
+
+
+def test_counters_move_when_requests_are_served(api, make_api_key, fake_engine):
+    key = make_api_key("acme")
+    engine = fake_engine(three_tokens(cached=16))
+    before = scrape(api)
+
+    for _ in range(2):
+        response = api.post("chat.completions", valid_body("chat.completions", max_tokens=3), headers=key_headers(key))
+        assert response.status_code == 200, response.text
+    after = scrape(api)
+
+    def moved(name: str, **labels: str) -> float:
+        sample = (name, tuple(sorted(labels.items())))
+        return after[sample] - before.get(sample, 0.0)
+
+    prompt_tokens = len(engine.requests[0].prompt_token_ids)
+    assert moved("vllm:prompt_tokens_total") == 2 * prompt_tokens
+    assert moved("vllm:generation_tokens_total") == 6
+    assert moved("vllm:prefix_cache_queries_total") == 2 * prompt_tokens
+    assert moved("vllm:prefix_cache_hits_total") == 32
+    assert moved("vllm:request_success_total", finished_reason="length") == 2
+    assert moved("vllm:time_to_first_token_seconds_count") == 2
+    assert moved("vllm:inter_token_latency_seconds_count") == 4  # two gaps between three outputs, twice
+    assert moved("vllm:time_to_first_token_seconds_bucket", le="+Inf") == 2
+
+
+def test_metrics_need_no_key_even_when_keys_exist(api, make_api_key, fake_engine):
+    make_api_key("acme")
+    fake_engine(three_tokens(cached=0))
+
+    response = api.request("GET", "/metrics")
+
+    assert response.status_code == 200
+    assert "# TYPE vllm:prompt_tokens_total counter" in response.text
+
+
+def test_worker_gauges_follow_the_heartbeats(make_heartbeat):
+    prefill = make_heartbeat("p0", role="prefill", pool="prefill", num_running=2, num_waiting=1, kv_usage=0.5)
+    store_gc = make_heartbeat(
+        "d0",
+        role="decode",
+        pool="decode",
+        num_running=4,
+        kv_block_tokens=64,
+        kv_store_bytes=4096,
+        kv_store_blocks=4,
+        kv_store_capacity_bytes=8192,
+        kv_store_low_watermark=0.8,
+        kv_store_high_watermark=0.95,
+        kv_store_evicted_expired=5,
+        kv_store_evicted_capacity=7,
+    )
+
+    running = samples(exposition([prefill, store_gc]).decode())
+    stopped = samples(exposition([]).decode())
+
+    assert running[("vllm:num_requests_running", (("pool", "prefill"), ("worker", "p0")))] == 2
+    assert running[("vllm:num_requests_waiting", (("pool", "prefill"), ("worker", "p0")))] == 1
+    assert running[("vllm:kv_cache_usage_perc", (("pool", "prefill"), ("worker", "p0")))] == 0.5
+    assert running[("sluice:pool_load", (("pool", "prefill"),))] == 3
+    assert running[("sluice:pool_load", (("pool", "decode"),))] == 4
+    assert running[("sluice:kv_store_bytes", (("worker", "d0"),))] == 4096
+    assert running[("sluice:kv_store_blocks", (("worker", "d0"),))] == 4
+    assert running[("sluice:kv_store_gc_evictions_total", (("reason", "expired"), ("worker", "d0")))] == 5
+    assert running[("sluice:kv_store_gc_evictions_total", (("reason", "capacity"), ("worker", "d0")))] == 7
+    assert ("sluice:kv_store_bytes", (("worker", "p0"),)) not in running  # p0 has no store
+    assert not any(name.startswith(("vllm:num_requests", "vllm:kv_cache", "sluice:")) for name, _ in stopped)
+
+
+def test_expert_load_is_declared_and_empty_for_dense_models(make_heartbeat):
+    families = {
+        family.name: family for family in text_string_to_metric_families(exposition([make_heartbeat()]).decode())
+    }
+
+    assert families["sluice:expert_load"].type == "gauge"
+    assert families["sluice:expert_load"].samples == []
