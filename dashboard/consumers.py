@@ -3,9 +3,8 @@
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from controlplane.telemetry.collector import GROUP as TELEMETRY_GROUP
 from dashboard.access import can_view_dashboard
-
-TELEMETRY_GROUP = "telemetry"
 
 
 class TelemetryConsumer(AsyncJsonWebsocketConsumer):
