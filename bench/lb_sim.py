@@ -13,8 +13,10 @@ Workload, scaled to our model (SmolLM2, 8192-token context), recorded under "sca
   already had, times the scaled block size, leaving at least one token to compute. That is an
   infinite prefix cache, i.e. the global store, which keeps blocks for days against a trace of
   minutes; every policy sees the same hits.
-- Arrivals keep the trace's (Poisson) spacing, stretched by one factor chosen so that the predicted
-  prefill compute is `--utilization` of the pool's capacity over the trace's span.
+- Arrivals are re-timed window by window (50 s of the trace each): every window lasts as long as its
+  predicted prefill compute takes at `--utilization` of the pool's capacity, and the requests inside
+  it keep their (Poisson) spacing. One stretch factor for the whole trace would overload its first
+  half, where the prefix cache is still cold and requests bring more work.
 
 Service times come from the fitted cost model (`python -m bench.fit_cost_model`), times a
 log-normal factor (`--noise`) so that the balancers, which see only predictions, are not clairvoyant:
