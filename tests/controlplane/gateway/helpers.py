@@ -85,3 +85,21 @@ class FakeEngine:
 
     def healthy_workers(self) -> list:
         return []
+
+
+def three_token_script(*, cached: int):
+    """A FakeEngine script: three one-token outputs, the last with finish_reason "length"; the prompt
+    had `cached` tokens cached."""
+
+    async def script(request):
+        for index in range(3):
+            yield GenerateOutput(
+                request_id=request.request_id,
+                token_ids=[28 + index],
+                text="a",
+                finish_reason="length" if index == 2 else None,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_cached_tokens=cached,
+            )
+
+    return script

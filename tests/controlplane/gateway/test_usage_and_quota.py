@@ -7,31 +7,13 @@ pytest.importorskip("recipe.api")  # skipped, with the import error, until it ex
 
 from controlplane.tenants.models import Tenant, TenantUsage  # noqa: E402
 from controlplane.tenants.services import tenant_usage_record  # noqa: E402
-from tests.controlplane.gateway.helpers import assert_error, key_headers, valid_body  # noqa: E402
-from workers.protocol import GenerateOutput  # noqa: E402
-
-
-def cached_script(cached: int):
-    """Three one-token outputs; the prompt had `cached` tokens cached."""
-
-    async def script(request):
-        for index in range(3):
-            yield GenerateOutput(
-                request_id=request.request_id,
-                token_ids=[28 + index],
-                text="a",
-                finish_reason="length" if index == 2 else None,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_cached_tokens=cached,
-            )
-
-    return script
+from tests.controlplane.gateway.helpers import assert_error, key_headers, three_token_script, valid_body  # noqa: E402
 
 
 @pytest.mark.parametrize("protocol", ["chat.completions", "messages"])
 def test_a_generation_records_the_tenants_usage(api, make_api_key, fake_engine, protocol):
     key = make_api_key("acme")
-    engine = fake_engine(cached_script(cached=16))
+    engine = fake_engine(three_token_script(cached=16))
 
     response = api.post(protocol, valid_body(protocol, max_tokens=3), headers=key_headers(key))
 
@@ -48,7 +30,7 @@ def test_a_generation_records_the_tenants_usage(api, make_api_key, fake_engine, 
 
 def test_n_choices_count_the_prompt_once_and_every_choices_tokens(api, make_api_key, fake_engine):
     key = make_api_key("acme")
-    engine = fake_engine(cached_script(cached=0))
+    engine = fake_engine(three_token_script(cached=0))
 
     response = api.post("chat.completions", valid_body("chat.completions", n=2), headers=key_headers(key))
 
@@ -63,7 +45,7 @@ def test_a_tenant_over_its_daily_quota_is_refused_and_others_are_not(api, make_a
     tenant_usage_record(
         tenant_id=Tenant.objects.get(name="over").pk, prompt_tokens=90, cached_tokens=0, completion_tokens=10
     )
-    engine = fake_engine(cached_script(cached=0))
+    engine = fake_engine(three_token_script(cached=0))
 
     refused = api.post("messages", valid_body("messages"), headers=key_headers(over, "x-api-key"))
     served = api.post("messages", valid_body("messages"), headers=key_headers(other, "x-api-key"))

@@ -9,8 +9,7 @@ pytest.importorskip("recipe.api")  # the gateway's views need it
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from controlplane.telemetry.metrics import exposition  # noqa: E402
-from tests.controlplane.gateway.helpers import key_headers, valid_body  # noqa: E402
-from workers.protocol import GenerateOutput  # noqa: E402
+from tests.controlplane.gateway.helpers import key_headers, three_token_script, valid_body  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -30,24 +29,9 @@ def scrape(api) -> Samples:
     return samples(response.text)
 
 
-def three_tokens(cached: int):
-    async def script(request):
-        for index in range(3):
-            yield GenerateOutput(
-                request_id=request.request_id,
-                token_ids=[28 + index],
-                text="a",
-                finish_reason="length" if index == 2 else None,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_cached_tokens=cached,
-            )
-
-    return script
-
-
 def test_counters_move_when_requests_are_served(api, make_api_key, fake_engine):
     key = make_api_key("acme")
-    engine = fake_engine(three_tokens(cached=16))
+    engine = fake_engine(three_token_script(cached=16))
     before = scrape(api)
 
     for _ in range(2):
@@ -72,7 +56,7 @@ def test_counters_move_when_requests_are_served(api, make_api_key, fake_engine):
 
 def test_metrics_need_no_key_even_when_keys_exist(api, make_api_key, fake_engine):
     make_api_key("acme")
-    fake_engine(three_tokens(cached=0))
+    fake_engine(three_token_script(cached=0))
 
     response = api.request("GET", "/metrics")
 
