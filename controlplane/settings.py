@@ -143,7 +143,7 @@ CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}
 # default runs each task in-process when it is queued (after the transaction that queued it commits).
 CELERY_TASK_ALWAYS_EAGER = not os.environ.get("SLUICE_CELERY_BROKER_URL")
 # Eager tasks never reach a broker; the in-memory one only keeps kombu from looking for a default one.
-CELERY_BROKER_URL = os.environ.get("SLUICE_CELERY_BROKER_URL") or "memory://"
+CELERY_BROKER_URL = os.environ.get("SLUICE_CELERY_BROKER_URL") or "memory://localhost/"
 CELERY_TASK_ACKS_LATE = True  # a worker that dies mid-task leaves it queued for another
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

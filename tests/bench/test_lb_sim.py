@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.lb_sim import CONTEXT, DEFAULT_TRACE, load_requests, pace, plan_step
+from bench.lb_sim import CONTEXT, load_requests, pace, plan_step
+from bench.skewed_trace import SkewedTraceConfig, write_trace
 from workers.cost_model import PrefillCostModel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -14,11 +15,30 @@ POLICIES = ["ours", "round_robin", "least_requests"]
 
 
 @pytest.fixture(scope="module")
-def quick_result(tmp_path_factory):
+def trace(tmp_path_factory) -> Path:
+    """A reproducible trace in the Mooncake format (the shared one lives outside the repository)."""
+    path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+    write_trace(path, SkewedTraceConfig(requests=600, prefixes=40, seed=3))
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick_result(tmp_path_factory, trace):
     path = tmp_path_factory.mktemp("lb") / "cost_model.json"
     MODEL.save(path)
     completed = subprocess.run(
-        [sys.executable, "-m", "bench.lb_sim", "--quick", "--cost-model", str(path), "--prefill-workers", "4"],
+        [
+            sys.executable,
+            "-m",
+            "bench.lb_sim",
+            "--quick",
+            "--trace",
+            str(trace),
+            "--cost-model",
+            str(path),
+            "--prefill-workers",
+            "4",
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -40,16 +60,16 @@ def test_quick_run_reports_every_policy_for_both_pools(quick_result):
     assert quick_result["scaling"]["token_scale"] == CONTEXT / 131072
 
 
-def test_trace_scaling_fits_the_context_and_keeps_one_token_to_compute():
-    requests, _ = load_requests(DEFAULT_TRACE, 500)
+def test_trace_scaling_fits_the_context_and_keeps_one_token_to_compute(trace):
+    requests, _ = load_requests(trace, 500)
     assert all(1 <= r.input_tokens and r.input_tokens + r.output_tokens <= CONTEXT for r in requests)
     assert all(0 <= r.hit_tokens < r.input_tokens for r in requests)
     assert any(r.hit_tokens for r in requests)
     assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
 
 
-def test_pacing_gives_every_window_the_same_load():
-    requests, _ = load_requests(DEFAULT_TRACE, 500)
+def test_pacing_gives_every_window_the_same_load(trace):
+    requests, _ = load_requests(trace, 500)
     paced = pace(requests, [1.0] * len(requests), capacity_s_per_s=2.0, window_s=10.0)
     assert [r.arrival_s for r in paced] == sorted(r.arrival_s for r in paced)
     assert paced[-1].arrival_s <= len(requests) / 2.0

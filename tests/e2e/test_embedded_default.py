@@ -19,6 +19,16 @@ def children(pid: int) -> dict[int, str]:
     return {int(line.split(None, 1)[0]): line.split(None, 1)[1] for line in listed.strip().splitlines()}
 
 
+def child_with(pid: int, marker: str, timeout_s: float = 60.0) -> int:
+    """The child of `pid` whose command line has `marker` (waiting for it, in case it is restarting)."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := [child for child, args in children(pid).items() if marker in args]):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no child of {pid} runs with {marker!r}: {children(pid)}")
+        time.sleep(0.5)
+    return found[0]
+
+
 def chat(stack) -> str:
     reply = stack.openai().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
@@ -31,7 +41,7 @@ def test_sqlite_stack_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
     try:
         assert chat(stack) in {"stop", "length"}
         # The default runs a prefill and a decode worker: kill the decode worker.
-        [worker] = [pid for pid, args in children(process.pid).items() if "--role=decode" in args]
+        worker = child_with(process.pid, "--role=decode")
         os.kill(worker, signal.SIGKILL)
 
         # Meanwhile the prefill worker runs requests whole, or the gateway answers 503 ("try again
