@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def children(pid: int) -> dict[int, str]:
-    listed = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    # -ww: whole command lines, however wide (ps cuts them to the terminal width it guesses).
+    listed = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return {int(line.split(None, 1)[0]): line.split(None, 1)[1] for line in listed.strip().splitlines()}
 
 
