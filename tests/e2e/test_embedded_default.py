@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow
 
 def children(pid: int) -> dict[int, str]:
     # -ww: whole command lines, however wide (ps cuts them to the terminal width it guesses).
-    listed = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    listed = subprocess.run(
+        ["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
     return {int(line.split(None, 1)[0]): line.split(None, 1)[1] for line in listed.strip().splitlines()}
 
 
