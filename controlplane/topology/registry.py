@@ -8,7 +8,7 @@ one drops a connection the database closed meanwhile, so a restarted PostgreSQL 
 import logging
 from datetime import timedelta
 
-from django.db import close_old_connections
+from django.db import close_old_connections, connections
 from django.utils import timezone
 
 from controlplane.common.errors import DomainValidationError
@@ -16,6 +16,7 @@ from controlplane.policies.tasks import ttl_policy_push_task
 from controlplane.topology import services
 from controlplane.topology.models import EngineInstance, InstanceState
 from workers.protocol import WorkerHeartbeat, WorkerRegistration
+from workers.registry import RegistryServer
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +88,20 @@ def known_registrations() -> list[WorkerRegistration]:
         )
         for instance in instances
     ]
+
+
+def topology_registry_server(
+    endpoint: str, recorder: TopologyRecorder, *, heartbeat_report_interval_s: float
+) -> RegistryServer:
+    """A RegistryServer that records into the topology through `recorder`, following at once the
+    instances registered before it started, and closing its thread's database connection at the end."""
+    return RegistryServer(
+        endpoint,
+        on_register=recorder.on_register,
+        on_heartbeat=recorder.on_heartbeat,
+        on_silence=recorder.on_silence,
+        heartbeat_timeout_s=recorder.heartbeat_timeout.total_seconds(),
+        heartbeat_report_interval_s=heartbeat_report_interval_s,
+        known=known_registrations(),
+        on_exit=connections.close_all,
+    )

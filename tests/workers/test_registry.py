@@ -4,12 +4,12 @@ starts after them), which reports their heartbeats and, once, their silence."""
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import msgspec
 import pytest
 import zmq
 
+from tests.waiting import wait_until
 from tests.workers.worker_process import start_worker, wait_for_worker_heartbeat
 from workers.protocol import RegistrationAck, WorkerHeartbeat, WorkerRegistration
 from workers.registry import RegistryServer, register_until_acknowledged
@@ -38,14 +38,6 @@ class Recorder:
             on_silence=self.silences.append,
             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         )
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the condition never held")
-        time.sleep(0.05)
 
 
 @pytest.fixture

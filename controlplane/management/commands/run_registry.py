@@ -9,10 +9,8 @@ import signal
 import threading
 
 from django.core.management.base import BaseCommand
-from django.db import connections
 
-from controlplane.topology.registry import TopologyRecorder, known_registrations
-from workers.registry import RegistryServer
+from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 
 # The database needs a worker's load a few times a minute, not the ten heartbeats a second it sends.
 HEARTBEAT_REPORT_INTERVAL_S = 1.0
@@ -30,16 +28,7 @@ class Command(BaseCommand):
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
         recorder = TopologyRecorder(heartbeat_timeout_s=heartbeat_timeout)
-        server = RegistryServer(
-            endpoint,
-            on_register=recorder.on_register,
-            on_heartbeat=recorder.on_heartbeat,
-            on_silence=recorder.on_silence,
-            heartbeat_timeout_s=heartbeat_timeout,
-            heartbeat_report_interval_s=HEARTBEAT_REPORT_INTERVAL_S,
-            known=known_registrations(),
-            on_exit=connections.close_all,
-        )
+        server = topology_registry_server(endpoint, recorder, heartbeat_report_interval_s=HEARTBEAT_REPORT_INTERVAL_S)
         # Instances that went silent while no registry ran are found by this sweep, not by the server.
         sweeper = threading.Thread(
             target=_sweep_until, args=(recorder, stop, heartbeat_timeout), name="silence-sweep", daemon=True

@@ -8,9 +8,7 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import kombu.pools
@@ -21,6 +19,7 @@ from django.db import connection
 from controlplane.celery import app
 from controlplane.topology.models import EngineInstance, InstanceState
 from controlplane.topology.services import instance_drain
+from tests.waiting import wait_until
 from tests.workers.worker_process import Dealer, collect, connected_client, start_worker, token_ids
 from workers.engine import SamplingParams
 from workers.protocol import ControlAck, GenerateError, GenerateRequest, StatusRequest
@@ -30,14 +29,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 REDIS_URL = "redis://127.0.0.1:6379/14"
 ROOT = Path(__file__).resolve().parents[3]
 STREAM_TOKENS = 400
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the condition never held")
-        time.sleep(0.1)
+# Generous: the streams of a loaded 2-core machine may take minutes.
+WAIT_S = 600.0
 
 
 def forget_broker_connections() -> None:
@@ -87,7 +80,7 @@ def celery_queue(monkeypatch, tmp_path):
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_until(lambda: "ready." in log.read_text() or process.poll() is not None)
+        wait_until(lambda: "ready." in log.read_text() or process.poll() is not None, WAIT_S)
         assert process.poll() is None, log.read_text()
         yield queue
     finally:
@@ -127,18 +120,18 @@ def test_a_drain_sent_through_celery_finishes_streams_refuses_new_requests_and_i
                 dealer.send(StatusRequest(uuid.uuid4().hex))
                 return dealer.receive()
 
-            wait_until(lambda: status().num_in_flight == 3)
+            wait_until(lambda: status().num_in_flight == 3, WAIT_S)
 
             # when an operator drains it
             instance_drain(instance=instance, actor=make_user("operator"), reason="maintenance")
 
             # then the worker stops taking requests while its streams still run
-            wait_until(lambda: status().state != "ready")
+            wait_until(lambda: status().state != "ready", WAIT_S)
             draining = status()
             dealer.send(GenerateRequest("late", [1, 2], SamplingParams(max_tokens=2)))
             refusal = dealer.receive()
         streams.join(timeout=300)
-        wait_until(lambda: EngineInstance.objects.get(pk=instance.pk).state == InstanceState.STOPPED)
+        wait_until(lambda: EngineInstance.objects.get(pk=instance.pk).state == InstanceState.STOPPED, WAIT_S)
     finally:
         worker.stop()
 

@@ -2,17 +2,15 @@
 heartbeats keep their rows current, the policy in force reaches them, and silence marks them failed."""
 
 import signal
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
-from django.db import connections
 
 from controlplane.policies.selectors import ttl_policy_current
 from controlplane.topology.models import EngineInstance, InstanceState
-from controlplane.topology.registry import TopologyRecorder, known_registrations
+from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 from controlplane.topology.services import topology_ensure_local
+from tests.waiting import wait_until
 from tests.workers.worker_process import start_worker, wait_for_worker_heartbeat
 from workers.registry import RegistryServer
 
@@ -21,26 +19,9 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 TIMEOUT_S = 1.0
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the condition never held")
-        time.sleep(0.1)
-
-
-def start_registry(endpoint: str) -> tuple[RegistryServer, threading.Event]:
+def start_registry(endpoint: str) -> RegistryServer:
     recorder = TopologyRecorder(heartbeat_timeout_s=TIMEOUT_S)
-    server = RegistryServer(
-        endpoint,
-        on_register=recorder.on_register,
-        on_heartbeat=recorder.on_heartbeat,
-        on_silence=recorder.on_silence,
-        heartbeat_timeout_s=TIMEOUT_S,
-        heartbeat_report_interval_s=0.2,
-        known=known_registrations(),
-        on_exit=connections.close_all,
-    )
+    server = topology_registry_server(endpoint, recorder, heartbeat_report_interval_s=0.2)
     server.start()
     return server
 
