@@ -21,11 +21,14 @@ import numpy as np
 import torch
 import zmq
 
+from workers.args import DTYPES as ENGINE_DTYPES
+from workers.args import torch_dtype
 from workers.engine.kv_handoff import KVHandoff
 from workers.protocol import KVTransferChunk, KVTransferHeader, KVTransferMessage
 
-# The KV dtypes a transfer may name; anything else is refused before it is interpreted.
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV dtypes a transfer may name (those the engine runs in); anything else is refused before it
+# is interpreted.
+DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in ENGINE_DTYPES}
 # Transfers a receiver assembles at once; a header past this is refused (bounds memory held by
 # senders that died mid-transfer; HandoffAssembler.discard drops one explicitly).
 MAX_PARTIAL_TRANSFERS = 64

@@ -25,27 +25,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
 import zmq
 
-from workers.cost_model import PrefillCostModel
-from workers.engine.config import EngineConfig
+from workers.engine.builder import build_engine
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
-from workers.engine.llm import DTYPES
-from workers.engine.model_loader import load_model
 from workers.engine.outputs import RequestDelta
 from workers.engine.request import FinishReason
 from workers.engine.sampling_params import invalid_request_from
 from workers.kvstore.eviction import get_policy
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
-from workers.kvstore.store import KVStore, open_store
+from workers.kvstore.store import KVStore
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol import (
     AbortRequest,
@@ -89,8 +85,8 @@ def run_worker_process(config: WorkerConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        store = open_store(Path(config.kv_store), config.kv_store_index) if config.kv_store else None
-        engine = _build_engine(config, store)
+        engine = build_engine(config.engine)
+        store = engine.store.store if engine.store is not None else None
         collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
         context = zmq.Context()
         try:
@@ -420,7 +416,7 @@ class Worker:
             kv_capacity_tokens=stats.num_pages * self.engine.config.page_size,
             cost_model_error_p50=stats.cost_model_error[0],
             cost_model_error_p90=stats.cost_model_error[1],
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.engine.max_num_seqs,
             kv_model_id=self.engine.kv_model_id,
             kv_block_tokens=self.engine.store.block_tokens if self.engine.store is not None else 0,
             kv_store_bytes=store_usage.num_bytes,
@@ -445,7 +441,7 @@ class Worker:
         return self.store_usage
 
     def _registration(self) -> WorkerRegistration:
-        device = torch.device(self.config.device)
+        device = torch.device(self.config.engine.device)
         on_cuda = device.type == "cuda"
         return WorkerRegistration(
             worker_id=self.worker_id,
@@ -501,33 +497,6 @@ def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event)
     )
     thread.start()
     return collector
-
-
-def _build_engine(config: WorkerConfig, store: KVStore | None) -> LLMEngine:
-    dtype = DTYPES[config.dtype] if config.dtype else None
-    loaded = load_model(
-        config.model,
-        device=torch.device(config.device),
-        dtype=dtype,
-        seed=config.seed,
-        max_model_len=config.max_model_len,
-        tokenizer=config.tokenizer,
-    )
-    engine_config = EngineConfig(
-        device=config.device,
-        dtype=dtype,
-        kv_cache_bytes=config.kv_cache_bytes,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
-        enable_prefix_caching=config.enable_prefix_caching,
-        kv_block_tokens=config.kv_block_tokens,
-        seed=config.seed,
-        max_waiting=config.max_waiting,
-        cost_model=PrefillCostModel.load(Path(config.cost_model)) if config.cost_model else None,
-        step_budget_s=config.step_budget_ms / 1000 if config.step_budget_ms else None,
-    )
-    return LLMEngine(loaded, engine_config, store)
 
 
 def _set_process_title(title: str) -> None:

@@ -1,11 +1,12 @@
 """An engine worker's configuration: the WorkerConfig struct, which validates itself, and the
-command-line options that build it (shared by `python -m workers.worker` and `manage.py run_worker`)."""
+command-line options that build it (shared by `python -m workers.worker` and `manage.py run_worker`).
+The engine's settings are an EngineArgs (workers.args), options and all."""
 
 import argparse
 
 import msgspec
 
-from workers.engine.llm import DTYPES
+from workers.args import EngineArgs, add_engine_arguments
 from workers.kvstore.eviction import POLICIES
 
 ROLES = ("mixed", "prefill", "decode")
@@ -16,25 +17,14 @@ TRANSFER_TIMEOUT_S = 120.0
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str  # a packaged model name, a Hugging Face directory, or a config JSON (random weights)
+    """A worker's own settings; its engine's are `engine` (workers.args)."""
+
+    engine: EngineArgs
     request_endpoint: str  # bound by the ROUTER, e.g. "tcp://*:7100" or "ipc:///run/sluice/w0.req"
     heartbeat_endpoint: str  # bound by the PUB
     worker_id: str = ""  # "" = "<hostname>-<pid>"
     role: str = "mixed"
-    device: str = "cpu"
-    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
-    tokenizer: str | None = None  # a model name or directory to take the tokenizer from
-    seed: int = 0
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    max_waiting: int | None = None  # requests past this many waiting are answered "overloaded"
     heartbeat_interval_s: float = 0.1
-    kv_store: str | None = None  # directory of the global KV block store; None: no store
-    kv_store_index: str = "memory"  # "memory" (this process only) or "redis://host:port/db"
-    kv_block_tokens: int = 128
     # The GC of the store, run by this worker every kv_gc_interval_s (0: another process runs it).
     kv_gc_interval_s: float = 10.0
     kv_store_capacity_bytes: int = 8 << 30
@@ -44,8 +34,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     ep_size: int = 1  # expert-parallel ranks: the shape an ApplyEPLayoutRequest must have
     transfer_endpoint: str | None = None  # a decode worker's PULL for KV transfers (bound)
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S
-    cost_model: str | None = None  # a fitted step-time model (bench.fit_cost_model); None: none
-    step_budget_ms: float | None = None  # cap each step's predicted time (needs cost_model)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -54,8 +42,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("a decode worker needs a transfer_endpoint, and only a decode worker has one")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
-        if self.step_budget_ms is not None and not (self.cost_model and self.step_budget_ms > 0):
-            raise ValueError(f"step_budget_ms needs a cost_model and must be positive, got {self.step_budget_ms}")
         if self.ep_size < 1:
             raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
         if self.heartbeat_interval_s <= 0:
@@ -67,28 +53,16 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker's command-line options, shared by this module's CLI and `manage.py run_worker`."""
+    """The worker's command-line options, shared by this module's CLI and `manage.py run_worker`:
+    the engine's (workers.args) and the worker's own."""
+    add_engine_arguments(parser)
     parser.add_argument(
         "--role", default="mixed", choices=ROLES, help="mixed: prefill and decode in one process (default)"
     )
-    parser.add_argument("--model", required=True, help="packaged model name, HF directory or config JSON")
     parser.add_argument("--request-endpoint", required=True)
     parser.add_argument("--heartbeat-endpoint", required=True)
     parser.add_argument("--worker-id", default="")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES))
-    parser.add_argument("--tokenizer")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-waiting", type=int)
     parser.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--kv-store", help="directory of the global KV block store (default: no store)")
-    parser.add_argument("--kv-store-index", default="memory", help='"memory" or redis://host:port/db')
-    parser.add_argument("--kv-block-tokens", type=int, default=128)
     parser.add_argument("--kv-gc-interval", type=float, default=10.0, help="seconds; 0: no GC in this worker")
     parser.add_argument("--kv-store-capacity-bytes", type=int, default=8 << 30)
     parser.add_argument("--kv-eviction-policy", default="best", choices=sorted(POLICIES))
@@ -99,31 +73,16 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transfer-timeout", type=float, default=TRANSFER_TIMEOUT_S, help="seconds a decode worker waits for KV"
     )
-    parser.add_argument("--cost-model", help="fitted step-time model JSON (python -m bench.fit_cost_model)")
-    parser.add_argument("--step-budget-ms", type=float, help="cap each step's predicted time (needs --cost-model)")
 
 
 def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
-        model=args.model,
+        engine=EngineArgs.from_namespace(args),
         role=args.role,
         request_endpoint=args.request_endpoint,
         heartbeat_endpoint=args.heartbeat_endpoint,
         worker_id=args.worker_id,
-        device=args.device,
-        dtype=args.dtype,
-        tokenizer=args.tokenizer,
-        seed=args.seed,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting=args.max_waiting,
         heartbeat_interval_s=args.heartbeat_interval,
-        kv_store=args.kv_store,
-        kv_store_index=args.kv_store_index,
-        kv_block_tokens=args.kv_block_tokens,
         kv_gc_interval_s=args.kv_gc_interval,
         kv_store_capacity_bytes=args.kv_store_capacity_bytes,
         kv_eviction_policy=args.kv_eviction_policy,
@@ -132,6 +91,4 @@ def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
         ep_size=args.ep_size,
         transfer_endpoint=args.transfer_endpoint,
         transfer_timeout_s=args.transfer_timeout,
-        cost_model=args.cost_model,
-        step_budget_ms=args.step_budget_ms,
     )

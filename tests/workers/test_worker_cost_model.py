@@ -13,10 +13,10 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
     worker_command,
 )
+from workers.args import EngineArgs
 from workers.cost_model import PrefillCostModel
 from workers.engine import SamplingParams
 from workers.protocol import GenerateRequest
-from workers.worker_config import WorkerConfig
 
 
 def test_the_heartbeat_reports_the_cost_models_prediction_error(tmp_path):
@@ -56,4 +56,4 @@ def test_an_unreadable_cost_model_stops_the_worker_at_start(tmp_path):
 
 def test_a_step_budget_needs_a_cost_model():
     with pytest.raises(ValueError, match="cost_model"):
-        WorkerConfig(model="m", request_endpoint="ipc:///a", heartbeat_endpoint="ipc:///b", step_budget_ms=50)
+        EngineArgs(model="m", step_budget_ms=50)

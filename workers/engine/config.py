@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from workers.args import DTYPES, check_engine_limits, default, torch_dtype
 from workers.cost_model import PrefillCostModel
 from workers.engine.errors import ModelLoadError
 
@@ -151,51 +152,46 @@ def _layer_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ModelLoadError(f"unsupported dtype {name!r}; supported: {sorted(dtypes)}")
-    return dtypes[name]
+    if name not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r}; supported: {sorted(DTYPES)}")
+    return torch_dtype(name)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """How the engine runs a model; validated on construction."""
+    """How the engine runs a model, resolved from EngineArgs (workers.engine.builder), whose fields
+    carry the settings' defaults and checks; validated on construction."""
 
-    device: str = "cpu"
+    device: str = default("device")
     dtype: torch.dtype | None = None  # None: float32 on the CPU, bfloat16 on CUDA
-    attention_backend: str | None = None  # None: the device's default (see kernels.attention)
-    page_size: int = 16
-    num_pages: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
+    attention_backend: str | None = default("attention_backend")  # None: the device's default (see kernels.attention)
+    page_size: int = default("page_size")
+    num_pages: int | None = default("num_pages")  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = default("kv_cache_bytes")
+    max_num_seqs: int = default("max_num_seqs")
+    max_num_batched_tokens: int = default("max_num_batched_tokens")
+    max_model_len: int | None = default("max_model_len")  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = default("enable_prefix_caching")
     # Tokens per block of the global KV store (when the engine has one); a multiple of page_size.
-    kv_block_tokens: int = 128
-    seed: int = 0
+    kv_block_tokens: int = default("kv_block_tokens")
+    seed: int = default("seed")
     # Requests allowed to wait for admission; past it add_request refuses (None: unbounded).
-    max_waiting: int | None = None
+    max_waiting: int | None = default("max_waiting")
     # The fitted step-time model (bench.fit_cost_model): with it the engine tracks how far its
     # predictions are off; with step_budget_s too, each step is also capped to that predicted time.
     cost_model: PrefillCostModel | None = None
     step_budget_s: float | None = None
+    # Run the decode forward eagerly instead of replaying CUDA graphs.
+    enforce_eager: bool = default("enforce_eager")
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be at least 2 (one is reserved), got {self.num_pages}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.kv_block_tokens <= 0 or self.kv_block_tokens % self.page_size:
-            raise ValueError(
-                f"kv_block_tokens must be a positive multiple of page_size ({self.page_size}), "
-                f"got {self.kv_block_tokens}"
-            )
-        if self.max_waiting is not None and self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
+        check_engine_limits(
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_block_tokens=self.kv_block_tokens,
+            max_waiting=self.max_waiting,
+        )
         if self.step_budget_s is not None and (self.cost_model is None or not self.step_budget_s > 0):
             raise ValueError(f"step_budget_s needs a cost_model and must be positive, got {self.step_budget_s}")

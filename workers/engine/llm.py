@@ -1,24 +1,20 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
 import itertools
-import os
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
 
-from workers.cost_model import PrefillCostModel
-from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.args import EngineArgs, dtype_name
+from workers.engine.builder import build_engine
 from workers.engine.errors import InvalidRequestError
-from workers.engine.model_loader import ModelSource, load_model
+from workers.engine.model_loader import ModelSource
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.sampling_params import SamplingParams
-from workers.kvstore.store import open_store
 
 Prompt = str | list[int]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLM:
@@ -38,55 +34,18 @@ class LLM:
         self,
         model: ModelSource,
         *,
-        tokenizer: str | os.PathLike | None = None,
-        seed: int = 0,
-        device: str = "cpu",
         dtype: str | torch.dtype | None = None,
-        attention_backend: str | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        kv_cache_bytes: int = 1 << 30,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        kv_store: str | os.PathLike | None = None,
-        kv_store_index: str = "memory",
-        kv_block_tokens: int = 128,
-        cost_model: PrefillCostModel | None = None,
         step_budget_s: float | None = None,
+        **settings: Any,
     ) -> None:
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
-        config = EngineConfig(
-            device=device,
-            dtype=dtype,
-            attention_backend=attention_backend,
-            page_size=page_size,
-            num_pages=num_pages,
-            kv_cache_bytes=kv_cache_bytes,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_block_tokens=kv_block_tokens,
-            seed=seed,
-            cost_model=cost_model,
-            step_budget_s=step_budget_s,
-        )
-        loaded = load_model(
-            model,
-            device=torch.device(device),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            tokenizer=tokenizer,
-        )
-        store = open_store(Path(kv_store), kv_store_index) if kv_store is not None else None
-        self.engine = LLMEngine(loaded, config, store)
-        self.tokenizer = loaded.tokenizer
+        """`settings` are EngineArgs fields (workers.args: seed, device, attention_backend, num_pages,
+        kv_cache_bytes, max_num_seqs, kv_store, cost_model, ...); `dtype` may also be a torch dtype,
+        and `step_budget_s` stands for step_budget_ms in seconds."""
+        if step_budget_s is not None:
+            settings["step_budget_ms"] = step_budget_s * 1000
+        args = EngineArgs(model=model, dtype=dtype_name(dtype) if dtype is not None else None, **settings)
+        self.engine = build_engine(args)
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     def generate(

@@ -10,8 +10,10 @@ index every worker uses the store, decode workers persisting the blocks they com
 gateway reads the index to weigh each request's prefill work by its hit length.
 """
 
+import argparse
 import socket
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from django.conf import settings
@@ -20,6 +22,7 @@ from django.core.management.base import BaseCommand, CommandError
 from controlplane.dev_key import dev_api_key
 from controlplane.supervisor import Child, Supervisor, child_env, manage_py
 from controlplane.topology.services import topology_ensure_local
+from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
 from workers.entrypoint.router import STEP_BUDGET_S
 
@@ -30,35 +33,34 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
-        parser.add_argument("--model", default=settings.SLUICE_MODELS[0])
         parser.add_argument("--workers", type=int, help="run this many mixed prefill+decode workers instead")
         parser.add_argument("--prefill", type=int, help="prefill workers (default 1)")
         parser.add_argument("--decode", type=int, help="decode workers (default 1)")
-        parser.add_argument("--device", default="cpu")
-        parser.add_argument(
-            "--kv-store",
-            default=str(Path(settings.VAR_DIR) / "kvstore"),
-            help="directory of the global KV block store (default: var/kvstore)",
-        )
-        parser.add_argument("--kv-store-index", default="memory", help='"memory" or redis://host:port/db')
         parser.add_argument("--no-kv-store", action="store_true", help="run without the global KV store")
+        # Every engine setting, passed on to the workers.
+        add_engine_arguments(
+            parser, defaults={"model": settings.SLUICE_MODELS[0], "kv_store": str(Path(settings.VAR_DIR) / "kvstore")}
+        )
 
     def handle(
         self,
         *args,
         host: str,
         port: int,
-        model: str,
         workers: int | None,
         prefill: int | None,
         decode: int | None,
-        device: str,
-        kv_store: str,
-        kv_store_index: str,
         no_kv_store: bool,
         **options,
     ) -> None:
         roles = _worker_roles(workers, prefill, decode)
+        try:
+            engine = EngineArgs.from_namespace(argparse.Namespace(**options))
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+        model, device, kv_store_index = engine.model, engine.device, engine.kv_store_index
+        if no_kv_store:
+            engine = replace(engine, kv_store=None)
         shared_index = kv_store_index != "memory"
         # Who uses the store: every worker with a shared index; with a process-local one, the only
         # mixed or prefill worker (decode workers go without).
@@ -68,12 +70,16 @@ class Command(BaseCommand):
                 f"{len(store_users)} {store_users[0]} workers share one KV store only through the Redis index: "
                 "pass --kv-store-index redis://127.0.0.1:6379/0 (or --no-kv-store)"
             )
-        store_arguments = [] if no_kv_store else [f"--kv-store={kv_store}", f"--kv-store-index={kv_store_index}"]
         # A step-time model fitted on this machine (python -m bench.fit_cost_model) plans prefill steps
         # and routing; without one the gateway routes by a nominal model and steps have no time budget.
         fitted = Path(settings.VAR_DIR) / "cost_model.json"
-        cost_arguments = (
-            [f"--cost-model={fitted}", f"--step-budget-ms={STEP_BUDGET_S * 1000:g}"] if fitted.exists() else []
+        if engine.cost_model is None and fitted.exists():
+            engine = replace(
+                engine, cost_model=str(fitted), step_budget_ms=engine.step_budget_ms or STEP_BUDGET_S * 1000
+            )
+        # Decode workers go without a process-local store, and run their steps unbudgeted.
+        decode_engine = replace(
+            engine, kv_store=engine.kv_store if shared_index else None, cost_model=None, step_budget_ms=None
         )
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
         resolve_model(model, progress=True)
@@ -90,14 +96,11 @@ class Command(BaseCommand):
                 argv=manage_py(
                     "run_worker",
                     f"--role={role}",
-                    f"--model={model}",
-                    f"--device={device}",
+                    *(decode_engine if role == "decode" else engine).to_argv(),
                     f"--worker-id={name}",
                     f"--request-endpoint={requests}",
                     f"--heartbeat-endpoint={heartbeats}",
                     *([f"--transfer-endpoint=ipc://{runtime}/{name}.kv"] if role == "decode" else []),
-                    *(store_arguments if shared_index or role != "decode" else []),
-                    *(cost_arguments if role != "decode" else []),
                     f"--pool={role}",
                     f"--registry-endpoint={registry_endpoint}",
                     # One GC per store: the first worker runs it.
@@ -127,8 +130,8 @@ class Command(BaseCommand):
                     SLUICE_MODELS=model,
                     SLUICE_WORKER_ENDPOINTS=",".join(f"{r}|{h}" for r, h in endpoints),
                     # The gateway reads a shared index for hit lengths; a process-local one is the worker's alone.
-                    SLUICE_KV_STORE_INDEX=kv_store_index if shared_index and not no_kv_store else "",
-                    SLUICE_COST_MODEL=str(fitted) if fitted.exists() else "",
+                    SLUICE_KV_STORE_INDEX=kv_store_index if shared_index and engine.kv_store else "",
+                    SLUICE_COST_MODEL=str(engine.cost_model or ""),
                 ),
             )
         )
@@ -139,8 +142,8 @@ class Command(BaseCommand):
             f"  dev key    {key}\n"
             f"  control    http://{host}:{port}/admin/ and /api/v1/docs/ "
             "(users: python manage.py createsuperuser)\n"
-            f"  cost model {fitted if fitted.exists() else 'nominal (fit one: python -m bench.fit_cost_model)'}\n"
-            f"  KV store   {'off' if no_kv_store else f'{kv_store} (index: {kv_store_index})'}\n"
+            f"  cost model {engine.cost_model or 'nominal (fit one: python -m bench.fit_cost_model)'}\n"
+            f"  KV store   {f'{engine.kv_store} (index: {kv_store_index})' if engine.kv_store else 'off'}\n"
             f"  try        curl http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {key}' "
             f"-H 'content-type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'

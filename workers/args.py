@@ -1,0 +1,203 @@
+"""EngineArgs: every engine setting once — name, type, default, validation, help and command-line flag
+— and the dtypes the engine runs in.
+
+The offline `LLM(...)`, the worker (`python -m workers.worker`, `manage.py run_worker`) and
+`manage.py serve` all start from an EngineArgs, and workers.engine.builder turns one into an engine.
+The command-line options are generated from the fields (`add_engine_arguments`,
+`EngineArgs.from_namespace`); `to_argv()` writes settings back as options, which is how `serve`
+hands its settings to the workers it starts.
+
+Torch-free, so the control plane can parse and check engine settings without loading the engine.
+"""
+
+import argparse
+import dataclasses
+import os
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from workers.cost_model import PrefillCostModel
+
+if TYPE_CHECKING:
+    import torch
+
+# The dtypes the engine runs models (and so their KV) in, by torch's names.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of one of DTYPES."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: "str | torch.dtype") -> str:
+    """The name in DTYPES of a torch dtype (or of a name, checked)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+    return name
+
+
+def _setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    none: str = "",
+    flag: str | None = None,
+    **argparse_options: Any,
+) -> Any:
+    """A field of EngineArgs: its default and what its command-line option needs. `none` says what
+    None means; `flag` defaults to the name with dashes (--max-num-seqs); a bool's flag flips its default."""
+    return field(default=default, metadata={"help": help, "none": none, "flag": flag, "options": argparse_options})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineArgs:
+    """The settings of one engine; validated on construction (ValueError naming the setting)."""
+
+    model: str | os.PathLike | dict[str, Any] = _setting(
+        help="packaged model name, Hugging Face directory, or config JSON (random weights from --seed)"
+    )
+    tokenizer: str | os.PathLike | None = _setting(
+        None, help="a model name or directory to take the tokenizer from", none="the model's own"
+    )
+    device: str = _setting("cpu", help="torch device to run on")
+    dtype: str | None = _setting(
+        None, help="model and KV dtype", none="float32 on the CPU, bfloat16 on CUDA", choices=DTYPES
+    )
+    seed: int = _setting(0, help="seed of the sampler, and of the weights of a model built from a config")
+    attention_backend: str | None = _setting(None, help="attention kernels", none="the device's default")
+    page_size: int = _setting(16, help="tokens per KV page (a power of two)")
+    num_pages: int | None = _setting(None, help="KV pages", none="as many as --kv-cache-bytes holds")
+    kv_cache_bytes: int = _setting(1 << 30, help="bytes of KV cache, when --num-pages is not given")
+    max_num_seqs: int = _setting(64, help="requests running at once")
+    max_num_batched_tokens: int = _setting(2048, help="tokens computed per step")
+    max_model_len: int | None = _setting(None, help="context window", none="the model's")
+    enable_prefix_caching: bool = _setting(True, flag="--no-prefix-caching", help="do not reuse cached prefix pages")
+    max_waiting: int | None = _setting(
+        None, help='requests allowed to wait; past it requests are refused as "overloaded"', none="unbounded"
+    )
+    kv_store: str | os.PathLike | None = _setting(None, help="directory of the global KV block store", none="no store")
+    kv_store_index: str = _setting("memory", help='index of the KV store: "memory" or redis://host:port/db')
+    kv_block_tokens: int = _setting(128, help="tokens per block of the KV store (a multiple of --page-size)")
+    # A path from the command line; from Python, the fitted model itself will do.
+    cost_model: str | os.PathLike | PrefillCostModel | None = _setting(
+        None, help="fitted step-time model JSON (python -m bench.fit_cost_model)", none="none"
+    )
+    step_budget_ms: float | None = _setting(
+        None, help="cap each step's predicted time, in milliseconds (needs --cost-model)", none="no cap"
+    )
+    enforce_eager: bool = _setting(False, help="run the decode forward eagerly instead of replaying CUDA graphs")
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        check_engine_limits(
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_block_tokens=self.kv_block_tokens,
+            max_waiting=self.max_waiting,
+        )
+        if self.step_budget_ms is not None and not (self.cost_model and self.step_budget_ms > 0):
+            raise ValueError(f"step_budget_ms needs a cost_model and must be positive, got {self.step_budget_ms}")
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "EngineArgs":
+        """The settings parsed by a parser that add_engine_arguments set up (other options are ignored)."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+
+    def to_argv(self) -> list[str]:
+        """The command-line options that give these settings (those left at their default are left out)."""
+        argv = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue
+            if f.type is bool:
+                argv.append(_flag(f))
+                continue
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+            if not isinstance(value, str | int | float):
+                raise ValueError(f"{f.name} cannot be given on a command line: {value!r}")
+            argv.append(f"{_flag(f)}={value}")
+        return argv
+
+
+def default(name: str) -> Any:
+    """The default of an engine setting (for structs that repeat a setting, such as EngineConfig)."""
+    return EngineArgs.__dataclass_fields__[name].default
+
+
+def check_engine_limits(
+    *,
+    page_size: int,
+    num_pages: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    kv_block_tokens: int,
+    max_waiting: int | None,
+) -> None:
+    """The checks EngineArgs and EngineConfig share."""
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if num_pages is not None and num_pages < 2:
+        raise ValueError(f"num_pages must be at least 2 (one is reserved), got {num_pages}")
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if kv_block_tokens <= 0 or kv_block_tokens % page_size:
+        raise ValueError(
+            f"kv_block_tokens must be a positive multiple of page_size ({page_size}), got {kv_block_tokens}"
+        )
+    if max_waiting is not None and max_waiting < 1:
+        raise ValueError(f"max_waiting must be >= 1 or None, got {max_waiting}")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None) -> None:
+    """One option per EngineArgs field. `defaults` replaces some fields' defaults (a setting with
+    no default, such as model, is a required option unless given one here)."""
+    defaults = dict(defaults or {})
+    names = {f.name: f for f in fields(EngineArgs)}
+    if unknown := set(defaults) - names.keys():
+        raise ValueError(f"no engine settings named {sorted(unknown)}")
+    if flags := [name for name in defaults if names[name].type is bool]:
+        raise ValueError(f"{flags}: a flag's default is fixed (the flag flips it)")
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineArgs):
+        value = defaults.get(f.name, f.default)
+        options = dict(f.metadata["options"])
+        if f.type is bool:
+            options["action"] = "store_false" if f.default else "store_true"
+            group.add_argument(_flag(f), dest=f.name, help=f.metadata["help"], **options)
+            continue
+        if value is dataclasses.MISSING:
+            options["required"] = True
+        else:
+            options["default"] = value
+        help = f.metadata["help"]
+        if value is None and f.metadata["none"]:
+            help += f" (default: {f.metadata['none']})"
+        elif value not in (None, dataclasses.MISSING):
+            help += " (default: %(default)s)"
+        group.add_argument(_flag(f), dest=f.name, type=_option_type(f.type), help=help, **options)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _option_type(annotation: Any) -> type:
+    """What the command line gives for a field: the first type of a union (str, int or float)."""
+    if isinstance(annotation, types.UnionType):
+        annotation = annotation.__args__[0]
+    return annotation
