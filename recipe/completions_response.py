@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from recipe.prepared_request import SseEvent
 from recipe.tokenizer import Tokenizer
-from workers.engine.sampler import TokenLogprobs
+from workers.engine.logprobs import TokenLogprobs
 from workers.protocol import GenerateOutput
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}

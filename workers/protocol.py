@@ -16,7 +16,7 @@ KV to the decode worker, which streams the remaining outputs to the peer that se
 
 import msgspec
 
-from workers.engine.sampler import TokenLogprobs
+from workers.engine.logprobs import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
 

@@ -10,7 +10,7 @@ import pytest
 from recipe.api import ApiError, PreparedRequest, ServedModel, SseEvent, prepare_request
 from recipe.detokenizer import IncrementalDetokenizer
 from recipe.tokenizer import Tokenizer
-from workers.engine.sampler import TokenLogprobs
+from workers.engine.logprobs import TokenLogprobs
 from workers.protocol import GenerateOutput
 
 MODEL = "smollm2-135m-instruct"

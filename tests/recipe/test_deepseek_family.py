@@ -12,7 +12,7 @@ from recipe.api import ServedModel, prepare_request
 from recipe.prompt_encoding import encode_conversation
 from recipe.served_model import prompt_family
 from recipe.tokenizer import Tokenizer
-from workers.engine.sampler import TokenLogprobs
+from workers.engine.logprobs import TokenLogprobs
 from workers.protocol import GenerateOutput
 
 SPECIALS = [

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from workers.engine.sampler import TokenLogprobs
+from workers.engine.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

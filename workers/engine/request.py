@@ -7,7 +7,7 @@ from typing import Any
 
 from workers.block_hash import BlockHash
 from workers.engine.constraints import TokenConstraint
-from workers.engine.sampler import TokenLogprobs
+from workers.engine.logprobs import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
 

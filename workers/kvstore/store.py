@@ -12,13 +12,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import redis
-
 from workers.block_hash import BlockHash
 from workers.kvstore.block_files import BlockFiles, BlockMeta
 from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
-from workers.kvstore.redis_index import RedisIndex
 
 INDEX_URL_HELP = "'memory' or 'redis://host:port/db?prefix=...' (rediss:// for TLS)"
 
@@ -79,6 +76,11 @@ def open_index(url: str) -> BlockIndex:
     if not prefix:
         raise ValueError(f"KV index URL {url!r} has an empty prefix: expected {INDEX_URL_HELP}")
     client_url = urlunsplit(parts._replace(query=urlencode([(n, v) for n, v in query if n != "prefix"])))
+    # Imported here: only a Redis index needs redis, which the engine's machines may lack.
+    import redis
+
+    from workers.kvstore.redis_index import RedisIndex
+
     return RedisIndex(redis.Redis.from_url(client_url), prefix)
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.sampler import Sampler, SamplerOutput, SamplingBatch, TokenLogprobs
+from workers.engine.logprobs import TokenLogprobs
+from workers.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from workers.engine.sampling_params import SamplingParams
 
 DEVICES = [
