@@ -1,0 +1,104 @@
+"""The engine's side of disaggregated serving: the KV a prefill engine exports, and the KV a decode
+engine takes in.
+
+Prefill side: a prefill-only request that finished with "transfer" is held here, its pages pinned,
+until the caller has read `export_kv(request_id)` and called `release(request_id)`; the exports read
+from those pages are closed on release, so a late read cannot see reused pages.
+
+Decode side: a handoff is checked against this engine's model and cache, becomes a running Request,
+and its KV is written into pages (those the prefix cache already holds are shared, not written again).
+"""
+
+import torch
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.constraints import TokenConstraint
+from workers.engine.errors import EngineOverloadedError, InvalidRequestError
+from workers.engine.kv_cache import KVCache
+from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff, write_layers
+from workers.engine.request import Request
+
+
+class Disaggregation:
+    def __init__(self, kv_cache: KVCache, block_manager: BlockManager, *, kv_model_id: str, vocab_size: int) -> None:
+        self.kv_cache = kv_cache
+        self.block_manager = block_manager
+        self.kv_model_id = kv_model_id
+        self.vocab_size = vocab_size
+        # Finished prefill-only requests whose pages stay pinned until release, and the exports read
+        # from those pages.
+        self.transfers: dict[str, Request] = {}
+        self.exports: dict[str, list[PagedLayers]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.transfers
+
+    def __len__(self) -> int:
+        return len(self.transfers)
+
+    def hold(self, request: Request) -> None:
+        """Pin a request that finished with "transfer" until it is released."""
+        self.transfers[request.request_id] = request
+
+    def export_kv(self, request_id: str) -> KVHandoff:
+        """The handoff of a held request. Its layers are read from the pinned pages as they are
+        accessed: read them before release."""
+        request = self.transfers.get(request_id)
+        if request is None:
+            raise InvalidRequestError(f"request {request_id!r} is not awaiting a KV transfer")
+        layers = PagedLayers(self.kv_cache, request.pages, request.num_computed_tokens)
+        self.exports.setdefault(request_id, []).append(layers)
+        return export_handoff(request, layers, self.kv_model_id)
+
+    def release(self, request_id: str) -> bool:
+        """Unpin a held request's pages; False when none were pinned for it."""
+        request = self.transfers.pop(request_id, None)
+        if request is None:
+            return False
+        for layers in self.exports.pop(request_id, []):
+            layers.close()
+        self.block_manager.free(request)
+        return True
+
+    def check(self, handoff: KVHandoff, *, max_tokens: int) -> list[torch.Tensor]:
+        """The handoff's layers, once its model, tokens and KV fit this engine; else InvalidRequestError."""
+        return check_handoff(
+            handoff,
+            kv_model_id=self.kv_model_id,
+            vocab_size=self.vocab_size,
+            max_tokens=max_tokens,
+            kv_cache=self.kv_cache,
+        )
+
+    def place(self, request: Request, handoff: KVHandoff, layers: list[torch.Tensor]) -> None:
+        """Give a continued request pages for every token, the pending sampled one included (so its
+        decode step needs none), and write the handoff's KV into them; EngineOverloadedError (and
+        nothing changed) when the pages cannot be had."""
+        cached = self.block_manager.find_cached_prefix(request)
+        cached_tokens = len(cached[0]) * self.block_manager.page_size
+        if not self.block_manager.allocate(request, request.num_tokens - cached_tokens, cached):
+            raise EngineOverloadedError(
+                f"no room for {request.num_tokens} tokens of KV: "
+                f"{self.block_manager.num_free_pages} of {self.block_manager.num_usable_pages} pages are free"
+            )
+        write_layers(self.kv_cache, request.pages, layers, start=cached_tokens)
+        request.num_computed_tokens = handoff.num_computed_tokens
+        self.block_manager.cache_full_pages(request)
+
+
+def continued_request(
+    handoff: KVHandoff, *, max_tokens: int, hash_extra: bytes, constraint: TokenConstraint | None
+) -> Request:
+    """The Request that continues a handoff on this engine (its KV not yet placed)."""
+    return Request(
+        request_id=handoff.request_id,
+        prompt_token_ids=list(handoff.prompt_token_ids),
+        params=handoff.params,
+        max_tokens=max_tokens,
+        hash_extra=hash_extra,
+        cache_namespace=handoff.cache_namespace,
+        output_token_ids=list(handoff.output_token_ids),
+        traffic_class=handoff.traffic_class,
+        num_cached_tokens=handoff.num_cached_tokens,
+        constraint=constraint,
+    )

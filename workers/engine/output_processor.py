@@ -1,0 +1,92 @@
+"""Turns each sampled token into a request's output: appends it, advances the request's constraint,
+decides whether it finished (stop token, end of sequence, stop string, constraint done, length, or
+the end of a prefill-only request), and builds the RequestDelta with the text it completes.
+
+It owns the incremental detokenization of every request (OutputText), from admission until the
+engine releases the request.
+"""
+
+from recipe.tokenizer import Tokenizer
+from workers.engine.logprobs import TokenLogprobs
+from workers.engine.model_runner import SampledToken
+from workers.engine.output_text import OutputText
+from workers.engine.outputs import RequestDelta
+from workers.engine.request import FinishReason, Request
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[str, OutputText] = {}
+        self.eos_token_ids = tokenizer.eos_token_ids if tokenizer else frozenset()
+
+    def add(self, request: Request) -> None:
+        """Start the text of a new request."""
+        if self.tokenizer is not None:
+            self.texts[request.request_id] = OutputText(self.tokenizer, request.params)
+
+    def add_continued(self, request: Request) -> None:
+        """Start the text of a request another engine prefilled, from the tokens it already sampled."""
+        if self.tokenizer is not None:
+            text = OutputText(self.tokenizer, request.params)
+            # The prefill side streamed these tokens' text; they only seed detokenization and stop strings.
+            text.append(request.output_token_ids)
+            text.take_delta()
+            self.texts[request.request_id] = text
+
+    def remove(self, request_id: str) -> None:
+        self.texts.pop(request_id, None)
+
+    def process(self, request: Request, sampled: SampledToken) -> RequestDelta:
+        """Append a sampled token to its request and finish the request when the token ends it."""
+        token = sampled.token_id
+        request.output_token_ids.append(token)
+        logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
+        request.logprobs.extend(logprobs)
+        params = request.params
+
+        if request.constraint is not None:
+            request.constraint.advance(token)
+
+        text = self.texts.get(request.request_id)
+        stop_string = text.append([token]) if text is not None else None
+        if token in params.stop_token_ids:
+            request.finish(FinishReason.STOP, token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            request.finish(FinishReason.STOP)
+        elif stop_string is not None:
+            request.finish(FinishReason.STOP, stop_string)
+        elif request.constraint is not None and request.constraint.is_finished():
+            request.finish(FinishReason.STOP)
+        elif len(request.output_token_ids) >= request.max_tokens:
+            request.finish(FinishReason.LENGTH)
+        elif request.prefill_only:
+            request.finish(FinishReason.TRANSFER)
+
+        # Output tokens survive preemption, so the first one is produced exactly once.
+        first = len(request.output_token_ids) == 1 and request.prompt_logprobs is not None
+        return self.delta(request, [token], logprobs, request.prompt_token_logprobs if first else None)
+
+    def delta(
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> RequestDelta:
+        text = self.texts.get(request.request_id)
+        # A transferred request is not over: its held-back tail (a possible stop string, partial UTF-8)
+        # is streamed by the decode engine, whose text is seeded to stream exactly what follows this.
+        if text is not None and request.is_finished and request.finish_reason is not FinishReason.TRANSFER:
+            text.finish()
+        return RequestDelta(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            text=text.take_delta() if text is not None else None,
+            logprobs=logprobs,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
