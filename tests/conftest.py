@@ -1,7 +1,20 @@
 """Session fixtures for the real SmolLM2 model, shared by every suite (each is loaded at most once)."""
 
-import pytest
+import importlib.util
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (on CPU tensors). Triton reads this when
+# it is first imported, so it is set before any test module imports a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    from tests.triton_interpreter import patch_interpreter
+
+    patch_interpreter()
+
+import pytest  # noqa: E402
 
 from recipe.tokenizer import Tokenizer
 from workers.engine.weights import ModelFiles, resolve_model

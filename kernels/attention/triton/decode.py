@@ -1,0 +1,313 @@
+"""Paged decode attention (one query per sequence) as a split-KV Triton kernel, and its wrapper.
+
+`_decode_split_kernel` computes, for each sequence b, kv head and split s, softmax attention of
+the kv head's query heads (its GQA group, packed as the rows of one tile so each K/V tile is
+loaded once for the group) over the keys in positions [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS)
+that the query at `seq_lens[b] - 1` sees. Grid: (B, kv_heads, num_splits). It writes the split's
+normalized output and its log-sum-exp (base 2) to an fp32 workspace; a split with no visible key
+(past the sequence's end, before its window, or a padding row with seq_len 0) writes zeros and
+-inf. `_decode_reduce_kernel`, grid (B, heads), merges the splits weighted by exp2(lse - max).
+A group of two or more heads multiplies with tl.dot, its rows padded to 16; a lone head (no GQA)
+with a broadcast multiply-sum. With a window, key tiles before the query's window are skipped and
+the boundary tile is masked.
+
+The split count is cdiv(max_pages * page_size, SPLIT_KEYS): shapes only, never lengths, so the
+launch reads no tensor values and can be captured in a CUDA graph (the split count is a runtime
+argument, so a new table width does not compile a new kernel). Split boundaries sit at fixed
+key positions and empty splits add exact zeros, so a row's result does not depend on how wide
+the batch's block table is.
+
+The input checks shared with the prefill wrapper (`check_supported`, `check_paged_inputs`) live
+here too.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SPLIT_KEYS = 256  # keys per split; a multiple of every key tile below
+DOT_MIN_GROUP = 2  # query heads per kv head from which scores use tl.dot (rows padded to 16)
+REDUCE_SPLITS = 16  # splits merged per step; fixed, so the merge order never depends on the split count
+MAX_CACHE_HEAD_ELEMENTS = 2**31  # page offsets within one kv head's slab are int32
+LOG2_E = 1.4426950408889634
+# fp32 operands of tl.dot: three tf32 tensor-core passes, about fp32 accuracy ("ieee" runs on CUDA
+# cores and spills registers). bf16/fp16 operands ignore it.
+DOT_PRECISION = tl.constexpr("tf32x3")
+
+
+def key_tile(head_dim: int) -> int:
+    """Keys per K/V tile of the decode kernel: 4096 elements, at most 64 keys.
+
+    Block sizes here and in prefill.py were chosen from compiled sm_90 code, not GPU timings yet:
+    the largest tiles whose bf16 kernels fit 255 registers without spilling (ptxas resource usage).
+    """
+    return min(64, 4096 // head_dim)
+
+
+def check_supported(head_dim: int, dtype: torch.dtype) -> None:
+    """Raise ValueError naming the setting when the Triton kernels cannot run this model."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"attention_backend='triton' supports head_dim in {SUPPORTED_HEAD_DIMS}, not head_dim={head_dim}"
+        )
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"attention_backend='triton' supports dtypes {[str(d) for d in SUPPORTED_DTYPES]}, not {dtype} "
+            f"(head_dim={head_dim})"
+        )
+
+
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Checks common to both wrappers; q is [rows, heads, head_dim]."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [rows, heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [kv_heads, pages, page_size, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    kv_heads, _, page_size, head_dim = k_cache.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} does not match the cache's head_dim {head_dim}")
+    if kv_heads == 0 or q.shape[1] % kv_heads:
+        raise ValueError(f"q's {q.shape[1]} heads are not a multiple of the cache's {kv_heads} kv heads")
+    if page_size < 8 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two >= 8, got {page_size}")
+    check_supported(head_dim, q.dtype)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q ({q.dtype}), k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
+    for name, index in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if index.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {index.dtype}")
+    if block_tables.dim() != 2 or seq_lens.shape != (block_tables.shape[0],):
+        raise ValueError(
+            f"block_tables must be [B, max_pages] and seq_lens [B], "
+            f"got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
+    if out is not None:
+        tensors["out"] = out
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    if q.stride(2) != 1:
+        raise ValueError(f"q's last dim must be contiguous, got strides {q.stride()}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if k_cache[0].numel() >= MAX_CACHE_HEAD_ELEMENTS:
+        raise ValueError(f"one kv head's pages hold {k_cache[0].numel()} elements, over the kernels' int32 offsets")
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables' last dim must be contiguous, got strides {block_tables.stride()}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(
+            f"out must match q ({tuple(q.shape)}, {q.dtype}) with its last dim contiguous, "
+            f"got {tuple(out.shape)}, {out.dtype}, strides {out.stride()}"
+        )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's last token over its cached keys: [B, heads, head_dim] in q.dtype.
+
+    q: [B, heads, head_dim], the query at position seq_lens[b] - 1 (its K/V already in the cache);
+    k_cache, v_cache: [kv_heads, pages, page_size, head_dim]; block_tables: [B, max_pages] int32;
+    seq_lens: [B] int32, 0 for a padding row (its output is zeros).
+    """
+    check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    if q.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of keys, got {window}")
+    batch, heads, head_dim = q.shape
+    kv_heads, _, page_size, _ = k_cache.shape
+    max_pages = block_tables.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    group = heads // kv_heads
+    num_splits = max(triton.cdiv(max_pages * page_size, SPLIT_KEYS), 1)
+    part_out = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    use_dot = group >= DOT_MIN_GROUP
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        scale * LOG2_E,
+        window or 0,
+        max_pages,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_N=key_tile(head_dim),
+        SPLIT_KEYS=SPLIT_KEYS,
+        USE_WINDOW=window is not None,
+        USE_DOT=use_dot,
+    )
+    _decode_reduce_kernel[(batch, heads)](
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=REDUCE_SPLITS,
+    )
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,  # softmax scale * log2(e): scores go through exp2
+    window,
+    max_pages,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kh,  # k and v caches are contiguous and share strides
+    stride_kp,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_keys = tl.minimum(seq_len, max_pages * PAGE_SIZE)  # never read past the block table
+    query_pos = seq_len - 1
+    start = split * SPLIT_KEYS
+    if USE_WINDOW:
+        first_visible = tl.maximum(query_pos - window + 1, 0)
+        start = tl.maximum(start, first_visible // BLOCK_N * BLOCK_N)  # prune tiles before the window
+    end = tl.minimum((split + 1) * SPLIT_KEYS, num_keys)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0
+    )
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_kh
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+
+    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        visible = keys < end
+        if USE_WINDOW:
+            visible &= keys > query_pos - window
+        pages = tl.load(table + keys // PAGE_SIZE, mask=visible, other=0)
+        offsets = pages[:, None] * stride_kp + (keys % PAGE_SIZE)[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(k_head + offsets, mask=visible[:, None], other=0.0)
+        v = tl.load(v_head + offsets, mask=visible[:, None], other=0.0)
+        if USE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            scores = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
+
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet stays at zero
+        probs = tl.exp2(scores - shift[:, None])
+        rescale = tl.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        if USE_DOT:
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        row_max = new_max
+
+    has_keys = row_sum > 0  # a row that saw a key has row_sum >= 1
+    row_sum = tl.where(has_keys, row_sum, 1.0)
+    part = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
+    tl.store(part_lse_ptr + part, tl.where(has_keys, row_max + tl.log2(row_sum), float("-inf")), mask=row_ok)
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / row_sum[:, None], mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (b * tl.num_programs(1) + head).to(tl.int64) * num_splits
+    dims = tl.arange(0, HEAD_DIM)
+
+    lse_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        lse = tl.load(part_lse_ptr + row + splits, mask=splits < num_splits, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    shift = tl.max(lse_max, axis=0)
+    shift = tl.where(shift == float("-inf"), 0.0, shift)  # a padding row: every weight is zero
+
+    total = tl.zeros([HEAD_DIM], tl.float32)
+    weight_sums = tl.zeros([BLOCK_S], tl.float32)
+    for first in range(0, num_splits, BLOCK_S):
+        splits = first + tl.arange(0, BLOCK_S)
+        in_range = splits < num_splits
+        weights = tl.exp2(tl.load(part_lse_ptr + row + splits, mask=in_range, other=float("-inf")) - shift)
+        parts = tl.load(
+            part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None], other=0.0
+        )
+        total += tl.sum(weights[:, None] * parts, axis=0)
+        weight_sums += weights
+    weight_sum = tl.sum(weight_sums, axis=0)
+    result = total / tl.where(weight_sum > 0, weight_sum, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty))
