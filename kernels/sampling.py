@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 INDEX_DTYPE = torch.int64
+MASK32 = 0xFFFFFFFF
+# Keys of the vocabulary's tokens for counter_exponential_noise, by (vocab size, device).
+_TOKEN_KEYS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def token_counts(row_ids: torch.Tensor, token_ids: torch.Tensor, *, num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -161,3 +164,47 @@ def _check_index_vector(name: str, tensor: torch.Tensor) -> None:
 def _check_same(what: str, got: object, expected: object) -> None:
     if got != expected:
         raise ValueError(f"{what} must be {expected}, got {got}")
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A request's seed (any Python int) folded to 64 bits, as (low, high) 32-bit words."""
+    folded = seed & ((1 << 64) - 1)
+    return folded & MASK32, folded >> 32
+
+
+def counter_exponential_noise(
+    seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """[B, V] float32 Exp(1) noise that depends only on (seed, step, token id) of each entry.
+
+    A counter-based generator: every value is a hash of its coordinates, so a row's draw is the
+    same alone or in any batch, after preemption, on any device, and inside a CUDA graph (no
+    generator state to advance; seeds and steps are tensors). int64 tensors of 32-bit words.
+    """
+    for name, tensor in (("seed_lo", seed_lo), ("seed_hi", seed_hi), ("step", step)):
+        _check_index_vector(name, tensor)
+        _check_same(f"{name} shape", tuple(tensor.shape), tuple(seed_lo.shape))
+    key = (vocab_size, seed_lo.device)
+    if key not in _TOKEN_KEYS:
+        tokens = torch.arange(vocab_size, dtype=INDEX_DTYPE, device=seed_lo.device)
+        _TOKEN_KEYS[key] = _mix32(_mul32(tokens, 0x9E3779B1) ^ 0x5BD1E995)
+    row = _mix32(_mix32(_mix32(seed_lo) ^ seed_hi) ^ (step & MASK32))
+    bits = _mix32(_mix32(row[:, None] ^ _TOKEN_KEYS[key][None, :]) ^ row[:, None])
+    # 24 random bits to a uniform in (0, 1), never 0 or 1; then the inverse CDF of Exp(1).
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
+
+
+def _mul32(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """(x * factor) mod 2**32 for 32-bit x and factor, without overflowing int64."""
+    high = (((x >> 16) * factor) & 0xFFFF) << 16
+    return (high + (x & 0xFFFF) * factor) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (Wellons' lowbias32): every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)

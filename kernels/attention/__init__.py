@@ -1,33 +1,46 @@
-"""Paged attention backends. Each takes (query, k_cache, v_cache, metadata, scale=, window=)."""
+"""Paged attention backends (see backend.AttentionBackend): each builds its own per-step metadata
+and is called as (query, k_cache, v_cache, metadata, scale=, window=)."""
 
 import functools
+import importlib
+import importlib.util
 from collections.abc import Callable
 
 import torch
 
-from kernels.attention.blockwise import paged_attention_blockwise
+from kernels.attention.backend import AttentionBackend, DeviceStepTensors, StepBatch
 from kernels.attention.metadata import NULL_PAGE, AttentionMetadata, write_kv
 from kernels.attention.sdpa import paged_attention_sdpa
 
 PagedAttention = Callable[..., torch.Tensor]
 
-BACKENDS: dict[str, PagedAttention] = {
-    "torch_blockwise": paged_attention_blockwise,
-    "torch_sdpa": paged_attention_sdpa,
+# Backend classes by name, as "module:Class" so that Triton is imported only when it is used.
+BACKENDS: dict[str, str] = {
+    "torch_blockwise": "kernels.attention.torch_backends:TorchBlockwiseBackend",
+    "torch_sdpa": "kernels.attention.torch_backends:TorchSdpaBackend",
+    "triton": "kernels.attention.triton.backend:TritonBackend",
 }
+# The backends that run on any device with torch alone.
+TORCH_BACKENDS = ("torch_blockwise", "torch_sdpa")
 
 
 def default_backend(device: torch.device) -> str:
-    """Fused SDPA on CUDA. On the CPU the blockwise reference: batch-invariant by construction and,
-    with its 128-key blocks, faster than SDPA padded to its 512-key split for the short contexts a
-    CPU serves."""
-    return "torch_sdpa" if device.type == "cuda" else "torch_blockwise"
+    """The Triton kernels on CUDA (torch's SDPA where Triton is missing). On the CPU the blockwise
+    reference: batch-invariant by construction and, with its 128-key blocks, faster than SDPA padded
+    to its 512-key split for the short contexts a CPU serves."""
+    if device.type != "cuda":
+        return "torch_blockwise"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch_sdpa"
 
 
-def get_backend(name: str) -> PagedAttention:
+def get_backend(name: str) -> AttentionBackend:
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
-    return BACKENDS[name]
+        raise ValueError(f"unknown attention_backend {name!r}; available: {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)()
+    except ImportError as error:
+        raise ValueError(f"attention_backend {name!r} is not available here: {error}") from None
 
 
 @functools.cache
@@ -71,6 +84,10 @@ def batch_invariant(attend: PagedAttention, *, window: int | None, seed: int) ->
 
 __all__ = [
     "BACKENDS",
+    "TORCH_BACKENDS",
+    "AttentionBackend",
+    "DeviceStepTensors",
+    "StepBatch",
     "NULL_PAGE",
     "AttentionMetadata",
     "PagedAttention",

@@ -111,6 +111,9 @@ class LLMEngine:
             attention_backend=config.attention_backend or default_backend(device),
             device=device,
             seed=config.seed,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=loaded.max_model_len,
+            enforce_eager=getattr(config, "enforce_eager", False),
         )
         self.store = StoreConnector(store, kv_cache, block_tokens=config.kv_block_tokens) if store is not None else None
         self.requests: dict[str, Request] = {}
@@ -245,7 +248,7 @@ class LLMEngine:
         if output.loads:
             self.store.copy_in(output.loads)
         started = time.perf_counter()
-        result = self.runner.execute(output.scheduled)
+        result = self.runner.execute(output)
         if self.prediction_errors is not None:
             self._record_prediction(output, time.perf_counter() - started)
         for computed in result.prompt_logprobs:

@@ -1,11 +1,19 @@
 """Turns a scheduled step into tensors, runs the model over the paged KV cache, samples.
 
-Logits are computed for the rows that sample, plus every prompt position of a request that reports
-prompt logprobs. Output constraints are asked for their masks here, right before sampling.
+Two paths, chosen by the attention backend:
+- The reference path (torch backends; the CPU default) builds the step's tensors from lists and
+  pads every matmul's row count to at least `min_invariant_rows()` on the CPU, past the size at
+  which the BLAS switches kernels for small matrices; with the blockwise backend this makes results
+  batch-invariant. Logits are computed for the rows that sample.
+- The device path (the Triton backend; the CUDA default) keeps a persistent input batch (block
+  tables on the device, one host-to-device copy of a packed step buffer per step), runs the fused
+  Triton layer ops, samples on the device, and replays the whole decode step from CUDA graphs per
+  batch bucket. The host reads back one thing per step: the sampled ids. Rows that need logit bias,
+  penalties, logprobs or an output constraint are sampled from the same logits by the host-driven
+  Sampler instead.
 
-This is the only engine component that builds tensors. On the CPU it pads every matmul's row
-count to at least `min_invariant_rows()`, past the size at which the BLAS switches kernels for
-small matrices; together with the blockwise attention backend this makes results batch-invariant.
+Prompt logprobs (both paths) are computed eagerly for every prompt position of the requests that
+ask for them. This is the only engine component that builds tensors.
 """
 
 from collections.abc import Sequence
@@ -13,12 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionMetadata, get_backend
+from kernels.attention import AttentionMetadata, StepBatch, get_backend
 from kernels.batch_invariance import min_invariant_rows
 from workers.engine.kv_cache import KVCache
+from workers.engine.logprobs import TokenLogprobs
 from workers.engine.models.llama import DecoderForCausalLM
-from workers.engine.sampler import Sampler, SamplingBatch, TokenLogprobs, token_logprobs
-from workers.engine.scheduler import ScheduledRequest
+from workers.engine.runner.device_sampling import greedy_tokens, needs_host_sampler, sample_tokens
+from workers.engine.runner.input_batch import InputBatch, StepInputs
+from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
+from workers.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 # Prompt logprobs are computed this many positions at a time, which bounds the [rows, vocab] logits
 # a long prompt chunk would otherwise materialise at once.
@@ -56,32 +67,144 @@ class ModelRunner:
         attention_backend: str,
         device: torch.device,
         seed: int,
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.attend = get_backend(attention_backend)
+        self.backend = get_backend(attention_backend)
+        config = model.config
+        self.backend.check_model(head_dim=config.head_dim, dtype=kv_cache.layers[0][0].dtype, device=device)
         self.device = device
         self.min_rows = min_invariant_rows() if device.type == "cpu" else 1
         self.sampler = Sampler(seed=seed)
         self.num_computed_tokens = 0  # tokens run through the model since start: proves prefix hits skip work
+        self.batch: InputBatch | None = None
+        self.graphs = None
+        if self.backend.needs_device_tensors:
+            model.use_fused_ops(True)
+            self.batch = InputBatch(
+                max_rows=max_num_seqs,
+                max_pages=-(-max_model_len // kv_cache.page_size),
+                page_size=kv_cache.page_size,
+                device=device,
+                seed=seed,
+            )
+            if device.type == "cuda" and self.backend.supports_cuda_graphs and not enforce_eager:
+                from workers.engine.runner.cuda_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(self.batch, self._decode_forward, max_size=max_num_seqs, device=device)
+                self.graphs.capture(modes=("greedy",))
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> StepOutput:
+    def execute(self, output: SchedulerOutput) -> StepOutput:
+        if self.batch is None:
+            return self._execute_reference(output.scheduled)
+        self.batch.release(output.finished_request_ids + output.preempted)
+        return self._execute_on_device(output.scheduled)
+
+    # The device path.
+
+    def _execute_on_device(self, scheduled: Sequence[ScheduledRequest]) -> StepOutput:
+        self.num_computed_tokens += sum(len(s.token_ids) for s in scheduled)
+        decode_only = all(len(s.token_ids) == 1 and s.sample and s.prompt_logprobs is None for s in scheduled)
+        sampling = [i for i, s in enumerate(scheduled) if s.sample]
+        host_rows = [
+            i for i in sampling if needs_host_sampler(scheduled[i].params, scheduled[i].constraint is not None)
+        ]
+        all_greedy = all(scheduled[i].params.is_greedy for i in sampling)
+        mode = "greedy" if host_rows or all_greedy else "sample"
+        prompt_logprobs: list[PromptLogprobs] = []
+        if decode_only and self.graphs is not None and self.graphs.fits(len(scheduled)):
+            logits, tokens = self.graphs.run(scheduled, mode)
+        else:
+            layout, packed = self.batch.prepare(scheduled)
+            device_buffer = packed.to(self.device, non_blocking=True)
+            inputs = self.batch.step_inputs(
+                layout,
+                device_buffer,
+                decode_only=decode_only,
+                max_query_len=max(len(s.token_ids) for s in scheduled),
+            )
+            hidden = self._hidden(inputs)
+            prompt_logprobs = [
+                self._prompt_logprobs(s, hidden, int(start))
+                for s, start in zip(scheduled, layout_query_starts(scheduled), strict=True)
+                if s.prompt_logprobs is not None
+            ]
+            if not sampling:
+                return StepOutput(sampled=[], prompt_logprobs=prompt_logprobs)
+            logits, tokens = self._sample(
+                self.model.compute_logits(hidden.index_select(0, inputs.logit_rows)), inputs, mode
+            )
+        token_ids = tokens.tolist()
+        logprobs: dict[int, TokenLogprobs | None] = {}
+        if host_rows:
+            result = self._host_sample(logits, scheduled, sampling)
+            token_ids = list(token_ids)
+            for i, token, entry in zip(sampling, result.token_ids, result.logprobs, strict=True):
+                token_ids[i] = token
+                logprobs[i] = entry
+        sampled = [SampledToken(scheduled[i].request_id, token_ids[i], logprobs.get(i)) for i in sampling]
+        return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
+
+    def _hidden(self, inputs: StepInputs) -> torch.Tensor:
+        metadata = self.backend.build_metadata(self._step_batch(inputs))
+        return self.model(inputs.input_ids, inputs.attention.positions, self.kv_cache.layers, metadata, self.backend)
+
+    def _step_batch(self, inputs: StepInputs) -> StepBatch:
+        # The device path's backends read only the tensors; the host lists stay empty.
+        return StepBatch(
+            query_lens=[],
+            seq_lens=[],
+            block_tables=[],
+            page_size=self.kv_cache.page_size,
+            device=self.device,
+            tensors=inputs.attention,
+        )
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = greedy_tokens(logits) if mode == "greedy" else sample_tokens(logits, inputs.sampling)
+        return logits, tokens
+
+    def _decode_forward(self, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step from the inputs to the sampled ids: what a CUDA graph captures."""
+        hidden = self._hidden(inputs)
+        return self._sample(self.model.compute_logits(hidden), inputs, mode)
+
+    def _host_sample(self, logits: torch.Tensor, scheduled: Sequence[ScheduledRequest], sampling: list[int]):
+        rows = [scheduled[i] for i in sampling]
+        index = torch.tensor(sampling, device=self.device)
+        return self.sampler(
+            logits.index_select(0, index),
+            SamplingBatch(
+                params=[s.params for s in rows],
+                prompt_token_ids=[s.prompt_token_ids for s in rows],
+                output_token_ids=[s.output_token_ids for s in rows],
+                allowed_tokens=[s.constraint.allowed_tokens() if s.constraint else None for s in rows],
+            ),
+        )
+
+    # The reference path.
+
+    def _execute_reference(self, scheduled: Sequence[ScheduledRequest]) -> StepOutput:
         input_ids = [token for s in scheduled for token in s.token_ids]
-        metadata = AttentionMetadata.build(
+        step = StepBatch(
             query_lens=[len(s.token_ids) for s in scheduled],
             seq_lens=[s.start_position + len(s.token_ids) for s in scheduled],
             block_tables=[s.block_table for s in scheduled],
             page_size=self.kv_cache.page_size,
             device=self.device,
         )
+        metadata: AttentionMetadata = self.backend.build_metadata(step)
         num_tokens = len(input_ids)
         padding = max(self.min_rows - num_tokens, 0)
         ids = torch.tensor(input_ids + [0] * padding, dtype=torch.long, device=self.device)
         pos = metadata.positions
         if padding:
             pos = torch.cat([pos, pos.new_zeros(padding)])
-        hidden = self.model(ids, pos, self.kv_cache.layers, metadata, self.attend)
+        hidden = self.model(ids, pos, self.kv_cache.layers, metadata, self.backend)
         self.num_computed_tokens += num_tokens
 
         prompt_logprobs = [
@@ -124,3 +247,12 @@ class ModelRunner:
             num_top = [scheduled.prompt_logprobs] * len(rows)
             entries.extend(token_logprobs(self._logits(hidden, rows), targets, num_top))
         return PromptLogprobs(request_id=scheduled.request_id, first_index=start + 1, entries=entries)
+
+
+def layout_query_starts(scheduled: Sequence[ScheduledRequest]) -> list[int]:
+    """Each request's first row in the step's flattened tokens."""
+    starts, total = [], 0
+    for s in scheduled:
+        starts.append(total)
+        total += len(s.token_ids)
+    return starts

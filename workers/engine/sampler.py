@@ -6,20 +6,20 @@ top-k → top-p → min-p → exponential race. All of it is vectorised over the
 device and row-local, so a request's token and logprobs do not depend on what else is batched (the
 tests hold this bitwise).
 
-Randomness: a row with a seed draws its noise from a generator seeded by a hash of (seed, step
-index), so its tokens survive preemption and recompute and ignore batch composition; the streams
-differ between CPU and CUDA. Rows without a seed share the sampler's own generator.
+Randomness: a row with a seed draws its noise from a counter-based generator keyed by (seed, step
+index, token id) (kernels.sampling.counter_exponential_noise), so its tokens survive preemption and
+recompute, ignore batch composition, and are the same draw on the CPU and on CUDA, in eager steps
+and in CUDA graphs. Rows without a seed share the sampler's own generator.
 """
 
-import hashlib
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from kernels import sampling
+from workers.engine.logprobs import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -49,13 +49,6 @@ class SamplingBatch:
         return [row for row, mask in enumerate(self.allowed_tokens) if mask is not None]
 
 
-class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    token_id: int
-    logprob: float
-    rank: int  # 1 + how many tokens are strictly more likely; 1 = most likely
-    top: list[tuple[int, float]]  # the top-k (token id, logprob), most likely first, ties by lower id; [] when k = 0
-
-
 @dataclass(frozen=True, slots=True)
 class SamplerOutput:
     token_ids: list[int]
@@ -66,7 +59,6 @@ class Sampler:
     def __init__(self, *, seed: int = 0) -> None:
         self._seed = seed
         self._unseeded_generators: dict[torch.device, torch.Generator] = {}
-        self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` ([B, V] float32, any device).
@@ -105,30 +97,22 @@ class Sampler:
         unseeded = [index for index, p in enumerate(params) if p.seed is None]
         if unseeded:
             draws = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
-            draws.exponential_(generator=self._generator(self._unseeded_generators, device, self._seed))
+            draws.exponential_(generator=self._generator(device))
             noise.index_copy_(0, torch.tensor(unseeded, device=device), draws)
-        seeded = self._generator(self._seeded_generators, device, 0)
-        for index, (p, step) in enumerate(zip(params, steps, strict=True)):
-            if p.seed is not None:
-                # One generator per row and step, reseeded rather than advanced, is what makes the
-                # draw independent of which other rows exist.
-                seeded.manual_seed(_row_seed(p.seed, step))
-                noise[index].exponential_(generator=seeded)
+        seeded = [index for index, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            words = [sampling.seed_words(params[index].seed) for index in seeded]
+            columns = [[w[0] for w in words], [w[1] for w in words], [steps[index] for index in seeded]]
+            seed_lo, seed_hi, step = torch.tensor(columns, dtype=torch.int64, device=device)
+            draws = sampling.counter_exponential_noise(seed_lo, seed_hi, step, vocab_size)
+            noise.index_copy_(0, torch.tensor(seeded, device=device), draws)
         return noise
 
-    @staticmethod
-    def _generator(cache: dict[torch.device, torch.Generator], device: torch.device, seed: int) -> torch.Generator:
-        if device not in cache:
-            cache[device] = torch.Generator(device=device)
-            cache[device].manual_seed(seed)
-        return cache[device]
-
-
-def _row_seed(seed: int, step: int) -> int:
-    """A 64-bit seed for one row's draw at one step; hashing mixes nearby (seed, step) pairs into
-    unrelated streams, unlike seed + step."""
-    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._unseeded_generators:
+            self._unseeded_generators[device] = torch.Generator(device=device)
+            self._unseeded_generators[device].manual_seed(self._seed)
+        return self._unseeded_generators[device]
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

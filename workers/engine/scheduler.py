@@ -45,6 +45,9 @@ class SchedulerOutput:
     preempted: list[str]
     # Store blocks to copy into pages before the step runs (requests admitted with a store hit).
     loads: list[KVLoad] = field(default_factory=list)
+    # Requests that left the scheduler (finished, aborted, handed off) since the last scheduled step:
+    # the model runner drops their rows.
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +73,7 @@ class Scheduler:
         self.num_admitted_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0  # of the admitted prompt tokens, those hit in the prefix cache
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -133,7 +137,13 @@ class Scheduler:
             plan.append((request, count))
             budget -= count
 
-        return SchedulerOutput(scheduled=[self._describe(r, n) for r, n in plan], preempted=preempted, loads=loads)
+        finished, self._finished_ids = (self._finished_ids, []) if plan else ([], self._finished_ids)
+        return SchedulerOutput(
+            scheduled=[self._describe(r, n) for r, n in plan],
+            preempted=preempted,
+            loads=loads,
+            finished_request_ids=finished,
+        )
 
     @staticmethod
     def _with_fetched_blocks(
@@ -200,6 +210,7 @@ class Scheduler:
 
     def detach(self, request: Request) -> None:
         """Take a request out of the queues, keeping its pages (a finished prefill awaiting transfer)."""
+        self._finished_ids.append(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

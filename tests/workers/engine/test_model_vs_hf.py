@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.attention import BACKENDS, AttentionMetadata, get_backend
+from kernels.attention import TORCH_BACKENDS, AttentionMetadata, get_backend
 from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import ModelConfig
@@ -16,7 +16,7 @@ def hf_model(request):
     return build_hf_model(request.param)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
 def test_prefill_logits_match_hf(hf_model, backend):
     config = ModelConfig.from_hf_config(hf_model.config.to_dict())
     model = DecoderForCausalLM(config, max_positions=256).eval()

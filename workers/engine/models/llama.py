@@ -3,17 +3,24 @@
 One module serves the three families: Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm of
 queries and keys; either may window some layers. Projections that read the same input are fused
 (q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
+
+Two ways through a layer: the reference (torch ops, bitwise what the CPU tests hold against HF)
+and, with `use_fused_ops(True)` on CUDA, the fused Triton ops (kernels.fused): residual add and
+RMSNorm in one kernel, rotary embedding fused with the KV-cache write, SiLU·mul in one kernel, so
+a decode layer is about ten kernels.
 """
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import AttentionMetadata, PagedAttention, write_kv
+from kernels.attention import AttentionBackend, write_kv
 from workers.engine.config import ModelConfig
 from workers.engine.errors import ModelLoadError
+from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -42,22 +49,39 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        angles: RotaryAngles,
+        positions: torch.Tensor,
+        angles: RotaryAngles | None,
         kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        attend: PagedAttention,
+        metadata: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
     ) -> torch.Tensor:
+        """`angles` are the step's cos/sin for the reference path; None selects the fused kernel,
+        which reads `rotary`'s tables by position itself."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, : self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # Queries and keys rotate together: one set of ops instead of two.
-        q, k = apply_rotary(qk, *angles).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = attend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
+        if angles is None:
+            q = rotary_and_cache_write(
+                qk,
+                v,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                k_cache,
+                v_cache,
+                metadata.slot_mapping,
+                num_heads=self.num_heads,
+            )
+        else:
+            # Queries and keys rotate together: one set of ops instead of two.
+            q, k = apply_rotary(qk, *angles).split([self.num_heads, self.num_kv_heads], dim=1)
+            write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = backend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -68,7 +92,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -84,13 +110,39 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        positions: torch.Tensor,
         angles: RotaryAngles,
         kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        attend: PagedAttention,
+        metadata: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), angles, kv_cache, metadata, attend)
+        attended = self.self_attn(self.input_layernorm(hidden), positions, angles, kv_cache, metadata, backend, rotary)
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the fused ops. `hidden` is the previous layer's output not yet added
+        to `residual` (None for the first layer); returns this layer's pair."""
+        if residual is None:
+            residual = hidden
+            normed = rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            normed = fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attended = self.self_attn(normed, positions, None, kv_cache, metadata, backend, rotary)
+        normed = fused_add_rms_norm(
+            attended, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
+        )
+        return self.mlp(normed, fused=True), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -104,20 +156,32 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.fused_ops = False
+
+    def use_fused_ops(self, enabled: bool) -> None:
+        """Run layers through the fused Triton ops (CUDA) instead of the torch reference ops."""
+        self.fused_ops = enabled
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[KVCache],
-        metadata: AttentionMetadata,
-        attend: PagedAttention,
+        metadata: Any,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         """Final hidden states ([tokens, hidden]) of the step's flattened tokens."""
         hidden = self.embed_tokens(input_ids)
+        if self.fused_ops:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer.forward_fused(
+                    hidden, residual, positions, kv_cache, metadata, backend, self.rotary
+                )
+            return fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         angles = self.rotary.angles(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, angles, kv_cache, metadata, attend)
+            hidden = layer(hidden, positions, angles, kv_cache, metadata, backend, self.rotary)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

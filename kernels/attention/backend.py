@@ -1,0 +1,89 @@
+"""The interface between the model runner and an attention implementation.
+
+Each step the runner describes its batch once (`StepBatch`); the backend turns that into whatever
+metadata its kernels want (`build_metadata`), and every layer then calls the backend with its
+queries, its KV cache and that metadata. The runner never looks inside the metadata, and the
+model only reads `metadata.slot_mapping` to write new keys and values into the cache.
+
+Backends:
+- `torch_blockwise`: the reference; plain torch over fixed key blocks, batch-invariant on the CPU.
+- `torch_sdpa`: torch's fused scaled_dot_product_attention over gathered pages.
+- `triton`: paged Triton kernels (flash-decoding for decode-only steps, a varlen kernel for the
+  rest) reading the runner's device tensors; the only one whose decode step can be captured in a
+  CUDA graph, because its metadata is tensors of fixed shape and nothing is derived on the host.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStepTensors:
+    """One step's batch layout as device tensors, built by the runner's persistent input batch.
+
+    Sequence b owns query rows `query_start[b]:query_start[b + 1]`. In a CUDA-graph bucket the
+    padding sequences have seq_len 0 and their tokens slot -1 (nothing written, nothing read).
+    """
+
+    positions: torch.Tensor  # [tokens] int64
+    slot_mapping: torch.Tensor  # [tokens] int64, -1 for padding tokens
+    seq_lens: torch.Tensor  # [seqs] int32, cached + new tokens after this step
+    query_start: torch.Tensor  # [seqs + 1] int32
+    block_tables: torch.Tensor  # [seqs, max_pages] int32
+    max_query_len: int  # a host number: sizes grids, never read from the device
+    decode_only: bool  # every sequence computes exactly one token
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """What the runner knows about a step's sequences, in batch order."""
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    page_size: int
+    device: torch.device
+    tensors: DeviceStepTensors | None = None  # present when the runner keeps a device input batch
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+    # Whether a decode step built from fixed-address DeviceStepTensors can be replayed as a CUDA graph.
+    supports_cuda_graphs: ClassVar[bool] = False
+    # Whether the backend needs StepBatch.tensors (the runner's device input batch).
+    needs_device_tensors: ClassVar[bool] = False
+
+    @abstractmethod
+    def build_metadata(self, step: StepBatch) -> Any:
+        """Per-step metadata shared by every layer; it must expose `slot_mapping` ([tokens] int64)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Attention of each new token ([tokens, heads, head_dim]) over its sequence's cached keys."""
+
+    def check_model(self, *, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise ValueError, naming the setting, if this backend cannot serve the model (checked at start)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        return self.forward(query, k_cache, v_cache, metadata, scale=scale, window=window)

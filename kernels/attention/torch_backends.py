@@ -1,0 +1,47 @@
+"""The torch backends: the shared per-step metadata (sequence groups, see metadata) built on the host,
+and a paged attention function run over it."""
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from kernels.attention.backend import AttentionBackend, StepBatch
+from kernels.attention.blockwise import paged_attention_blockwise
+from kernels.attention.metadata import AttentionMetadata
+from kernels.attention.sdpa import paged_attention_sdpa
+
+
+class TorchBackend(AttentionBackend):
+    attend: ClassVar[Callable[..., torch.Tensor]]
+
+    def build_metadata(self, step: StepBatch) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            query_lens=step.query_lens,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables,
+            page_size=step.page_size,
+            device=step.device,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        return type(self).attend(query, k_cache, v_cache, metadata, scale=scale, window=window)
+
+
+class TorchBlockwiseBackend(TorchBackend):
+    name = "torch_blockwise"
+    attend = staticmethod(paged_attention_blockwise)
+
+
+class TorchSdpaBackend(TorchBackend):
+    name = "torch_sdpa"
+    attend = staticmethod(paged_attention_sdpa)

@@ -1,0 +1,63 @@
+"""The engine's device path (Triton attention, fused ops, persistent input batch, on-device sampling)
+on the CPU, under Triton's interpreter: the same tokens as the torch reference path."""
+
+import pytest
+import torch
+
+from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.workloads import ABORTED, mixed_requests, run_mixed
+from workers.engine import LLM, SamplingParams
+
+pytest.importorskip("triton")
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this in test_cuda")
+
+
+def engines(name: str, **kwargs):
+    reference = LLM(TINY_CONFIGS[name], seed=0, max_num_batched_tokens=32, **kwargs).engine
+    device = LLM(TINY_CONFIGS[name], seed=0, max_num_batched_tokens=32, attention_backend="triton", **kwargs).engine
+    return reference, device
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("name", ["llama", "qwen3_qknorm_layer_types"])
+def test_device_path_gives_the_reference_tokens(name):
+    reference, device = engines(name, kv_cache_bytes=1 << 22)
+    requests = mixed_requests(128, count=8)
+    expected = run_mixed(reference, requests)
+    got = run_mixed(device, requests)
+    assert got == expected
+    assert got[ABORTED][1] == "abort"
+
+
+@CPU_ONLY
+def test_device_path_survives_preemption_with_the_same_tokens():
+    reference, device = engines("llama", num_pages=12)
+    requests = mixed_requests(128, count=6, seed=3)
+    expected = run_mixed(reference, requests)
+    got = run_mixed(device, requests)
+    assert device.stats().num_preemptions > 0
+    assert got == expected
+
+
+@CPU_ONLY
+def test_device_path_rows_with_host_extras_use_the_sampler():
+    """Logprobs and penalties go through the host Sampler from the device logits."""
+    reference, device = engines("llama", kv_cache_bytes=1 << 22)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, presence_penalty=0.5, ignore_eos=True)
+    for engine in (reference, device):
+        engine.add_request("x", list(range(5, 25)), params)
+    got = {}
+    for engine in (reference, device):
+        deltas = []
+        while engine.has_unfinished():
+            deltas.extend(engine.step())
+        got[engine is device] = (
+            [t for d in deltas for t in d.token_ids],
+            [lp.token_id for d in deltas for lp in d.logprobs],
+        )
+    assert got[True] == got[False]
+
+
+def test_unknown_and_unsupported_backends_fail_at_start_naming_the_setting():
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(TINY_CONFIGS["llama"], attention_backend="flash")
