@@ -57,6 +57,9 @@ def main() -> None:
                     runners[peer] = _hf(hf_model, prompts.to(device), static=peer == "hf_static")
             for name, run in runners.items():
                 measured = _measure(run, args.new_tokens, batch_size, args.prompt_len)
+                measured["decode_hbm_fraction"] = _decode_bandwidth_fraction(
+                    llm, measured["decode_tok_s"], batch_size, args.prompt_len + args.new_tokens // 2
+                )
                 rows.append({"batch_size": batch_size, "engine": name, **measured})
                 print(json.dumps(rows[-1]), flush=True, file=sys.stderr)
     print(
@@ -189,6 +192,22 @@ def _load_hf(model_dir: Path, device: torch.device, dtype: torch.dtype) -> torch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+# What one H200 moves in practice (a large device-to-device copy, bytes read plus written).
+PEAK_BYTES_PER_S = 4.3e12
+
+
+def _decode_bandwidth_fraction(llm: LLM, tok_s: float, batch_size: int, mean_context: int) -> float:
+    """Achieved fraction of PEAK_BYTES_PER_S at this decode rate: each step reads every weight once
+    and each sequence's KV (mean_context tokens) once; one step yields batch_size tokens."""
+    runner = llm.engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    per_token = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_cache.layers) // (
+        runner.kv_cache.num_pages * runner.kv_cache.page_size
+    )
+    kv_bytes = batch_size * mean_context * per_token
+    return round(tok_s / batch_size * (weight_bytes + kv_bytes) / PEAK_BYTES_PER_S, 4)
 
 
 def _ratios(rows: list[dict]) -> dict[str, dict[str, float]]:

@@ -1,6 +1,10 @@
-"""Profile the engine's first steps on a batch (where its time goes), for tuning.
+"""Where a decode step's time goes: the host's share and the kernels', for tuning.
 
-python -m bench.profile_step --device cuda --batch-size 256 --prompt-len 512 --steps 3
+python -m bench.profile_step --device cuda --batch-size 64 --prompt-len 512 --steps 5 [--enforce-eager]
+
+Prefills the batch first, then profiles `--steps` decode steps: prints the wall time of each step,
+the device time of its kernels (from the profiler), and the top kernels. With CUDA graphs the
+kernels of a replay still show up under the profiler's CUDA activity.
 """
 
 import argparse
@@ -18,22 +22,29 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--max-batched-tokens", type=int, default=16384)
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     llm = LLM(
         SMOLLM2_135M_CONFIG,
         device=args.device,
         enable_prefix_caching=False,
-        max_num_seqs=args.batch_size,
+        max_num_seqs=max(args.batch_size, 1),
         max_num_batched_tokens=args.max_batched_tokens,
         num_pages=args.batch_size * -(-(args.prompt_len + 64) // 16) + 2,
+        max_model_len=args.prompt_len + 64,
+        enforce_eager=args.enforce_eager,
     )
     prompts = torch.randint(0, 49152, (args.batch_size, args.prompt_len)).tolist()
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     engine = llm.engine
     for index, prompt in enumerate(prompts):
-        engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+        engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started.update(delta.request_id for delta in engine.step())
+    for _ in range(3):
+        engine.step()  # warm decode steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
@@ -41,10 +52,13 @@ def main() -> None:
             engine.step()
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            print(f"step {time.perf_counter() - start:.4f}s", flush=True)
-    sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60))
+            print(f"decode step at batch {args.batch_size}: {1000 * (time.perf_counter() - start):.3f} ms", flush=True)
+    events = prof.key_averages()
+    if args.device == "cuda":
+        device_us = sum(e.self_device_time_total for e in events) / args.steps
+        print(f"kernel time per step: {device_us / 1000:.3f} ms")
+        print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
     while engine.has_unfinished():
         engine.step()
 
