@@ -21,7 +21,7 @@ for batch in 1 64; do
   head -8 "$out/profile_b$batch.txt"
 done
 python3 -m bench.engine_throughput --device cuda --random-weights --batch-sizes "${BATCH_SIZES:-1,16,64,256}" \
-  --prompt-len 512 --new-tokens 128 --max-batched-tokens 32768 >"$out/engine_throughput_h200.json" 2>"$out/engine_throughput_gpu.log"
+  --prompt-len 512 --new-tokens 128 --max-batched-tokens 131072 >"$out/engine_throughput_h200.json" 2>"$out/engine_throughput_gpu.log"
 python3 -c "
 import json; d = json.load(open('$out/engine_throughput_h200.json'))
 print('batch engine prefill_tok_s decode_tok_s decode_hbm_fraction')

@@ -75,6 +75,8 @@ class BlockManager:
         """
         hit_pages, hit_keys = cached
         total = request.num_computed_tokens + len(hit_pages) * self.page_size + num_new_tokens
+        if not hit_pages and total <= len(request.pages) * self.page_size:
+            return True  # the common decode step: its token fits the last page
         needed = self.pages_needed(total) - len(request.pages) - len(hit_pages)
         hits_now_free = sum(1 for page in hit_pages if self.ref_counts[page] == 0)
         if needed > self.num_free_pages - hits_now_free:
