@@ -94,6 +94,12 @@ class EngineArgs:
         None, help="cap each step's predicted time, in milliseconds (needs --cost-model)", none="no cap"
     )
     enforce_eager: bool = _setting(False, help="run the decode forward eagerly instead of replaying CUDA graphs")
+    async_scheduling: bool = _setting(
+        True,
+        flag="--no-async-scheduling",
+        help="wait for each step before scheduling the next (by default the host schedules step N+1 while "
+        "the device runs step N, on the Triton backend)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

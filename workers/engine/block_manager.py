@@ -98,7 +98,7 @@ class BlockManager:
         """Key the request's pages that became full of computed tokens, extending its chain."""
         if not self.enable_prefix_caching:
             return
-        full = request.num_computed_tokens // self.page_size
+        full = min(request.num_computed_tokens, request.num_known_tokens) // self.page_size
         if full <= len(request.page_hashes):
             return
         tokens = request.all_token_ids

@@ -48,6 +48,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         cost_model=_cost_model(args.cost_model),
         step_budget_s=args.step_budget_ms / 1000 if args.step_budget_ms is not None else None,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
 
 

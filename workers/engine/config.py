@@ -183,6 +183,7 @@ class EngineConfig:
     step_budget_s: float | None = None
     # Run the decode forward eagerly instead of replaying CUDA graphs.
     enforce_eager: bool = default("enforce_eager")
+    async_scheduling: bool = default("async_scheduling")
 
     def __post_init__(self) -> None:
         check_engine_limits(

@@ -25,10 +25,10 @@ from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
-from workers.engine.model_runner import ModelRunner, SampledToken
+from workers.engine.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta
-from workers.engine.request import FinishReason, Request
+from workers.engine.request import PENDING_TOKEN, FinishReason, Request
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.step_budget import StepBudget
@@ -105,6 +105,9 @@ class LLMEngine:
             step_budget=self.step_budget,
         )
         self.prediction_errors = PredictionErrorTracker() if config.cost_model is not None else None
+        # A launched step whose sampled ids are read at the next step (async scheduling), with its
+        # scheduler output and start time.
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
         self.runner = ModelRunner(
             loaded.model,
             kv_cache,
@@ -113,7 +116,7 @@ class LLMEngine:
             seed=config.seed,
             max_num_seqs=config.max_num_seqs,
             max_model_len=loaded.max_model_len,
-            enforce_eager=getattr(config, "enforce_eager", False),
+            enforce_eager=config.enforce_eager,
         )
         self.store = StoreConnector(store, kv_cache, block_tokens=config.kv_block_tokens) if store is not None else None
         self.requests: dict[str, Request] = {}
@@ -238,26 +241,76 @@ class LLMEngine:
         return self._release(request, self.outputs.delta(request, [], []))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestDelta]:
+        """Schedule and run one step; return the deltas of the tokens sampled.
+
+        With async scheduling (a deferrable step on the device path), a step is launched and its
+        tokens are read one call later: the requests it samples for get a pending token, so the
+        next step is scheduled, prepared and launched while the device still runs this one.
+        """
         output = self.scheduler.schedule()
+        in_flight, self._in_flight = self._in_flight, None
         if not output.scheduled:
-            self._wait_for_fetches()
-            return []
+            if in_flight is None:
+                self._wait_for_fetches()
+                return []
+            return self._finish(*in_flight)
         if output.loads:
             self.store.copy_in(output.loads)
         started = time.perf_counter()
-        result = self.runner.execute(output)
+        launched = self.runner.launch(output)
+        self.scheduler.finish_step(output, self.requests)
+        deltas = self._finish(*in_flight) if in_flight is not None else []
+        if launched.deferred is not None and self._can_defer(output):
+            self._in_flight = (output, launched, started)
+            self._add_pending_tokens(output)
+            return deltas
+        return deltas + self._finish(output, launched, started)
+
+    def _finish(self, output: SchedulerOutput, launched: LaunchedStep, started: float) -> list[RequestDelta]:
+        """Read a launched step's results and turn them into deltas."""
+        result = launched.result()
         if self.prediction_errors is not None:
             self._record_prediction(output, time.perf_counter() - started)
         for computed in result.prompt_logprobs:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
-        self.scheduler.finish_step(output, self.requests)
         if self.store is not None:
             for scheduled in output.scheduled:
                 self.store.save_completed_blocks(self.requests[scheduled.request_id])
-        return [self._update(token) for token in result.sampled]
+        deltas = []
+        for sampled in result.sampled:
+            request = self.requests.get(sampled.request_id)
+            if request is None or request.is_finished:
+                continue  # finished or aborted since the step was launched: its token is dropped
+            if request.has_pending_token:
+                request.output_token_ids.pop()
+                deltas.append(self._update(sampled))
+                if not request.is_finished:
+                    self.block_manager.cache_full_pages(request)
+            else:
+                deltas.append(self._update(sampled))
+        return deltas
+
+    def _can_defer(self, output: SchedulerOutput) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are read: not when blocks
+        are stored as they complete (they must be known), nor for a prefill that hands its KV off
+        after its first token."""
+        return (
+            self.config.async_scheduling
+            and self.store is None
+            and not any(s.sample and _is_prefill_only(self.requests.get(s.request_id)) for s in output.scheduled)
+        )
+
+    def _add_pending_tokens(self, output: SchedulerOutput) -> None:
+        """Each request that sampled in the launched step and may go on gets a pending token, so the
+        next schedule() gives it a decode step before its sampled id is known."""
+        for scheduled in output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            # A request the previous step finished is gone; its token from this step will be dropped.
+            if request is not None and scheduled.sample and len(request.output_token_ids) + 1 < request.max_tokens:
+                request.output_token_ids.append(PENDING_TOKEN)
 
     def _record_prediction(self, output: SchedulerOutput, seconds: float) -> None:
         rows = [(len(scheduled.token_ids), scheduled.start_position) for scheduled in output.scheduled]
@@ -292,6 +345,7 @@ class LLMEngine:
         )
 
     def _update(self, sampled: SampledToken) -> RequestDelta:
+        """Append a sampled token to its request (see OutputProcessor.process); release it when finished."""
         request = self.requests[sampled.request_id]
         delta = self.outputs.process(request, sampled)
         return self._release(request, delta) if request.is_finished else delta
@@ -309,3 +363,7 @@ class LLMEngine:
 
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.disaggregation
+
+
+def _is_prefill_only(request: Request | None) -> bool:
+    return request is not None and request.prefill_only

@@ -82,6 +82,9 @@ class ModelRunner:
         self.num_computed_tokens = 0  # tokens run through the model since start: proves prefix hits skip work
         self.batch: InputBatch | None = None
         self.graphs = None
+        # Pinned buffers for the sampled ids of the last two steps (async scheduling reads one late).
+        self._pinned_tokens: list[torch.Tensor] = []
+        self._pinned_turn = 0
         if self.backend.needs_device_tensors:
             model.use_fused_ops(True)
             self.batch = InputBatch(
@@ -99,14 +102,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepOutput:
+        return self.launch(output).result()
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput) -> "LaunchedStep":
+        """Start the step. On the device path a step whose rows all sample on the device returns
+        before the device is done (`deferred`); its result() waits for the sampled ids."""
         if self.batch is None:
-            return self._execute_reference(output.scheduled)
+            return LaunchedStep(self._execute_reference(output.scheduled))
         self.batch.release(output.finished_request_ids + output.preempted)
-        return self._execute_on_device(output.scheduled)
+        return self._launch_on_device(output.scheduled)
+
+    def pinned_tokens(self, size: int) -> torch.Tensor:
+        """One of two pinned buffers, in turn, for a step's sampled ids (size <= a graph bucket)."""
+        if not self._pinned_tokens:
+            capacity = self.batch.max_rows + 1
+            self._pinned_tokens = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._pinned_turn ^= 1
+        return self._pinned_tokens[self._pinned_turn][:size]
 
     # The device path.
 
-    def _execute_on_device(self, scheduled: Sequence[ScheduledRequest]) -> StepOutput:
+    def _launch_on_device(self, scheduled: Sequence[ScheduledRequest]) -> "LaunchedStep":
         self.num_computed_tokens += sum(len(s.token_ids) for s in scheduled)
         decode_only = all(len(s.token_ids) == 1 and s.sample and s.prompt_logprobs is None for s in scheduled)
         sampling = [i for i, s in enumerate(scheduled) if s.sample]
@@ -133,20 +150,39 @@ class ModelRunner:
                 for s, start in zip(scheduled, layout_query_starts(scheduled), strict=True)
                 if s.prompt_logprobs is not None
             ]
-            if not sampling:
-                return StepOutput(sampled=[], prompt_logprobs=prompt_logprobs)
-            logits, tokens = self._sample(
-                self.model.compute_logits(hidden.index_select(0, inputs.logit_rows)), inputs, mode
-            )
-        token_ids = tokens.tolist()
-        logprobs: dict[int, TokenLogprobs | None] = {}
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
+            tokens = self._sample(logits, inputs, mode)
+        if not sampling:
+            return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
         if host_rows:
-            result = self._host_sample(logits, scheduled, sampling)
-            token_ids = list(token_ids)
-            for i, token, entry in zip(sampling, result.token_ids, result.logprobs, strict=True):
-                token_ids[i] = token
-                logprobs[i] = entry
-        sampled = [SampledToken(scheduled[i].request_id, token_ids[i], logprobs.get(i)) for i in sampling]
+            return LaunchedStep(self._sample_on_host(logits, scheduled, sampling, prompt_logprobs))
+        return LaunchedStep(None, DeferredTokens(tokens, [scheduled[i].request_id for i in sampling], sampling, self))
+
+    def _sample_on_host(
+        self,
+        logits: torch.Tensor,
+        scheduled: Sequence[ScheduledRequest],
+        sampling: list[int],
+        prompt_logprobs: list[PromptLogprobs],
+    ) -> StepOutput:
+        rows = [scheduled[i] for i in sampling]
+        result = self.sampler(
+            logits.index_select(0, torch.tensor(sampling, device=self.device)),
+            SamplingBatch(
+                params=[s.params for s in rows],
+                prompt_token_ids=[s.prompt_token_ids for s in rows],
+                output_token_ids=[s.output_token_ids for s in rows],
+                allowed_tokens=[s.constraint.allowed_tokens() if s.constraint else None for s in rows],
+            ),
+        )
+        sampled = [
+            SampledToken(s.request_id, token, entry)
+            for s, token, entry in zip(rows, result.token_ids, result.logprobs, strict=True)
+        ]
+        # The next step reads a row's last token from the device: give it the host sampler's choice.
+        chosen = torch.tensor(result.token_ids, dtype=torch.int64, device=self.device)
+        index = torch.tensor([self.batch.row_of[s.request_id] for s in rows], device=self.device)
+        self.batch.last_tokens.index_copy_(0, index, chosen)
         return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
 
     def _hidden(self, inputs: StepInputs) -> torch.Tensor:
@@ -164,27 +200,15 @@ class ModelRunner:
             tensors=inputs.attention,
         )
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs, mode: str) -> torch.Tensor:
         tokens = greedy_tokens(logits) if mode == "greedy" else sample_tokens(logits, inputs.sampling)
-        return logits, tokens
+        self.batch.record_sampled(inputs, tokens)
+        return tokens
 
     def _decode_forward(self, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step from the inputs to the sampled ids: what a CUDA graph captures."""
-        hidden = self._hidden(inputs)
-        return self._sample(self.model.compute_logits(hidden), inputs, mode)
-
-    def _host_sample(self, logits: torch.Tensor, scheduled: Sequence[ScheduledRequest], sampling: list[int]):
-        rows = [scheduled[i] for i in sampling]
-        index = torch.tensor(sampling, device=self.device)
-        return self.sampler(
-            logits.index_select(0, index),
-            SamplingBatch(
-                params=[s.params for s in rows],
-                prompt_token_ids=[s.prompt_token_ids for s in rows],
-                output_token_ids=[s.output_token_ids for s in rows],
-                allowed_tokens=[s.constraint.allowed_tokens() if s.constraint else None for s in rows],
-            ),
-        )
+        logits = self.model.compute_logits(self._hidden(inputs))
+        return logits, self._sample(logits, inputs, mode)
 
     # The reference path.
 
@@ -256,3 +280,41 @@ def layout_query_starts(scheduled: Sequence[ScheduledRequest]) -> list[int]:
         starts.append(total)
         total += len(s.token_ids)
     return starts
+
+
+class DeferredTokens:
+    """Sampled ids on their way to the host: one copy into pinned memory, read after its event."""
+
+    def __init__(self, tokens: torch.Tensor, request_ids: list[str], rows: list[int], runner: ModelRunner) -> None:
+        self.request_ids = request_ids
+        self.rows = rows
+        if tokens.device.type == "cuda":
+            self.host = runner.pinned_tokens(tokens.shape[0])
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = tokens, None
+
+    def token_ids(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        ids = self.host.tolist()
+        return [ids[row] for row in self.rows]
+
+
+class LaunchedStep:
+    """A step started on the device: its output now, or `deferred` until its sampled ids are read."""
+
+    def __init__(self, output: StepOutput | None, deferred: DeferredTokens | None = None) -> None:
+        self._output = output
+        self.deferred = deferred
+
+    def result(self) -> StepOutput:
+        if self._output is None:
+            ids = self.deferred.token_ids()
+            sampled = [
+                SampledToken(request_id, token, None) for request_id, token in zip(self.deferred.request_ids, ids)
+            ]
+            self._output = StepOutput(sampled=sampled, prompt_logprobs=[])
+        return self._output

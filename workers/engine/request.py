@@ -10,6 +10,10 @@ from workers.engine.constraints import TokenConstraint
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
 
+# The value an output token holds while it is sampled on the device but not yet read back (async
+# scheduling): the next step's input takes the real id from the device.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -77,6 +81,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def has_pending_token(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (all but a pending one)."""
+        return self.num_tokens - self.has_pending_token
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -91,11 +91,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
-            if time_left is not None:
+            if count and time_left is not None:
                 count = time_left.fit(count, request.num_computed_tokens, first=not plan)
-                if not count:
-                    index += 1
-                    continue
+            if not count:
+                # Nothing to compute: with async scheduling, a request whose last sampled token is
+                # still on its way (and ends it) waits for it.
+                index += 1
+                continue
             if self._allocate_or_preempt(request, count, preempted):
                 plan.append((request, count))
                 budget -= count

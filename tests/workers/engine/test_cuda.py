@@ -42,19 +42,28 @@ def test_bfloat16_batch_with_preemption_completes_on_cuda():
     assert llm.engine.stats().num_preemptions > 0
 
 
-def test_cuda_graphs_and_eager_give_the_same_tokens():
+def test_cuda_graphs_and_async_scheduling_on_or_off_give_the_same_tokens():
     """Greedy and seeded rows, stop tokens, max_tokens, an abort, prefix hits and preemption."""
     from tests.workers.engine.workloads import ABORTED, mixed_requests, run_mixed
 
     results = {}
     for eager in (False, True):
-        engine = LLM(
-            TINY_CONFIGS["llama"], device="cuda", dtype="float32", seed=0, num_pages=40, enforce_eager=eager
-        ).engine
-        assert (engine.runner.graphs is None) == eager
-        results[eager] = run_mixed(engine, mixed_requests(128, count=24, seed=1))
-    assert results[False] == results[True]
-    assert results[False][ABORTED][1] == "abort"
+        for async_scheduling in (False, True):
+            engine = LLM(
+                TINY_CONFIGS["llama"],
+                device="cuda",
+                dtype="float32",
+                seed=0,
+                num_pages=40,
+                enforce_eager=eager,
+                async_scheduling=async_scheduling,
+            ).engine
+            assert (engine.runner.graphs is None) == eager
+            results[eager, async_scheduling] = run_mixed(engine, mixed_requests(128, count=24, seed=1))
+            assert engine.stats().num_preemptions > 0
+    reference = results[True, False]
+    assert all(result == reference for result in results.values())
+    assert reference[ABORTED][1] == "abort"
 
 
 def test_seeded_sampling_on_cuda_is_reproducible_and_batch_invariant():

@@ -12,9 +12,16 @@ pytest.importorskip("triton")
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this in test_cuda")
 
 
-def engines(name: str, **kwargs):
+def engines(name: str, async_scheduling: bool = True, **kwargs):
     reference = LLM(TINY_CONFIGS[name], seed=0, max_num_batched_tokens=32, **kwargs).engine
-    device = LLM(TINY_CONFIGS[name], seed=0, max_num_batched_tokens=32, attention_backend="triton", **kwargs).engine
+    device = LLM(
+        TINY_CONFIGS[name],
+        seed=0,
+        max_num_batched_tokens=32,
+        attention_backend="triton",
+        async_scheduling=async_scheduling,
+        **kwargs,
+    ).engine
     return reference, device
 
 
@@ -30,8 +37,9 @@ def test_device_path_gives_the_reference_tokens(name):
 
 
 @CPU_ONLY
-def test_device_path_survives_preemption_with_the_same_tokens():
-    reference, device = engines("llama", num_pages=12)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_device_path_survives_preemption_with_the_same_tokens(async_scheduling):
+    reference, device = engines("llama", num_pages=12, async_scheduling=async_scheduling)
     requests = mixed_requests(128, count=6, seed=3)
     expected = run_mixed(reference, requests)
     got = run_mixed(device, requests)

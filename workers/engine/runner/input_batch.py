@@ -24,7 +24,7 @@ from kernels.sampling import seed_words
 from workers.engine.scheduler import ScheduledRequest
 
 # Sections of the packed step buffer, each `tokens` or `seqs` long, in this order.
-TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")
+TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")
 SEQ_FIELDS = ("seq_lens", "query_start", "rows", "logit_rows", "greedy", "top_k", "seed_lo", "seed_hi", "step")
 FLOAT_SEQ_FIELDS = ("temperature", "top_p", "min_p")  # stored as float64 bit patterns in the int64 buffer
 
@@ -45,8 +45,9 @@ class SamplingTensors:
 
 @dataclass(frozen=True, slots=True)
 class StepInputs:
-    input_ids: torch.Tensor  # [tokens] int64
+    input_ids: torch.Tensor  # [tokens] int64, pending tokens already replaced by their sampled ids
     attention: DeviceStepTensors
+    rows: torch.Tensor  # [seqs] int64: each sequence's row in the input batch
     logit_rows: torch.Tensor  # [seqs] int64: each sequence's last token row (its logits row)
     sampling: SamplingTensors
 
@@ -84,11 +85,16 @@ class InputBatch:
         self.row_seed: list[tuple[int, int]] = [(0, 0)] * (max_rows + 1)
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self._changed: set[int] = set()
-        # Pinned staging for the changed rows (a step's copies finish before the next step fills it).
-        self._changed_index = torch.empty(max_rows + 1, dtype=torch.int64, pin_memory=pin)
-        self._changed_rows = torch.empty_like(self.tables_host, pin_memory=pin)
-        self._staging = torch.empty(0, dtype=torch.int64, pin_memory=pin)
+        # Pinned staging, two of each used in turn: with async scheduling the host fills step N+1's
+        # while step N's copies may still be queued; step N-1's have finished by then.
+        self._changed_index = [torch.empty(max_rows + 1, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._changed_rows = [torch.empty_like(self.tables_host, pin_memory=pin) for _ in range(2)]
+        self._staging = [torch.empty(0, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self._pin = pin
+        # Each row's last sampled token, written on the device by every step: a pending token
+        # (request.PENDING_TOKEN) in the next step's input is read from here.
+        self.last_tokens = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         # Seeds for requests that have none: reproducible for a given engine seed and arrival order.
         self._random = random.Random(seed)
 
@@ -128,6 +134,7 @@ class InputBatch:
         """Rows for the step's requests, the changed block-table rows sent to the device, and the
         step's packed host buffer (a pinned int64 tensor). `pad_to` pads a decode step to a graph
         bucket with sequences of length 0 on the padding row."""
+        self._turn ^= 1
         rows = [self._row(s) for s in scheduled]
         self._send_changed_rows()
         query_lens = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
@@ -135,11 +142,11 @@ class InputBatch:
         seqs = pad_to or len(scheduled)
         tokens = pad_to or num_tokens
         layout = PackedLayout(tokens, seqs)
-        if self._staging.numel() < layout.size:
-            self._staging = torch.empty(
-                max(layout.size, 2 * self._staging.numel()), dtype=torch.int64, pin_memory=self._pin
-            )
-        packed = self._staging[: layout.size].numpy()
+        staging = self._staging[self._turn]
+        if staging.numel() < layout.size:
+            size = max(layout.size, 2 * staging.numel())
+            staging = self._staging[self._turn] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+        packed = staging[: layout.size].numpy()
         fields = {name: packed[cut] for name, cut in layout.slices.items()}
         starts = np.fromiter((s.start_position for s in scheduled), dtype=np.int64, count=len(scheduled))
         rows_np = np.asarray(rows, dtype=np.int64)
@@ -150,6 +157,7 @@ class InputBatch:
         fields["positions"][:num_tokens] = positions
         page = self.tables_np[rows_np[seq_of_token], positions // self.page_size]
         fields["slot_mapping"][:num_tokens] = page * self.page_size + positions % self.page_size
+        fields["token_rows"][:num_tokens] = rows_np[seq_of_token]
         n = len(scheduled)
         fields["seq_lens"][:n] = starts + query_lens
         fields["query_start"][: n + 1] = query_start
@@ -158,7 +166,7 @@ class InputBatch:
         self._fill_sampling(fields, scheduled, rows)
         if seqs > n or tokens > num_tokens:
             self._fill_padding(fields, layout, n, num_tokens)
-        return layout, self._staging[: layout.size]
+        return layout, staging[: layout.size]
 
     def _fill_sampling(
         self, fields: dict[str, np.ndarray], scheduled: Sequence[ScheduledRequest], rows: list[int]
@@ -181,6 +189,7 @@ class InputBatch:
         fields["input_ids"][num_tokens:] = 0
         fields["positions"][num_tokens:] = 0
         fields["slot_mapping"][num_tokens:] = -1
+        fields["token_rows"][num_tokens:] = self.padding_row
         fields["seq_lens"][n:] = 0
         fields["query_start"][n + 1 :] = num_tokens + np.arange(1, layout.seqs - n + 1)
         fields["rows"][n:] = self.padding_row
@@ -198,9 +207,9 @@ class InputBatch:
         if len(changed) * 2 > self.max_rows:
             self.tables.copy_(self.tables_host, non_blocking=True)
             return
-        index = self._changed_index[: len(changed)]
+        index = self._changed_index[self._turn][: len(changed)]
         index.numpy()[:] = changed
-        staged = torch.index_select(self.tables_host, 0, index, out=self._changed_rows[: len(changed)])
+        staged = torch.index_select(self.tables_host, 0, index, out=self._changed_rows[self._turn][: len(changed)])
         self.tables.index_copy_(0, index.to(self.device, non_blocking=True), staged.to(self.device, non_blocking=True))
 
     def step_inputs(
@@ -228,6 +237,16 @@ class InputBatch:
             seed_hi=view["seed_hi"],
             step=view["step"],
         )
+        ids = view["input_ids"]
+        input_ids = torch.where(ids < 0, self.last_tokens.index_select(0, view["token_rows"]), ids)
         return StepInputs(
-            input_ids=view["input_ids"], attention=attention, logit_rows=view["logit_rows"], sampling=sampling
+            input_ids=input_ids,
+            attention=attention,
+            rows=view["rows"],
+            logit_rows=view["logit_rows"],
+            sampling=sampling,
         )
+
+    def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
+        """Keep each sequence's sampled token on the device for a pending token of the next step."""
+        self.last_tokens.index_copy_(0, inputs.rows, tokens)
