@@ -69,3 +69,9 @@ def test_device_path_rows_with_host_extras_use_the_sampler():
 def test_unknown_and_unsupported_backends_fail_at_start_naming_the_setting():
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(TINY_CONFIGS["llama"], attention_backend="flash")
+
+
+def test_a_head_dim_the_triton_kernels_lack_fails_at_start_naming_the_setting():
+    config = {**TINY_CONFIGS["llama"], "hidden_size": 48, "head_dim": 12}
+    with pytest.raises(ValueError, match="attention_backend='triton'.*head_dim"):
+        LLM(config, attention_backend="triton")
