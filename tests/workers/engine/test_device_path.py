@@ -29,7 +29,7 @@ def engines(name: str, async_scheduling: bool = True, **kwargs):
 @pytest.mark.parametrize("name", ["llama", "qwen3_qknorm_layer_types"])
 def test_device_path_gives_the_reference_tokens(name):
     reference, device = engines(name, kv_cache_bytes=1 << 22)
-    requests = mixed_requests(128, count=8)
+    requests = mixed_requests(128, count=6, max_new=(3, 9))
     expected = run_mixed(reference, requests)
     got = run_mixed(device, requests)
     assert got == expected
@@ -39,8 +39,8 @@ def test_device_path_gives_the_reference_tokens(name):
 @CPU_ONLY
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_device_path_survives_preemption_with_the_same_tokens(async_scheduling):
-    reference, device = engines("llama", num_pages=12, async_scheduling=async_scheduling)
-    requests = mixed_requests(128, count=6, seed=3)
+    reference, device = engines("llama", num_pages=9, async_scheduling=async_scheduling)
+    requests = mixed_requests(128, count=5, seed=3, max_new=(4, 12))
     expected = run_mixed(reference, requests)
     got = run_mixed(device, requests)
     assert device.stats().num_preemptions > 0

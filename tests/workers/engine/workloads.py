@@ -9,7 +9,9 @@ from workers.engine.sampling_params import SamplingParams
 ABORTED = "abort-me"
 
 
-def mixed_requests(vocab: int, *, count: int = 12, seed: int = 0) -> list[tuple[str, list[int], SamplingParams]]:
+def mixed_requests(
+    vocab: int, *, count: int = 12, seed: int = 0, max_new: tuple[int, int] = (8, 24)
+) -> list[tuple[str, list[int], SamplingParams]]:
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(40)]
     requests = []
@@ -23,12 +25,12 @@ def mixed_requests(vocab: int, *, count: int = 12, seed: int = 0) -> list[tuple[
                 top_p=rng.choice([1.0, 0.8]),
                 min_p=0.05,
                 seed=index,
-                max_tokens=rng.randrange(8, 24),
+                max_tokens=rng.randrange(*max_new),
                 ignore_eos=True,
             )
         else:
             params = SamplingParams(
-                temperature=0.0, max_tokens=rng.randrange(8, 24), ignore_eos=True, stop_token_ids=(index % vocab,)
+                temperature=0.0, max_tokens=rng.randrange(*max_new), ignore_eos=True, stop_token_ids=(index % vocab,)
             )
         requests.append((f"r{index}", prompt, params))
     requests.append(
