@@ -98,7 +98,10 @@ def run(model: str, device: str, trials: int, quick: bool, seed: int) -> tuple[P
     grid_q, grid_c = (QUICK_Q, QUICK_C) if quick else (GRID_Q, GRID_C)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    llm = LLM(model, device=device, max_num_batched_tokens=max(grid_q), max_num_seqs=1, seed=seed)
+    # Synchronous steps: each timed step must return the token it sampled.
+    llm = LLM(
+        model, device=device, max_num_batched_tokens=max(grid_q), max_num_seqs=1, seed=seed, async_scheduling=False
+    )
     engine = llm.engine
     _step_alone(engine, "warm-up", [1] * max(grid_q))  # first-call allocations
     started = time.perf_counter()
