@@ -101,10 +101,6 @@ class ModelRunner:
                 self.graphs.capture(modes=("greedy",))
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> StepOutput:
-        return self.launch(output).result()
-
-    @torch.inference_mode()
     def launch(self, output: SchedulerOutput) -> "LaunchedStep":
         """Start the step. On the device path a step whose rows all sample on the device returns
         before the device is done (`deferred`); its result() waits for the sampled ids."""
