@@ -284,13 +284,13 @@ class LLMEngine:
             request = self.requests.get(sampled.request_id)
             if request is None or request.is_finished:
                 continue  # finished or aborted since the step was launched: its token is dropped
-            if request.has_pending_token:
-                request.output_token_ids.pop()
-                deltas.append(self._update(sampled))
-                if not request.is_finished:
-                    self.block_manager.cache_full_pages(request)
-            else:
-                deltas.append(self._update(sampled))
+            was_pending = request.has_pending_token
+            if was_pending:
+                request.output_token_ids.pop()  # the sampled id takes the pending token's place
+            deltas.append(self._update(sampled))
+            if was_pending and not request.is_finished:
+                # Pages that filled while the token was pending can be keyed now.
+                self.block_manager.cache_full_pages(request)
         return deltas
 
     def _can_defer(self, output: SchedulerOutput) -> bool:
