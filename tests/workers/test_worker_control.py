@@ -38,7 +38,7 @@ from workers.protocol import (
     StatusRequest,
     WorkerHeartbeat,
 )
-from workers.worker_control import WorkerControl
+from workers.worker.control import WorkerControl
 
 VOCAB = CONFIG["vocab_size"]
 

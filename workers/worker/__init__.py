@@ -1,0 +1,25 @@
+"""An engine worker process: serves GenerateRequests over ZMQ and publishes heartbeats.
+
+Sockets: a ROUTER (requests and control commands in; each request's outputs and each command's
+ControlAck go back to the peer that sent it) and a PUB (heartbeats, sent by their own thread). While
+the engine has work, the loop checks its sockets without blocking between steps; when idle it blocks
+on them for up to a heartbeat interval. With a registry endpoint, a thread announces the worker there.
+
+Roles: a "mixed" worker runs whole requests. A "prefill" worker runs a request that names a
+`decode_endpoint` up to its first token, then sends the KV there on its sender thread and releases
+the pages once sent (workers.transfer_link). A "decode" worker also binds a PULL, its transfer
+endpoint: it continues the requests whose KV arrives there, streaming their outputs to the peer that
+sent the ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
+has lost all of its other half keeps serving.
+
+The parts, one job each: `process` (the entry point: title, parent death, crash report), `server`
+(sockets, the loop and the handler table), `transfers` (the disaggregation side: KV sent after
+prefill, KV expected and taken in for decode), `heartbeats` (load reports and the registration),
+`control` (drain state and control commands), `config` (WorkerConfig and its flags).
+
+Run it with `run_worker_process(WorkerConfig(...))` or `python -m workers.worker --model ...`.
+"""
+
+from workers.worker.process import configure_logging, main, run_worker_process
+
+__all__ = ["configure_logging", "main", "run_worker_process"]

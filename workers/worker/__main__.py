@@ -1,0 +1,3 @@
+from workers.worker.process import main
+
+main()

@@ -1,0 +1,146 @@
+"""What a worker tells the rest of the system about itself: its registration (who and where it is)
+and its heartbeats (load, KV usage, store and GC counters, drain state), published on their own
+thread every heartbeat interval."""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from workers.engine.engine import LLMEngine
+from workers.kvstore.gc import GarbageCollector
+from workers.kvstore.index import IndexUsage
+from workers.protocol import WorkerHeartbeat, WorkerRegistration
+from workers.worker.config import WorkerConfig
+from workers.worker.control import WorkerControl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    worker_id: str
+    hostname: str
+    started_at: float
+    request_endpoint: str  # as a peer connects to it
+    heartbeat_endpoint: str
+    transfer_endpoint: str  # "" unless a decode worker
+
+
+class Heartbeats:
+    """Publishes heartbeats from a thread of its own: one engine step (a long prefill on a CPU) can take
+    seconds, longer than a client waits before it declares the worker dead. The PUB socket is used by
+    that thread alone (ZMQ sockets are not thread-safe)."""
+
+    def __init__(
+        self,
+        identity: WorkerIdentity,
+        config: WorkerConfig,
+        engine: LLMEngine,
+        control: WorkerControl,
+        collector: GarbageCollector | None,
+        publisher: zmq.Socket,
+        stop: threading.Event,
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.engine = engine
+        self.control = control
+        self.collector = collector
+        self.publisher = publisher
+        self.stop = stop
+        self.encoder = msgspec.msgpack.Encoder()
+        self.store_usage = IndexUsage(num_blocks=0, num_bytes=0)  # the last read, kept when a read fails
+        self.thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.config.heartbeat_interval_s):
+            self.publish()
+
+    def publish(self) -> None:
+        # Read while the main thread steps: a racy snapshot of counters, good enough for load reports.
+        stats = self.engine.stats()
+        store = stats.store
+        store_usage = self._read_store_usage()
+        collector = self.collector
+        identity = self.identity
+        heartbeat = WorkerHeartbeat(
+            worker_id=identity.worker_id,
+            role=self.config.role,
+            model=self.engine.model_name,
+            request_endpoint=identity.request_endpoint,
+            max_model_len=self.engine.max_model_len,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage,
+            num_free_pages=stats.num_free_pages,
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_cached_prompt_tokens=stats.num_cached_prompt_tokens,
+            num_preemptions=stats.num_preemptions,
+            sent_at=time.time(),
+            started_at=identity.started_at,
+            num_store_hit_tokens=store.num_hit_tokens if store else 0,
+            num_store_blocks_read=store.num_blocks_read if store else 0,
+            num_store_blocks_written=store.num_blocks_written if store else 0,
+            state=self.control.state,
+            pool=self.config.pool,
+            ttl_policy_version=self.control.ttl_policy_version,
+            ep_layout_version=self.control.ep_layout_version,
+            heartbeat_endpoint=identity.heartbeat_endpoint,
+            hostname=identity.hostname,
+            transfer_endpoint=identity.transfer_endpoint,
+            kv_capacity_tokens=stats.num_pages * self.engine.config.page_size,
+            cost_model_error_p50=stats.cost_model_error[0],
+            cost_model_error_p90=stats.cost_model_error[1],
+            max_num_seqs=self.config.engine.max_num_seqs,
+            kv_model_id=self.engine.kv_model_id,
+            kv_block_tokens=self.engine.store.block_tokens if self.engine.store is not None else 0,
+            kv_store_bytes=store_usage.num_bytes,
+            kv_store_blocks=store_usage.num_blocks,
+            kv_store_capacity_bytes=collector.capacity_bytes if collector else 0,
+            kv_store_low_watermark=collector.low_watermark if collector else 0.0,
+            kv_store_high_watermark=collector.high_watermark if collector else 0.0,
+            kv_store_evicted_expired=collector.evicted_expired if collector else 0,
+            kv_store_evicted_capacity=collector.evicted_capacity if collector else 0,
+        )
+        self.publisher.send(self.encoder.encode(heartbeat))
+
+    def _read_store_usage(self) -> IndexUsage:
+        """The store index's totals; a shared (Redis) index that fails to answer must not stop the
+        heartbeats, which would make the worker look dead, so the last totals read stand in."""
+        if self.engine.store is None:
+            return self.store_usage
+        try:
+            self.store_usage = self.engine.store.store.index.usage()
+        except Exception:
+            log.warning("reading the KV store index's usage failed", exc_info=True)
+        return self.store_usage
+
+
+def registration(identity: WorkerIdentity, config: WorkerConfig, engine: LLMEngine) -> WorkerRegistration:
+    device = torch.device(config.engine.device)
+    on_cuda = device.type == "cuda"
+    return WorkerRegistration(
+        worker_id=identity.worker_id,
+        pool=config.pool,
+        role=config.role,
+        model=engine.model_name,
+        hostname=identity.hostname,
+        request_endpoint=identity.request_endpoint,
+        heartbeat_endpoint=identity.heartbeat_endpoint,
+        transfer_endpoint=identity.transfer_endpoint,
+        ep_size=config.ep_size,
+        num_accelerators=1 if on_cuda else 0,
+        accelerator_kind=torch.cuda.get_device_name(device) if on_cuda else device.type,
+        started_at=identity.started_at,
+    )

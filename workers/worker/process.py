@@ -1,0 +1,98 @@
+"""The worker process's entry point: sets its title, dies with its parent, builds the engine and the
+store's GC, serves until told to stop, and reports a crash (exit code 1)."""
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+import zmq
+
+from workers.engine.builder import build_engine
+from workers.kvstore.eviction import get_policy
+from workers.kvstore.gc import GarbageCollector
+from workers.kvstore.store import KVStore
+from workers.kvstore.ttl import TTLPolicy
+from workers.worker.config import WorkerConfig, add_worker_arguments, config_from_arguments
+from workers.worker.server import CLOSE_LINGER_MS, Worker
+
+log = logging.getLogger(__name__)
+
+PROCESS_TITLE = "sluice-worker"  # /proc/self/comm keeps 15 bytes
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def run_worker_process(config: WorkerConfig) -> None:
+    """The worker's entry point: returns after SIGTERM/SIGINT or a ShutdownRequest; a crash is logged
+    and exits 1."""
+    _set_process_title(PROCESS_TITLE)
+    _die_with_parent()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        engine = build_engine(config.engine)
+        store = engine.store.store if engine.store is not None else None
+        collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
+        context = zmq.Context()
+        try:
+            Worker(config, engine, context, stop, collector).serve()
+        finally:
+            context.destroy(linger=CLOSE_LINGER_MS)
+            engine.close()
+    except Exception:
+        log.exception("worker %s crashed", config.worker_id or os.getpid())
+        raise SystemExit(1) from None
+
+
+def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event) -> GarbageCollector:
+    collector = GarbageCollector(
+        store.index,
+        TTLPolicy(),
+        get_policy(config.kv_eviction_policy),
+        capacity_bytes=config.kv_store_capacity_bytes,
+        delete_data=store.files.delete,
+    )
+    thread = threading.Thread(
+        target=collector.run_forever, args=(stop, config.kv_gc_interval_s), name="kvstore-gc", daemon=True
+    )
+    thread.start()
+    return collector
+
+
+def _set_process_title(title: str) -> None:
+    """Best effort: the name ps/top show; only Linux exposes it as a file."""
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(title[:15])
+    except OSError:
+        pass
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGTERM when the parent exits, so a dead supervisor leaves no orphans."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    elif os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers.worker",
+        description="An engine worker process: serves GenerateRequests over ZMQ and publishes heartbeats.",
+    )
+    add_worker_arguments(parser)
+    configure_logging()
+    run_worker_process(config_from_arguments(parser.parse_args(argv)))

@@ -1,0 +1,306 @@
+"""The worker's server: its sockets, the loop that interleaves messages with engine steps, and the
+table of message handlers (see the package docstring for the roles)."""
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from workers.engine.constraints import TokenConstraint
+from workers.engine.engine import LLMEngine
+from workers.engine.errors import EngineOverloadedError, InvalidRequestError
+from workers.engine.outputs import RequestDelta
+from workers.engine.request import FinishReason
+from workers.engine.sampling_params import invalid_request_from
+from workers.kvstore.gc import GarbageCollector
+from workers.protocol import (
+    AbortRequest,
+    ApplyEPLayoutRequest,
+    ControlRequest,
+    DrainRequest,
+    ExpectTransferRequest,
+    GenerateError,
+    GenerateOutput,
+    GenerateRequest,
+    OutputConstraintSpec,
+    ResumeRequest,
+    SetTTLPolicyRequest,
+    ShutdownRequest,
+    StatusRequest,
+    WorkerInbound,
+    WorkerOutbound,
+)
+from workers.registry import register_until_acknowledged
+from workers.transfer_link import TransferReceiver, TransferSender
+from workers.worker.config import WorkerConfig
+from workers.worker.control import WorkerControl
+from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
+from workers.worker.transfers import Transfers
+
+log = logging.getLogger(__name__)
+
+# Inbound messages handled between two engine steps, so a flood of requests cannot stall decoding.
+MAX_MESSAGES_PER_STEP = 256
+CLOSE_LINGER_MS = 500  # time to flush the final outputs of aborted requests at shutdown
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: LLMEngine,
+        context: zmq.Context,
+        stop: threading.Event,
+        collector: GarbageCollector | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.stop = stop
+        hostname = socket.gethostname()
+        self.worker_id = config.worker_id or f"{hostname}-{os.getpid()}"
+        self.router = context.socket(zmq.ROUTER)
+        self.router.bind(config.request_endpoint)
+        publisher = context.socket(zmq.PUB)
+        publisher.bind(config.heartbeat_endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        receiver: TransferReceiver | None = None
+        transfer_endpoint = ""
+        if config.role == "decode":
+            pull = context.socket(zmq.PULL)
+            pull.bind(config.transfer_endpoint)
+            transfer_endpoint = connectable_endpoint(pull, hostname)
+            receiver = TransferReceiver(pull, config.transfer_timeout_s)
+            self.poller.register(pull, zmq.POLLIN)
+        sender: TransferSender | None = None
+        if config.role == "prefill":
+            sender = TransferSender(context)
+            self.poller.register(sender.results, zmq.POLLIN)
+        self.identity = WorkerIdentity(
+            worker_id=self.worker_id,
+            hostname=hostname,
+            started_at=time.time(),
+            request_endpoint=connectable_endpoint(self.router, hostname),
+            heartbeat_endpoint=connectable_endpoint(publisher, hostname),
+            transfer_endpoint=transfer_endpoint,
+        )
+        self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
+        self.control = WorkerControl(
+            self.worker_id, ep_size=config.ep_size, collector=collector, num_in_flight=self._num_in_flight
+        )
+        self.transfers = Transfers(
+            worker_id=self.worker_id,
+            role=config.role,
+            engine=engine,
+            control=self.control,
+            owners=self.owners,
+            send=self._send,
+            compile_constraint=self._compile_constraint,
+            receiver=receiver,
+            sender=sender,
+        )
+        self.heartbeats = Heartbeats(self.identity, config, engine, self.control, collector, publisher, stop)
+        self.handlers: dict[type, Callable[[bytes, Any], None]] = {
+            GenerateRequest: self._on_generate,
+            ExpectTransferRequest: self.transfers.on_expect_transfer,
+            AbortRequest: self._on_abort,
+            DrainRequest: self._on_control,
+            ResumeRequest: self._on_control,
+            ShutdownRequest: self._on_shutdown,
+            SetTTLPolicyRequest: self._on_control,
+            ApplyEPLayoutRequest: self._on_control,
+            StatusRequest: self._on_control,
+        }
+        self.registration_thread = (
+            threading.Thread(
+                target=register_until_acknowledged,
+                args=(context, config.registry_endpoint, registration(self.identity, config, engine), stop),
+                name="registration",
+                daemon=True,
+            )
+            if config.registry_endpoint
+            else None
+        )
+
+    def serve(self) -> None:
+        log.info(
+            "worker %s serving %s on %s (heartbeats on %s)",
+            self.worker_id,
+            self.engine.model_name,
+            self.config.request_endpoint,
+            self.config.heartbeat_endpoint,
+        )
+        self.heartbeats.start()
+        if self.registration_thread is not None:
+            self.registration_thread.start()
+        while not self.stop.is_set():
+            idle_ms = 0 if self.engine.has_unfinished() else self.config.heartbeat_interval_s * 1000
+            ready = dict(self.poller.poll(idle_ms))
+            if self.router in ready:
+                self._receive()
+            self.transfers.poll(ready, MAX_MESSAGES_PER_STEP)
+            if self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    self._send_delta(delta)
+                self.control.check_drained()
+        self._shut_down()
+
+    def _receive(self) -> None:
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames[0], frames[1:])
+
+    def _handle(self, peer: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self._reject_malformed(peer, f"expected one message frame, got {len(frames)}", b"")
+            return
+        try:
+            message = self.decoder.decode(frames[0])
+        except msgspec.DecodeError as error:
+            self._reject_malformed(peer, str(invalid_request_from(error)), frames[0])
+            return
+        try:
+            self.handlers[type(message)](peer, message)
+        except Exception:
+            # A bug in admitting one request must not take the others down with the process.
+            log.exception("handling %s failed", type(message).__name__)
+            message_id = getattr(message, "request_id", None) or getattr(message, "command_id", "")
+            self._send(peer, GenerateError(message_id, "internal", "the worker failed to handle the message"))
+
+    def _on_generate(self, peer: bytes, request: GenerateRequest) -> None:
+        if not self.control.accepting:
+            message = f"worker {self.worker_id} is {self.control.state} and takes no new requests"
+            self._send(peer, GenerateError(request.request_id, "draining", message))
+            return
+        if request.decode_endpoint and self.transfers.sender is None:
+            message = f"worker {self.worker_id} is a {self.config.role} worker: it does not send KV"
+            self._send(peer, GenerateError(request.request_id, "invalid_request", message))
+            return
+        try:
+            constraint = self._compile_constraint(request.constraint) if request.constraint is not None else None
+            self.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                cache_namespace=request.cache_namespace,
+                constraint=constraint,
+                prompt_logprobs=request.prompt_logprobs,
+                traffic_class=request.traffic_class,
+                prefill_only=bool(request.decode_endpoint),
+            )
+        except InvalidRequestError as error:
+            self._send(peer, GenerateError(request.request_id, "invalid_request", str(error)))
+        except EngineOverloadedError as error:
+            self._send(peer, GenerateError(request.request_id, "overloaded", str(error)))
+        else:
+            self.owners[request.request_id] = peer
+            if request.decode_endpoint:
+                self.transfers.send_after_prefill(request.request_id, request.decode_endpoint)
+
+    def _compile_constraint(self, spec: OutputConstraintSpec) -> TokenConstraint:
+        # Imported here: grammar compilation is recipe's job and only constrained requests need it.
+        from recipe.constraints import compile_constraint
+
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("output constraints need a tokenizer; this model was loaded without one")
+        return compile_constraint(spec, self.engine.tokenizer, self.engine.model_config.vocab_size)
+
+    def _on_abort(self, peer: bytes, request: AbortRequest) -> None:
+        self._abort(request.request_id)
+        self.control.check_drained()
+
+    def _on_control(self, peer: bytes, request: ControlRequest) -> None:
+        self._send(peer, self.control.handle(request))
+
+    def _on_shutdown(self, peer: bytes, request: ShutdownRequest) -> None:
+        """Abort what is in flight before acknowledging, so the ack confirms nothing is left running."""
+        for request_id in [*self.owners, *self.transfers.expected]:
+            self._abort(request_id)
+        self._on_control(peer, request)
+        log.info("worker %s shutting down (command %s)", self.worker_id, request.command_id)
+        self.stop.set()
+
+    def _abort(self, request_id: str) -> None:
+        """Stop a request; its owner gets a last output with finish_reason "abort" (a request whose KV
+        is being sent has reported its last output: sending stops, and its pages go when it has)."""
+        if self.transfers.abort(request_id):
+            return
+        delta = self.engine.abort_request(request_id)
+        if delta is not None:
+            self._send_delta(delta)
+
+    def _num_in_flight(self) -> int:
+        return len(self.owners) + self.transfers.num_in_flight
+
+    def _send_delta(self, delta: RequestDelta) -> None:
+        owner = self.owners.pop(delta.request_id) if delta.finished else self.owners[delta.request_id]
+        output = GenerateOutput(
+            request_id=delta.request_id,
+            token_ids=delta.token_ids,
+            text=delta.text or "",
+            logprobs=delta.logprobs,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            num_prompt_tokens=delta.num_prompt_tokens,
+            num_cached_tokens=delta.num_cached_tokens,
+            prompt_logprobs=delta.prompt_logprobs,
+        )
+        self._send(owner, output)
+        if delta.finish_reason == FinishReason.TRANSFER:
+            self.transfers.start_send(delta.request_id, owner)
+        elif delta.finished:
+            self.transfers.forget(delta.request_id)
+
+    def _reject_malformed(self, peer: bytes, reason: str, payload: bytes) -> None:
+        log.warning("malformed message from peer %s: %s", peer.hex(), reason)
+        self._send(peer, GenerateError(self._readable_request_id(payload), "invalid_request", reason))
+
+    def _readable_request_id(self, payload: bytes) -> str:
+        """The request id of an undecodable message when its envelope is still readable, so that the
+        sender's stream for it ends; "" when unknown, or when it names a request in flight."""
+        try:
+            fields = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError:
+            return ""
+        request_id = fields.get("request_id") if isinstance(fields, dict) else None
+        if not isinstance(request_id, str) or request_id in self.owners or request_id in self.transfers.sending:
+            return ""
+        return request_id
+
+    def _send(self, peer: bytes, message: WorkerOutbound) -> None:
+        # A ROUTER drops messages to peers that are gone rather than blocking.
+        self.router.send_multipart([peer, self.encoder.encode(message)])
+
+    def _shut_down(self) -> None:
+        """Abort what is in flight, so that every stream ends with an output rather than a timeout."""
+        log.info("worker %s stopping; aborting %d requests", self.worker_id, self._num_in_flight())
+        for request_id in [*self.owners, *self.transfers.sending, *self.transfers.expected]:
+            self._abort(request_id)
+        self.transfers.close()
+        self.router.close(linger=CLOSE_LINGER_MS)
+        self.heartbeats.join()
+        if self.registration_thread is not None:
+            self.registration_thread.join()
+        self.heartbeats.publisher.close(linger=0)
+
+
+def connectable_endpoint(bound: zmq.Socket, hostname: str) -> str:
+    """The endpoint a socket is bound to, as a peer on another host connects to it: a wildcard TCP
+    address names this host instead, and port 0 the port the system chose."""
+    endpoint = bound.getsockopt_string(zmq.LAST_ENDPOINT)
+    scheme, _, address = endpoint.partition("://")
+    host, _, port = address.rpartition(":")
+    if scheme == "tcp" and host in ("0.0.0.0", "[::]", "*"):
+        return f"tcp://{hostname}:{port}"
+    return endpoint

@@ -1,0 +1,146 @@
+"""The disaggregation side of a worker: a prefill worker sends each finished prefill's KV to the
+decode worker the gateway named, on its sender thread, and releases the pages once sent; a decode
+worker takes in the KV it was told to expect and continues those requests. Both ends are in
+workers.transfer_link; this module ties them to the engine and to the requests' owners."""
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from workers.engine.constraints import TokenConstraint
+from workers.engine.engine import LLMEngine
+from workers.engine.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol import ExpectTransferRequest, GenerateError, GenerateOutput, OutputConstraintSpec, WorkerOutbound
+from workers.transfer_link import Received, SendResult, TransferReceiver, TransferSender
+from workers.worker.control import WorkerControl
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes, WorkerOutbound], None]
+
+
+class Transfers:
+    """`owners` (request id → ROUTER identity of the peer streaming its outputs) is the worker's,
+    shared: a request continued here gets its owner there. `receiver` exists on a decode worker,
+    `sender` on a prefill worker."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        role: str,
+        engine: LLMEngine,
+        control: WorkerControl,
+        owners: dict[str, bytes],
+        send: Send,
+        compile_constraint: Callable[[OutputConstraintSpec], TokenConstraint],
+        receiver: TransferReceiver | None,
+        sender: TransferSender | None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.engine = engine
+        self.control = control
+        self.owners = owners
+        self.send = send
+        self.compile_constraint = compile_constraint
+        self.receiver = receiver
+        self.sender = sender
+        self.decode_endpoints: dict[str, str] = {}  # request id → where its KV goes after prefill
+        self.sending: dict[str, bytes] = {}  # request id → owner, while its KV is being sent
+
+    @property
+    def expected(self) -> list[str]:
+        """Request ids whose KV this worker is waiting for."""
+        return list(self.receiver.expected) if self.receiver is not None else []
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.sending) + (len(self.receiver.expected) if self.receiver is not None else 0)
+
+    def poll(self, ready: dict[zmq.Socket, int], max_messages: int) -> None:
+        """Take in arrived and expired transfers, and the sender's finished sends."""
+        if self.receiver is not None:
+            if self.receiver.pull in ready:
+                for received in self.receiver.receive(max_messages):
+                    self._continue(received)
+            for received in self.receiver.expired(time.monotonic()):
+                self._continue(received)
+        if self.sender is not None and self.sender.results in ready:
+            self.finish_sends(self.sender.take_results())
+
+    def on_expect_transfer(self, peer: bytes, request: ExpectTransferRequest) -> None:
+        request_id = request.request_id
+        if self.receiver is None:
+            message = f"worker {self.worker_id} is a {self.role} worker: it takes no KV transfers"
+            self.send(peer, GenerateError(request_id, "invalid_request", message))
+        elif not self.control.accepting:
+            message = f"worker {self.worker_id} is {self.control.state} and takes no new requests"
+            self.send(peer, GenerateError(request_id, "draining", message))
+        elif request_id in self.owners or request_id in self.receiver.expected:
+            message = f"request id {request_id!r} is already in use"
+            self.send(peer, GenerateError(request_id, "invalid_request", message))
+        else:
+            self.receiver.expect(request_id, peer, request.constraint)
+
+    def send_after_prefill(self, request_id: str, decode_endpoint: str) -> None:
+        """Remember where a prefill-only request's KV goes once its first token is out."""
+        self.decode_endpoints[request_id] = decode_endpoint
+
+    def start_send(self, request_id: str, owner: bytes) -> None:
+        """The request finished its prefill ("transfer"): send its KV on the sender thread."""
+        endpoint = self.decode_endpoints.pop(request_id)
+        self.sending[request_id] = owner
+        self.sender.submit(request_id, endpoint, self.engine.export_kv(request_id))
+
+    def forget(self, request_id: str) -> None:
+        """The request ended before its KV was due anywhere."""
+        self.decode_endpoints.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a transfer under way: a send stops at its next message (its owner, who has its last
+        output, gets no transfer_failed for it); an expected transfer's owner gets a last output with
+        finish_reason "abort". False when the request has no transfer."""
+        if request_id in self.sending:
+            self.sending[request_id] = b""
+            self.sender.cancel(request_id)
+            return True
+        expectation = self.receiver.drop(request_id) if self.receiver is not None else None
+        if expectation is None:
+            return False
+        self.send(expectation.peer, GenerateOutput(request_id, [], "", finish_reason="abort"))
+        return True
+
+    def finish_sends(self, results: list[SendResult]) -> None:
+        """The sender thread is done with these handoffs: their pages can go."""
+        for result in results:
+            self.engine.release_transfer(result.request_id)
+            owner = self.sending.pop(result.request_id, None)
+            if result.error and owner is not None:
+                self.send(owner, GenerateError(result.request_id, "transfer_failed", result.error))
+        self.control.check_drained()
+
+    def close(self) -> None:
+        """Finish the sends under way (at shutdown)."""
+        if self.sender is not None:
+            self.finish_sends(self.sender.close())
+
+    def _continue(self, received: Received) -> None:
+        """A transfer this worker expected completed or failed: admit the request, or tell its owner."""
+        peer, request_id = received.expectation.peer, received.request_id
+        error = received.error
+        if received.handoff is not None:
+            try:
+                spec = received.expectation.constraint
+                constraint = self.compile_constraint(spec) if spec is not None else None
+                self.engine.add_prefilled_request(received.handoff, constraint=constraint)
+            except (InvalidRequestError, EngineOverloadedError) as refusal:
+                error = str(refusal)
+            else:
+                self.owners[request_id] = peer
+                return
+        log.warning("KV transfer of %s failed: %s", request_id, error)
+        self.send(peer, GenerateError(request_id, "transfer_failed", error))
+        self.control.check_drained()
