@@ -25,10 +25,10 @@ from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
-from workers.engine.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta
 from workers.engine.request import PENDING_TOKEN, FinishReason, Request
+from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.step_budget import StepBudget

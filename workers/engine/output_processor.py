@@ -8,10 +8,10 @@ engine releases the request.
 
 from recipe.tokenizer import Tokenizer
 from workers.engine.logprobs import TokenLogprobs
-from workers.engine.model_runner import SampledToken
 from workers.engine.output_text import OutputText
 from workers.engine.outputs import RequestDelta
 from workers.engine.request import FinishReason, Request
+from workers.engine.runner.model_runner import SampledToken
 
 
 class OutputProcessor:

@@ -1,1 +1,2 @@
-"""The device side of the model runner: the persistent input batch, on-device sampling, CUDA graphs."""
+"""The model runner (the only engine component that builds tensors) and its device side: the
+persistent input batch, on-device sampling, CUDA graphs."""
