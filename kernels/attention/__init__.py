@@ -9,15 +9,16 @@ from collections.abc import Callable
 import torch
 
 from kernels.attention.backend import AttentionBackend, DeviceStepTensors, StepBatch
-from kernels.attention.metadata import NULL_PAGE, AttentionMetadata, write_kv
-from kernels.attention.sdpa import paged_attention_sdpa
+from kernels.attention.paged import NULL_PAGE, write_kv
+from kernels.attention.torch_common.metadata import AttentionMetadata
+from kernels.attention.torch_sdpa import paged_attention_sdpa
 
 PagedAttention = Callable[..., torch.Tensor]
 
 # Backend classes by name, as "module:Class" so that Triton is imported only when it is used.
 BACKENDS: dict[str, str] = {
-    "torch_blockwise": "kernels.attention.torch_backends:TorchBlockwiseBackend",
-    "torch_sdpa": "kernels.attention.torch_backends:TorchSdpaBackend",
+    "torch_blockwise": "kernels.attention.torch_blockwise.backend:TorchBlockwiseBackend",
+    "torch_sdpa": "kernels.attention.torch_sdpa.backend:TorchSdpaBackend",
     "triton": "kernels.attention.triton.backend:TritonBackend",
 }
 # The backends that run on any device with torch alone.

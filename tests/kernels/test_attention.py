@@ -175,7 +175,7 @@ def test_the_probe_catches_a_backend_that_is_not_invariant():
 
 def test_blockwise_strategies_give_the_same_bits(monkeypatch):
     """Decode-sized groups attend all key blocks at once, prefill-sized ones block by block."""
-    import kernels.attention.blockwise as blockwise
+    import kernels.attention.torch_blockwise.attention as blockwise
 
     query, k_cache, v_cache, metadata, _ = paged_batch(MIXED, seed=7)
     attend = get_backend("torch_blockwise")

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels.attention.metadata import write_kv  # noqa: E402
+from kernels.attention import write_kv  # noqa: E402
 from kernels.fused import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_reference,

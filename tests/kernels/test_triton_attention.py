@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so set it first
 triton = pytest.importorskip("triton")
 
-from kernels.attention.blockwise import paged_attention_blockwise  # noqa: E402
-from kernels.attention.metadata import NULL_PAGE, AttentionMetadata  # noqa: E402
+from kernels.attention import NULL_PAGE, AttentionMetadata  # noqa: E402
+from kernels.attention.torch_blockwise import paged_attention_blockwise  # noqa: E402
 from kernels.attention.triton import check_supported, paged_decode_attention, paged_prefill_attention  # noqa: E402
 from kernels.attention.triton.decode import SPLIT_KEYS  # noqa: E402
 

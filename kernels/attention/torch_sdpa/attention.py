@@ -13,8 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.attention.metadata import AttentionMetadata, SequenceGroup, check_paged_inputs, gather_pages, visible_keys
-from kernels.attention.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
+from kernels.attention.torch_common.metadata import (
+    AttentionMetadata,
+    SequenceGroup,
+    check_paged_inputs,
+    gather_pages,
+    visible_keys,
+)
+from kernels.attention.torch_common.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
 from kernels.batch_invariance import min_invariant_rows
 
 CPU_KEY_SPLIT = 512  # torch's CPU flash attention splits keys in blocks of this size

@@ -1,5 +1,5 @@
-"""The torch backends: the shared per-step metadata (sequence groups, see metadata) built on the host,
-and a paged attention function run over it."""
+"""The torch backends' shared shape: per-step metadata (sequence groups, see metadata) built on the
+host, and a paged attention function run over it."""
 
 from collections.abc import Callable
 from typing import ClassVar
@@ -7,9 +7,7 @@ from typing import ClassVar
 import torch
 
 from kernels.attention.backend import AttentionBackend, StepBatch
-from kernels.attention.blockwise import paged_attention_blockwise
-from kernels.attention.metadata import AttentionMetadata
-from kernels.attention.sdpa import paged_attention_sdpa
+from kernels.attention.torch_common.metadata import AttentionMetadata
 
 
 class TorchBackend(AttentionBackend):
@@ -35,13 +33,3 @@ class TorchBackend(AttentionBackend):
         window: int | None = None,
     ) -> torch.Tensor:
         return type(self).attend(query, k_cache, v_cache, metadata, scale=scale, window=window)
-
-
-class TorchBlockwiseBackend(TorchBackend):
-    name = "torch_blockwise"
-    attend = staticmethod(paged_attention_blockwise)
-
-
-class TorchSdpaBackend(TorchBackend):
-    name = "torch_sdpa"
-    attend = staticmethod(paged_attention_sdpa)

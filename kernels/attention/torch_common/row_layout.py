@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.metadata import SequenceGroup
+from kernels.attention.torch_common.metadata import SequenceGroup
 
 
 @dataclass(frozen=True, slots=True)

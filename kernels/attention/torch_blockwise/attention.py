@@ -18,8 +18,14 @@ row chunks to bound memory; rows are independent, so chunking changes no bit.
 
 import torch
 
-from kernels.attention.metadata import AttentionMetadata, SequenceGroup, check_paged_inputs, gather_pages, visible_keys
-from kernels.attention.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
+from kernels.attention.torch_common.metadata import (
+    AttentionMetadata,
+    SequenceGroup,
+    check_paged_inputs,
+    gather_pages,
+    visible_keys,
+)
+from kernels.attention.torch_common.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
 from kernels.batch_invariance import min_invariant_rows
 
 KEY_BLOCK = 64

@@ -1,4 +1,5 @@
-"""What an attention kernel needs to know about one step's batch, and helpers shared by backends."""
+"""What the torch backends need to know about one step's batch (its sequences in groups, built on the
+host), and the helpers both of them use."""
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -6,7 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-NULL_PAGE = 0  # page 0 is never handed out: padded block-table entries point at it
+from kernels.attention.paged import NULL_PAGE
+
 DECODE_QUERY_LEN = 8  # sequences with at most this many new tokens are attended together
 PREFILL_PADDING_RATIO = 1.25  # a longer query groups with others at most this much longer
 # Padded query tokens per prefill group: bounds the CPU reference's memory; on CUDA fewer, larger
@@ -196,18 +198,6 @@ def _flat_page_table(group: SequenceGroup, num_pages: int) -> torch.Tensor:
             table = torch.cat([table, pad], dim=1)
         group.scratch[cache_key] = table.reshape(-1)
     return group.scratch[cache_key]
-
-
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store the new tokens' keys and values ([tokens, kv_heads, head_dim]) at their cache slots."""
-    n = slot_mapping.shape[0]
-    kv_heads, _, _, head_dim = k_cache.shape
-    if key.shape[0] < n or key.shape[1:] != (kv_heads, head_dim):
-        raise ValueError(f"keys {tuple(key.shape)} do not fit cache {tuple(k_cache.shape)} for {n} slots")
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key[:n].transpose(0, 1))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value[:n].transpose(0, 1))
 
 
 def visible_keys(
