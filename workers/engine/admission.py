@@ -8,7 +8,7 @@ the request can never run here; EngineOverloadedError means not now (the caller 
 from workers.engine.block_manager import BlockManager
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from workers.engine.scheduler import Scheduler
+from workers.engine.sched.scheduler import Scheduler
 
 MAX_TRAFFIC_CLASS_CHARS = 64
 # Prefill-only requests alive at once, computing or finished and pinning their pages until

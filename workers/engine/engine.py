@@ -30,8 +30,8 @@ from workers.engine.outputs import RequestDelta
 from workers.engine.request import PENDING_TOKEN, FinishReason, Request
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Scheduler, SchedulerOutput
-from workers.engine.step_budget import StepBudget
+from workers.engine.sched.scheduler import Scheduler, SchedulerOutput
+from workers.engine.sched.step_budget import StepBudget
 from workers.engine.store_connector import StoreConnector, StoreStats
 from workers.kvstore.store import KVStore
 

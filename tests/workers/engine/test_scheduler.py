@@ -1,7 +1,7 @@
 from workers.engine.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Scheduler
+from workers.engine.sched.scheduler import Scheduler
 
 
 def make_request(rid: str, length: int, start: int = 0) -> Request:

@@ -10,8 +10,8 @@ from workers.cost_model import PrefillCostModel
 from workers.engine import LLM, SamplingParams
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.scheduler import Scheduler
-from workers.engine.step_budget import StepBudget
+from workers.engine.sched.scheduler import Scheduler
+from workers.engine.sched.step_budget import StepBudget
 
 # 1 s fixed, 1 s per token, nothing else: a budget of 1 + n seconds fits n tokens.
 UNIT = PrefillCostModel(a=1.0, b=1.0, d=0.0, e=0.0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.engine.runner.input_batch import InputBatch, PackedLayout, StepInputs
-from workers.engine.scheduler import ScheduledRequest
+from workers.engine.sched.scheduler import ScheduledRequest
 
 MODES = ("greedy", "sample")
 

@@ -21,7 +21,7 @@ import torch
 
 from kernels.attention import NULL_PAGE, DeviceStepTensors
 from kernels.sampling import seed_words
-from workers.engine.scheduler import ScheduledRequest
+from workers.engine.sched.scheduler import ScheduledRequest
 
 # Sections of the packed step buffer, each `tokens` or `seqs` long, in this order.
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")

@@ -29,7 +29,7 @@ from workers.engine.models.llama import DecoderForCausalLM
 from workers.engine.runner.device_sampling import greedy_tokens, needs_host_sampler, sample_tokens
 from workers.engine.runner.input_batch import InputBatch, StepInputs
 from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
-from workers.engine.scheduler import ScheduledRequest, SchedulerOutput
+from workers.engine.sched.scheduler import ScheduledRequest, SchedulerOutput
 
 # Prompt logprobs are computed this many positions at a time, which bounds the [rows, vocab] logits
 # a long prompt chunk would otherwise materialise at once.

@@ -17,7 +17,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.constraints import TokenConstraint
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.step_budget import StepBudget
+from workers.engine.sched.step_budget import StepBudget
 from workers.engine.store_connector import KVLoad, LoadedBlocks
 
 
