@@ -30,7 +30,8 @@ from workers.engine.outputs import RequestDelta
 from workers.engine.request import PENDING_TOKEN, FinishReason, Request
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sched.scheduler import Scheduler, SchedulerOutput
+from workers.engine.sched.output import SchedulerOutput
+from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.store_connector import StoreConnector, StoreStats
 from workers.kvstore.store import KVStore
@@ -252,7 +253,7 @@ class LLMEngine:
         """
         output = self.scheduler.schedule()
         in_flight, self._in_flight = self._in_flight, None
-        if not output.scheduled:
+        if output.is_empty:
             if in_flight is None:
                 self._wait_for_fetches()
                 return []
@@ -277,8 +278,8 @@ class LLMEngine:
         for computed in result.prompt_logprobs:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
         if self.store is not None:
-            for scheduled in output.scheduled:
-                self.store.save_completed_blocks(self.requests[scheduled.request_id])
+            for request_id in output.request_ids:
+                self.store.save_completed_blocks(self.requests[request_id])
         deltas = []
         for sampled in result.sampled:
             request = self.requests.get(sampled.request_id)
@@ -300,20 +301,23 @@ class LLMEngine:
         return (
             self.config.async_scheduling
             and self.store is None
-            and not any(s.sample and _is_prefill_only(self.requests.get(s.request_id)) for s in output.scheduled)
+            and not any(
+                sample and _is_prefill_only(self.requests.get(request_id))
+                for request_id, sample in zip(output.request_ids, output.sample, strict=True)
+            )
         )
 
     def _add_pending_tokens(self, output: SchedulerOutput) -> None:
         """Each request that sampled in the launched step and may go on gets a pending token, so the
         next schedule() gives it a decode step before its sampled id is known."""
-        for scheduled in output.scheduled:
-            request = self.requests.get(scheduled.request_id)
+        for request_id, sample in zip(output.request_ids, output.sample, strict=True):
+            request = self.requests.get(request_id) if sample else None
             # A request the previous step finished is gone; its token from this step will be dropped.
-            if request is not None and scheduled.sample and len(request.output_token_ids) + 1 < request.max_tokens:
+            if request is not None and len(request.output_token_ids) + 1 < request.max_tokens:
                 request.output_token_ids.append(PENDING_TOKEN)
 
     def _record_prediction(self, output: SchedulerOutput, seconds: float) -> None:
-        rows = [(len(scheduled.token_ids), scheduled.start_position) for scheduled in output.scheduled]
+        rows = list(zip(output.num_scheduled_tokens, output.num_computed_tokens, strict=True))
         self.prediction_errors.record(self.config.cost_model.predict_step(rows), seconds)
 
     def _wait_for_fetches(self) -> None:

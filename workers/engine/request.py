@@ -62,6 +62,9 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     pages: list[int] = field(default_factory=list)
+    # How many of `pages` the model runner has been told of; -1 while it does not hold the request
+    # (before its first step, and again after preemption), when it is described in full.
+    num_pages_sent: int = -1
     # Hashes of the request's full pages, in order; the chain continues from the last.
     page_hashes: list[BlockHash] = field(default_factory=list)
     # The request's keys in the global KV store (blocks of its tokens), extended as blocks fill.
@@ -134,5 +137,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.pages = []
+        self.num_pages_sent = -1
         self.page_hashes = []
         self.num_preemptions += 1

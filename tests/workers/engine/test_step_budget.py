@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from tests.workers.engine.test_scheduler import make_request, run_step
+from tests.workers.engine.test_scheduler import make_request, rows, run_step
 from workers.cost_model import PrefillCostModel
 from workers.engine import LLM, SamplingParams
 from workers.engine.block_manager import BlockManager
@@ -33,7 +33,7 @@ def test_a_prompt_is_chunked_to_what_the_budget_fits():
 
     chunks = []
     while not requests["a"].output_token_ids:
-        chunks.append([len(s.token_ids) for s in run_step(planner, requests).scheduled])
+        chunks.append([s.num_tokens for s in rows(run_step(planner, requests))])
 
     assert chunks == [[10], [10], [5]]
 
@@ -44,7 +44,7 @@ def test_context_makes_later_chunks_smaller():
     requests = {"a": make_request("a", 60)}
     planner.add(requests["a"])
 
-    sizes = [len(run_step(planner, requests).scheduled[0].token_ids) for _ in range(3)]
+    sizes = [rows(run_step(planner, requests))[0].num_tokens for _ in range(3)]
 
     assert sizes[0] == 10 and sizes[0] > sizes[1] > sizes[2]
 
@@ -59,7 +59,7 @@ def test_decodes_always_run_and_prefill_gets_what_is_left():
     second = run_step(planner, requests)
 
     # a decodes (1 s); b gets the 3 s left.
-    assert [(s.request_id, len(s.token_ids)) for s in second.scheduled] == [("a", 1), ("b", 3)]
+    assert [(s.request_id, s.num_tokens) for s in rows(second)] == [("a", 1), ("b", 3)]
 
 
 def test_a_step_over_budget_still_makes_progress():
@@ -70,7 +70,7 @@ def test_a_step_over_budget_still_makes_progress():
 
     output = run_step(planner, requests)
 
-    assert [(s.request_id, len(s.token_ids)) for s in output.scheduled] == [("a", 1)]
+    assert [(s.request_id, s.num_tokens) for s in rows(output)] == [("a", 1)]
 
 
 def test_a_step_budget_needs_a_cost_model_and_a_positive_budget():

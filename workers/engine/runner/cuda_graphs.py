@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.runner.input_batch import InputBatch, PackedLayout, StepInputs
-from workers.engine.sched.scheduler import ScheduledRequest
+from workers.engine.runner.input_batch import InputBatch, PackedLayout, StepInputs, StepPlan
+from workers.engine.runner.request_states import RequestStates
+from workers.engine.sched.output import SchedulerOutput
 
 MODES = ("greedy", "sample")
 
@@ -56,7 +57,7 @@ class DecodeGraphs:
         self.buckets = [self._bucket(size) for size in bucket_sizes(max_size)]
 
     def _bucket(self, size: int) -> _Bucket:
-        layout = PackedLayout(size, size)
+        layout = PackedLayout(size, size, size)
         return _Bucket(size, layout, torch.zeros(layout.size, dtype=torch.int64, device=self.device))
 
     def capture(self, modes: Sequence[str] = MODES) -> None:
@@ -65,7 +66,7 @@ class DecodeGraphs:
                 self._capture(bucket, mode)
 
     def _capture(self, bucket: _Bucket, mode: str) -> None:
-        _, packed = self.batch.prepare([], pad_to=bucket.size)
+        _, packed = self.batch.prepare(StepPlan.empty(), SchedulerOutput(), RequestStates(), pad_to=bucket.size)
         bucket.buffer.copy_(packed)
         inputs = self.batch.step_inputs(bucket.layout, bucket.buffer, decode_only=True, max_query_len=1)
         self.forward(inputs, mode)  # warm-up: compiles kernels, fills lazy caches, outside the graph
@@ -79,13 +80,15 @@ class DecodeGraphs:
     def fits(self, num_requests: int) -> bool:
         return num_requests <= self.max_size
 
-    def run(self, scheduled: Sequence[ScheduledRequest], mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the step: (logits [n, V], token ids [n]) as views of the graph's static outputs."""
-        n = len(scheduled)
+    def run(
+        self, plan: StepPlan, output: SchedulerOutput, states: RequestStates, mode: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay a decode step: (logits [n, V], token ids [n]) as views of the graph's static outputs."""
+        n = len(plan.rows)
         bucket = next(b for b in self.buckets if b.size >= n)
         if mode not in bucket.graphs:
             self._capture(bucket, mode)
-        _, packed = self.batch.prepare(scheduled, pad_to=bucket.size)
+        _, packed = self.batch.prepare(plan, output, states, pad_to=bucket.size)
         bucket.buffer.copy_(packed, non_blocking=True)
         bucket.graphs[mode].replay()
         logits, tokens = bucket.outputs[mode]

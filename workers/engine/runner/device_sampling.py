@@ -8,11 +8,26 @@ Requests that also need logit bias, penalties, logprobs or an output constraint 
 host-driven Sampler instead (see ModelRunner).
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels import sampling
-from workers.engine.runner.input_batch import SamplingTensors
 from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Per sampling sequence, its parameters on the device, for runner.device_sampling."""
+
+    greedy: torch.Tensor  # [samples] bool
+    temperature: torch.Tensor  # [samples] float32, 1 for greedy rows
+    top_k: torch.Tensor  # [samples] int64, 0 = off
+    top_p: torch.Tensor  # [samples] float32, 1 = off
+    min_p: torch.Tensor  # [samples] float32, 0 = off
+    seed_lo: torch.Tensor  # [samples] int64
+    seed_hi: torch.Tensor
+    step: torch.Tensor  # [samples] int64: tokens the request has sampled before this one
 
 
 def needs_host_sampler(params: SamplingParams, has_constraint: bool) -> bool:

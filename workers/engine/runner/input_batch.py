@@ -1,15 +1,22 @@
-"""A persistent input batch: per-request rows whose block tables live on the device.
+"""A persistent input batch: per-request rows whose block tables and sampling settings stay put.
 
 The chain a step's requests pass through on the device path:
-  SchedulerOutput (scheduler; request ids, token ids, block ids; host)
-  -> InputBatch rows (this module; one row per running request, its block table kept in a pinned
-     host mirror and on the device, updated only where pages were added or replaced)
-  -> StepInputs (this module; the step's tokens, positions, slots, lengths, row indices and
-     sampling parameters, packed into one pinned int64 buffer and sent in ONE host-to-device copy)
+  SchedulerOutput (scheduler; request ids, token counts, block-id diffs; host)
+  -> InputBatch rows (this module; one row per running request: its block table in a pinned host
+     mirror and on the device, its sampling settings in host arrays, updated only when a request
+     arrives or gets pages)
+  -> StepPlan (this module; the step's rows, counts and positions as numpy arrays, built with
+     vectorised ops over the rows, not per-request Python)
+  -> StepInputs (this module; the step's tokens, positions, slots, lengths, row indices and the
+     sampling parameters of the sequences that sample, packed into one pinned int64 buffer and sent
+     in ONE host-to-device copy)
   -> DeviceStepTensors (kernels.attention.backend; views of that copy plus the step's block tables
      gathered on the device from the rows), read by the model, the attention backend, the sampler.
 
-Nothing here reads device memory back, so preparing a step never waits for the GPU.
+A decode token is usually the one the previous step sampled for the row, which stays on the device
+(`last_tokens`): such a token, and a pending one (request.PENDING_TOKEN) in a request's output, is
+read there, so decoding needs no token ids from the host. Nothing here reads device memory back, so
+preparing a step never waits for the GPU.
 """
 
 import random
@@ -21,49 +28,67 @@ import torch
 
 from kernels.attention import NULL_PAGE, DeviceStepTensors
 from kernels.sampling import seed_words
-from workers.engine.sched.scheduler import ScheduledRequest
+from workers.engine.runner.device_sampling import SamplingTensors, needs_host_sampler
+from workers.engine.runner.request_states import RequestState, RequestStates
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sched.output import SchedulerOutput
 
-# Sections of the packed step buffer, each `tokens` or `seqs` long, in this order.
+# Sections of the packed step buffer, each `tokens`, `seqs` or `samples` long, in this order.
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")
-SEQ_FIELDS = ("seq_lens", "query_start", "rows", "logit_rows", "greedy", "top_k", "seed_lo", "seed_hi", "step")
-FLOAT_SEQ_FIELDS = ("temperature", "top_p", "min_p")  # stored as float64 bit patterns in the int64 buffer
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingTensors:
-    """Per-sequence sampling parameters on the device, for runner.device_sampling."""
-
-    greedy: torch.Tensor  # [seqs] bool
-    temperature: torch.Tensor  # [seqs] float32, 1 for greedy rows
-    top_k: torch.Tensor  # [seqs] int64, 0 = off
-    top_p: torch.Tensor  # [seqs] float32, 1 = off
-    min_p: torch.Tensor  # [seqs] float32, 0 = off
-    seed_lo: torch.Tensor  # [seqs] int64
-    seed_hi: torch.Tensor
-    step: torch.Tensor  # [seqs] int64: tokens the request has sampled so far
+SEQ_FIELDS = ("seq_lens", "query_start", "rows")
+SAMPLE_FIELDS = ("logit_rows", "sample_rows", "greedy", "top_k", "seed_lo", "seed_hi", "step")
+FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p")  # stored as float64 bit patterns in the int64 buffer
 
 
 @dataclass(frozen=True, slots=True)
 class StepInputs:
-    input_ids: torch.Tensor  # [tokens] int64, pending tokens already replaced by their sampled ids
+    input_ids: torch.Tensor  # [tokens] int64, tokens kept on the device already filled in
     attention: DeviceStepTensors
-    rows: torch.Tensor  # [seqs] int64: each sequence's row in the input batch
-    logit_rows: torch.Tensor  # [seqs] int64: each sequence's last token row (its logits row)
+    logit_rows: torch.Tensor  # [samples] int64: the token row whose logits each sampling sequence reads
+    sample_rows: torch.Tensor  # [samples] int64: each sampling sequence's row in the input batch
     sampling: SamplingTensors
 
 
-class PackedLayout:
-    """Offsets of each field in a packed buffer sized for `tokens` tokens and `seqs` sequences."""
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step over the batch's rows, as host arrays (sequences in the scheduler's order)."""
 
-    def __init__(self, tokens: int, seqs: int) -> None:
-        self.tokens, self.seqs = tokens, seqs
+    rows: np.ndarray  # [seqs] each sequence's row
+    counts: np.ndarray  # [seqs] tokens it computes
+    starts: np.ndarray  # [seqs] its first position
+    sampling: np.ndarray  # indices of the sequences that sample, in order
+    host_sampled: np.ndarray  # of those, the indices (into `sampling`) that the host-driven Sampler samples
+    all_greedy: bool  # every sampling sequence is greedy
+    decode_only: bool  # every sequence computes one token and samples, none reports prompt logprobs
+    prompt_logprobs: list[int]  # sequences reporting prompt logprobs this step
+
+    @classmethod
+    def empty(cls) -> "StepPlan":
+        """No sequences: what a CUDA graph is captured over, every sequence padding."""
+        none = np.zeros(0, dtype=np.int64)
+        return cls(none, none, none, none, none, all_greedy=True, decode_only=True, prompt_logprobs=[])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.counts.max())
+
+
+class PackedLayout:
+    """Offsets of each field in a packed buffer for `tokens` tokens, `seqs` sequences and `samples`
+    sampling sequences."""
+
+    def __init__(self, tokens: int, seqs: int, samples: int) -> None:
+        self.tokens, self.seqs, self.samples = tokens, seqs, samples
         self.slices: dict[str, slice] = {}
         offset = 0
-        for name in TOKEN_FIELDS:
-            self.slices[name] = slice(offset, offset + tokens)
-            offset += tokens
-        for name in SEQ_FIELDS + FLOAT_SEQ_FIELDS:
-            size = seqs + 1 if name == "query_start" else seqs
+        sizes = [(name, tokens) for name in TOKEN_FIELDS]
+        sizes += [(name, seqs + 1 if name == "query_start" else seqs) for name in SEQ_FIELDS]
+        sizes += [(name, samples) for name in SAMPLE_FIELDS + FLOAT_SAMPLE_FIELDS]
+        for name, size in sizes:
             self.slices[name] = slice(offset, offset + size)
             offset += size
         self.size = offset
@@ -77,24 +102,36 @@ class InputBatch:
         self.page_size = page_size
         self.device = device
         pin = device.type == "cuda"
-        self.tables_host = torch.full((max_rows + 1, max_pages), NULL_PAGE, dtype=torch.int32, pin_memory=pin)
+        size = max_rows + 1
+        self.tables_host = torch.full((size, max_pages), NULL_PAGE, dtype=torch.int32, pin_memory=pin)
         self.tables_np = self.tables_host.numpy()
         self.tables = self.tables_host.to(device)
         self.row_of: dict[str, int] = {}
-        self.row_pages: list[list[int]] = [[] for _ in range(max_rows + 1)]
-        self.row_seed: list[tuple[int, int]] = [(0, 0)] * (max_rows + 1)
+        self.num_row_pages = np.zeros(size, dtype=np.int64)
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self._changed: set[int] = set()
+        # Per-row settings, written when a request gets its row.
+        self.prompt_len = np.zeros(size, dtype=np.int64)
+        self.greedy = np.ones(size, dtype=np.int64)
+        self.top_k = np.zeros(size, dtype=np.int64)
+        self.seed_lo = np.zeros(size, dtype=np.int64)
+        self.seed_hi = np.zeros(size, dtype=np.int64)
+        self.temperature = np.ones(size, dtype=np.float64)
+        self.top_p = np.ones(size, dtype=np.float64)
+        self.min_p = np.zeros(size, dtype=np.float64)
+        self.host_sampled = np.zeros(size, dtype=bool)  # needs the host-driven Sampler's extras
+        self.reports_prompt_logprobs = np.zeros(size, dtype=bool)  # asked for prompt logprobs
+        # Whether last_tokens[row] holds the token at the row's next position (the row sampled last).
+        self.token_on_device = np.zeros(size, dtype=bool)
         # Pinned staging, two of each used in turn: with async scheduling the host fills step N+1's
         # while step N's copies may still be queued; step N-1's have finished by then.
-        self._changed_index = [torch.empty(max_rows + 1, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._changed_index = [torch.empty(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._changed_rows = [torch.empty_like(self.tables_host, pin_memory=pin) for _ in range(2)]
         self._staging = [torch.empty(0, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self._pin = pin
-        # Each row's last sampled token, written on the device by every step: a pending token
-        # (request.PENDING_TOKEN) in the next step's input is read from here.
-        self.last_tokens = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
+        # Each row's last sampled token, written on the device by every step that samples for it.
+        self.last_tokens = torch.zeros(size, dtype=torch.int64, device=device)
         # Seeds for requests that have none: reproducible for a given engine seed and arrival order.
         self._random = random.Random(seed)
 
@@ -102,90 +139,146 @@ class InputBatch:
     def padding_row(self) -> int:
         return self.max_rows
 
-    def release(self, request_ids: Sequence[str]) -> None:
-        """Free the rows of finished, aborted, transferred or preempted requests."""
-        for request_id in request_ids:
+    def update(self, output: SchedulerOutput, dropped: Sequence[str]) -> None:
+        """Free the rows of dropped requests, give new ones rows, extend the tables of the others."""
+        for request_id in dropped:
             row = self.row_of.pop(request_id, None)
             if row is not None:
-                self.row_pages[row] = []
                 self.free_rows.append(row)
+        for new in output.new_requests:
+            if len(new.block_ids) != 1:
+                raise ValueError(f"the input batch holds one KV-cache group, got {len(new.block_ids)}")
+            self._add(new.request_id, new.params, len(new.prompt_token_ids), new.prompt_logprobs is not None)
+            self._set_table(self.row_of[new.request_id], new.block_ids[0], start=0)
+            self.host_sampled[self.row_of[new.request_id]] = needs_host_sampler(new.params, new.constraint is not None)
+        for request_id, (added,) in output.new_block_ids.items():
+            row = self.row_of[request_id]
+            self._set_table(row, added, start=int(self.num_row_pages[row]))
 
-    def _row(self, scheduled: ScheduledRequest) -> int:
-        row = self.row_of.get(scheduled.request_id)
-        if row is None:
-            if not self.free_rows:
-                raise RuntimeError(f"input batch is full ({self.max_rows} rows)")
-            row = self.free_rows.pop()
-            self.row_of[scheduled.request_id] = row
-            seed = scheduled.params.seed if scheduled.params.seed is not None else self._random.getrandbits(64)
-            self.row_seed[row] = seed_words(seed)
-        table, known = scheduled.block_table, self.row_pages[row]
-        if len(table) != len(known) or table[-1:] != known[-1:]:
-            start = len(known) if table[: len(known)] == known else 0
-            self.tables_np[row, start : len(table)] = table[start:]
-            self.tables_np[row, len(table) :] = NULL_PAGE
-            self.row_pages[row] = list(table)
-            self._changed.add(row)
-        return row
+    def _add(self, request_id: str, params: SamplingParams, prompt_len: int, reports_prompt_logprobs: bool) -> None:
+        if not self.free_rows:
+            raise RuntimeError(f"input batch is full ({self.max_rows} rows)")
+        row = self.free_rows.pop()
+        self.row_of[request_id] = row
+        seed = params.seed if params.seed is not None else self._random.getrandbits(64)
+        self.seed_lo[row], self.seed_hi[row] = seed_words(seed)
+        greedy = params.temperature == 0
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else params.temperature
+        self.top_k[row] = max(params.top_k, 0)
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.prompt_len[row] = prompt_len
+        self.reports_prompt_logprobs[row] = reports_prompt_logprobs
+        self.token_on_device[row] = False
+        self.num_row_pages[row] = 0
+
+    def _set_table(self, row: int, pages: list[int], *, start: int) -> None:
+        end = start + len(pages)
+        self.tables_np[row, start:end] = pages
+        if start == 0:
+            self.tables_np[row, end:] = NULL_PAGE
+        self.num_row_pages[row] = end
+        self._changed.add(row)
+
+    def plan(self, output: SchedulerOutput, states: RequestStates) -> StepPlan:
+        n = len(output.request_ids)
+        row_of = self.row_of
+        rows = np.fromiter((row_of[request_id] for request_id in output.request_ids), dtype=np.int64, count=n)
+        counts = np.asarray(output.num_scheduled_tokens, dtype=np.int64)
+        starts = np.asarray(output.num_computed_tokens, dtype=np.int64)
+        sample = np.asarray(output.sample, dtype=bool)
+        sampling = np.flatnonzero(sample)
+        sample_rows = rows[sampling]
+        prompt_logprobs = [
+            int(i)
+            for i in np.flatnonzero(self.reports_prompt_logprobs[rows])
+            if states[output.request_ids[i]].reports_prompt_logprobs
+        ]
+        return StepPlan(
+            rows=rows,
+            counts=counts,
+            starts=starts,
+            sampling=sampling,
+            host_sampled=np.flatnonzero(self.host_sampled[sample_rows]),
+            all_greedy=bool(self.greedy[sample_rows].all()),
+            decode_only=bool(n) and bool((counts == 1).all() and sample.all()) and not prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def prepare(
-        self, scheduled: Sequence[ScheduledRequest], *, pad_to: int | None = None
+        self,
+        plan: StepPlan,
+        output: SchedulerOutput,
+        states: RequestStates,
+        *,
+        pad_to: int | None = None,
     ) -> tuple[PackedLayout, torch.Tensor]:
-        """Rows for the step's requests, the changed block-table rows sent to the device, and the
-        step's packed host buffer (a pinned int64 tensor). `pad_to` pads a decode step to a graph
-        bucket with sequences of length 0 on the padding row."""
+        """Send the changed block-table rows to the device, and fill the step's packed host buffer (a
+        pinned int64 tensor). `pad_to` pads a decode step to a graph bucket with sequences of length 0
+        on the padding row."""
         self._turn ^= 1
-        rows = [self._row(s) for s in scheduled]
         self._send_changed_rows()
-        query_lens = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
-        num_tokens = int(query_lens.sum())
-        seqs = pad_to or len(scheduled)
-        tokens = pad_to or num_tokens
-        layout = PackedLayout(tokens, seqs)
+        n = len(plan.rows)
+        num_tokens = plan.num_tokens
+        num_samples = len(plan.sampling)
+        layout = PackedLayout(pad_to or num_tokens, pad_to or n, pad_to or num_samples)
         staging = self._staging[self._turn]
         if staging.numel() < layout.size:
             size = max(layout.size, 2 * staging.numel())
             staging = self._staging[self._turn] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
         packed = staging[: layout.size].numpy()
         fields = {name: packed[cut] for name, cut in layout.slices.items()}
-        starts = np.fromiter((s.start_position for s in scheduled), dtype=np.int64, count=len(scheduled))
-        rows_np = np.asarray(rows, dtype=np.int64)
-        seq_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
-        query_start = np.concatenate([[0], np.cumsum(query_lens)])
+        rows, counts, starts = plan.rows, plan.counts, plan.starts
+        seq_of_token = np.repeat(np.arange(n), counts)
+        query_start = np.concatenate([[0], np.cumsum(counts)])
         positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
-        fields["input_ids"][:num_tokens] = [t for s in scheduled for t in s.token_ids]
+        self._fill_tokens(fields["input_ids"], plan, output, states, query_start)
         fields["positions"][:num_tokens] = positions
-        page = self.tables_np[rows_np[seq_of_token], positions // self.page_size]
+        page = self.tables_np[rows[seq_of_token], positions // self.page_size]
         fields["slot_mapping"][:num_tokens] = page * self.page_size + positions % self.page_size
-        fields["token_rows"][:num_tokens] = rows_np[seq_of_token]
-        n = len(scheduled)
-        fields["seq_lens"][:n] = starts + query_lens
+        fields["token_rows"][:num_tokens] = rows[seq_of_token]
+        fields["seq_lens"][:n] = starts + counts
         fields["query_start"][: n + 1] = query_start
-        fields["rows"][:n] = rows_np
-        fields["logit_rows"][:n] = query_start[1:] - 1
-        self._fill_sampling(fields, scheduled, rows)
-        if seqs > n or tokens > num_tokens:
-            self._fill_padding(fields, layout, n, num_tokens)
+        fields["rows"][:n] = rows
+        sampling = plan.sampling
+        sample_rows = rows[sampling]
+        fields["logit_rows"][:num_samples] = query_start[sampling + 1] - 1
+        fields["sample_rows"][:num_samples] = sample_rows
+        for name in ("greedy", "top_k", "seed_lo", "seed_hi"):
+            fields[name][:num_samples] = getattr(self, name)[sample_rows]
+        fields["step"][:num_samples] = starts[sampling] + counts[sampling] - self.prompt_len[sample_rows]
+        for name in FLOAT_SAMPLE_FIELDS:
+            fields[name].view(np.float64)[:num_samples] = getattr(self, name)[sample_rows]
+        if pad_to is not None:
+            self._fill_padding(fields, layout, n, num_tokens, num_samples)
+        # After this step, the rows that sample hold their next token on the device.
+        self.token_on_device[rows] = False
+        self.token_on_device[sample_rows] = True
         return layout, staging[: layout.size]
 
-    def _fill_sampling(
-        self, fields: dict[str, np.ndarray], scheduled: Sequence[ScheduledRequest], rows: list[int]
+    def _fill_tokens(
+        self,
+        input_ids: np.ndarray,
+        plan: StepPlan,
+        output: SchedulerOutput,
+        states: RequestStates,
+        query_start: np.ndarray,
     ) -> None:
-        n = len(scheduled)
-        params = [s.params for s in scheduled]
-        greedy = np.fromiter((p.temperature == 0 for p in params), dtype=bool, count=n)
-        fields["greedy"][:n] = greedy
-        fields["top_k"][:n] = [max(p.top_k, 0) for p in params]
-        fields["seed_lo"][:n] = [self.row_seed[row][0] for row in rows]
-        fields["seed_hi"][:n] = [self.row_seed[row][1] for row in rows]
-        fields["step"][:n] = [len(s.output_token_ids) for s in scheduled]
-        fields["temperature"].view(np.float64)[:n] = np.where(greedy, 1.0, [p.temperature for p in params])
-        fields["top_p"].view(np.float64)[:n] = [p.top_p for p in params]
-        fields["min_p"].view(np.float64)[:n] = [p.min_p for p in params]
+        """-1 (read on the device) for a one-token step whose token the row sampled last; the other
+        sequences' tokens from their requests (a pending token among them is -1 there too)."""
+        kept = (plan.counts == 1) & self.token_on_device[plan.rows]
+        input_ids[query_start[:-1][kept]] = -1
+        for i in np.flatnonzero(~kept):
+            state: RequestState = states[output.request_ids[i]]
+            start = int(plan.starts[i])
+            input_ids[query_start[i] : query_start[i + 1]] = state.token_slice(start, start + int(plan.counts[i]))
 
-    def _fill_padding(self, fields: dict[str, np.ndarray], layout: PackedLayout, n: int, num_tokens: int) -> None:
-        """Padding sequences: one token each on the padding row, length 0 (attention writes zeros),
-        slot -1 (nothing is written to the cache), greedy."""
+    def _fill_padding(
+        self, fields: dict[str, np.ndarray], layout: PackedLayout, n: int, num_tokens: int, samples: int
+    ) -> None:
+        """Padding sequences (of a decode step: each samples): one token each on the padding row,
+        length 0 (attention writes zeros), slot -1 (nothing is written to the cache), greedy."""
         fields["input_ids"][num_tokens:] = 0
         fields["positions"][num_tokens:] = 0
         fields["slot_mapping"][num_tokens:] = -1
@@ -193,11 +286,13 @@ class InputBatch:
         fields["seq_lens"][n:] = 0
         fields["query_start"][n + 1 :] = num_tokens + np.arange(1, layout.seqs - n + 1)
         fields["rows"][n:] = self.padding_row
-        fields["logit_rows"][n:] = np.minimum(np.arange(num_tokens, num_tokens + layout.seqs - n), layout.tokens - 1)
+        padding_tokens = np.arange(num_tokens, num_tokens + layout.samples - samples)
+        fields["logit_rows"][samples:] = np.minimum(padding_tokens, layout.tokens - 1)
+        fields["sample_rows"][samples:] = self.padding_row
         for name in ("greedy", "seed_lo", "seed_hi", "step", "top_k"):
-            fields[name][n:] = 1 if name == "greedy" else 0
+            fields[name][samples:] = 1 if name == "greedy" else 0
         for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0)):
-            fields[name].view(np.float64)[n:] = value
+            fields[name].view(np.float64)[samples:] = value
 
     def _send_changed_rows(self) -> None:
         if not self._changed:
@@ -217,7 +312,7 @@ class InputBatch:
     ) -> StepInputs:
         """Views of a device copy of the packed buffer, and the step's block tables gathered from the rows."""
         view = {name: device_buffer[cut] for name, cut in layout.slices.items()}
-        as_float = {name: view[name].view(torch.float64).to(torch.float32) for name in FLOAT_SEQ_FIELDS}
+        as_float = {name: view[name].view(torch.float64).to(torch.float32) for name in FLOAT_SAMPLE_FIELDS}
         attention = DeviceStepTensors(
             positions=view["positions"],
             slot_mapping=view["slot_mapping"],
@@ -242,11 +337,11 @@ class InputBatch:
         return StepInputs(
             input_ids=input_ids,
             attention=attention,
-            rows=view["rows"],
             logit_rows=view["logit_rows"],
+            sample_rows=view["sample_rows"],
             sampling=sampling,
         )
 
     def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
-        """Keep each sequence's sampled token on the device for a pending token of the next step."""
-        self.last_tokens.index_copy_(0, inputs.rows, tokens)
+        """Keep each sampling sequence's token on the device for the row's next step."""
+        self.last_tokens.index_copy_(0, inputs.sample_rows, tokens)

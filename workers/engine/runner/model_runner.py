@@ -12,13 +12,16 @@ Two paths, chosen by the attention backend:
   penalties, logprobs or an output constraint are sampled from the same logits by the host-driven
   Sampler instead.
 
-Prompt logprobs (both paths) are computed eagerly for every prompt position of the requests that
-ask for them. This is the only engine component that builds tensors.
+Both paths read the runner's own record of its requests (runner.request_states), kept from the
+scheduler's output: each request in full once, then only the pages it gains. Prompt logprobs (both
+paths) are computed eagerly for every prompt position of the requests that ask for them. This is
+the only engine component that builds tensors.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata, StepBatch, get_backend
@@ -26,10 +29,11 @@ from kernels.batch_invariance import min_invariant_rows
 from workers.engine.kv_cache import KVCache
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.models.llama import DecoderForCausalLM
-from workers.engine.runner.device_sampling import greedy_tokens, needs_host_sampler, sample_tokens
-from workers.engine.runner.input_batch import InputBatch, StepInputs
+from workers.engine.runner.device_sampling import greedy_tokens, sample_tokens
+from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
+from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
 from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
-from workers.engine.sched.scheduler import ScheduledRequest, SchedulerOutput
+from workers.engine.sched.output import SchedulerOutput
 
 # Prompt logprobs are computed this many positions at a time, which bounds the [rows, vocab] logits
 # a long prompt chunk would otherwise materialise at once.
@@ -80,6 +84,7 @@ class ModelRunner:
         self.min_rows = min_invariant_rows() if device.type == "cpu" else 1
         self.sampler = Sampler(seed=seed)
         self.num_computed_tokens = 0  # tokens run through the model since start: proves prefix hits skip work
+        self.states = RequestStates()
         self.batch: InputBatch | None = None
         self.graphs = None
         # Pinned buffers for the sampled ids of the last two steps (async scheduling reads one late).
@@ -104,10 +109,11 @@ class ModelRunner:
     def launch(self, output: SchedulerOutput) -> "LaunchedStep":
         """Start the step. On the device path a step whose rows all sample on the device returns
         before the device is done (`deferred`); its result() waits for the sampled ids."""
+        dropped = self.states.update(output)
         if self.batch is None:
-            return LaunchedStep(self._execute_reference(output.scheduled))
-        self.batch.release(output.finished_request_ids + output.preempted)
-        return self._launch_on_device(output.scheduled)
+            return LaunchedStep(self._execute_reference(self.states.scheduled(output)))
+        self.batch.update(output, dropped)
+        return self._launch_on_device(output)
 
     def pinned_tokens(self, size: int) -> torch.Tensor:
         """One of two pinned buffers, in turn, for a step's sampled ids (size <= a graph bucket)."""
@@ -119,66 +125,56 @@ class ModelRunner:
 
     # The device path.
 
-    def _launch_on_device(self, scheduled: Sequence[ScheduledRequest]) -> "LaunchedStep":
-        self.num_computed_tokens += sum(len(s.token_ids) for s in scheduled)
-        decode_only = all(len(s.token_ids) == 1 and s.sample and s.prompt_logprobs is None for s in scheduled)
-        sampling = [i for i, s in enumerate(scheduled) if s.sample]
-        host_rows = [
-            i for i in sampling if needs_host_sampler(scheduled[i].params, scheduled[i].constraint is not None)
-        ]
-        all_greedy = all(scheduled[i].params.is_greedy for i in sampling)
-        mode = "greedy" if host_rows or all_greedy else "sample"
+    def _launch_on_device(self, output: SchedulerOutput) -> "LaunchedStep":
+        plan = self.batch.plan(output, self.states)
+        self.num_computed_tokens += plan.num_tokens
+        mode = "greedy" if len(plan.host_sampled) or plan.all_greedy else "sample"
         prompt_logprobs: list[PromptLogprobs] = []
-        if decode_only and self.graphs is not None and self.graphs.fits(len(scheduled)):
-            logits, tokens = self.graphs.run(scheduled, mode)
+        if plan.decode_only and self.graphs is not None and self.graphs.fits(len(plan.rows)):
+            logits, tokens = self.graphs.run(plan, output, self.states, mode)
         else:
-            layout, packed = self.batch.prepare(scheduled)
+            layout, packed = self.batch.prepare(plan, output, self.states)
             device_buffer = packed.to(self.device, non_blocking=True)
             inputs = self.batch.step_inputs(
-                layout,
-                device_buffer,
-                decode_only=decode_only,
-                max_query_len=max(len(s.token_ids) for s in scheduled),
+                layout, device_buffer, decode_only=plan.decode_only, max_query_len=plan.max_query_len
             )
             hidden = self._hidden(inputs)
-            prompt_logprobs = [
-                self._prompt_logprobs(s, hidden, int(start))
-                for s, start in zip(scheduled, layout_query_starts(scheduled), strict=True)
-                if s.prompt_logprobs is not None
-            ]
+            if plan.prompt_logprobs:
+                query_starts = np.concatenate([[0], np.cumsum(plan.counts)])
+                prompt_logprobs = [
+                    self._prompt_logprobs(self._sequence(output, i), hidden, int(query_starts[i]))
+                    for i in plan.prompt_logprobs
+                ]
+            if not len(plan.sampling):
+                return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
             tokens = self._sample(logits, inputs, mode)
-        if not sampling:
-            return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
-        if host_rows:
-            return LaunchedStep(self._sample_on_host(logits, scheduled, sampling, prompt_logprobs))
-        return LaunchedStep(None, DeferredTokens(tokens, [scheduled[i].request_id for i in sampling], sampling, self))
+        request_ids = [output.request_ids[i] for i in plan.sampling]
+        if len(plan.host_sampled):
+            return LaunchedStep(self._sample_on_host(logits, plan, request_ids, prompt_logprobs))
+        return LaunchedStep(None, DeferredTokens(tokens, request_ids, self))
+
+    def _sequence(self, output: SchedulerOutput, index: int) -> ScheduledSequence:
+        state = self.states[output.request_ids[index]]
+        start = output.num_computed_tokens[index]
+        count = output.num_scheduled_tokens[index]
+        return ScheduledSequence(state, state.token_slice(start, start + count), start, output.sample[index])
 
     def _sample_on_host(
-        self,
-        logits: torch.Tensor,
-        scheduled: Sequence[ScheduledRequest],
-        sampling: list[int],
-        prompt_logprobs: list[PromptLogprobs],
+        self, logits: torch.Tensor, plan: StepPlan, request_ids: list[str], prompt_logprobs: list[PromptLogprobs]
     ) -> StepOutput:
-        rows = [scheduled[i] for i in sampling]
-        result = self.sampler(
-            logits.index_select(0, torch.tensor(sampling, device=self.device)),
-            SamplingBatch(
-                params=[s.params for s in rows],
-                prompt_token_ids=[s.prompt_token_ids for s in rows],
-                output_token_ids=[s.output_token_ids for s in rows],
-                allowed_tokens=[s.constraint.allowed_tokens() if s.constraint else None for s in rows],
-            ),
-        )
+        """Every sampling row through the host-driven Sampler (on the device's logits): one of them
+        needs its extras, and the Sampler takes plain rows as they are."""
+        states = [self.states[request_id] for request_id in request_ids]
+        result = self.sampler(logits, _sampling_batch(states))
         sampled = [
-            SampledToken(s.request_id, token, entry)
-            for s, token, entry in zip(rows, result.token_ids, result.logprobs, strict=True)
+            SampledToken(state.request_id, token, entry)
+            for state, token, entry in zip(states, result.token_ids, result.logprobs, strict=True)
         ]
         # The next step reads a row's last token from the device: give it the host sampler's choice.
         chosen = torch.tensor(result.token_ids, dtype=torch.int64, device=self.device)
-        index = torch.tensor([self.batch.row_of[s.request_id] for s in rows], device=self.device)
-        self.batch.last_tokens.index_copy_(0, index, chosen)
+        rows = torch.from_numpy(plan.rows[plan.sampling]).to(self.device)
+        self.batch.last_tokens.index_copy_(0, rows, chosen)
         return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
 
     def _hidden(self, inputs: StepInputs) -> torch.Tensor:
@@ -208,12 +204,12 @@ class ModelRunner:
 
     # The reference path.
 
-    def _execute_reference(self, scheduled: Sequence[ScheduledRequest]) -> StepOutput:
+    def _execute_reference(self, scheduled: Sequence[ScheduledSequence]) -> StepOutput:
         input_ids = [token for s in scheduled for token in s.token_ids]
         step = StepBatch(
             query_lens=[len(s.token_ids) for s in scheduled],
-            seq_lens=[s.start_position + len(s.token_ids) for s in scheduled],
-            block_tables=[s.block_table for s in scheduled],
+            seq_lens=[s.start + len(s.token_ids) for s in scheduled],
+            block_tables=[s.state.block_ids[0] for s in scheduled],
             page_size=self.kv_cache.page_size,
             device=self.device,
         )
@@ -236,15 +232,9 @@ class ModelRunner:
         if not sampling:
             return StepOutput(sampled=[], prompt_logprobs=prompt_logprobs)
         logits = self._logits(hidden, [metadata.query_start[i + 1] - 1 for i, _ in sampling])
-        batch = SamplingBatch(
-            params=[s.params for _, s in sampling],
-            prompt_token_ids=[s.prompt_token_ids for _, s in sampling],
-            output_token_ids=[s.output_token_ids for _, s in sampling],
-            allowed_tokens=[s.constraint.allowed_tokens() if s.constraint else None for _, s in sampling],
-        )
-        result = self.sampler(logits, batch)
+        result = self.sampler(logits, _sampling_batch([s.state for _, s in sampling]))
         sampled = [
-            SampledToken(s.request_id, token, logprobs)
+            SampledToken(s.state.request_id, token, logprobs)
             for (_, s), token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
         ]
         return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
@@ -254,36 +244,36 @@ class ModelRunner:
         padded = rows + [rows[-1]] * max(self.min_rows - len(rows), 0)
         return self.model.compute_logits(hidden[torch.tensor(padded, device=self.device)])[: len(rows)]
 
-    def _prompt_logprobs(self, scheduled: ScheduledRequest, hidden: torch.Tensor, first_row: int) -> PromptLogprobs:
+    def _prompt_logprobs(self, scheduled: ScheduledSequence, hidden: torch.Tensor, first_row: int) -> PromptLogprobs:
         """Logprobs of the prompt tokens that follow this step's positions: position p's logits
         score prompt token p + 1; the last prompt position's logits are the sampling row."""
-        start = scheduled.start_position
-        stop = min(start + len(scheduled.token_ids), len(scheduled.prompt_token_ids) - 1)
+        start = scheduled.start
+        prompt = scheduled.state.prompt_token_ids
+        stop = min(start + len(scheduled.token_ids), len(prompt) - 1)
         entries: list[TokenLogprobs] = []
         for chunk_start in range(start, stop, PROMPT_LOGITS_ROWS):
             chunk_stop = min(chunk_start + PROMPT_LOGITS_ROWS, stop)
             rows = list(range(first_row + chunk_start - start, first_row + chunk_stop - start))
-            targets = torch.tensor(scheduled.prompt_token_ids[chunk_start + 1 : chunk_stop + 1], device=self.device)
+            targets = torch.tensor(prompt[chunk_start + 1 : chunk_stop + 1], device=self.device)
             num_top = [scheduled.prompt_logprobs] * len(rows)
             entries.extend(token_logprobs(self._logits(hidden, rows), targets, num_top))
-        return PromptLogprobs(request_id=scheduled.request_id, first_index=start + 1, entries=entries)
+        return PromptLogprobs(request_id=scheduled.state.request_id, first_index=start + 1, entries=entries)
 
 
-def layout_query_starts(scheduled: Sequence[ScheduledRequest]) -> list[int]:
-    """Each request's first row in the step's flattened tokens."""
-    starts, total = [], 0
-    for s in scheduled:
-        starts.append(total)
-        total += len(s.token_ids)
-    return starts
+def _sampling_batch(states: Sequence[RequestState]) -> SamplingBatch:
+    return SamplingBatch(
+        params=[s.params for s in states],
+        prompt_token_ids=[s.prompt_token_ids for s in states],
+        output_token_ids=[s.output_token_ids for s in states],
+        allowed_tokens=[s.constraint.allowed_tokens() if s.constraint else None for s in states],
+    )
 
 
 class DeferredTokens:
     """Sampled ids on their way to the host: one copy into pinned memory, read after its event."""
 
-    def __init__(self, tokens: torch.Tensor, request_ids: list[str], rows: list[int], runner: ModelRunner) -> None:
+    def __init__(self, tokens: torch.Tensor, request_ids: list[str], runner: ModelRunner) -> None:
         self.request_ids = request_ids
-        self.rows = rows
         if tokens.device.type == "cuda":
             self.host = runner.pinned_tokens(tokens.shape[0])
             self.host.copy_(tokens, non_blocking=True)
@@ -295,8 +285,7 @@ class DeferredTokens:
     def token_ids(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
-        ids = self.host.tolist()
-        return [ids[row] for row in self.rows]
+        return self.host[: len(self.request_ids)].tolist()
 
 
 class LaunchedStep:

@@ -10,48 +10,13 @@ request objects and lists of ints; it never touches tensors.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from workers.block_hash import BlockHash
 from workers.engine.block_manager import BlockManager
-from workers.engine.constraints import TokenConstraint
 from workers.engine.request import Request, RequestStatus
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sched.output import NewRequestData, SchedulerOutput
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.store_connector import KVLoad, LoadedBlocks
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step: what the model runner needs and nothing else."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens to compute this step
-    start_position: int  # position of token_ids[0] (= tokens already computed)
-    block_table: list[int]  # the request's pages, in order
-    sample: bool  # this step reaches the last known token: sample the next one
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    constraint: TokenConstraint | None  # masks the sampled token
-    # Top alternatives to report for the prompt tokens this step computes, when the request asked
-    # for prompt logprobs and they are not yet reported; else None.
-    prompt_logprobs: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    preempted: list[str]
-    # Store blocks to copy into pages before the step runs (requests admitted with a store hit).
-    loads: list[KVLoad] = field(default_factory=list)
-    # Requests that left the scheduler (finished, aborted, handed off) since the last scheduled step:
-    # the model runner drops their rows.
-    finished_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
 
 
 class Scheduler:
@@ -62,12 +27,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         step_budget: StepBudget | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
-        """`step_budget`, when given, also caps each step by predicted time (see step_budget)."""
+        """`step_budget`, when given, also caps each step by predicted time (see step_budget);
+        `num_lookahead_tokens` more slots past every scheduled token are covered by pages (room for
+        speculative tokens)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_budget = step_budget
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_admitted_prompt_tokens = 0
@@ -122,7 +91,7 @@ class Scheduler:
                 count = time_left.fit(count, cached_tokens + loaded_tokens, first=not plan)
                 if not count:
                     break
-            if not self.block_manager.allocate(request, loaded_tokens + count, cached):
+            if not self.block_manager.allocate(request, loaded_tokens + count + self.num_lookahead_tokens, cached):
                 break
             del self.waiting[position]
             request.store_fetch = None
@@ -140,12 +109,15 @@ class Scheduler:
             budget -= count
 
         finished, self._finished_ids = (self._finished_ids, []) if plan else ([], self._finished_ids)
-        return SchedulerOutput(
-            scheduled=[self._describe(r, n) for r, n in plan],
+        output = SchedulerOutput(
+            num_lookahead_tokens=self.num_lookahead_tokens,
             preempted=preempted,
             loads=loads,
             finished_request_ids=finished,
         )
+        for request, count in plan:
+            self._describe(request, count, output)
+        return output
 
     @staticmethod
     def _with_fetched_blocks(
@@ -166,7 +138,7 @@ class Scheduler:
 
         False when `request` itself had to be preempted.
         """
-        while not self.block_manager.allocate(request, count):
+        while not self.block_manager.allocate(request, count + self.num_lookahead_tokens):
             victim = self.running.pop()
             self.block_manager.free(victim)
             victim.reset_for_recompute()
@@ -177,26 +149,37 @@ class Scheduler:
                 return False
         return True
 
-    def _describe(self, request: Request, count: int) -> ScheduledRequest:
+    @staticmethod
+    def _describe(request: Request, count: int, output: SchedulerOutput) -> None:
+        """Add the request's share of the step: in full if the runner does not hold it yet, else the
+        pages it was given since it was last described."""
         start = request.num_computed_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_slice(start, start + count),
-            start_position=start,
-            block_table=request.pages,
-            sample=start + count == request.num_tokens,
-            params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            constraint=request.constraint,
-            prompt_logprobs=request.prompt_logprobs if request.needs_prompt_logits else None,
-        )
+        output.request_ids.append(request.request_id)
+        output.num_scheduled_tokens.append(count)
+        output.num_computed_tokens.append(start)
+        output.sample.append(start + count == request.num_tokens)
+        pages = request.pages
+        if request.num_pages_sent < 0:
+            output.new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    params=request.params,
+                    constraint=request.constraint,
+                    prompt_logprobs=request.prompt_logprobs,
+                    block_ids=(list(pages),),
+                )
+            )
+        elif len(pages) > request.num_pages_sent:
+            output.new_block_ids[request.request_id] = (pages[request.num_pages_sent :],)
+        request.num_pages_sent = len(pages)
 
     def finish_step(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Advance computed-token counts and key the pages that became full."""
-        for scheduled in output.scheduled:
-            request = requests[scheduled.request_id]
-            request.num_computed_tokens += len(scheduled.token_ids)
+        for request_id, count in zip(output.request_ids, output.num_scheduled_tokens, strict=True):
+            request = requests[request_id]
+            request.num_computed_tokens += count
             self.block_manager.cache_full_pages(request)
 
     def add_running(self, request: Request) -> None:

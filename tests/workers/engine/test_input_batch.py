@@ -1,0 +1,121 @@
+"""The persistent input batch on the host: rows kept from the scheduler's diffs, and each step's packed
+buffer built from them (no device needed: the CPU tensors stand in for the device copies)."""
+
+import numpy as np
+import torch
+
+from tests.workers.engine.test_scheduler import make_request
+from workers.engine.block_manager import BlockManager
+from workers.engine.request import Request
+from workers.engine.runner.input_batch import InputBatch, PackedLayout
+from workers.engine.runner.request_states import RequestStates
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sched.scheduler import Scheduler
+
+PAGE = 4
+
+
+class Driver:
+    """The scheduler, the runner's request states and an input batch, stepped as the engine does."""
+
+    def __init__(self, max_batched_tokens: int = 100) -> None:
+        self.scheduler = Scheduler(
+            BlockManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=max_batched_tokens
+        )
+        self.states = RequestStates()
+        self.batch = InputBatch(max_rows=4, max_pages=16, page_size=PAGE, device=torch.device("cpu"), seed=0)
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def step(self, sampled: int = 9) -> dict[str, np.ndarray]:
+        output = self.scheduler.schedule()
+        dropped = self.states.update(output)
+        self.batch.update(output, dropped)
+        plan = self.batch.plan(output, self.states)
+        layout, packed = self.batch.prepare(plan, output, self.states)
+        self.scheduler.finish_step(output, self.requests)
+        for request_id, sample in zip(output.request_ids, output.sample, strict=True):
+            if sample:
+                self.requests[request_id].output_token_ids.append(sampled)
+        return fields(layout, packed)
+
+
+def fields(layout: PackedLayout, packed: torch.Tensor) -> dict[str, np.ndarray]:
+    values = packed.numpy()
+    return {name: values[cut].copy() for name, cut in layout.slices.items()}
+
+
+def test_a_decode_token_the_row_sampled_is_read_on_the_device_and_a_prompt_chunk_is_sent():
+    driver = Driver(max_batched_tokens=6)
+    driver.add(make_request("a", 3))
+    driver.add(make_request("b", 7, start=100))
+
+    first = driver.step()  # a's whole prompt (samples), b's first 3 prompt tokens
+    second = driver.step()  # a decodes, b's remaining 4 prompt tokens (samples)
+    third = driver.step()  # both decode
+
+    assert list(first["input_ids"]) == [0, 1, 2, 100, 101, 102]
+    assert list(second["input_ids"]) == [-1, 103, 104, 105, 106]
+    assert list(third["input_ids"]) == [-1, -1]
+    assert list(second["positions"]) == [3, 3, 4, 5, 6]
+
+
+def test_logits_are_taken_only_for_the_sequences_that_sample():
+    driver = Driver(max_batched_tokens=6)
+    driver.add(make_request("a", 3))
+    driver.add(make_request("b", 7, start=100))
+
+    first = driver.step()
+
+    assert list(first["logit_rows"]) == [2]  # a's last prompt token; b's chunk does not sample
+    assert list(first["step"]) == [0]
+    row_a = driver.batch.row_of["a"]
+    assert list(first["sample_rows"]) == [row_a]
+    second = driver.step()
+    assert list(second["logit_rows"]) == [0, 4] and list(second["step"]) == [1, 0]
+
+
+def test_block_tables_follow_the_pages_each_request_gains():
+    driver = Driver()
+    driver.add(make_request("a", 3))
+    for _ in range(7):  # the prompt, then positions 3..8: a second and a third page
+        driver.step()
+
+    row = driver.batch.row_of["a"]
+    pages = driver.requests["a"].pages
+    assert len(pages) == 3
+    assert list(driver.batch.tables_np[row, :3]) == pages
+    assert (driver.batch.tables_np[row, 3:] == 0).all()
+
+
+def test_a_dropped_row_is_reused_with_its_new_request_s_table():
+    driver = Driver()
+    driver.add(make_request("a", 9))
+    driver.step()
+    row = driver.batch.row_of["a"]
+    driver.scheduler.remove(driver.requests.pop("a"))
+    driver.add(make_request("b", 2, start=100))
+
+    driver.step()
+
+    assert "a" not in driver.batch.row_of and driver.batch.row_of["b"] == row
+    assert list(driver.batch.tables_np[row, :2]) == [driver.requests["b"].pages[0], 0]
+
+
+def test_sampling_settings_come_from_each_row():
+    driver = Driver()
+    driver.add(make_request("a", 2))
+    seeded = make_request("b", 2, start=100)
+    seeded.params = SamplingParams(temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, seed=42)
+    driver.add(seeded)
+
+    first = driver.step()
+
+    assert list(first["greedy"]) == [0, 0]  # make_request's default params sample at temperature 1
+    assert list(first["top_k"]) == [0, 7]
+    assert list(first["temperature"].view(np.float64)) == [1.0, 0.5]
+    assert list(first["top_p"].view(np.float64)) == [1.0, 0.9]
+    assert list(first["min_p"].view(np.float64)) == [0.0, 0.1]
