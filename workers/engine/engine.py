@@ -279,7 +279,9 @@ class LLMEngine:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
         if self.store is not None:
             for request_id in output.request_ids:
-                self.store.save_completed_blocks(self.requests[request_id])
+                request = self.requests.get(request_id)
+                if request is not None:  # not finished since the step was launched
+                    self.store.save_completed_blocks(request)
         deltas = []
         for sampled in result.sampled:
             request = self.requests.get(sampled.request_id)
@@ -295,16 +297,11 @@ class LLMEngine:
         return deltas
 
     def _can_defer(self, output: SchedulerOutput) -> bool:
-        """Whether the next step may be scheduled before this one's tokens are read: not when blocks
-        are stored as they complete (they must be known), nor for a prefill that hands its KV off
-        after its first token."""
-        return (
-            self.config.async_scheduling
-            and self.store is None
-            and not any(
-                sample and _is_prefill_only(self.requests.get(request_id))
-                for request_id, sample in zip(output.request_ids, output.sample, strict=True)
-            )
+        """Whether the next step may be scheduled before this one's tokens are read: not for a prefill
+        that hands its KV off after its first token."""
+        return self.config.async_scheduling and not any(
+            sample and _is_prefill_only(self.requests.get(request_id))
+            for request_id, sample in zip(output.request_ids, output.sample, strict=True)
         )
 
     def _add_pending_tokens(self, output: SchedulerOutput) -> None:

@@ -9,10 +9,13 @@ into host memory while the request waits; the scheduler admits it once they are 
 that admits it copies them into its pages before the model runs. A missing or corrupt block ends
 the fetch there: the rest is recomputed.
 
-Writes: after each step, blocks that became full of computed tokens (prompt or output: the next
-turn of a conversation contains this turn's answer) are copied out of their pages on the engine
-thread — a short device-to-host copy — and written by a writer thread, off the critical path. When
-the writer falls behind, new blocks are dropped rather than stalling the engine.
+Writes: after each step, blocks that became full of computed tokens whose ids are known (prompt or
+output: the next turn of a conversation contains this turn's answer; with async scheduling a
+block whose last token is still pending waits a step) are copied out of their pages and written by
+a writer thread, off the critical path. On a GPU the copy goes into one of a few pinned staging
+buffers without waiting for the device (the writer waits for the copy's event), so storing blocks
+does not stall the overlap of host and device. When the writer falls behind, or no staging buffer
+is free, new blocks are dropped rather than stalling the engine.
 """
 
 import logging
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # Blocks waiting for the writer thread; past this, new blocks are not stored (counted as dropped).
 MAX_PENDING_WRITES = 256
+# Pinned host buffers that blocks are copied into from a GPU's pages: writes in flight on a GPU.
+STAGING_BLOCKS = 16
 READER_THREADS = 2
 
 
@@ -63,6 +68,17 @@ class StoreStats:
     num_writes_dropped: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """A block for the writer thread: on the host once `copied` (None: already) has completed."""
+
+    key: BlockHash
+    depth: int  # the block's index in its chain
+    traffic_class: str
+    block: torch.Tensor
+    copied: "torch.cuda.Event | None"
+
+
 class StoreConnector:
     def __init__(self, store: KVStore, kv_cache: KVCache, *, block_tokens: int) -> None:
         self.store = store
@@ -75,9 +91,14 @@ class StoreConnector:
         self.dtype = key_cache.dtype
         self.block_bytes = int(np.prod(self.block_shape)) * key_cache.element_size()
         self.readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-read")
-        self.pending_writes: queue.Queue[tuple[BlockHash, int, str, torch.Tensor] | None] = queue.Queue(
-            MAX_PENDING_WRITES
-        )
+        self.pending_writes: queue.Queue[_Write | None] = queue.Queue(MAX_PENDING_WRITES)
+        self.device = key_cache.device
+        # Free pinned staging buffers (GPU caches only: a CPU cache's blocks are plain copies).
+        self.staging: queue.SimpleQueue[torch.Tensor] | None = None
+        if self.device.type == "cuda":
+            self.staging = queue.SimpleQueue()
+            for _ in range(STAGING_BLOCKS):
+                self.staging.put(torch.empty(self.block_shape, dtype=self.dtype, pin_memory=True))
         self.writer = threading.Thread(target=self._write_blocks, name="kvstore-write", daemon=True)
         self.writer.start()
         self.num_hit_tokens = 0
@@ -108,20 +129,35 @@ class StoreConnector:
 
     @torch.inference_mode()
     def save_completed_blocks(self, request: Request) -> None:
-        """Queue the request's blocks that became full of computed tokens and are not stored yet."""
-        full = request.num_computed_tokens // self.block_tokens
+        """Queue the request's blocks that became full of computed, known tokens and are not stored yet."""
+        full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_tokens
         if full <= request.num_saved_blocks:
             return
         keys = self._keys(request, full)
         for index in range(request.num_saved_blocks, full):
             if self.store.contains(keys[index]):
                 continue
-            if self.pending_writes.full():
+            write = self._copy_out(keys[index], index, request) if not self.pending_writes.full() else None
+            if write is None:
                 self.num_writes_dropped += full - index
                 break
-            block = self._gather(request.pages[index * self.pages_per_block : (index + 1) * self.pages_per_block])
-            self.pending_writes.put((keys[index], index, request.traffic_class, block))
+            self.pending_writes.put(write)
         request.num_saved_blocks = full
+
+    def _copy_out(self, key: BlockHash, index: int, request: Request) -> _Write | None:
+        """The block's KV on its way to the host; None when no staging buffer is free."""
+        pages = request.pages[index * self.pages_per_block : (index + 1) * self.pages_per_block]
+        block = self._gather(pages)
+        if self.staging is None:
+            return _Write(key, index, request.traffic_class, block.to("cpu", copy=True).contiguous(), None)
+        try:
+            buffer = self.staging.get_nowait()
+        except queue.Empty:
+            return None
+        buffer.copy_(block, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _Write(key, index, request.traffic_class, buffer, copied)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -148,12 +184,12 @@ class StoreConnector:
         return keys[:num_blocks]
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
-        index = torch.tensor(pages, device=self.kv_cache.layers[0][0].device)
-        # [layers, 2 (key, value), heads, block_tokens, dim], on the host.
+        """[layers, 2 (key, value), heads, block_tokens, dim] on the cache's device."""
+        index = torch.tensor(pages, device=self.device)
         per_layer = [
             torch.stack([gather_tokens(cache, index, self.block_tokens) for cache in kv]) for kv in self.kv_cache.layers
         ]
-        return torch.stack(per_layer).to("cpu", copy=True).contiguous()
+        return torch.stack(per_layer)
 
     def _fetch(self, keys: list[BlockHash], first_page: int) -> LoadedBlocks:
         blocks: list[torch.Tensor] = []
@@ -176,12 +212,16 @@ class StoreConnector:
         return LoadedBlocks(first_page=first_page, num_pages=len(blocks) * self.pages_per_block, blocks=blocks)
 
     def _write_blocks(self) -> None:
-        while (item := self.pending_writes.get()) is not None:
-            key, depth, traffic_class, block = item
+        while (write := self.pending_writes.get()) is not None:
+            if write.copied is not None:
+                write.copied.synchronize()
             try:
-                if self.store.write(key, block.view(-1).view(torch.uint8).numpy().data, depth=depth,
-                                    traffic_class=traffic_class):  # fmt: skip
+                data = write.block.view(-1).view(torch.uint8).numpy().data
+                if self.store.write(write.key, data, depth=write.depth, traffic_class=write.traffic_class):
                     self.num_blocks_written += 1
             except OSError:
                 # A full or failing disk costs future hits, never the request.
                 log.exception("writing a KV block to the store failed")
+            finally:
+                if write.copied is not None:
+                    self.staging.put(write.block)

@@ -7,6 +7,7 @@ import torch
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from tests.workers.engine.workloads import ABORTED, mixed_requests, run_mixed
 from workers.engine import LLM, SamplingParams
+from workers.kvstore.block_files import BlockFiles
 
 pytest.importorskip("triton")
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this in test_cuda")
@@ -75,3 +76,34 @@ def test_a_head_dim_the_triton_kernels_lack_fails_at_start_naming_the_setting():
     config = {**TINY_CONFIGS["llama"], "hidden_size": 48, "head_dim": 12}
     with pytest.raises(ValueError, match="attention_backend='triton'.*head_dim"):
         LLM(config, attention_backend="triton")
+
+
+@CPU_ONLY
+def test_async_steps_with_a_kv_store_store_the_blocks_synchronous_steps_store(tmp_path):
+    """A block whose last token is still pending is stored a step later; steps keep overlapping."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for async_scheduling in (True, False):
+        store_dir = tmp_path / f"async-{async_scheduling}"
+        llm = LLM(
+            TINY_CONFIGS["llama"],
+            seed=0,
+            attention_backend="triton",
+            async_scheduling=async_scheduling,
+            kv_store=store_dir,
+            kv_block_tokens=32,
+        )
+        engine = llm.engine
+        engine.add_request("x", list(range(3, 43)), params)
+        tokens, overlapped = [], False
+        while engine.has_unfinished():
+            tokens += [t for delta in engine.step() for t in delta.token_ids]
+            overlapped |= engine._in_flight is not None
+        llm.close()
+        files = BlockFiles(store_dir)
+        blocks = {key: bytes(files.read(key)) for key, *_ in files.scan()}
+        results[async_scheduling] = (tokens, blocks, overlapped)
+    assert results[True][2] and not results[False][2]
+    assert results[True][0] == results[False][0]
+    # 40 prompt + 40 output tokens: blocks of 32 at 0-31 and 32-63, the second one mostly output.
+    assert len(results[True][1]) >= 2 and results[True][1] == results[False][1]
