@@ -264,7 +264,7 @@ class LLMEngine:
         launched = self.runner.launch(output)
         self.scheduler.finish_step(output, self.requests)
         deltas = self._finish(*in_flight) if in_flight is not None else []
-        if launched.deferred is not None and self._can_defer(output):
+        if launched.can_defer and self._can_defer(output):
             self._in_flight = (output, launched, started)
             self._add_pending_tokens(output)
             return deltas

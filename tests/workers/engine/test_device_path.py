@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.test_constraints_and_prompt_logprobs import ScriptConstraint
 from tests.workers.engine.workloads import ABORTED, mixed_requests, run_mixed
 from workers.engine import LLM, SamplingParams
 from workers.kvstore.block_files import BlockFiles
@@ -48,23 +49,52 @@ def test_device_path_survives_preemption_with_the_same_tokens(async_scheduling):
     assert got == expected
 
 
+EXTRAS = {
+    "logprobs": SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True),
+    "presence": SamplingParams(temperature=0.0, max_tokens=7, presence_penalty=1.5, frequency_penalty=0.5),
+    "repetition": SamplingParams(temperature=0.0, max_tokens=7, repetition_penalty=1.8, ignore_eos=True),
+    "bias": SamplingParams(temperature=0.0, max_tokens=5, logit_bias={7: 30.0, 9: -100.0}, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_k=20, seed=11, max_tokens=8, presence_penalty=0.7, logprobs=1),
+    "plain": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+}
+
+
 @CPU_ONLY
-def test_device_path_rows_with_host_extras_use_the_sampler():
-    """Logprobs and penalties go through the host Sampler from the device logits."""
-    reference, device = engines("llama", kv_cache_bytes=1 << 22)
-    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, presence_penalty=0.5, ignore_eos=True)
-    for engine in (reference, device):
-        engine.add_request("x", list(range(5, 25)), params)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_device_sampling_extras_give_the_host_samplers_tokens_and_logprobs(async_scheduling):
+    """Bias, penalties, logprobs and a constraint's mask on the device, batched with plain rows,
+    equal the host Sampler's results on the reference path."""
+    reference, device = engines("llama", async_scheduling=async_scheduling, kv_cache_bytes=1 << 22)
     got = {}
     for engine in (reference, device):
+        for index, (name, params) in enumerate(EXTRAS.items()):
+            engine.add_request(name, list(range(5 + index, 25 + index)), params)
+        engine.add_request("masked", list(range(40, 52)), EXTRAS["plain"], constraint=ScriptConstraint([3, 1, 4, 1, 5]))
         deltas = []
         while engine.has_unfinished():
             deltas.extend(engine.step())
-        got[engine is device] = (
-            [t for d in deltas for t in d.token_ids],
-            [lp.token_id for d in deltas for lp in d.logprobs],
-        )
-    assert got[True] == got[False]
+        got[engine is device] = {
+            delta.request_id: (
+                [t for d in deltas if d.request_id == delta.request_id for t in d.token_ids],
+                [lp for d in deltas if d.request_id == delta.request_id for lp in d.logprobs],
+            )
+            for delta in deltas
+        }
+    # The device path's kernels round differently from the torch reference: logprob values agree to
+    # float32 rounding, everything else exactly.
+    assert got[True].keys() == got[False].keys()
+    for name, (tokens, logprobs) in got[True].items():
+        expected_tokens, expected_logprobs = got[False][name]
+        assert tokens == expected_tokens, name
+        assert [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in logprobs] == [
+            (lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in expected_logprobs
+        ], name
+        values = [v for lp in logprobs for v in (lp.logprob, *(v for _, v in lp.top))]
+        expected_values = [v for lp in expected_logprobs for v in (lp.logprob, *(v for _, v in lp.top))]
+        assert values == pytest.approx(expected_values, rel=1e-5), name
+    assert got[True]["masked"][0] == [3, 1, 4, 1, 5]
+    assert got[True]["bias"][0] == [7] * 5
+    assert [len(lp.top) for lp in got[True]["logprobs"][1]] == [3] * 6
 
 
 def test_unknown_and_unsupported_backends_fail_at_start_naming_the_setting():

@@ -23,7 +23,9 @@ class Driver:
             BlockManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=max_batched_tokens
         )
         self.states = RequestStates()
-        self.batch = InputBatch(max_rows=4, max_pages=16, page_size=PAGE, device=torch.device("cpu"), seed=0)
+        self.batch = InputBatch(
+            max_rows=4, max_pages=16, page_size=PAGE, vocab_size=512, device=torch.device("cpu"), seed=0
+        )
         self.requests: dict[str, Request] = {}
 
     def add(self, request: Request) -> None:

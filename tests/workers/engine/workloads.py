@@ -1,7 +1,10 @@
-"""A mixed workload for comparing two engines' tokens: greedy and seeded rows, stop tokens, several
-max_tokens, an abort mid-stream, shared prefixes (prefix-cache hits) and, with few pages, preemption."""
+"""A mixed workload for comparing two engines' tokens: greedy and seeded rows, some with penalties,
+logit bias and logprobs, stop tokens, several max_tokens, an abort mid-stream, shared prefixes
+(prefix-cache hits) and, with few pages, preemption."""
 
 import random
+
+import msgspec
 
 from workers.engine.engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
@@ -32,6 +35,9 @@ def mixed_requests(
             params = SamplingParams(
                 temperature=0.0, max_tokens=rng.randrange(*max_new), ignore_eos=True, stop_token_ids=(index % vocab,)
             )
+        if index % 5 == 4:
+            extras = {"presence_penalty": 0.8, "repetition_penalty": 1.3, "logit_bias": {index % vocab: 2.0}}
+            params = msgspec.structs.replace(params, logprobs=2, **extras)
         requests.append((f"r{index}", prompt, params))
     requests.append(
         (ABORTED, [rng.randrange(vocab) for _ in range(10)], SamplingParams(temperature=0.0, max_tokens=30))

@@ -1,11 +1,11 @@
 """CUDA graphs of the whole decode step: embedding, layers, logits and sampling, per batch bucket.
 
 Each bucket (a batch size) has a static device buffer in the packed layout of input_batch; a
-graph is captured over it once per sampling mode ("greedy": argmax; "sample": the on-device
-sampler), largest bucket first, all graphs sharing one memory pool. A step of n decode requests
-replays the smallest bucket >= n: its packed inputs (padded with length-0 sequences that write
-nothing) are copied into the bucket's buffer in one host-to-device copy, and the graph leaves the
-logits and the sampled ids in static outputs.
+graph is captured over it once per sampling mode (runner.device_sampling.MODES: "greedy" at start,
+the others on first use), largest bucket first, all graphs sharing one memory pool. A step of n
+decode requests replays the smallest bucket >= n: its packed inputs (padded with length-0 sequences
+that write nothing) are copied into the bucket's buffer in one host-to-device copy, and the graph
+leaves the sampled ids (and in "logprobs" mode their logprobs) in static outputs.
 """
 
 from collections.abc import Callable, Sequence
@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.engine.runner.device_sampling import MODES, SampledLogprobs
 from workers.engine.runner.input_batch import InputBatch, PackedLayout, StepInputs, StepPlan
 from workers.engine.runner.request_states import RequestStates
 from workers.engine.sched.output import SchedulerOutput
 
-MODES = ("greedy", "sample")
+StepOutputs = tuple[torch.Tensor, SampledLogprobs | None]  # sampled ids [size], their logprobs
 
 
 def bucket_sizes(max_size: int) -> list[int]:
@@ -33,18 +34,18 @@ class _Bucket:
     layout: PackedLayout
     buffer: torch.Tensor  # static device copy of the packed inputs
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
-    # Per mode, the graph's static outputs: logits [size, V] and token ids [size].
-    outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Per mode, the graph's static outputs.
+    outputs: dict[str, StepOutputs] = field(default_factory=dict)
 
 
 class DecodeGraphs:
-    """`forward(inputs, mode)` runs the step eagerly and returns (logits [B, V], token ids [B]);
-    capture records it per bucket and mode."""
+    """`forward(inputs, mode)` runs the step eagerly and returns its StepOutputs; capture records it
+    per bucket and mode."""
 
     def __init__(
         self,
         batch: InputBatch,
-        forward: Callable[[StepInputs, str], tuple[torch.Tensor, torch.Tensor]],
+        forward: Callable[[StepInputs, str], StepOutputs],
         *,
         max_size: int,
         device: torch.device,
@@ -80,16 +81,13 @@ class DecodeGraphs:
     def fits(self, num_requests: int) -> bool:
         return num_requests <= self.max_size
 
-    def run(
-        self, plan: StepPlan, output: SchedulerOutput, states: RequestStates, mode: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay a decode step: (logits [n, V], token ids [n]) as views of the graph's static outputs."""
-        n = len(plan.rows)
-        bucket = next(b for b in self.buckets if b.size >= n)
-        if mode not in bucket.graphs:
-            self._capture(bucket, mode)
+    def run(self, plan: StepPlan, output: SchedulerOutput, states: RequestStates) -> StepOutputs:
+        """Replay a decode step in the plan's mode: its outputs are the graph's static ones, the first
+        len(plan.rows) rows of the bucket's."""
+        bucket = next(b for b in self.buckets if b.size >= len(plan.rows))
+        if plan.mode not in bucket.graphs:
+            self._capture(bucket, plan.mode)
         _, packed = self.batch.prepare(plan, output, states, pad_to=bucket.size)
         bucket.buffer.copy_(packed, non_blocking=True)
-        bucket.graphs[mode].replay()
-        logits, tokens = bucket.outputs[mode]
-        return logits[:n], tokens[:n]
+        bucket.graphs[plan.mode].replay()
+        return bucket.outputs[plan.mode]

@@ -28,7 +28,7 @@ import torch
 
 from kernels.attention import NULL_PAGE, DeviceStepTensors
 from kernels.sampling import seed_words
-from workers.engine.runner.device_sampling import SamplingTensors, needs_host_sampler
+from workers.engine.runner.device_sampling import SamplingExtras, SamplingTensors, needs_extras
 from workers.engine.runner.request_states import RequestState, RequestStates
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
@@ -37,7 +37,8 @@ from workers.engine.sched.output import SchedulerOutput
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")
 SEQ_FIELDS = ("seq_lens", "query_start", "rows")
 SAMPLE_FIELDS = ("logit_rows", "sample_rows", "greedy", "top_k", "seed_lo", "seed_hi", "step")
-FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p")  # stored as float64 bit patterns in the int64 buffer
+# Stored as float64 bit patterns in the int64 buffer.
+FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +58,8 @@ class StepPlan:
     counts: np.ndarray  # [seqs] tokens it computes
     starts: np.ndarray  # [seqs] its first position
     sampling: np.ndarray  # indices of the sequences that sample, in order
-    host_sampled: np.ndarray  # of those, the indices (into `sampling`) that the host-driven Sampler samples
-    all_greedy: bool  # every sampling sequence is greedy
+    mode: str  # the least device_sampling mode the sampling sequences need
+    constrained: np.ndarray  # of those, the indices (into `sampling`) whose output a constraint masks
     decode_only: bool  # every sequence computes one token and samples, none reports prompt logprobs
     prompt_logprobs: list[int]  # sequences reporting prompt logprobs this step
 
@@ -66,7 +67,7 @@ class StepPlan:
     def empty(cls) -> "StepPlan":
         """No sequences: what a CUDA graph is captured over, every sequence padding."""
         none = np.zeros(0, dtype=np.int64)
-        return cls(none, none, none, none, none, all_greedy=True, decode_only=True, prompt_logprobs=[])
+        return cls(none, none, none, none, mode="greedy", constrained=none, decode_only=True, prompt_logprobs=[])
 
     @property
     def num_tokens(self) -> int:
@@ -97,8 +98,11 @@ class PackedLayout:
 class InputBatch:
     """Rows for up to `max_rows` requests; row `max_rows` is the padding row (all NULL_PAGE)."""
 
-    def __init__(self, *, max_rows: int, max_pages: int, page_size: int, device: torch.device, seed: int) -> None:
+    def __init__(
+        self, *, max_rows: int, max_pages: int, page_size: int, vocab_size: int, device: torch.device, seed: int
+    ) -> None:
         self.max_rows = max_rows
+        self.vocab_size = vocab_size
         self.page_size = page_size
         self.device = device
         pin = device.type == "cuda"
@@ -119,8 +123,15 @@ class InputBatch:
         self.temperature = np.ones(size, dtype=np.float64)
         self.top_p = np.ones(size, dtype=np.float64)
         self.min_p = np.zeros(size, dtype=np.float64)
-        self.host_sampled = np.zeros(size, dtype=bool)  # needs the host-driven Sampler's extras
+        self.repetition_penalty = np.ones(size, dtype=np.float64)
+        self.frequency_penalty = np.zeros(size, dtype=np.float64)
+        self.presence_penalty = np.zeros(size, dtype=np.float64)
+        self.needs_extras = np.zeros(size, dtype=bool)  # bias, penalties or a mask
+        self.constrained = np.zeros(size, dtype=bool)
+        self.logprobs = np.full(size, -1, dtype=np.int64)  # top alternatives per sampled token; -1: none
         self.reports_prompt_logprobs = np.zeros(size, dtype=bool)  # asked for prompt logprobs
+        # The rows' sampling history on the device, from the first request that needs it on.
+        self.extras: SamplingExtras | None = None
         # Whether last_tokens[row] holds the token at the row's next position (the row sampled last).
         self.token_on_device = np.zeros(size, dtype=bool)
         # Pinned staging, two of each used in turn: with async scheduling the host fills step N+1's
@@ -148,14 +159,21 @@ class InputBatch:
         for new in output.new_requests:
             if len(new.block_ids) != 1:
                 raise ValueError(f"the input batch holds one KV-cache group, got {len(new.block_ids)}")
-            self._add(new.request_id, new.params, len(new.prompt_token_ids), new.prompt_logprobs is not None)
-            self._set_table(self.row_of[new.request_id], new.block_ids[0], start=0)
-            self.host_sampled[self.row_of[new.request_id]] = needs_host_sampler(new.params, new.constraint is not None)
+            row = self._add(new.request_id, new.params, len(new.prompt_token_ids), new.prompt_logprobs is not None)
+            self._set_table(row, new.block_ids[0], start=0)
+            params = new.params
+            self.needs_extras[row] = needs_extras(params, new.constraint is not None)
+            self.constrained[row] = new.constraint is not None
+            self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+            if self.needs_extras[row] or params.logprobs is not None:
+                if self.extras is None:
+                    self.extras = SamplingExtras(self.max_rows + 1, self.vocab_size, self.device)
+                self.extras.reset_row(row, params, new.prompt_token_ids, new.output_token_ids)
         for request_id, (added,) in output.new_block_ids.items():
             row = self.row_of[request_id]
             self._set_table(row, added, start=int(self.num_row_pages[row]))
 
-    def _add(self, request_id: str, params: SamplingParams, prompt_len: int, reports_prompt_logprobs: bool) -> None:
+    def _add(self, request_id: str, params: SamplingParams, prompt_len: int, reports_prompt_logprobs: bool) -> int:
         if not self.free_rows:
             raise RuntimeError(f"input batch is full ({self.max_rows} rows)")
         row = self.free_rows.pop()
@@ -168,10 +186,14 @@ class InputBatch:
         self.top_k[row] = max(params.top_k, 0)
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.presence_penalty[row] = params.presence_penalty
         self.prompt_len[row] = prompt_len
         self.reports_prompt_logprobs[row] = reports_prompt_logprobs
         self.token_on_device[row] = False
         self.num_row_pages[row] = 0
+        return row
 
     def _set_table(self, row: int, pages: list[int], *, start: int) -> None:
         end = start + len(pages)
@@ -195,13 +217,19 @@ class InputBatch:
             for i in np.flatnonzero(self.reports_prompt_logprobs[rows])
             if states[output.request_ids[i]].reports_prompt_logprobs
         ]
+        if (self.logprobs[sample_rows] >= 0).any():
+            mode = "logprobs"
+        elif self.needs_extras[sample_rows].any():
+            mode = "extras"
+        else:
+            mode = "greedy" if self.greedy[sample_rows].all() else "sample"
         return StepPlan(
             rows=rows,
             counts=counts,
             starts=starts,
             sampling=sampling,
-            host_sampled=np.flatnonzero(self.host_sampled[sample_rows]),
-            all_greedy=bool(self.greedy[sample_rows].all()),
+            mode=mode,
+            constrained=np.flatnonzero(self.constrained[sample_rows]),
             decode_only=bool(n) and bool((counts == 1).all() and sample.all()) and not prompt_logprobs,
             prompt_logprobs=prompt_logprobs,
         )
@@ -291,8 +319,10 @@ class InputBatch:
         fields["sample_rows"][samples:] = self.padding_row
         for name in ("greedy", "seed_lo", "seed_hi", "step", "top_k"):
             fields[name][samples:] = 1 if name == "greedy" else 0
-        for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0)):
+        for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
             fields[name].view(np.float64)[samples:] = value
+        for name in ("frequency_penalty", "presence_penalty"):
+            fields[name].view(np.float64)[samples:] = 0.0
 
     def _send_changed_rows(self) -> None:
         if not self._changed:
@@ -331,6 +361,9 @@ class InputBatch:
             seed_lo=view["seed_lo"],
             seed_hi=view["seed_hi"],
             step=view["step"],
+            repetition_penalty=as_float["repetition_penalty"],
+            frequency_penalty=as_float["frequency_penalty"],
+            presence_penalty=as_float["presence_penalty"],
         )
         ids = view["input_ids"]
         input_ids = torch.where(ids < 0, self.last_tokens.index_select(0, view["token_rows"]), ids)

@@ -29,10 +29,12 @@ from kernels.batch_invariance import min_invariant_rows
 from workers.engine.kv_cache import KVCache
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.models.llama import DecoderForCausalLM
-from workers.engine.runner.device_sampling import greedy_tokens, sample_tokens
+from workers.engine.runner import device_sampling
+from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
 from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
+from workers.engine.sampling_params import MAX_LOGPROBS
 from workers.engine.sched.output import SchedulerOutput
 
 # Prompt logprobs are computed this many positions at a time, which bounds the [rows, vocab] logits
@@ -88,8 +90,9 @@ class ModelRunner:
         self.states = RequestStates()
         self.batch: InputBatch | None = None
         self.graphs = None
-        # Pinned buffers for the sampled ids of the last two steps (async scheduling reads one late).
-        self._pinned_tokens: list[torch.Tensor] = []
+        # Pinned buffers for the sampled ids (and logprobs) of the last two steps: async scheduling
+        # reads one step late.
+        self._pinned: list[_PinnedOutputs] = []
         self._pinned_turn = 0
         if self.backend.needs_device_tensors:
             model.use_fused_ops(True)
@@ -97,6 +100,7 @@ class ModelRunner:
                 max_rows=max_num_seqs,
                 max_pages=-(-max_model_len // kv_cache.page_size),
                 page_size=kv_cache.page_size,
+                vocab_size=config.vocab_size,
                 device=device,
                 seed=seed,
             )
@@ -116,23 +120,23 @@ class ModelRunner:
         self.batch.update(output, dropped)
         return self._launch_on_device(output)
 
-    def pinned_tokens(self, size: int) -> torch.Tensor:
-        """One of two pinned buffers, in turn, for a step's sampled ids (size <= a graph bucket)."""
-        if not self._pinned_tokens:
-            capacity = self.batch.max_rows + 1
-            self._pinned_tokens = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+    def pinned_outputs(self) -> "_PinnedOutputs":
+        """One of two sets of pinned buffers, in turn, for a step's sampled ids and logprobs."""
+        if not self._pinned:
+            self._pinned = [_PinnedOutputs(self.batch.max_rows + 1) for _ in range(2)]
         self._pinned_turn ^= 1
-        return self._pinned_tokens[self._pinned_turn][:size]
+        return self._pinned[self._pinned_turn]
 
     # The device path.
 
     def _launch_on_device(self, output: SchedulerOutput) -> "LaunchedStep":
         plan = self.batch.plan(output, self.states)
         self.num_computed_tokens += plan.num_tokens
-        mode = "greedy" if len(plan.host_sampled) or plan.all_greedy else "sample"
+        if len(plan.constrained):
+            self._stage_constraint_masks(plan, output)
         prompt_logprobs: list[PromptLogprobs] = []
         if plan.decode_only and self.graphs is not None and self.graphs.fits(len(plan.rows)):
-            logits, tokens = self.graphs.run(plan, output, self.states, mode)
+            tokens, logprobs = self.graphs.run(plan, output, self.states)
         else:
             layout, packed = self.batch.prepare(plan, output, self.states)
             device_buffer = packed.to(self.device, non_blocking=True)
@@ -149,34 +153,26 @@ class ModelRunner:
             if not len(plan.sampling):
                 return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
-            tokens = self._sample(logits, inputs, mode)
+            tokens, logprobs = self._sample(logits, inputs, plan.mode)
         request_ids = [output.request_ids[i] for i in plan.sampling]
-        if len(plan.host_sampled):
-            return LaunchedStep(self._sample_on_host(logits, plan, request_ids, prompt_logprobs))
-        return LaunchedStep(None, DeferredTokens(tokens, request_ids, self))
+        num_logprobs = [int(k) for k in self.batch.logprobs[plan.rows[plan.sampling]]] if logprobs else None
+        pinned = self.pinned_outputs() if self.device.type == "cuda" else None
+        deferred = DeferredTokens(tokens, logprobs, request_ids, num_logprobs, pinned)
+        # A constrained request's next mask needs this token: the next step waits for it.
+        return LaunchedStep(None, deferred, prompt_logprobs=prompt_logprobs, can_defer=not len(plan.constrained))
+
+    def _stage_constraint_masks(self, plan: StepPlan, output: SchedulerOutput) -> None:
+        """The allowed-token masks of the step's constrained sampling rows, into their device rows."""
+        indices = plan.sampling[plan.constrained]
+        masks = torch.stack([self.states[output.request_ids[i]].constraint.allowed_tokens() for i in indices])
+        rows = torch.from_numpy(plan.rows[indices]).to(self.device)
+        self.batch.extras.allowed.index_copy_(0, rows, masks.to(self.device))
 
     def _sequence(self, output: SchedulerOutput, index: int) -> ScheduledSequence:
         state = self.states[output.request_ids[index]]
         start = output.num_computed_tokens[index]
         count = output.num_scheduled_tokens[index]
         return ScheduledSequence(state, state.token_slice(start, start + count), start, output.sample[index])
-
-    def _sample_on_host(
-        self, logits: torch.Tensor, plan: StepPlan, request_ids: list[str], prompt_logprobs: list[PromptLogprobs]
-    ) -> StepOutput:
-        """Every sampling row through the host-driven Sampler (on the device's logits): one of them
-        needs its extras, and the Sampler takes plain rows as they are."""
-        states = [self.states[request_id] for request_id in request_ids]
-        result = self.sampler(logits, _sampling_batch(states))
-        sampled = [
-            SampledToken(state.request_id, token, entry)
-            for state, token, entry in zip(states, result.token_ids, result.logprobs, strict=True)
-        ]
-        # The next step reads a row's last token from the device: give it the host sampler's choice.
-        chosen = torch.tensor(result.token_ids, dtype=torch.int64, device=self.device)
-        rows = torch.from_numpy(plan.rows[plan.sampling]).to(self.device)
-        self.batch.last_tokens.index_copy_(0, rows, chosen)
-        return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
 
     def _hidden(self, inputs: StepInputs) -> torch.Tensor:
         metadata = self.backend.build_metadata(self._step_batch(inputs))
@@ -193,15 +189,18 @@ class ModelRunner:
             tensors=inputs.attention,
         )
 
-    def _sample(self, logits: torch.Tensor, inputs: StepInputs, mode: str) -> torch.Tensor:
-        tokens = greedy_tokens(logits) if mode == "greedy" else sample_tokens(logits, inputs.sampling)
+    def _sample(
+        self, logits: torch.Tensor, inputs: StepInputs, mode: str
+    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        tokens, logprobs = device_sampling.sample(
+            logits, inputs.sampling, mode, rows=inputs.sample_rows, extras=self.batch.extras
+        )
         self.batch.record_sampled(inputs, tokens)
-        return tokens
+        return tokens, logprobs
 
-    def _decode_forward(self, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_forward(self, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """One decode step from the inputs to the sampled ids: what a CUDA graph captures."""
-        logits = self.model.compute_logits(self._hidden(inputs))
-        return logits, self._sample(logits, inputs, mode)
+        return self._sample(self.model.compute_logits(self._hidden(inputs)), inputs, mode)
 
     # The reference path.
 
@@ -270,37 +269,82 @@ def _sampling_batch(states: Sequence[RequestState]) -> SamplingBatch:
     )
 
 
-class DeferredTokens:
-    """Sampled ids on their way to the host: one copy into pinned memory, read after its event."""
+class _PinnedOutputs:
+    """Pinned host buffers a step's sampled ids and logprobs are copied into."""
 
-    def __init__(self, tokens: torch.Tensor, request_ids: list[str], runner: ModelRunner) -> None:
+    def __init__(self, capacity: int) -> None:
+        self.tokens = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.chosen = torch.empty(capacity, dtype=torch.float32, pin_memory=True)
+        self.rank = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.top_ids = torch.empty(capacity, MAX_LOGPROBS, dtype=torch.int64, pin_memory=True)
+        self.top_values = torch.empty(capacity, MAX_LOGPROBS, dtype=torch.float32, pin_memory=True)
+
+
+class DeferredTokens:
+    """Sampled ids (and logprobs) on their way to the host: one copy each into `pinned` memory (on a
+    GPU; None on the CPU, where the tensors are read as they are), read after its event.
+    `num_logprobs` gives each request's k (-1: none), None when no request asked."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        logprobs: SampledLogprobs | None,
+        request_ids: list[str],
+        num_logprobs: list[int] | None,
+        pinned: _PinnedOutputs | None,
+    ) -> None:
         self.request_ids = request_ids
-        if tokens.device.type == "cuda":
-            self.host = runner.pinned_tokens(tokens.shape[0])
-            self.host.copy_(tokens, non_blocking=True)
+        self.num_logprobs = num_logprobs
+        n = len(request_ids)
+        self.event = None
+        if pinned is not None:
+            copies = [(pinned.tokens, tokens)]
+            if logprobs is not None:
+                copies += [
+                    (pinned.chosen, logprobs.chosen),
+                    (pinned.rank, logprobs.rank),
+                    (pinned.top_ids, logprobs.top_ids),
+                    (pinned.top_values, logprobs.top_values),
+                ]
+            self.outputs = [host[:n].copy_(device[:n], non_blocking=True) for host, device in copies]
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host, self.event = tokens, None
+            self.outputs = [tokens]
+            if logprobs is not None:
+                self.outputs += [logprobs.chosen, logprobs.rank, logprobs.top_ids, logprobs.top_values]
 
-    def token_ids(self) -> list[int]:
+    def sampled(self) -> list[SampledToken]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host[: len(self.request_ids)].tolist()
+        n = len(self.request_ids)
+        values = [output[:n].tolist() for output in self.outputs]
+        if self.num_logprobs is None:
+            return [SampledToken(request_id, token, None) for request_id, token in zip(self.request_ids, values[0])]
+        return [
+            SampledToken(request_id, token, logprobs_entry(token, chosen, rank, ids, top, k) if k >= 0 else None)
+            for request_id, token, chosen, rank, ids, top, k in zip(self.request_ids, *values, self.num_logprobs)
+        ]
 
 
 class LaunchedStep:
-    """A step started on the device: its output now, or `deferred` until its sampled ids are read."""
+    """A step started on the device: its output now, or `deferred` until its sampled ids are read.
+    `can_defer`: the next step may be launched before this one's ids are read."""
 
-    def __init__(self, output: StepOutput | None, deferred: DeferredTokens | None = None) -> None:
+    def __init__(
+        self,
+        output: StepOutput | None,
+        deferred: DeferredTokens | None = None,
+        *,
+        prompt_logprobs: list[PromptLogprobs] | None = None,
+        can_defer: bool = False,
+    ) -> None:
         self._output = output
         self.deferred = deferred
+        self.prompt_logprobs = prompt_logprobs or []
+        self.can_defer = can_defer and deferred is not None
 
     def result(self) -> StepOutput:
         if self._output is None:
-            ids = self.deferred.token_ids()
-            sampled = [
-                SampledToken(request_id, token, None) for request_id, token in zip(self.deferred.request_ids, ids)
-            ]
-            self._output = StepOutput(sampled=sampled, prompt_logprobs=[])
+            self._output = StepOutput(sampled=self.deferred.sampled(), prompt_logprobs=self.prompt_logprobs)
         return self._output
