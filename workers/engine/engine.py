@@ -18,15 +18,15 @@ from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.constraints import TokenConstraint
+from workers.engine.constraints import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.engine.disaggregation import Disaggregation, continued_request
-from workers.engine.errors import InvalidRequestError
+from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
-from workers.engine.outputs import RequestDelta
+from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.request import PENDING_TOKEN, FinishReason, Request
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.sampling_params import SamplingParams
@@ -151,7 +151,8 @@ class LLMEngine:
         """Admit a request, or raise InvalidRequestError naming the problem, or EngineOverloadedError
         when max_waiting requests already wait (either way nothing is changed).
 
-        `constraint` masks every sampled token and ends the request when it is finished;
+        `constraint` masks every sampled token and ends the request when it is finished (a constraint
+        that fails on the output ends its request alone, see fail_request);
         `prompt_logprobs=k` reports, with the first output, each prompt token's logprob and its top k;
         `traffic_class` sets how long the KV store keeps the blocks this request writes;
         `prefill_only` ends the request after its first token with finish reason "transfer" (unless
@@ -172,7 +173,7 @@ class LLMEngine:
             hash_extra=namespace_extra(self.kv_model_id, cache_namespace),
             cache_namespace=cache_namespace,
             prefill_only=prefill_only,
-            constraint=constraint,
+            constraint=self._isolated(constraint),
             prompt_logprobs=prompt_logprobs,
             traffic_class=traffic_class,
         )
@@ -189,8 +190,9 @@ class LLMEngine:
 
         InvalidRequestError when the handoff does not fit this engine (model, layer count, shapes,
         dtype, token counts); EngineOverloadedError when the running batch is full or its pages
-        cannot be had, so the caller can pick another engine. Either way nothing is changed.
-        `constraint` is compiled afresh by the caller; it is advanced over the tokens already sampled.
+        cannot be had, so the caller can pick another engine; ConstraintError when `constraint`
+        (compiled afresh by the caller) fails on the tokens already sampled, and whatever seeding the
+        output text with them raises. In every case nothing is changed.
         """
         if not isinstance(handoff, KVHandoff):
             raise InvalidRequestError(f"expected a KVHandoff, got {type(handoff).__name__}")
@@ -208,16 +210,21 @@ class LLMEngine:
             handoff,
             max_tokens=max_tokens,
             hash_extra=namespace_extra(self.kv_model_id, handoff.cache_namespace),
-            constraint=constraint,
+            constraint=self._isolated(constraint),
         )
-        self.disaggregation.place(request, handoff, layers)
+        # What may fail for this request alone runs before its KV takes pages.
+        if request.constraint is not None:
+            for token in request.output_token_ids:
+                request.constraint.advance(token)
+        self.outputs.add_continued(request)
+        try:
+            self.disaggregation.place(request, handoff, layers)
+        except EngineOverloadedError:
+            self.outputs.remove(request.request_id)
+            raise
         if self.store is not None:
             # The prompt's blocks are the prefill side's to store; decode stores the blocks it completes.
             request.num_saved_blocks = len(request.prompt_token_ids) // self.store.block_tokens
-        if constraint is not None:
-            for token in request.output_token_ids:
-                constraint.advance(token)
-        self.outputs.add_continued(request)
         self.requests[request.request_id] = request
         self.scheduler.add_running(request)
 
@@ -240,6 +247,16 @@ class LLMEngine:
             return None
         request.finish(FinishReason.ABORT)
         return self._release(request, self.outputs.delta(request, [], []))
+
+    def fail_request(self, request_id: str, message: str, *, kind: str = "internal") -> RequestDelta | None:
+        """End a request that failed on its own, freeing its pages, while the others go on: a delta
+        with finish reason "error" and the failure (kind as RequestFailure's), or None when the
+        engine does not run it."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.finish(FinishReason.ERROR)
+        return self._release(request, self.outputs.failed(request, RequestFailure(kind, message)))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -346,9 +363,16 @@ class LLMEngine:
         )
 
     def _update(self, sampled: SampledToken) -> RequestDelta:
-        """Append a sampled token to its request (see OutputProcessor.process); release it when finished."""
+        """Append a sampled token to its request (see OutputProcessor.process); release it when
+        finished, or fail it alone when processing its token raised."""
         request = self.requests[sampled.request_id]
-        delta = self.outputs.process(request, sampled)
+        try:
+            delta = self.outputs.process(request, sampled)
+        except ConstraintError as error:
+            return self.fail_request(request.request_id, str(error), kind="constraint")
+        except Exception as error:
+            log.exception("processing a token of request %s failed; the request fails alone", request.request_id)
+            return self.fail_request(request.request_id, f"processing its output failed: {error!r}")
         return self._release(request, delta) if request.is_finished else delta
 
     def _release(self, request: Request, delta: RequestDelta) -> RequestDelta:
@@ -361,6 +385,9 @@ class LLMEngine:
         del self.requests[request.request_id]
         self.outputs.remove(request.request_id)
         return delta
+
+    def _isolated(self, constraint: TokenConstraint | None) -> IsolatedConstraint | None:
+        return IsolatedConstraint(constraint, self.model_config.vocab_size) if constraint is not None else None
 
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.disaggregation

@@ -1,6 +1,7 @@
-"""Turns each sampled token into a request's output: appends it, advances the request's constraint,
-decides whether it finished (stop token, end of sequence, stop string, constraint done, length, or
-the end of a prefill-only request), and builds the RequestDelta with the text it completes.
+"""Turns each sampled token into a request's output: advances the request's constraint, appends the
+token, decides whether it finished (stop token, end of sequence, stop string, constraint done,
+length, or the end of a prefill-only request), and builds the RequestDelta with the text it
+completes; and builds the last delta of a request that failed.
 
 It owns the incremental detokenization of every request (OutputText), from admission until the
 engine releases the request.
@@ -9,7 +10,7 @@ engine releases the request.
 from recipe.tokenizer import Tokenizer
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.output_text import OutputText
-from workers.engine.outputs import RequestDelta
+from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.request import FinishReason, Request
 from workers.engine.runner.model_runner import SampledToken
 
@@ -38,18 +39,20 @@ class OutputProcessor:
         self.texts.pop(request_id, None)
 
     def process(self, request: Request, sampled: SampledToken) -> RequestDelta:
-        """Append a sampled token to its request and finish the request when the token ends it."""
+        """Append a sampled token to its request and finish the request when the token ends it.
+
+        What can fail for one request (its constraint: ConstraintError; its detokenization) runs
+        before the token joins the request; the engine then fails that request (fail_request)."""
         token = sampled.token_id
+        if request.constraint is not None:
+            request.constraint.advance(token)
+        text = self.texts.get(request.request_id)
+        stop_string = text.append([token]) if text is not None else None
+
         request.output_token_ids.append(token)
         logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
         request.logprobs.extend(logprobs)
         params = request.params
-
-        if request.constraint is not None:
-            request.constraint.advance(token)
-
-        text = self.texts.get(request.request_id)
-        stop_string = text.append([token]) if text is not None else None
         if token in params.stop_token_ids:
             request.finish(FinishReason.STOP, token)
         elif token in self.eos_token_ids and not params.ignore_eos:
@@ -66,6 +69,21 @@ class OutputProcessor:
         # Output tokens survive preemption, so the first one is produced exactly once.
         first = len(request.output_token_ids) == 1 and request.prompt_logprobs is not None
         return self.delta(request, [token], logprobs, request.prompt_token_logprobs if first else None)
+
+    def failed(self, request: Request, failure: RequestFailure) -> RequestDelta:
+        """The last delta of a request that failed: no tokens, and none of its held-back text (the
+        client gets the failure instead of an ending)."""
+        return RequestDelta(
+            request_id=request.request_id,
+            token_ids=[],
+            text="" if request.request_id in self.texts else None,
+            logprobs=[],
+            finish_reason=FinishReason.ERROR.value,
+            stop_reason=None,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            failure=failure,
+        )
 
     def delta(
         self,

@@ -5,6 +5,17 @@ from dataclasses import dataclass, field
 from workers.engine.logprobs import TokenLogprobs
 
 
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """Why a request failed on its own, the engine going on with the others (LLMEngine.fail_request).
+
+    kind: "constraint" (its output constraint failed on the output: the message is for the client)
+    or "internal" (processing its output failed: the message is for the log)."""
+
+    kind: str
+    message: str
+
+
 @dataclass(slots=True)
 class RequestDelta:
     """What one engine step added to one request. Not frozen: one is built per request and step, and
@@ -14,13 +25,15 @@ class RequestDelta:
     token_ids: list[int]
     text: str | None  # None when the engine has no tokenizer
     logprobs: list[TokenLogprobs]  # one per new token when the request asked for logprobs
-    finish_reason: str | None  # "stop", "length", "abort" or "transfer" (a prefill-only request) once finished
+    # Once finished: "stop", "length", "abort", "transfer" (a prefill-only request) or "error" (see `failure`).
+    finish_reason: str | None
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     # With the first output of a request that asked for prompt logprobs: entry i is prompt token i
     # given the tokens before it (None for the first); None otherwise.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    failure: RequestFailure | None = None  # with finish_reason "error": why
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,8 @@ class FinishReason(enum.StrEnum):
     # A prefill-only request computed its prompt and sampled its first token: its KV waits, pinned,
     # for export to a decode engine (LLMEngine.export_kv).
     TRANSFER = "transfer"
+    # The request failed on its own (its constraint, its output processing): LLMEngine.fail_request.
+    ERROR = "error"
 
 
 @dataclass(slots=True, eq=False)
