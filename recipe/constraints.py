@@ -17,21 +17,29 @@ Kinds (see workers.protocol.OutputConstraintSpec):
   "tool_call_required" with that one tool): free text, until a `<tool_call>` commits the output to
   a call as above; more calls may follow, separated by at most a newline, and nothing else.
 Once the grammar is complete, only an end-of-sequence token may follow.
+
+Bounds (the spec's GrammarLimits, see recipe.grammar_limits): a constraint that does not compile
+within them, or whose first mask fails, raises InvalidRequestError here, before any token is
+generated; one that exceeds them later, on the text generated so far, raises ConstraintError from
+allowed_tokens() or advance(), and the engine ends that request alone.
 """
 
 import json
 import threading
+import time
 import weakref
+from collections.abc import Iterable
 
 import llguidance
 import numpy as np
 import torch
 
 from recipe.chatml import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from recipe.grammar_limits import largest_repeat, parser_limits, schema_patterns
 from recipe.tokenizer import Tokenizer
-from workers.engine.constraints import TokenConstraint
+from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.errors import InvalidRequestError
-from workers.protocol import OutputConstraintSpec
+from workers.protocol import GrammarLimits, OutputConstraintSpec
 
 ANY_JSON_OBJECT = {"type": "object"}
 
@@ -47,6 +55,9 @@ class GrammarConstraint:
         # The bitmask is little-endian 32-bit words, so byte k holds tokens 8k..8k+7, lowest bit first.
         # numpy unpacks it in microseconds; the same in torch ops took milliseconds.
         packed = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        # A matcher that hits a limit does not raise: it enters an error state for good.
+        if self._matcher.is_error():
+            raise ConstraintError(f"the output constraint failed: {self._matcher.get_error()}")
         bits = np.unpackbits(packed, bitorder="little")
         allowed = np.zeros(self._vocab_size, dtype=np.bool_)
         # The model's vocabulary may be padded past the tokenizer's; those tokens are never allowed.
@@ -55,29 +66,40 @@ class GrammarConstraint:
         return torch.from_numpy(allowed)
 
     def advance(self, token_id: int) -> None:
-        # Checked first: a rejected token would leave the matcher in its error state for good.
-        if self._matcher.validate_tokens([token_id]) != 1:
-            raise ValueError(f"token {token_id} is not allowed by the output constraint here")
-        if not self._matcher.consume_token(token_id):
-            raise ValueError(f"the output constraint failed on token {token_id}: {self._matcher.get_error()}")
+        # Validated first: a rejected token would leave the matcher in its error state for good.
+        if self._matcher.validate_tokens([token_id]) == 1 and self._matcher.consume_token(token_id):
+            return
+        if self._matcher.is_error():  # a limit was hit, validating or consuming
+            raise ConstraintError(f"the output constraint failed: {self._matcher.get_error()}")
+        raise ConstraintError(f"token {token_id} is not allowed by the output constraint here")
 
     def is_finished(self) -> bool:
         return self._matcher.is_stopped() and not self._matcher.is_error()
 
 
 def compile_constraint(spec: OutputConstraintSpec, tokenizer: Tokenizer, vocab_size: int) -> TokenConstraint:
-    """Raises InvalidRequestError for a schema, pattern or tool list that does not compile."""
+    """Raises InvalidRequestError for a schema, pattern or tool list that does not compile within the
+    spec's limits."""
     if vocab_size < tokenizer.vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
-    grammar = _grammar(spec)
-    guidance_tokenizer = _guidance_tokenizer(tokenizer)
     what = _DESCRIPTIONS.get(spec.kind, spec.kind)
-    problem = llguidance.LLMatcher.validate_grammar(grammar, guidance_tokenizer)
+    guidance_tokenizer = _guidance_tokenizer(tokenizer)  # built once per tokenizer: not the grammar's cost
+    started = time.perf_counter()
+    grammar = _grammar(spec)
+    limits = parser_limits(spec.limits)
+    problem = llguidance.LLMatcher.validate_grammar(grammar, guidance_tokenizer, limits=limits)
     if problem:
         raise InvalidRequestError(f"invalid {what}: {problem}")
-    matcher = llguidance.LLMatcher(guidance_tokenizer, grammar, log_level=0)
+    matcher = llguidance.LLMatcher(guidance_tokenizer, grammar, log_level=0, limits=limits)
+    # The first mask builds the lexer's start state: a grammar too large to start fails here.
+    matcher.compute_bitmask()
     if matcher.is_error():
         raise InvalidRequestError(f"invalid {what}: {matcher.get_error()}")
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    if elapsed_ms > spec.limits.max_compile_ms:
+        raise InvalidRequestError(
+            f"invalid {what}: it took {elapsed_ms:.0f} ms to compile; the limit is {spec.limits.max_compile_ms} ms"
+        )
     return GrammarConstraint(matcher, vocab_size)
 
 
@@ -92,15 +114,17 @@ _DESCRIPTIONS = {
 def _grammar(spec: OutputConstraintSpec) -> str:
     if spec.kind == "json":
         schema = _parsed_json(spec.schema, "JSON schema") if spec.schema else ANY_JSON_OBJECT
+        _check_repeats(schema_patterns(schema), spec.limits, "JSON schema")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema)
         except ValueError as error:
             raise InvalidRequestError(f"invalid JSON schema: {error}") from None
     if spec.kind == "regex":
+        _check_repeats([spec.schema], spec.limits, "regular expression")
         return llguidance.LLMatcher.grammar_from_regex(spec.schema)
     if spec.kind == "tool_call_required":
         return llguidance.LLMatcher.grammar_from_lark(
-            f"start: call_body {_lark_string(TOOL_CALL_CLOSE)}\n{_call_body_rule(spec.schema)}"
+            f"start: call_body {_lark_string(TOOL_CALL_CLOSE)}\n{_call_body_rule(spec.schema, spec.limits)}"
         )
     if spec.kind == "tool_call":
         # A lazy rule ends at the first `<tool_call>`, which commits the output to a call there.
@@ -110,16 +134,17 @@ def _grammar(spec: OutputConstraintSpec) -> str:
             f"call_rest: call_body {_lark_string(TOOL_CALL_CLOSE)}\n"
             f'more_calls: ("\\n"? {_lark_string(TOOL_CALL_OPEN)} call_rest)*\n'
             "TEXT: /(?s:.*)/\n"
-            f"{_call_body_rule(spec.schema)}"
+            f"{_call_body_rule(spec.schema, spec.limits)}"
         )
     raise InvalidRequestError(f"unknown output constraint kind {spec.kind!r}")
 
 
-def _call_body_rule(tools_json: str) -> str:
+def _call_body_rule(tools_json: str, limits: GrammarLimits) -> str:
     """`call_body`: {"name": <a listed tool>, "arguments": <that tool's parameters>}."""
     tools = _parsed_json(tools_json, "tools")
     if not isinstance(tools, list) or not tools:
         raise InvalidRequestError("a tool-call constraint needs a non-empty list of tools")
+    _check_repeats(schema_patterns(tools), limits, "tools")
     call_schemas = []
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -138,6 +163,16 @@ def _call_body_rule(tools_json: str) -> str:
         )
     schema = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": call_schemas}
     return f"call_body: %json {json.dumps(schema)}\n"
+
+
+def _check_repeats(patterns: Iterable[str], limits: GrammarLimits, what: str) -> None:
+    for pattern in patterns:
+        repeats = largest_repeat(pattern)
+        if repeats > limits.max_regex_repeat:
+            raise InvalidRequestError(
+                f"invalid {what}: the pattern {pattern!r} repeats up to {repeats} times; "
+                f"at most {limits.max_regex_repeat} are allowed"
+            )
 
 
 def _declared_only(parameters: object) -> object:

@@ -14,10 +14,40 @@ worker. The prefill worker sends the first output (finish_reason "transfer") to 
 KV to the decode worker, which streams the remaining outputs to the peer that sent the expectation.
 """
 
+from typing import Annotated
+
 import msgspec
 
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
+
+
+class GrammarLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one request's output constraint may cost a worker (recipe.constraints). A grammar that
+    does not compile within them is refused before any token is generated; one that exceeds them
+    while the request runs ends that request alone.
+
+    llguidance compiles lazily: its lexer meets most of a grammar only as the output reaches it, so
+    its own limits (the last six fields, its defaults) mostly bite during decoding. The first two
+    are ours and apply at admission: a counted repetition unrolls into that many lexer positions,
+    and the per-token cost grows with it (SmolLM2's vocabulary: ~0.4 ms at {1000}, 3 ms at {4000},
+    80 ms at {50000}, where `(a|aa)*b{50000}` also exhausts the lexer's fuel on its second token).
+    """
+
+    # The largest count of a counted repetition ({n}, {m,n}, {n,}) in a pattern, nested counts
+    # multiplied.
+    max_regex_repeat: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    # Wall-clock milliseconds to validate the grammar, build its matcher and compute its first mask.
+    max_compile_ms: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    # llguidance's LLParserLimits: lexer fuel to build the regexes (~50 per microsecond), lexer
+    # fuel per mask (~14 per microsecond), Earley items per mask, branching of one grammar row,
+    # lexer states (1-2 kB each), symbols in the grammar.
+    initial_lexer_fuel: Annotated[int, msgspec.Meta(ge=1)] = 1_000_000
+    step_lexer_fuel: Annotated[int, msgspec.Meta(ge=1)] = 200_000
+    step_max_items: Annotated[int, msgspec.Meta(ge=1)] = 50_000
+    max_items_in_row: Annotated[int, msgspec.Meta(ge=1)] = 2000
+    max_lexer_states: Annotated[int, msgspec.Meta(ge=1)] = 250_000
+    max_grammar_size: Annotated[int, msgspec.Meta(ge=1)] = 500_000
 
 
 class OutputConstraintSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -26,10 +56,13 @@ class OutputConstraintSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     kind: "json" (schema: compact JSON Schema, or "" for any JSON value), "regex" (schema: the
     pattern), "tool_call" / "tool_call_required" (schema: the tools as a JSON array of Chat
     Completions function tools; "tool_call" also allows plain text instead of a call).
+    limits: set by the gateway from its settings, so every worker that compiles the constraint
+    (prefill and decode) holds it to the same bounds.
     """
 
     kind: str
     schema: str
+    limits: GrammarLimits = GrammarLimits()
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_fields=True):

@@ -5,9 +5,9 @@ import torch
 
 from recipe.constraints import compile_constraint
 from recipe.tokenizer import Tokenizer
-from workers.engine.constraints import TokenConstraint
+from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.errors import InvalidRequestError
-from workers.protocol import OutputConstraintSpec
+from workers.protocol import GrammarLimits, OutputConstraintSpec
 
 VOCAB = 49152
 PERSON = {
@@ -72,7 +72,7 @@ def test_the_mask_refuses_what_the_schema_does_not_allow(smollm2_tokenizer: Toke
     assert not allowed[smollm2_tokenizer.encode('"')[0]]
     assert not allowed[1]  # <|im_start|>: text never becomes a control token
     assert not constraint.is_finished()
-    with pytest.raises(ValueError, match="not allowed"):
+    with pytest.raises(ConstraintError, match="not allowed"):
         constraint.advance(smollm2_tokenizer.encode('"')[0])
     constraint.advance(smollm2_tokenizer.encode("3")[0])  # a refused token left the state intact
 
@@ -171,4 +171,97 @@ def test_the_mask_covers_a_vocabulary_padded_past_the_tokenizer(smollm2_tokenize
 )
 def test_a_bad_constraint_is_an_invalid_request(smollm2_tokenizer: Tokenizer, spec, problem: str) -> None:
     with pytest.raises(InvalidRequestError, match=problem):
+        compile_constraint(spec, smollm2_tokenizer, VOCAB)
+
+
+# The issue's pattern: llguidance compiles it lazily, then runs out of lexer fuel on its second "bb".
+EXPLODING = "^(a|aa)*b{50000}$"
+
+
+def exploding_schema(pattern: str = EXPLODING) -> str:
+    return json.dumps(
+        {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    )
+
+
+def exploding_tools() -> str:
+    parameters = {"type": "object", "properties": {"s": {"type": "string", "pattern": EXPLODING}}}
+    return json.dumps([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        OutputConstraintSpec("json", exploding_schema()),
+        OutputConstraintSpec("json", json.dumps({"type": "object", "patternProperties": {EXPLODING: {}}})),
+        OutputConstraintSpec("regex", EXPLODING),
+        OutputConstraintSpec("tool_call_required", exploding_tools()),
+        OutputConstraintSpec("tool_call", exploding_tools()),
+    ],
+    ids=["json-pattern", "json-pattern-properties", "regex", "tools-required", "tools-auto"],
+)
+def test_a_pattern_repeating_past_the_limit_is_refused_before_any_token(smollm2_tokenizer: Tokenizer, spec) -> None:
+    with pytest.raises(InvalidRequestError, match="repeats up to 50000 times; at most 1000 are allowed"):
+        compile_constraint(spec, smollm2_tokenizer, VOCAB)
+
+
+def test_the_repeat_limit_is_the_specs(smollm2_tokenizer: Tokenizer) -> None:
+    pattern = "^x{1500}$"
+    with pytest.raises(InvalidRequestError, match="repeats up to 1500"):
+        compile_constraint(OutputConstraintSpec("regex", pattern), smollm2_tokenizer, VOCAB)
+
+    roomy = OutputConstraintSpec("regex", pattern, GrammarLimits(max_regex_repeat=2000))
+    assert not compile_constraint(roomy, smollm2_tokenizer, VOCAB).is_finished()
+
+
+def test_a_grammar_that_exhausts_its_lexer_mid_output_fails_on_that_token(smollm2_tokenizer: Tokenizer) -> None:
+    # given: the limit on repeats raised, so the grammar gets past admission
+    spec = OutputConstraintSpec("json", exploding_schema(), GrammarLimits(max_regex_repeat=100_000))
+    constraint = compile_constraint(spec, smollm2_tokenizer, VOCAB)
+    drive(constraint, smollm2_tokenizer, '{"s": "aa')
+    bb = smollm2_tokenizer.encode("bb")[0]
+
+    # when / then: within a few tokens, as the engine calls it
+    with pytest.raises(ConstraintError, match="too many expressions constructed"):
+        for _ in range(3):
+            assert constraint.allowed_tokens()[bb]
+            constraint.advance(bb)
+    with pytest.raises(ConstraintError, match="too many expressions constructed"):
+        constraint.allowed_tokens()  # it stays failed
+    assert not constraint.is_finished()
+
+
+def test_too_many_earley_items_in_a_mask_fail_the_output_not_the_compile(smollm2_tokenizer: Tokenizer) -> None:
+    spec = OutputConstraintSpec("json", json.dumps(PERSON), GrammarLimits(step_max_items=1))
+    constraint = compile_constraint(spec, smollm2_tokenizer, VOCAB)
+
+    with pytest.raises(ConstraintError, match="Too many items"):
+        drive(constraint, smollm2_tokenizer, '{"name": "Ada", "age": 36}')
+
+
+@pytest.mark.parametrize(
+    ("limits", "problem"),
+    [
+        (GrammarLimits(max_grammar_size=5), "grammar size .* too big"),
+        (GrammarLimits(initial_lexer_fuel=1), "initial lexer configuration .* too big"),
+    ],
+    ids=["grammar-size", "initial-lexer-fuel"],
+)
+def test_llguidance_limits_that_a_grammar_exceeds_at_compile_refuse_it(
+    smollm2_tokenizer: Tokenizer, limits: GrammarLimits, problem: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=f"invalid JSON schema: {problem}"):
+        compile_constraint(OutputConstraintSpec("json", json.dumps(PERSON), limits), smollm2_tokenizer, VOCAB)
+
+
+def test_a_grammar_that_takes_longer_than_the_compile_limit_is_refused(smollm2_tokenizer: Tokenizer) -> None:
+    # 200 tools of 10 parameters: hundreds of milliseconds to compile, against a limit of one.
+    properties = {f"p{index}": {"type": "string"} for index in range(10)}
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": properties}}}
+        for i in range(200)
+    ]
+    spec = OutputConstraintSpec("tool_call", json.dumps(tools), GrammarLimits(max_compile_ms=1))
+
+    with pytest.raises(InvalidRequestError, match=r"invalid tools: it took \d+ ms to compile; the limit is 1 ms"):
         compile_constraint(spec, smollm2_tokenizer, VOCAB)
