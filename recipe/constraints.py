@@ -57,7 +57,7 @@ class GrammarConstraint:
         packed = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         # A matcher that hits a limit does not raise: it enters an error state for good.
         if self._matcher.is_error():
-            raise ConstraintError(f"the output constraint failed: {self._matcher.get_error()}")
+            raise ConstraintError(f"the output constraint failed: {_error(self._matcher)}")
         bits = np.unpackbits(packed, bitorder="little")
         allowed = np.zeros(self._vocab_size, dtype=np.bool_)
         # The model's vocabulary may be padded past the tokenizer's; those tokens are never allowed.
@@ -70,7 +70,7 @@ class GrammarConstraint:
         if self._matcher.validate_tokens([token_id]) == 1 and self._matcher.consume_token(token_id):
             return
         if self._matcher.is_error():  # a limit was hit, validating or consuming
-            raise ConstraintError(f"the output constraint failed: {self._matcher.get_error()}")
+            raise ConstraintError(f"the output constraint failed: {_error(self._matcher)}")
         raise ConstraintError(f"token {token_id} is not allowed by the output constraint here")
 
     def is_finished(self) -> bool:
@@ -89,18 +89,27 @@ def compile_constraint(spec: OutputConstraintSpec, tokenizer: Tokenizer, vocab_s
     limits = parser_limits(spec.limits)
     problem = llguidance.LLMatcher.validate_grammar(grammar, guidance_tokenizer, limits=limits)
     if problem:
-        raise InvalidRequestError(f"invalid {what}: {problem}")
+        raise InvalidRequestError(f"invalid {what}: {_readable(problem)}")
     matcher = llguidance.LLMatcher(guidance_tokenizer, grammar, log_level=0, limits=limits)
     # The first mask builds the lexer's start state: a grammar too large to start fails here.
     matcher.compute_bitmask()
     if matcher.is_error():
-        raise InvalidRequestError(f"invalid {what}: {matcher.get_error()}")
+        raise InvalidRequestError(f"invalid {what}: {_error(matcher)}")
     elapsed_ms = (time.perf_counter() - started) * 1000
     if elapsed_ms > spec.limits.max_compile_ms:
         raise InvalidRequestError(
             f"invalid {what}: it took {elapsed_ms:.0f} ms to compile; the limit is {spec.limits.max_compile_ms} ms"
         )
     return GrammarConstraint(matcher, vocab_size)
+
+
+def _error(matcher: llguidance.LLMatcher) -> str:
+    return _readable(matcher.get_error())
+
+
+def _readable(message: str) -> str:
+    """llguidance's message without the marker it leaves where verbose errors would dump its state."""
+    return message.replace("<non-verbose/>", "").strip()
 
 
 _DESCRIPTIONS = {

@@ -82,10 +82,16 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
 
 class ExpectTransferRequest(msgspec.Struct, tag="expect_transfer", frozen=True, forbid_unknown_fields=True):
     """To a decode worker: a prefill worker will send this request's KV; stream its outputs to me.
-    Aborting the request id drops the expectation; one whose KV never arrives fails after a timeout."""
+    Aborting the request id drops the expectation; one whose KV never arrives within `timeout_s`
+    fails ("transfer_failed")."""
 
     request_id: str
-    constraint: OutputConstraintSpec | None = None  # compiled afresh and advanced over the first token
+    # Compiled on arrival (a constraint that does not compile is refused at once, "invalid_constraint")
+    # and advanced over the tokens the prefill worker sampled.
+    constraint: OutputConstraintSpec | None = None
+    # Seconds from arrival: the request's predicted prefill and transfer, with margins
+    # (workers.prefill_deadlines). 0: the worker's own --transfer-timeout.
+    timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -110,10 +116,18 @@ class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=Tr
 
 
 class GenerateError(msgspec.Struct, tag="error", frozen=True):
-    """A request the worker could not admit or finish. kind: "invalid_request", "overloaded",
-    "internal", "draining" (the worker takes no new requests: it never started this one, so it is
-    safe to send it to another worker), "transfer_failed" (the request's KV could not be sent or
-    continued from: its decode part never started)."""
+    """A request the worker could not admit or finish; the last message of its stream. kind:
+    - "invalid_request", "overloaded";
+    - "invalid_constraint": its output constraint does not compile within its GrammarLimits, or
+      exceeded them on the output so far (the message says which); the others run on;
+    - "internal": something else about this request failed (processing its output); the others
+      run on;
+    - "worker_failed": the engine failed as a whole and the worker is exiting; every request it
+      held gets this;
+    - "draining": the worker takes no new requests: it never started this one, so it is safe to
+      send it to another worker;
+    - "transfer_failed": the request's KV could not be sent or continued from: its decode part
+      never started."""
 
     request_id: str
     kind: str

@@ -10,8 +10,9 @@ thread is done with the handoff. The thread reports each outcome on an inproc so
 loop polls; only that loop touches the engine.
 
 Receiver: the decode worker's PULL. A transfer is assembled only for a request the gateway said to
-expect (ExpectTransferRequest); an expectation whose KV has not arrived within the timeout fails, as
-does any malformed transfer, and a transfer nobody expects is dropped.
+expect (ExpectTransferRequest); an expectation whose KV has not arrived within its timeout (the one
+the gateway predicted for it, else the worker's default) fails, as does any malformed transfer, and
+a transfer nobody expects is dropped.
 """
 
 import logging
@@ -25,9 +26,10 @@ from itertools import count
 import msgspec
 import zmq
 
+from workers.engine.constraints import TokenConstraint
 from workers.engine.kv_handoff import KVHandoff
 from workers.kv_transfer import HandoffAssembler, KVTransferError, encode_handoff
-from workers.protocol import KVTransferMessage, OutputConstraintSpec
+from workers.protocol import KVTransferMessage
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,8 @@ class TransferSender:
 @dataclass(slots=True)
 class Expectation:
     peer: bytes  # the ROUTER identity of the gateway that sent the ExpectTransferRequest
-    constraint: OutputConstraintSpec | None
+    constraint: TokenConstraint | None  # compiled, not yet advanced over the prefill's tokens
+    timeout_s: float
     deadline: float  # time.monotonic()
 
 
@@ -143,12 +146,14 @@ class Received:
 @dataclass(slots=True)
 class TransferReceiver:
     pull: zmq.Socket
-    timeout_s: float
+    default_timeout_s: float  # for an expectation that names no timeout of its own
     assembler: HandoffAssembler = field(default_factory=HandoffAssembler)
     expected: dict[str, Expectation] = field(default_factory=dict)
 
-    def expect(self, request_id: str, peer: bytes, constraint: OutputConstraintSpec | None) -> None:
-        self.expected[request_id] = Expectation(peer, constraint, time.monotonic() + self.timeout_s)
+    def expect(self, request_id: str, peer: bytes, constraint: TokenConstraint | None, timeout_s: float = 0.0) -> None:
+        """Wait for the request's KV for `timeout_s` from now (0: the default)."""
+        timeout_s = timeout_s or self.default_timeout_s
+        self.expected[request_id] = Expectation(peer, constraint, timeout_s, time.monotonic() + timeout_s)
 
     def drop(self, request_id: str) -> Expectation | None:
         self.assembler.discard(request_id)
@@ -168,8 +173,11 @@ class TransferReceiver:
 
     def expired(self, now: float) -> list[Received]:
         late = [request_id for request_id, expectation in self.expected.items() if expectation.deadline <= now]
-        message = f"no KV arrived within {self.timeout_s:g} s"
-        return [Received(request_id, self.drop(request_id), error=message) for request_id in late]
+        settled = []
+        for request_id in late:
+            expectation = self.drop(request_id)
+            settled.append(Received(request_id, expectation, error=f"no KV arrived within {expectation.timeout_s:g} s"))
+        return settled
 
     def _feed(self, frames: Sequence[zmq.Frame]) -> Received | None:
         # Assemble only what a request waits for, so the KV of aborted requests, or of senders that

@@ -186,7 +186,7 @@ def test_a_constraint_needs_a_tokenizer(worker):
             await client.close()
 
     error = asyncio.run(run())
-    assert error.kind == "invalid_request" and "tokenizer" in error.message
+    assert error.kind == "invalid_constraint" and "tokenizer" in error.message
 
 
 @pytest.mark.slow
@@ -221,7 +221,7 @@ def test_regex_constraints_shape_the_output_with_the_real_tokenizer(tmp_path_fac
     for stream in outputs:
         assert re.fullmatch("(yes|no)! [0-9]{2}", "".join(o.text for o in stream))
         assert stream[-1].finish_reason == "stop"
-    assert error.kind == "invalid_request"
+    assert error.kind == "invalid_constraint"
 
 
 def test_a_request_id_in_use_is_rejected_without_disturbing_the_first(worker):

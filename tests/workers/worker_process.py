@@ -48,18 +48,23 @@ class WorkerProcess:
 
 
 def worker_command(
-    directory: Path, name: str, *options: str, config: dict = CONFIG, model: str | None = None
+    directory: Path,
+    name: str,
+    *options: str,
+    config: dict = CONFIG,
+    model: str | None = None,
+    module: str = "workers.worker",
 ) -> list[str]:
     """Runs a worker of a tiny model as `name` (also its worker id) on `endpoints(directory, name)`.
     The model is named after its config file: `model` (default: `name`); workers that hand KV to
-    each other must serve the same model name."""
+    each other must serve the same model name. `module` is the entry point run with `-m`."""
     config_path = directory / f"{model or name}.json"
     config_path.write_text(json.dumps(config))
     request_endpoint, heartbeat_endpoint = endpoints(directory, name)
     return [
         sys.executable,
         "-m",
-        "workers.worker",
+        module,
         "--model",
         str(config_path),
         "--request-endpoint",
@@ -87,10 +92,15 @@ def role_options(directory: Path, name: str, role: str) -> list[str]:
 
 
 def start_worker(
-    directory: Path, name: str, *options: str, config: dict = CONFIG, model: str | None = None
+    directory: Path,
+    name: str,
+    *options: str,
+    config: dict = CONFIG,
+    model: str | None = None,
+    module: str = "workers.worker",
 ) -> WorkerProcess:
-    process = subprocess.Popen(worker_command(directory, name, *options, config=config, model=model), cwd=REPO_ROOT)
-    return WorkerProcess(process, endpoints(directory, name))
+    command = worker_command(directory, name, *options, config=config, model=model, module=module)
+    return WorkerProcess(subprocess.Popen(command, cwd=REPO_ROOT), endpoints(directory, name))
 
 
 async def connected_client(*workers: tuple[str, str], heartbeat_timeout_s: float = 3.0) -> EngineClient:

@@ -10,9 +10,10 @@ from workers.args import EngineArgs, add_engine_arguments
 from workers.kvstore.eviction import POLICIES
 
 ROLES = ("mixed", "prefill", "decode")
-# Longest a decode worker waits for the KV of a request it was told to expect. It counts from the
-# expectation, which comes before the prefill is even scheduled: generous, it is a backstop for a
-# gateway that vanished (a gateway fails a stalled transfer sooner, see engine_client).
+# Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
+# names no timeout of its own (the gateway's name the request's predicted prefill and transfer, see
+# workers.prefill_deadlines). It counts from the expectation, which comes before the prefill is even
+# scheduled: a backstop for a gateway that vanished (a gateway fails a stalled transfer itself).
 TRANSFER_TIMEOUT_S = 120.0
 
 
@@ -71,7 +72,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
     parser.add_argument("--transfer-endpoint", help="decode workers: bind the PULL for KV transfers here")
     parser.add_argument(
-        "--transfer-timeout", type=float, default=TRANSFER_TIMEOUT_S, help="seconds a decode worker waits for KV"
+        "--transfer-timeout",
+        type=float,
+        default=TRANSFER_TIMEOUT_S,
+        help="seconds a decode worker waits for KV when the expectation names no timeout",
     )
 
 

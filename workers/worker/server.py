@@ -1,5 +1,11 @@
 """The worker's server: its sockets, the loop that interleaves messages with engine steps, and the
-table of message handlers (see the package docstring for the roles)."""
+table of message handlers (see the package docstring for the roles).
+
+Faults: a request that fails on its own (its constraint, its output; see LLMEngine.fail_request)
+gets a GenerateError and the others run on. An engine step that raises is a fault of the engine as
+a whole: every request the worker holds gets a "worker_failed" error at once, rather than waiting
+for the heartbeats to stop, and the worker exits (code 1) for its supervisor to restart it.
+"""
 
 import logging
 import os
@@ -15,7 +21,7 @@ import zmq
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
-from workers.engine.outputs import RequestDelta
+from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.request import FinishReason
 from workers.engine.sampling_params import invalid_request_from
 from workers.kvstore.gc import GarbageCollector
@@ -76,7 +82,7 @@ class Worker:
             pull = context.socket(zmq.PULL)
             pull.bind(config.transfer_endpoint)
             transfer_endpoint = connectable_endpoint(pull, hostname)
-            receiver = TransferReceiver(pull, config.transfer_timeout_s)
+            receiver = TransferReceiver(pull, default_timeout_s=config.transfer_timeout_s)
             self.poller.register(pull, zmq.POLLIN)
         sender: TransferSender | None = None
         if config.role == "prefill":
@@ -148,10 +154,29 @@ class Worker:
                 self._receive()
             self.transfers.poll(ready, MAX_MESSAGES_PER_STEP)
             if self.engine.has_unfinished():
-                for delta in self.engine.step():
+                for delta in self._step():
                     self._send_delta(delta)
                 self.control.check_drained()
         self._shut_down()
+
+    def _step(self) -> list[RequestDelta]:
+        try:
+            return self.engine.step()
+        except Exception as error:
+            self._fail_in_flight(f"the engine worker {self.worker_id} failed: {type(error).__name__}")
+            raise
+
+    def _fail_in_flight(self, reason: str) -> None:
+        """Tell every peer with a request here that the worker is going, before it goes. The
+        heartbeats stop first, so that a peer that has heard of the failure hears nothing that
+        would make the worker look alive again."""
+        log.error("worker %s: the engine failed; failing %d requests", self.worker_id, self._num_in_flight())
+        self.stop.set()
+        self.heartbeats.join()
+        peers = {**self.owners, **self.transfers.expected_peers(), **self.transfers.sending}
+        for request_id, peer in peers.items():
+            if peer:  # b"": a send aborted by its owner, who wants nothing more
+                self._send(peer, GenerateError(request_id, "worker_failed", reason))
 
     def _receive(self) -> None:
         for _ in range(MAX_MESSAGES_PER_STEP):
@@ -189,6 +214,10 @@ class Worker:
             return
         try:
             constraint = self._compile_constraint(request.constraint) if request.constraint is not None else None
+        except InvalidRequestError as error:
+            self._send(peer, GenerateError(request.request_id, "invalid_constraint", str(error)))
+            return
+        try:
             self.engine.add_request(
                 request.request_id,
                 request.prompt_token_ids,
@@ -245,6 +274,10 @@ class Worker:
 
     def _send_delta(self, delta: RequestDelta) -> None:
         owner = self.owners.pop(delta.request_id) if delta.finished else self.owners[delta.request_id]
+        if delta.failure is not None:
+            self.transfers.forget(delta.request_id)
+            self._send(owner, failure_error(delta.request_id, delta.failure))
+            return
         output = GenerateOutput(
             request_id=delta.request_id,
             token_ids=delta.token_ids,
@@ -293,6 +326,15 @@ class Worker:
         if self.registration_thread is not None:
             self.registration_thread.join()
         self.heartbeats.publisher.close(linger=0)
+
+
+def failure_error(request_id: str, failure: RequestFailure) -> GenerateError:
+    """A request that failed alone, as its owner hears of it: its constraint's failure in full (the
+    client's own grammar), anything else without detail (that is for this worker's log)."""
+    if failure.kind == "constraint":
+        return GenerateError(request_id, "invalid_constraint", failure.message)
+    log.error("request %s failed: %s", request_id, failure.message)
+    return GenerateError(request_id, "internal", "the worker failed to process this request's output")
 
 
 def connectable_endpoint(bound: zmq.Socket, hostname: str) -> str:

@@ -1,7 +1,13 @@
 """The disaggregation side of a worker: a prefill worker sends each finished prefill's KV to the
 decode worker the gateway named, on its sender thread, and releases the pages once sent; a decode
 worker takes in the KV it was told to expect and continues those requests. Both ends are in
-workers.transfer_link; this module ties them to the engine and to the requests' owners."""
+workers.transfer_link; this module ties them to the engine and to the requests' owners.
+
+A decode worker compiles an expected request's constraint when told to expect it, so that one that
+does not compile is refused before the prefill is wasted on it; when the KV arrives, a constraint
+that fails on the tokens the prefill worker sampled fails that request ("invalid_constraint"), not
+its transfer: another attempt would fail the same way.
+"""
 
 import logging
 import time
@@ -9,7 +15,7 @@ from collections.abc import Callable
 
 import zmq
 
-from workers.engine.constraints import TokenConstraint
+from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol import ExpectTransferRequest, GenerateError, GenerateOutput, OutputConstraintSpec, WorkerOutbound
@@ -56,6 +62,11 @@ class Transfers:
         """Request ids whose KV this worker is waiting for."""
         return list(self.receiver.expected) if self.receiver is not None else []
 
+    def expected_peers(self) -> dict[str, bytes]:
+        """Request id → the peer that expects its outputs, for the transfers this worker waits for."""
+        expected = self.receiver.expected if self.receiver is not None else {}
+        return {request_id: expectation.peer for request_id, expectation in expected.items()}
+
     @property
     def num_in_flight(self) -> int:
         return len(self.sending) + (len(self.receiver.expected) if self.receiver is not None else 0)
@@ -83,7 +94,12 @@ class Transfers:
             message = f"request id {request_id!r} is already in use"
             self.send(peer, GenerateError(request_id, "invalid_request", message))
         else:
-            self.receiver.expect(request_id, peer, request.constraint)
+            try:
+                constraint = self.compile_constraint(request.constraint) if request.constraint is not None else None
+            except InvalidRequestError as error:
+                self.send(peer, GenerateError(request_id, "invalid_constraint", str(error)))
+                return
+            self.receiver.expect(request_id, peer, constraint, request.timeout_s)
 
     def send_after_prefill(self, request_id: str, decode_endpoint: str) -> None:
         """Remember where a prefill-only request's KV goes once its first token is out."""
@@ -133,11 +149,17 @@ class Transfers:
         error = received.error
         if received.handoff is not None:
             try:
-                spec = received.expectation.constraint
-                constraint = self.compile_constraint(spec) if spec is not None else None
-                self.engine.add_prefilled_request(received.handoff, constraint=constraint)
+                self.engine.add_prefilled_request(received.handoff, constraint=received.expectation.constraint)
             except (InvalidRequestError, EngineOverloadedError) as refusal:
                 error = str(refusal)
+            except ConstraintError as failure:
+                self.send(peer, GenerateError(request_id, "invalid_constraint", str(failure)))
+                return
+            except Exception:
+                # The engine changed nothing (add_prefilled_request): this request fails, the worker goes on.
+                log.exception("continuing request %s failed", request_id)
+                self.send(peer, GenerateError(request_id, "internal", "the worker failed to continue this request"))
+                return
             else:
                 self.owners[request_id] = peer
                 return
