@@ -9,6 +9,10 @@ New requests go only to healthy workers whose heartbeats say they are "ready" (n
 With ready prefill and decode workers, a request is split between them (workers.split_stream):
 its outputs still arrive as one stream. Otherwise one worker runs it whole (mixed workers, or a
 pool that lost its other half).
+
+A request that fails on its own ends with RequestRejectedError ("invalid_constraint", "internal")
+and the worker goes on; one on a worker that failed as a whole ("worker_failed", or its heartbeats
+stop) ends too, and a split request is tried again at most once (workers.crash_suspects).
 """
 
 import asyncio
@@ -23,8 +27,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from workers.entrypoint.router import Router, cost_model_from_environment
+from workers.crash_suspects import CrashSuspects
+from workers.entrypoint.router import Router, cost_model_from_environment, fitted_cost_model_from_environment
 from workers.kvstore.index import BlockIndex
+from workers.prefill_deadlines import DeadlineModel
 from workers.protocol import (
     AbortRequest,
     ControlAck,
@@ -48,7 +54,8 @@ class WorkerUnavailableError(Exception):
 
 
 class RequestRejectedError(Exception):
-    """The worker refused or failed the request: kind is "invalid_request", "overloaded" or "internal"."""
+    """The worker refused or failed the request: kind is a GenerateError's ("invalid_request",
+    "invalid_constraint", "overloaded", "internal", "worker_failed")."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
@@ -79,6 +86,9 @@ class WorkerLink:
     # The decode requests this client placed here, and their reserved peak KV (entrypoint.router).
     num_decode_requests: int = 0
     reserved_kv_tokens: int = 0
+    # Uncached prompt tokens of the prefills this client sent here that have not yet produced their
+    # first token: the queue a new prefill waits behind (workers.prefill_deadlines).
+    queued_prefill_tokens: int = 0
 
     def is_healthy(self, now: float, timeout_s: float) -> bool:
         return self.heartbeat is not None and now - self.heartbeat_received_at <= timeout_s
@@ -89,6 +99,11 @@ class WorkerLink:
     @property
     def role(self) -> str:
         return self.heartbeat.role if self.heartbeat is not None else ""
+
+    def mark_failed(self) -> None:
+        """The worker reported that it failed as a whole: it is not healthy until it heartbeats again
+        (restarted: its requests are gone, and its streams end)."""
+        self.heartbeat_received_at = float("-inf")
 
     def mark_draining(self) -> None:
         """The worker refused a request as draining before its heartbeat said so: believe the refusal
@@ -117,11 +132,18 @@ class EngineClient:
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         store_index: BlockIndex | None = None,
         router: Router | None = None,
+        deadline_model: DeadlineModel | None = None,
     ) -> None:
         """`store_index`: the global KV store's index, shared with the workers (Redis), from which a
-        request's hit length is read to weigh its prefill work; None: every prompt counts whole."""
+        request's hit length is read to weigh its prefill work; None: every prompt counts whole.
+        `deadline_model`: how long a split request's prefill path may take (default: from the
+        fitted cost model, else the conservative rate)."""
         self.store_index = store_index
         self.router = router or Router(cost_model_from_environment())
+        self.deadline_model = deadline_model or DeadlineModel(
+            fitted_cost_model_from_environment(), step_budget_s=self.router.step_budget_s
+        )
+        self.crash_suspects = CrashSuspects()
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -274,6 +296,8 @@ class EngineClient:
             if isinstance(message, ControlAck):  # control commands come from the control plane, not from here
                 log.warning("unexpected control ack from worker %s: %s", link.request_endpoint, message)
                 continue
+            if isinstance(message, GenerateError) and message.kind == "worker_failed":
+                link.mark_failed()
             queue = link.streams.get(message.request_id)
             if queue is not None:
                 queue.put_nowait(message)

@@ -7,16 +7,23 @@ worker's only output is the first token, with finish_reason "transfer", which th
 without it; the decode worker's outputs follow. The two come over different sockets, so a decode
 output that overtakes the prefill's is held back until the prefill's has been passed on.
 
+Deadlines (workers.prefill_deadlines) follow the request's predicted prefill time: the decode worker
+waits for the KV as long as the prefill and the transfer are predicted to take, with margins, and
+the stream waits that long for the decode worker's first output once the prefill's is out.
+
 Failures. A worker that refuses as draining, a transfer that fails (the prefill worker could not
-send, the decode worker could not assemble or admit it, or no decode output came within
-TRANSFER_WAIT_S of the prefill's end), and a worker that goes away (heartbeats stop) end the attempt,
-and the request runs again from the start, on another decode worker when that one failed (or whole
-on one worker when no other decode worker is left). Outputs the client already has are skipped:
-the retry recomputes them and checks that it produced the same tokens, which a greedy or seeded
-request always does. An unseeded sampled request that has already streamed tokens cannot be
-continued that way: its stream fails with WorkerUnavailableError, as do all after MAX_ATTEMPTS. A
-prefill worker that is full (overloaded) is back-pressure, not a failure: the request waits and tries
-again, for up to CAPACITY_WAIT_S, before it is refused "overloaded".
+send, the decode worker could not assemble or admit it, or no decode output came within the
+transfer deadline), and a worker that goes away (its heartbeats stop, or it reports it failed) end
+the attempt, and the request runs again from the start, on other workers than the one that failed
+(or whole on one worker when no other prefill or decode worker is left). Outputs the client already has
+are skipped: the retry recomputes them and checks that it produced the same tokens, which a greedy
+or seeded request always does. An unseeded sampled request that has already streamed tokens cannot
+be continued that way: its stream fails with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
+A worker that went away may have been brought down by this very request, so that failure is retried
+once, and not at all for a request that was in flight on a failed worker before
+(workers.crash_suspects): it fails "worker_failed" instead of taking the next worker down too.
+A prefill worker that is full (overloaded) is back-pressure, not a failure: the request waits and
+tries again, for up to CAPACITY_WAIT_S, before it is refused "overloaded".
 Whatever ends a stream, each worker that may still hold the request is told to abort it, so both
 sides free its KV.
 """
@@ -44,9 +51,6 @@ from workers.protocol import AbortRequest, ExpectTransferRequest, GenerateError,
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-# Longest the stream waits, after the prefill worker reported its first token, for the decode
-# worker's first output: the KV is sent, written into pages, and one decode step runs.
-TRANSFER_WAIT_S = 30.0
 # Longest a request waits for a decode worker with room for its KV, or for a prefill worker to take
 # it, before it is refused "overloaded".
 CAPACITY_WAIT_S = 10.0
@@ -56,14 +60,17 @@ TRANSFER = "transfer"  # the phase between the prefill's last output and the dec
 
 
 class _Retry(Exception):
-    """The attempt failed in a way another attempt may not: `decode` names a decode worker to avoid;
+    """The attempt failed in a way another attempt may not: `avoid` names a worker not to try again;
     `busy`: the prefill worker was full (it caps the prefills awaiting transfer), so the attempt waits
-    and does not count."""
+    and does not count; `crashed`: a worker holding the request went away."""
 
-    def __init__(self, reason: str, decode: WorkerLink | None = None, *, busy: bool = False) -> None:
+    def __init__(
+        self, reason: str, avoid: WorkerLink | None = None, *, busy: bool = False, crashed: bool = False
+    ) -> None:
         super().__init__(reason)
-        self.decode = decode
+        self.avoid = avoid
         self.busy = busy
+        self.crashed = crashed
 
 
 class _Tagged:
@@ -84,8 +91,9 @@ class SplitStream:
         self.client = client
         self.request = request
         self.delivered: list[int] = []  # tokens the consumer has been given
-        self.avoid: set[WorkerLink] = set()  # decode workers that failed this request
+        self.avoid: set[WorkerLink] = set()  # workers that failed this request
         self.num_split_attempts = 0
+        self.crashed = False  # a worker went away while it held this request
 
     async def outputs(self) -> AsyncIterator[GenerateOutput]:
         params = self.request.params
@@ -123,8 +131,10 @@ class SplitStream:
                     await asyncio.sleep(CAPACITY_POLL_S)
                     continue
                 failure = retry
-                if retry.decode is not None:
-                    self.avoid.add(retry.decode)
+                if retry.crashed:
+                    self._count_crash(retry)
+                if retry.avoid is not None:
+                    self.avoid.add(retry.avoid)
                 if self.delivered and not replayable:
                     raise WorkerUnavailableError(
                         f"{retry}; request {self.request.request_id} had streamed {len(self.delivered)} "
@@ -133,27 +143,43 @@ class SplitStream:
                 log.warning("retrying request %s: %s", self.request.request_id, retry)
         raise WorkerUnavailableError(f"request {self.request.request_id} failed {MAX_ATTEMPTS} times; last: {failure}")
 
+    def _count_crash(self, retry: _Retry) -> None:
+        """The request was in flight on a worker that went away: tried again once at most, and not
+        at all when it (or the same request sent before) was in flight on one that did before."""
+        suspected_before = self.client.crash_suspects.record(self.request)
+        if self.crashed or suspected_before:
+            raise RequestRejectedError(
+                "worker_failed",
+                f"request {self.request.request_id} was in flight on engine workers that failed; "
+                f"not retried again (last: {retry})",
+            ) from None
+        self.crashed = True
+
     async def _attempt(self) -> AsyncIterator[GenerateOutput]:
-        pair = await self._choose()
-        if pair is None:
+        chosen = await self._choose()
+        if chosen is None:
             # No decode worker left to try: one worker runs the request whole.
             try:
                 async for output in self.client.generate_whole(self.request):
                     yield output
             except WorkerUnavailableError as error:
-                raise _Retry(str(error)) from None
+                raise _Retry(str(error), crashed=True) from None
+            except RequestRejectedError as error:
+                if error.kind != "worker_failed":
+                    raise
+                raise _Retry(str(error), crashed=True) from None
             return
-        async for output in self._split(*pair):
+        async for output in self._split(*chosen):
             yield output
 
-    async def _choose(self) -> tuple[WorkerLink, WorkerLink, float] | None:
-        """(prefill, decode, the prefill compute charged to the router), or None when no decode
-        worker but those that failed this request is ready."""
+    async def _choose(self) -> tuple[WorkerLink, WorkerLink, float, int] | None:
+        """(prefill, decode, the prefill compute charged to the router, the prompt's tokens in the
+        store), or None when no prefill or no decode worker but those that failed this request is ready."""
         router, request = self.client.router, self.request
         deadline = time.monotonic() + CAPACITY_WAIT_S
         while True:
             ready = self.client.ready_links()
-            prefills = [link for link in ready if link.role == PREFILL]
+            prefills = [link for link in ready if link.role == PREFILL and link not in self.avoid]
             decodes = [link for link in ready if link.role == DECODE and link not in self.avoid]
             if not prefills or not decodes:
                 return None
@@ -176,7 +202,7 @@ class SplitStream:
             [(link.request_endpoint, link.heartbeat) for link in prefills], prompt, hit
         )
         prefill = next(link for link in prefills if link.request_endpoint == prefill_key)
-        return prefill, by_key[key], cost
+        return prefill, by_key[key], cost, hit
 
     async def _store_hit_tokens(self, prefill: WorkerLink) -> int:
         """The prompt's hit length in the global KV store (0 when this client cannot read its index)."""
@@ -193,13 +219,24 @@ class SplitStream:
             log.warning("reading the KV store index failed; routing as a miss: %s", error)
             return 0
 
-    async def _split(self, prefill: WorkerLink, decode: WorkerLink, cost: float) -> AsyncIterator[GenerateOutput]:
+    async def _split(
+        self, prefill: WorkerLink, decode: WorkerLink, cost: float, hit: int
+    ) -> AsyncIterator[GenerateOutput]:
         # Each attempt goes to the workers under an id of its own: the answer to an abort sent when an
         # earlier attempt ended (a decode worker replies to it) must not end this one.
         self.num_split_attempts += 1
         request_id = f"{self.request.request_id}#{self.num_split_attempts}"
         client, request = self.client, msgspec.structs.replace(self.request, request_id=request_id)
         peak = sum(expected_peak(request, decode.heartbeat.max_model_len))
+        prompt_tokens = len(request.prompt_token_ids)
+        deadlines = client.deadline_model.deadlines(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=hit,
+            queued_tokens=prefill.queued_prefill_tokens,
+            prediction_error=prefill.heartbeat.cost_model_error_p90,
+        )
+        queued = max(prompt_tokens - hit, 0)
+        prefill.queued_prefill_tokens += queued
         decode.num_decode_requests += 1
         decode.reserved_kv_tokens += peak
         queue: asyncio.Queue[tuple[str, StreamItem]] = asyncio.Queue()
@@ -211,14 +248,14 @@ class SplitStream:
         phase = PREFILL
         early: collections.deque[GenerateOutput] = collections.deque()  # decode outputs ahead of the prefill's
         try:
-            await client.send(decode, ExpectTransferRequest(request_id, request.constraint))
+            await client.send(decode, ExpectTransferRequest(request_id, request.constraint, deadlines.handoff_s))
             routed = msgspec.structs.replace(request, decode_endpoint=decode.heartbeat.transfer_endpoint)
             await client.send(prefill, routed)
             while True:
                 if early and phase != PREFILL:
                     side, item = DECODE, early.popleft()
                 else:
-                    side, item = await self._next(queue, phase, decode)
+                    side, item = await self._next(queue, phase, decode, deadlines.transfer_s)
                 if isinstance(item, WorkerUnavailableError | GenerateError):
                     holding.discard(prefill if side == PREFILL else decode)
                     self._fail(side, item, prefill, decode)
@@ -226,8 +263,10 @@ class SplitStream:
                     early.append(item)
                     continue
                 if side == PREFILL:
-                    client.router.prefill_done(prefill.request_endpoint, cost)
-                    charged = False
+                    if charged:
+                        client.router.prefill_done(prefill.request_endpoint, cost)
+                        prefill.queued_prefill_tokens -= queued
+                        charged = False
                     if item.finish_reason == TRANSFER:
                         phase = TRANSFER  # the prefill worker may still be sending: it stays in `holding`
                         item = msgspec.structs.replace(item, finish_reason=None)
@@ -244,6 +283,7 @@ class SplitStream:
         finally:
             if charged:
                 client.router.prefill_done(prefill.request_endpoint, cost)
+                prefill.queued_prefill_tokens -= queued
             for link, sink in sinks.items():
                 if link.streams.get(request_id) is sink:
                     del link.streams[request_id]
@@ -253,22 +293,22 @@ class SplitStream:
             decode.reserved_kv_tokens -= peak
 
     async def _next(
-        self, queue: asyncio.Queue[tuple[str, StreamItem]], phase: str, decode: WorkerLink
+        self, queue: asyncio.Queue[tuple[str, StreamItem]], phase: str, decode: WorkerLink, transfer_s: float
     ) -> tuple[str, StreamItem]:
         if phase != TRANSFER:
             return await queue.get()
         try:
-            return await asyncio.wait_for(queue.get(), TRANSFER_WAIT_S)
+            return await asyncio.wait_for(queue.get(), transfer_s)
         except TimeoutError:
-            raise _Retry(f"decode worker {decode.request_endpoint} sent nothing for {TRANSFER_WAIT_S:g} s") from None
+            raise _Retry(f"decode worker {decode.request_endpoint} sent nothing for {transfer_s:g} s") from None
 
     def _fail(
         self, side: str, item: WorkerUnavailableError | GenerateError, prefill: WorkerLink, decode: WorkerLink
     ) -> None:
         """Raise what a worker's error or disappearance means for the attempt."""
         link = prefill if side == PREFILL else decode
-        if isinstance(item, WorkerUnavailableError):
-            raise _Retry(str(item), decode if side == DECODE else None)
+        if isinstance(item, WorkerUnavailableError) or item.kind == "worker_failed":
+            raise _Retry(str(item), link, crashed=True)
         if item.kind == "overloaded" and side == PREFILL:
             raise _Retry(f"worker {link.request_endpoint}: {item.message}", busy=True)
         if item.kind == "draining":

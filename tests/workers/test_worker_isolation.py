@@ -1,13 +1,16 @@
 """Real worker processes (a tiny random model over SmolLM2's vocabulary, with its tokenizer, so that
 grammars and text are real): a request that fails on its own ends alone and the worker serves on; a
-fault of the engine as a whole gives every request in flight a clean error."""
+fault of the engine as a whole gives every request in flight a clean error, and a request that
+brings workers down is not sent on to bring down the rest."""
 
 import asyncio
 import json
 import random
 
+import msgspec
 import pytest
 
+from tests.waiting import wait_until
 from tests.workers.faulty_worker import DETOKENIZER_FAULT, ENGINE_FAULT
 from tests.workers.worker_process import CONFIG, collect, connected_client, role_options, start_worker, token_ids
 from workers.engine import SamplingParams
@@ -164,3 +167,35 @@ def test_an_engine_fault_gives_every_request_in_flight_a_worker_failed_error(tmp
 
     assert [error.kind for error in [fatal_error, *errors]] == ["worker_failed"] * 5
     assert process.process.wait(timeout=30) == 1
+
+
+def test_a_request_that_brings_workers_down_is_retried_once_and_not_when_sent_again(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("poison")
+    prefills = [start(directory, f"p{index}", "prefill", module=FAULTY) for index in range(4)]
+    decode = start(directory, "d", "decode")
+    poison = GenerateRequest("poison", [7, 8, 9], greedy(8, stop=(ENGINE_FAULT,)))
+
+    def down() -> int:
+        return sum(worker.process.poll() is not None for worker in prefills)
+
+    async def go():
+        client = await connected_client(*(worker.endpoints for worker in [*prefills, decode]))
+        try:
+            _, first = await outputs_or_error(client, poison)
+            # A client repeating it: the same request under another id.
+            _, again = await outputs_or_error(client, msgspec.structs.replace(poison, request_id="poison-again"))
+            return first, again, await collect(client, GenerateRequest("fine", [1, 2], greedy(5)))
+        finally:
+            await client.close()
+
+    try:
+        first, again, fine = run(go())
+        wait_until(lambda: down() >= 3)
+    finally:
+        exit_codes = [worker.stop() for worker in [*prefills, decode]]
+
+    assert first.kind == again.kind == "worker_failed"
+    # The first time it took down the worker it ran on and the one it was retried on; sent again, it
+    # was a suspect already and took down only the one it ran on; the last serves on.
+    assert sorted(exit_codes[:4]) == [0, 1, 1, 1] and exit_codes[4] == 0
+    assert len(token_ids(fine)) == 5

@@ -103,9 +103,10 @@ def start_worker(
     return WorkerProcess(subprocess.Popen(command, cwd=REPO_ROOT), endpoints(directory, name))
 
 
-async def connected_client(*workers: tuple[str, str], heartbeat_timeout_s: float = 3.0) -> EngineClient:
-    """A started client that has heard from every worker, given as (request, heartbeat) endpoints."""
-    client = EngineClient(heartbeat_timeout_s=heartbeat_timeout_s)
+async def connected_client(*workers: tuple[str, str], heartbeat_timeout_s: float = 3.0, **options) -> EngineClient:
+    """A started client that has heard from every worker, given as (request, heartbeat) endpoints;
+    `options` go to the EngineClient."""
+    client = EngineClient(heartbeat_timeout_s=heartbeat_timeout_s, **options)
     for request_endpoint, heartbeat_endpoint in workers:
         client.add_worker(request_endpoint, heartbeat_endpoint)
     await client.start()

@@ -35,8 +35,13 @@ CHUNK_LIMIT = 2048  # a worker's default max_num_batched_tokens: the most one st
 
 
 def cost_model_from_environment() -> PrefillCostModel:
+    return fitted_cost_model_from_environment() or NOMINAL_COST_MODEL
+
+
+def fitted_cost_model_from_environment() -> PrefillCostModel | None:
+    """The model fitted for this hardware (SLUICE_COST_MODEL names its file), or None."""
     path = os.environ.get("SLUICE_COST_MODEL")
-    return PrefillCostModel.load(Path(path)) if path else NOMINAL_COST_MODEL
+    return PrefillCostModel.load(Path(path)) if path else None
 
 
 @dataclass(frozen=True, slots=True)
