@@ -1,11 +1,14 @@
 """Django settings. Embedded default: SQLite under var/; set DATABASE_URL for PostgreSQL."""
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
+import msgspec
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane.database_url import parse_database_url
+from workers.protocol import GrammarLimits
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("SLUICE_VAR_DIR", BASE_DIR / "var"))
@@ -172,6 +175,16 @@ def _worker_endpoints(value: str) -> list[tuple[str, str]]:
     return endpoints
 
 
+def _grammar_limits(environ: Mapping[str, str]) -> GrammarLimits:
+    """The defaults of workers.protocol.GrammarLimits, each overridden by SLUICE_GRAMMAR_<FIELD>."""
+    names = {field: f"SLUICE_GRAMMAR_{field.upper()}" for field in GrammarLimits.__struct_fields__}
+    overrides = {field: environ[name] for field, name in names.items() if name in environ}
+    try:
+        return msgspec.convert(overrides, GrammarLimits, strict=False)
+    except msgspec.ValidationError as error:
+        raise ImproperlyConfigured(f"SLUICE_GRAMMAR_*: {error}") from None
+
+
 # Gateway. Model names are resolved like `workers.engine.weights.resolve_model` does (packaged name or path).
 _models = os.environ.get("SLUICE_MODELS", "smollm2-135m-instruct")
 SLUICE_MODELS = [name.strip() for name in _models.split(",") if name.strip()]
@@ -184,6 +197,13 @@ SLUICE_KV_STORE_INDEX = os.environ.get("SLUICE_KV_STORE_INDEX", "")
 SLUICE_MAX_BODY_BYTES = int(os.environ.get("SLUICE_MAX_BODY_BYTES", 4 * 1024 * 1024))
 # Django's own cap on request.body would otherwise be 2.5 MiB.
 DATA_UPLOAD_MAX_MEMORY_SIZE = SLUICE_MAX_BODY_BYTES
+# What one request's output constraint (response_format / text.format json_schema or regex, tools)
+# may cost a worker, sent with every constrained request: workers.protocol.GrammarLimits lists the
+# fields, their defaults and what each bounds. A grammar that does not compile within them is a 400;
+# one that exceeds them while generating ends its own request with an error. Each field is
+# overridden by SLUICE_GRAMMAR_<FIELD>, e.g. SLUICE_GRAMMAR_MAX_REGEX_REPEAT=4000 or
+# SLUICE_GRAMMAR_STEP_LEXER_FUEL=400000.
+SLUICE_GRAMMAR_LIMITS = _grammar_limits(os.environ)
 
 # Telemetry (controlplane.telemetry): the gateway keeps one-minute rollups this many days.
 SLUICE_TELEMETRY_RETENTION_DAYS = int(os.environ.get("SLUICE_TELEMETRY_RETENTION_DAYS", 14))

@@ -1,5 +1,11 @@
 """One API call's generation: its n choices run as n engine requests consumed concurrently, and
-every output goes through the recipe's ResponseBuilder, which turns it into protocol events."""
+every output goes through the recipe's ResponseBuilder, which turns it into protocol events.
+
+A constraint goes to the workers with the grammar limits of this gateway's settings. A worker that
+refuses it, or whose grammar fails on the output mid-way ("invalid_constraint"), ends the generation
+with an invalid-request error naming the field the constraint came from: the HTTP error before the
+first event, an error event after it.
+"""
 
 import asyncio
 import time
@@ -7,10 +13,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
-from controlplane.gateway.errors import as_gateway_error, error_event
+import msgspec
+from django.conf import settings
+
+from controlplane.gateway.errors import GatewayError, as_gateway_error, error_event
 from controlplane.gateway.usage import UsageCount
 from recipe.api import PreparedRequest, SseEvent
-from workers.engine_client import EngineClient
+from recipe.constraint_fields import constraint_field
+from workers.engine_client import EngineClient, RequestRejectedError
 from workers.protocol import GenerateOutput, GenerateRequest
 
 RESPONSE_ID_PREFIXES = {
@@ -47,13 +57,18 @@ class Generation:
         self._usage = UsageCount()
         response_id = f"{RESPONSE_ID_PREFIXES[protocol]}{uuid.uuid4().hex}"
         self._builder = prepared.new_response(response_id, int(time.time()))
+        self._constraint = (
+            msgspec.structs.replace(prepared.constraint, limits=settings.SLUICE_GRAMMAR_LIMITS)
+            if prepared.constraint is not None
+            else None
+        )
         self._requests = [
             GenerateRequest(
                 request_id=f"{response_id}-{choice}",
                 prompt_token_ids=prepared.prompt_token_ids,
                 params=prepared.sampling_params(choice),
                 cache_namespace=cache_namespace,
-                constraint=prepared.constraint,
+                constraint=self._constraint,
                 prompt_logprobs=prepared.prompt_logprobs,
                 traffic_class=prepared.traffic_class,
             )
@@ -97,7 +112,7 @@ class Generation:
             while running:
                 choice, output = await outputs.get()
                 if isinstance(output, Exception):
-                    raise output
+                    raise self._constraint_error(output) or output
                 if output is _ENDED:
                     if choice in running:
                         raise RuntimeError(f"engine stream of {self._requests[choice].request_id} ended unfinished")
@@ -119,6 +134,13 @@ class Generation:
             await asyncio.gather(*pumps, return_exceptions=True)
             if self._on_end is not None:
                 await self._on_end(self._usage)
+
+    def _constraint_error(self, error: Exception) -> GatewayError | None:
+        """A worker's verdict on the request's constraint, as the client's error about its field."""
+        refused = isinstance(error, RequestRejectedError) and error.kind == "invalid_constraint"
+        if not refused or self._constraint is None:
+            return None
+        return GatewayError("invalid_request", error.message, param=constraint_field(self._protocol, self._constraint))
 
     async def _pump(self, choice: int, outputs: asyncio.Queue) -> None:
         try:

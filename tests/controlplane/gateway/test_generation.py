@@ -20,7 +20,7 @@ from tests.controlplane.gateway.helpers import (  # noqa: E402
     valid_body,
 )
 from workers.engine_client import RequestRejectedError, WorkerUnavailableError  # noqa: E402
-from workers.protocol import GenerateOutput  # noqa: E402
+from workers.protocol import GenerateOutput, GrammarLimits  # noqa: E402
 
 WORDS = ["Hello", " there", "!"]
 
@@ -248,3 +248,79 @@ def test_a_client_that_disconnects_stops_every_running_choice(api, make_api_key,
     assert sent[0]["status"] == 200
     assert len(engine.requests) == n
     assert sorted(closed_early) == sorted(request.request_id for request in engine.requests)
+
+
+def constrained_body(protocol: str, **fields) -> dict:
+    """A body whose output constraint comes from the field each protocol names it by."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    constrained = {
+        "chat.completions": {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+        },
+        "chat.completions tools": {"tools": [tool], "tool_choice": "required"},
+        "responses": {"text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}},
+        "messages": {"tools": [{"name": "f", "input_schema": schema}], "tool_choice": {"type": "any"}},
+    }
+    return valid_body(protocol.split()[0], **constrained[protocol], **fields)
+
+
+def test_a_constraint_goes_to_the_engine_with_the_gateways_grammar_limits(
+    api, make_api_key, fake_engine, words_script, settings
+):
+    settings.SLUICE_GRAMMAR_LIMITS = GrammarLimits(max_regex_repeat=77, step_lexer_fuel=1234)
+    engine = fake_engine(words_script)
+
+    api.post("chat.completions", constrained_body("chat.completions"), headers=key_headers(make_api_key()))
+
+    assert engine.requests[0].constraint.limits == GrammarLimits(max_regex_repeat=77, step_lexer_fuel=1234)
+
+
+CONSTRAINT_FIELDS = [
+    ("chat.completions", "response_format"),
+    ("chat.completions tools", "tools"),
+    ("responses", "text.format"),
+    ("messages", None),  # Anthropic's errors name no field
+]
+
+
+@pytest.mark.parametrize(("protocol", "param"), CONSTRAINT_FIELDS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_the_worker_refuses_is_a_400_naming_its_field(
+    api, make_api_key, fake_engine, protocol, param, stream
+):
+    fake_engine(failing_script(RequestRejectedError("invalid_constraint", "invalid JSON schema: too big"), after=0))
+
+    response = api.post(
+        protocol.split()[0], constrained_body(protocol, stream=stream), headers=key_headers(make_api_key())
+    )
+
+    error = assert_error(response, protocol.split()[0], 400, "invalid_request_error")
+    assert error["message"] == "invalid JSON schema: too big" and error.get("param") == param
+
+
+@pytest.mark.parametrize(("protocol", "param"), CONSTRAINT_FIELDS)
+def test_a_constraint_failing_mid_stream_ends_it_with_an_error_event_naming_its_field(
+    api, make_api_key, fake_engine, protocol, param
+):
+    failure = RequestRejectedError("invalid_constraint", "the output constraint failed: lexer error")
+    fake_engine(failing_script(failure, after=2))
+
+    response = api.post(
+        protocol.split()[0], constrained_body(protocol, stream=True), headers=key_headers(make_api_key())
+    )
+
+    assert response.status_code == 200
+    _, data = sse_frames(response.text)[-1]
+    error = json.loads(data)["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] == "the output constraint failed: lexer error"
+    assert error.get("param") == param
+
+
+def test_a_worker_that_failed_as_a_whole_is_a_server_error_without_its_details(api, make_api_key, fake_engine):
+    fake_engine(failing_script(RequestRejectedError("worker_failed", "the engine worker p0 failed"), after=0))
+
+    response = api.post("chat.completions", valid_body("chat.completions"), headers=key_headers(make_api_key()))
+
+    assert_error(response, "chat.completions", 500, "server_error")
+    assert "p0" not in response.text

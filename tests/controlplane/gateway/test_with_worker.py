@@ -21,7 +21,15 @@ pytest.importorskip("workers.worker")  # skipped, with the import error, until i
 import uvicorn  # noqa: E402
 
 from controlplane.asgi import application  # noqa: E402
-from tests.controlplane.gateway.helpers import SMOLLM2, key_headers, sse_frames, valid_body  # noqa: E402
+from tests.controlplane.gateway.helpers import (  # noqa: E402
+    PATHS,
+    SMOLLM2,
+    assert_error,
+    key_headers,
+    sse_frames,
+    valid_body,
+)
+from workers.protocol import GrammarLimits  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 120.0
@@ -196,3 +204,108 @@ def test_special_token_text_from_a_user_reaches_the_engine_as_plain_text(client,
     assert any(ids[i : i + len(plain)] == plain for i in range(len(ids)))
     assert im_start not in plain and im_end not in plain
     assert ids.count(im_start) == 3
+
+
+# The issue's pattern. Admitted only with the repeat limit raised; then the lexer runs out of fuel
+# on the second "bb" of the string.
+EXPLODING = "^(a|aa)*b{50000}$"
+ONLY_BS = "^(b|bb)*b{50000}$"  # every character must be a b: it fails on the first one, whatever is written
+PAST_ADMISSION = GrammarLimits(max_regex_repeat=100_000)
+FUEL_ERROR = "the output constraint failed: lexer error: too many expressions constructed"
+
+
+def string_schema(pattern: str) -> dict:
+    return {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+
+
+def chat_body(**fields) -> dict:
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": string_schema(EXPLODING)}}
+    return valid_body("chat.completions", max_tokens=40, temperature=0, response_format=response_format, **fields)
+
+
+def messages_body(**fields) -> dict:
+    tool = {"name": "f", "description": "Records a string.", "input_schema": string_schema(ONLY_BS)}
+    return valid_body(
+        "messages", max_tokens=40, temperature=0, tools=[tool], tool_choice={"type": "tool", "name": "f"}, **fields
+    )
+
+
+def responses_body() -> dict:
+    text = {"format": {"type": "json_schema", "name": "s", "schema": string_schema(EXPLODING)}}
+    return valid_body("responses", max_output_tokens=40, temperature=0, text=text)
+
+
+def toward_bs() -> dict[str, float]:
+    """A logit bias that makes any model write `{"s": "bbbb` where the grammar lets it."""
+    from recipe.tokenizer import Tokenizer
+    from workers.engine.weights import resolve_model
+
+    tokenizer = Tokenizer.from_model_files(resolve_model(SMOLLM2))
+    return {str(token): 100 for token in tokenizer.encode('{"s": "bbbb', allow_special=False)}
+
+
+def stream_text(client: httpx.Client, path: str, body: dict, headers: dict) -> str:
+    with client.stream("POST", path, json=body, headers=headers) as response:
+        text = response.read().decode()
+    assert response.status_code == 200, text
+    return text
+
+
+def test_a_grammar_failing_mid_stream_ends_the_openai_stream_with_an_error_event(client, make_api_key):
+    with override_settings(SLUICE_GRAMMAR_LIMITS=PAST_ADMISSION):
+        text = stream_text(
+            client,
+            PATHS["chat.completions"],
+            chat_body(stream=True, logit_bias=toward_bs()),
+            key_headers(make_api_key()),
+        )
+
+    frames = sse_frames(text)
+    *chunks, (event, data) = frames
+    assert event is None
+    assert json.loads(data) == {
+        "error": {"message": FUEL_ERROR, "type": "invalid_request_error", "param": "response_format", "code": None}
+    }
+    content = "".join(c["delta"].get("content") or "" for _, d in chunks for c in json.loads(d)["choices"])
+    assert content == '{"s": "bb'
+
+
+def test_a_grammar_failing_mid_stream_ends_the_anthropic_stream_with_an_error_event(client, make_api_key):
+    with override_settings(SLUICE_GRAMMAR_LIMITS=PAST_ADMISSION):
+        text = stream_text(
+            client, PATHS["messages"], messages_body(stream=True), key_headers(make_api_key(), "x-api-key")
+        )
+
+    frames = sse_frames(text)
+    assert frames[0][0] == "message_start"
+    event, data = frames[-1]
+    assert event == "error"
+    assert json.loads(data) == {"type": "error", "error": {"type": "invalid_request_error", "message": FUEL_ERROR}}
+
+
+def test_a_grammar_failing_before_a_non_stream_response_is_a_400_naming_its_field(client, make_api_key):
+    with override_settings(SLUICE_GRAMMAR_LIMITS=PAST_ADMISSION):
+        response = client.post(
+            PATHS["chat.completions"], json=chat_body(logit_bias=toward_bs()), headers=key_headers(make_api_key())
+        )
+
+    error = assert_error(response, "chat.completions", 400, "invalid_request_error")
+    assert error["message"] == FUEL_ERROR and error["param"] == "response_format"
+
+
+@pytest.mark.parametrize(
+    ("protocol", "body", "param"),
+    [
+        ("chat.completions", chat_body(), "response_format"),
+        ("chat.completions", chat_body(stream=True), "response_format"),
+        ("responses", responses_body(), "text.format"),
+        ("messages", messages_body(), None),
+    ],
+    ids=["chat", "chat-stream", "responses", "messages"],
+)
+def test_a_grammar_past_the_limits_is_a_400_before_any_token(client, make_api_key, protocol, body, param):
+    response = client.post(PATHS[protocol], json=body, headers=key_headers(make_api_key(), "x-api-key"))
+
+    error = assert_error(response, protocol, 400, "invalid_request_error")
+    assert "repeats up to 50000 times; at most 1000 are allowed" in error["message"]
+    assert error.get("param") == param
