@@ -1,15 +1,23 @@
-"""Measure real engine prefill steps over a (q, c) grid and fit the cost model `cost(q, c)`.
+"""Measure real engine prefill steps over a (q, c) grid and fit the cost model `cost(q, c)`; with
+--decode, also measure decode steps over a (batch, context) grid and fit `decode(batch, kv)`.
 
     python -m bench.fit_cost_model [--model smollm2-135m-instruct | tiny-config.json] [--device cpu]
-        [--out var/cost_model.json] [--trials 2] [--quick]
+        [--out var/cost_model.json] [--trials 2] [--quick] [--decode]
 
 For each context length c, a prefix of c random tokens is computed once, so that the engine's prefix
 cache holds it; then each measured request is that prefix plus q fresh tokens, admitted alone and
 timed over the one `LLMEngine.step()` that computes its q tokens and samples its first token (the
 engine must report exactly c cached tokens). A grid point's sample is the fastest of --trials such
 steps. A random 20% of the samples is held back; the model is fitted on the rest, and its relative
-error is reported on both. Prints one JSON object and writes the model to --out; progress goes to
-stderr.
+error is reported on both.
+
+Decode (--decode): for each (batch, context) point, `batch` distinct prompts of `context` tokens are
+prefilled, then DECODE_STEPS synchronous decode steps are timed one by one (the device synchronised
+around each; on CUDA they are replayed from the engine's CUDA graphs, as in serving), and the median
+is the sample of (batch, batch * mean context). The decode model is fitted and held back the same way
+and saved with the prefill model, which the decode balancer and bench.lb_sim then use for decode.
+
+Prints one JSON object and writes the model to --out; progress goes to stderr.
 """
 
 import argparse
@@ -18,11 +26,21 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from statistics import median
 
 import torch
 
-from workers.cost_model import PrefillCostModel, StepSample, evaluate, fit
+from workers.cost_model import (
+    DecodeSample,
+    PrefillCostModel,
+    StepSample,
+    evaluate,
+    evaluate_decode,
+    fit,
+    fit_decode,
+)
 from workers.engine import LLM, SamplingParams
 from workers.engine.engine import LLMEngine
 
@@ -35,6 +53,11 @@ QUICK_Q = (16, 32, 64)
 QUICK_C = (0, 32, 64)
 HOLD_BACK = 0.2
 FIRST_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
+DECODE_CONTEXTS = (128, 512, 1024, 2048, 4096)
+QUICK_DECODE_BATCHES = (1, 2, 4)
+QUICK_DECODE_CONTEXTS = (16, 48)
+DECODE_STEPS = 8
 
 
 def measure(
@@ -94,7 +117,59 @@ def _step_alone(engine: LLMEngine, request_id: str, tokens: list[int]) -> tuple[
     return seconds, deltas[0].num_cached_tokens
 
 
-def run(model: str, device: str, trials: int, quick: bool, seed: int) -> tuple[PrefillCostModel, dict[str, object]]:
+def measure_decode(
+    model: str, device: str, batches: tuple[int, ...], contexts: tuple[int, ...], seed: int, rng: random.Random
+) -> list[DecodeSample]:
+    """One sample per (batch, context): the median of DECODE_STEPS synchronous decode steps."""
+    max_context = max(contexts) + DECODE_STEPS + 2
+    llm = LLM(
+        model,
+        device=device,
+        seed=seed,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(max(contexts), 4096),
+        max_model_len=max_context,
+        num_pages=max(batches) * -(-max_context // 16) + 2,
+    )
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    points = [(b, c) for b in batches for c in contexts]
+    rng.shuffle(points)
+    ids = iter(range(1 << 62))
+    samples = []
+    for index, (batch, context) in enumerate(points, start=1):
+        params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 2, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(f"decode-{next(ids)}", [rng.randrange(vocab) for _ in range(context)], params)
+        while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
+            engine.step()
+        engine.step()  # the first decode step after a prefill step (graph bucket, allocator) is not timed
+        times = []
+        for _ in range(DECODE_STEPS):
+            started = _synchronized(device)
+            engine.step()
+            times.append(_synchronized(device) - started)
+        while engine.has_unfinished():
+            engine.step()
+        seconds = median(times)
+        samples.append(DecodeSample(batch=batch, total_kv=batch * (context + 2), seconds=seconds))
+        print(f"[{index}/{len(points)}] decode batch={batch:4d} context={context:5d} {seconds * 1000:8.3f} ms",
+              file=sys.stderr, flush=True)  # fmt: skip
+    llm.close()
+    return samples
+
+
+def _synchronized(device: str) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def run(
+    model: str, device: str, trials: int, quick: bool, seed: int, decode: bool = False
+) -> tuple[PrefillCostModel, dict[str, object]]:
     grid_q, grid_c = (QUICK_Q, QUICK_C) if quick else (GRID_Q, GRID_C)
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -114,6 +189,26 @@ def run(model: str, device: str, trials: int, quick: bool, seed: int) -> tuple[P
     held_back, training = samples[:held], samples[held:]
     cost_model, train_report = fit(training)
     held_report = evaluate(cost_model, held_back)
+    decode_result = None
+    if decode:
+        batches, contexts = (
+            (QUICK_DECODE_BATCHES, QUICK_DECODE_CONTEXTS) if quick else (DECODE_BATCHES, DECODE_CONTEXTS)
+        )
+        decode_samples = measure_decode(model, device, batches, contexts, seed, rng)
+        rng.shuffle(decode_samples)
+        held = max(1, round(len(decode_samples) * HOLD_BACK))
+        decode_model, decode_train = fit_decode(decode_samples[held:])
+        cost_model = replace(cost_model, decode=decode_model)
+        decode_result = {
+            "grid": {"batch": list(batches), "context": list(contexts), "steps": DECODE_STEPS},
+            "coefficients": {"a": decode_model.a, "b": decode_model.b, "e": decode_model.e},
+            "fit_error_train": _report(decode_train),
+            "fit_error_held_back": _report(evaluate_decode(decode_model, decode_samples[:held])),
+            "samples": [
+                {"batch": s.batch, "total_kv": s.total_kv, "ms": round(s.seconds * 1000, 4)}
+                for s in sorted(decode_samples, key=lambda s: (s.batch, s.total_kv))
+            ],
+        }
     result = {
         "benchmark": "fit_cost_model",
         "model": model,
@@ -123,6 +218,7 @@ def run(model: str, device: str, trials: int, quick: bool, seed: int) -> tuple[P
         "fit_error_train": _report(train_report),
         "fit_error_held_back": _report(held_report),
         "measure_seconds": round(measure_s, 1),
+        "decode": decode_result,
     }
     return cost_model, result
 
@@ -144,10 +240,11 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=2, help="timings per grid point (the fastest is kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a tiny grid, for tests")
+    parser.add_argument("--decode", action="store_true", help="also measure and fit decode steps")
     args = parser.parse_args()
     if args.trials < 1:
         parser.error("--trials must be >= 1")
-    cost_model, result = run(args.model, args.device, args.trials, args.quick, args.seed)
+    cost_model, result = run(args.model, args.device, args.trials, args.quick, args.seed, decode=args.decode)
     cost_model.save(args.out)
     result["out"] = str(args.out)
     print(json.dumps(result, indent=2))

@@ -435,7 +435,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     return {
         "benchmark": "lb_sim",
         "requests": len(requests),
-        "cost_model": {"path": str(args.cost_model), "a": model.a, "b": model.b, "d": model.d, "e": model.e},
+        "cost_model": {
+            "path": str(args.cost_model),
+            "a": model.a,
+            "b": model.b,
+            "d": model.d,
+            "e": model.e,
+            "decode": None if model.decode is None else {"a": model.decode.a, "b": model.decode.b, "e": model.decode.e},
+        },
         "scaling": {
             "token_scale": token_scale,
             "context_tokens": CONTEXT,

@@ -9,7 +9,10 @@ token look at the c cached tokens (`e*q*c`) and at the new tokens before it (abo
 coefficient is a cost, so all four are fitted non-negative.
 
 A batched step is the sum of its rows' terms plus one `a`; a decode step (q = 1 per request) is
-therefore `a + (b + d)*batch + e*total_kv`, which is how the decode model is derived from the same fit.
+therefore `a + (b + d)*batch + e*total_kv`, which is how the decode model is derived from the same fit
+unless decode steps were measured on their own (`decode`, a DecodeCostModel): on a GPU, a decode step
+replayed from a CUDA graph costs nothing like an eager prefill step of as many tokens, and its KV term,
+lost in a prefill fit dominated by launch costs, is what a decode balancer weighs.
 """
 
 import json
@@ -24,6 +27,7 @@ import numpy as np
 
 COST_MODEL_VERSION = 1
 COEFFICIENTS = ("a", "b", "d", "e")
+DECODE_COEFFICIENTS = ("a", "b", "e")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +37,30 @@ class StepSample:
     q: int
     c: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    """One measured decode step: `batch` requests attending to `total_kv` cached tokens in all."""
+
+    batch: int
+    total_kv: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCostModel:
+    """A decode step: a + b*batch + e*total_kv seconds, fitted on measured decode steps."""
+
+    a: float  # seconds per step
+    b: float  # seconds per request in the step
+    e: float  # seconds per cached token attended to
+
+    def __post_init__(self) -> None:
+        _check_coefficients(self, DECODE_COEFFICIENTS)
+
+    def predict(self, batch: int, total_kv: int) -> float:
+        return self.a + self.b * batch + self.e * total_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +79,12 @@ class PrefillCostModel:
     b: float  # seconds per new token
     d: float  # seconds per (new token)^2: attention among the new tokens
     e: float  # seconds per new token per cached token: attention over the context
+    decode: DecodeCostModel | None = None  # decode steps fitted on their own, when they were measured
 
     def __post_init__(self) -> None:
-        for name in COEFFICIENTS:
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"cost model coefficient {name!r} must be a finite number, got {value!r}")
-            if value < 0:
-                raise ValueError(f"cost model coefficient {name!r} must be non-negative, got {value!r}")
+        _check_coefficients(self, COEFFICIENTS)
+        if self.decode is not None and not isinstance(self.decode, DecodeCostModel):
+            raise ValueError(f"the decode model must be a DecodeCostModel, got {type(self.decode).__name__}")
 
     def predict(self, q: int, c: int = 0) -> float:
         return self.a + self.b * q + self.d * q * q + self.e * q * c
@@ -81,7 +107,19 @@ class PrefillCostModel:
         """One decode step: `batch` rows of q = 1 attending to `total_kv` tokens in all."""
         if batch <= 0:
             return 0.0
+        if self.decode is not None:
+            return self.decode.predict(batch, total_kv)
         return self.a + (self.b + self.d) * batch + self.e * total_kv
+
+    @property
+    def decode_per_request_s(self) -> float:
+        """What one more request adds to a decode step, besides its KV."""
+        return self.decode.b if self.decode is not None else self.b + self.d
+
+    @property
+    def decode_per_kv_token_s(self) -> float:
+        """What one more cached token adds to a decode step."""
+        return self.decode.e if self.decode is not None else self.e
 
     def max_chunk(self, budget_s: float, c: int, *, limit: int) -> int:
         """The largest q in [1, limit] with predict(q, c) <= budget_s; 1 when even that does not fit,
@@ -107,7 +145,10 @@ class PrefillCostModel:
         return q
 
     def to_json(self) -> str:
-        return json.dumps({"version": COST_MODEL_VERSION, **asdict(self)}, indent=2)
+        data = {"version": COST_MODEL_VERSION, **asdict(self)}
+        if self.decode is None:
+            del data["decode"]
+        return json.dumps(data, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "PrefillCostModel":
@@ -122,7 +163,12 @@ class PrefillCostModel:
         missing = [name for name in COEFFICIENTS if name not in data]
         if missing:
             raise ValueError(f"cost model file lacks coefficients {missing}")
-        return cls(**{name: data[name] for name in COEFFICIENTS})
+        decode = data.get("decode")
+        if decode is not None:
+            if not isinstance(decode, dict) or any(name not in decode for name in DECODE_COEFFICIENTS):
+                raise ValueError(f"the cost model's decode entry must hold coefficients {list(DECODE_COEFFICIENTS)}")
+            decode = DecodeCostModel(**{name: decode[name] for name in DECODE_COEFFICIENTS})
+        return cls(**{name: data[name] for name in COEFFICIENTS}, decode=decode)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,14 +199,43 @@ def fit(samples: Sequence[StepSample]) -> tuple[PrefillCostModel, FitReport]:
     return model, evaluate(model, samples)
 
 
+def fit_decode(samples: Sequence[DecodeSample]) -> tuple[DecodeCostModel, FitReport]:
+    """The decode model by the same non-negative least squares on relative error."""
+    if len(samples) < len(DECODE_COEFFICIENTS):
+        raise ValueError(f"need at least {len(DECODE_COEFFICIENTS)} decode samples to fit, got {len(samples)}")
+    if any(s.seconds <= 0 or s.batch < 1 or s.total_kv < 0 for s in samples):
+        raise ValueError("decode samples need batch >= 1, total_kv >= 0 and a positive time")
+    features = np.array([(1.0, float(s.batch), float(s.total_kv)) for s in samples], dtype=np.float64)
+    times = np.array([s.seconds for s in samples], dtype=np.float64)
+    model = DecodeCostModel(*_nonnegative_lstsq(features / times[:, None], np.ones_like(times)))
+    return model, evaluate_decode(model, samples)
+
+
+def evaluate_decode(model: DecodeCostModel, samples: Sequence[DecodeSample]) -> FitReport:
+    return _report([abs(model.predict(s.batch, s.total_kv) - s.seconds) / s.seconds for s in samples])
+
+
 def evaluate(model: PrefillCostModel, samples: Sequence[StepSample]) -> FitReport:
-    errors = np.array([abs(model.predict(s.q, s.c) - s.seconds) / s.seconds for s in samples])
+    return _report([abs(model.predict(s.q, s.c) - s.seconds) / s.seconds for s in samples])
+
+
+def _report(relative_errors: list[float]) -> FitReport:
+    errors = np.array(relative_errors)
     return FitReport(
-        samples=len(samples),
+        samples=len(errors),
         median_rel_error=float(np.median(errors)),
         p90_rel_error=float(np.quantile(errors, 0.9)),
         max_rel_error=float(errors.max()),
     )
+
+
+def _check_coefficients(model: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(model, name)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"cost model coefficient {name!r} must be a finite number, got {value!r}")
+        if value < 0:
+            raise ValueError(f"cost model coefficient {name!r} must be non-negative, got {value!r}")
 
 
 def _features(q: int, c: int) -> tuple[float, float, float, float]:

@@ -1,10 +1,21 @@
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
-from workers.cost_model import PredictionErrorTracker, PrefillCostModel, StepSample, evaluate, fit
+from workers.balancers.decode import DecodeBalancer, new_workers
+from workers.cost_model import (
+    DecodeCostModel,
+    DecodeSample,
+    PredictionErrorTracker,
+    PrefillCostModel,
+    StepSample,
+    evaluate,
+    fit,
+    fit_decode,
+)
 
 TRUE = PrefillCostModel(a=0.05, b=0.002, d=3e-7, e=1e-6)
 
@@ -89,6 +100,39 @@ def test_json_round_trip(tmp_path):
     path = tmp_path / "model.json"
     TRUE.save(path)
     assert PrefillCostModel.load(path) == TRUE
+    with_decode = replace(TRUE, decode=DECODE)
+    with_decode.save(path)
+    assert PrefillCostModel.load(path) == with_decode
+
+
+DECODE = DecodeCostModel(a=0.001, b=2e-6, e=3e-9)
+
+
+def test_a_measured_decode_model_predicts_decode_steps_and_weighs_the_decode_balancer():
+    model = replace(TRUE, decode=DECODE)
+    assert model.predict_decode_step(4, 1000) == pytest.approx(DECODE.a + 4 * DECODE.b + 1000 * DECODE.e)
+    assert model.predict(64, 100) == TRUE.predict(64, 100)  # prefill is unchanged
+    workers = new_workers(["w"], kv_capacity=1000, max_requests=4)
+    balancer = DecodeBalancer.from_cost_model(workers, model)
+    assert (balancer.per_request_s, balancer.per_kv_token_s) == (DECODE.b, DECODE.e)
+    derived = DecodeBalancer.from_cost_model(workers, TRUE)
+    assert (derived.per_request_s, derived.per_kv_token_s) == (TRUE.b + TRUE.d, TRUE.e)
+
+
+def test_fit_decode_recovers_known_coefficients_and_refuses_bad_samples():
+    samples = [
+        DecodeSample(batch=b, total_kv=b * c, seconds=DECODE.predict(b, b * c))
+        for b in (1, 8, 64, 256)
+        for c in (128, 1024, 4096)
+    ]
+    model, report = fit_decode(samples)
+    for name in ("a", "b", "e"):
+        assert getattr(model, name) == pytest.approx(getattr(DECODE, name), rel=1e-6)
+    assert report.max_rel_error < 1e-9
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_decode(samples[:2])
+    with pytest.raises(ValueError, match="batch >= 1"):
+        fit_decode([DecodeSample(0, 0, 1.0)] * 3)
 
 
 @pytest.mark.parametrize(
@@ -102,6 +146,8 @@ def test_json_round_trip(tmp_path):
         ('{"version": 1, "a": 1, "b": -1, "d": 1, "e": 1}', "'b' must be non-negative"),
         ('{"version": 1, "a": 1, "b": 1, "d": NaN, "e": 1}', "'d' must be a finite number"),
         ('{"version": 1, "a": "1", "b": 1, "d": 1, "e": 1}', "'a' must be a finite number"),
+        ('{"version": 1, "a": 1, "b": 1, "d": 1, "e": 1, "decode": {"a": 1}}', "decode entry must hold"),
+        ('{"version": 1, "a": 1, "b": 1, "d": 1, "e": 1, "decode": {"a": 1, "b": 1, "e": -1}}', "'e' must be non"),
     ],
 )
 def test_bad_files_fail_with_clear_errors(tmp_path, document, message):

@@ -76,7 +76,7 @@ class DecodeBalancer(DecodeLoadTracker):
 
     @classmethod
     def from_cost_model(cls, workers: Sequence[DecodeWorker], model: PrefillCostModel) -> "DecodeBalancer":
-        return cls(workers, per_request_s=model.b + model.d, per_kv_token_s=model.e)
+        return cls(workers, per_request_s=model.decode_per_request_s, per_kv_token_s=model.decode_per_kv_token_s)
 
     def choose(self, request_kv_tokens: int, expected_output_tokens: int) -> str | None:
         """The worker to decode on, or None when no worker has room for the request's peak KV."""
