@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # On the accelerator machine (no network): install the wheels carried in .whl/, run the GPU tests,
-# profile a decode step, then the engine throughput table. Writes JSON and logs to $OUT (or ./bench-out).
+# time the fused decode-layer kernels against cuBLAS + the unfused ops, profile decode steps, the
+# engine throughput table against HF, and fit the cost model (prefill and decode steps). Writes JSON
+# and logs to $OUT (or ./bench-out).
 #
 # Wheels to carry in .whl/ (the machine's image lacks them; see the device tool's README for how):
 #   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any)
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
+# STEPS (default "tests fused profile throughput fit") picks what runs.
 set -euo pipefail
 out=${OUT:-bench-out}
+steps=${STEPS:-tests fused profile throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -15,15 +19,35 @@ done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -25
-for batch in 1 64; do
-  python3 -m bench.profile_step --device cuda --batch-size "$batch" --steps 5 >"$out/profile_b$batch.txt" 2>&1 || true
-  head -8 "$out/profile_b$batch.txt"
-done
-python3 -m bench.engine_throughput --device cuda --random-weights --batch-sizes "${BATCH_SIZES:-1,16,64,256}" \
-  --prompt-len 512 --new-tokens 128 --max-batched-tokens 131072 >"$out/engine_throughput_h200.json" 2>"$out/engine_throughput_gpu.log"
-python3 -c "
+python3 -c "import json; from bench.smollm2_config import SMOLLM2_135M_CONFIG as c; json.dump(c, open('/tmp/smollm2.json', 'w'))"
+has() { [[ " $steps " == *" $1 "* ]]; }
+if has tests; then
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -25
+fi
+if has fused; then
+  python3 -m bench.fused_layer >"$out/fused_layer_h200.json" 2>"$out/fused_layer.log" || tail -20 "$out/fused_layer.log"
+  python3 -c "import json; print(json.dumps(json.load(open('$out/fused_layer_h200.json')).get('ratios', {})))" || true
+fi
+if has profile; then
+  for batch in 1 64 256; do
+    python3 -m bench.profile_step --device cuda --batch-size "$batch" --steps 5 >"$out/profile_b$batch.txt" 2>&1 || true
+    head -8 "$out/profile_b$batch.txt"
+  done
+fi
+if has throughput; then
+  python3 -m bench.engine_throughput --device cuda --random-weights --batch-sizes "${BATCH_SIZES:-1,16,64,256}" \
+    --prompt-len 512 --new-tokens 128 --max-batched-tokens 131072 >"$out/engine_throughput_h200.json" 2>"$out/engine_throughput_gpu.log"
+  python3 -c "
 import json; d = json.load(open('$out/engine_throughput_h200.json'))
 print('batch engine prefill_tok_s decode_tok_s decode_hbm_fraction')
 for r in d['rows']: print(r['batch_size'], r['engine'], r['prefill_tok_s'], r['decode_tok_s'], r['decode_hbm_fraction'])
 print(json.dumps(d['ratios']))"
+fi
+if has fit; then
+  python3 -m bench.fit_cost_model --model /tmp/smollm2.json --device cuda --trials 3 --decode \
+    --out "$out/cost_model_h200.json" >"$out/fit_cost_model_h200.json" 2>"$out/fit_cost_model.log"
+  python3 -c "
+import json; d = json.load(open('$out/fit_cost_model_h200.json'))
+print('prefill', d['coefficients'], d['fit_error_held_back'])
+print('decode', d['decode']['coefficients'], d['decode']['fit_error_held_back'])"
+fi

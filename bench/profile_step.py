@@ -4,10 +4,14 @@ python -m bench.profile_step --device cuda --batch-size 64 --prompt-len 512 --st
 
 Prefills the batch first, then profiles `--steps` decode steps: prints the wall time of each step,
 the device time of its kernels (from the profiler), and the top kernels. With CUDA graphs the
-kernels of a replay still show up under the profiler's CUDA activity.
+kernels of a replay still show up under the profiler's CUDA activity. Then the host's side: the
+engine's Python functions by their own time over as many steps again (cProfile), which is where a
+host-bound step's time goes.
 """
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -59,6 +63,13 @@ def main() -> None:
         print(f"kernel time per step: {device_us / 1000:.3f} ms")
         print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(args.steps):
+        engine.step()
+    host.disable()
+    print(f"host time of {args.steps} decode steps, by function (cProfile):")
+    pstats.Stats(host).sort_stats("tottime").print_stats(20)
     while engine.has_unfinished():
         engine.step()
 
