@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from kernels.attention import NULL_PAGE, AttentionMetadata  # noqa: E402
 from kernels.attention.torch_blockwise import paged_attention_blockwise  # noqa: E402
 from kernels.attention.triton import check_supported, paged_decode_attention, paged_prefill_attention  # noqa: E402
-from kernels.attention.triton.decode import SPLIT_KEYS  # noqa: E402
+from kernels.attention.triton.decode import SPLIT_KEYS, arrival_counters  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -160,6 +160,33 @@ def test_decode_accepts_strided_query():
     assert_matches(out, reference(q, k_cache, v_cache, tables, [1, 1], [20, 9], scale=0.3, window=6), torch.float32)
 
 
+def test_decode_leaves_its_arrival_counters_at_zero_and_repeats_bitwise():
+    """The last split program of each (sequence, kv head) merges and zeroes its counter, so the next
+    launch (or graph replay) starts from zero and computes the same bits."""
+    seq_lens = [2 * SPLIT_KEYS + 5, 0, 3, SPLIT_KEYS]
+    k_cache, v_cache, block_tables, tables = paged_cache(seq_lens, kv_heads=2, head_dim=32, page=8, dtype=torch.float32)
+    q = torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+
+    first = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale=0.2, window=SPLIT_KEYS + 3)
+    assert (arrival_counters(q.device, 1) == 0).all()
+    second = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale=0.2, window=SPLIT_KEYS + 3)
+
+    assert torch.equal(first, second)
+    assert (arrival_counters(q.device, 1) == 0).all()
+    expected = reference(q, k_cache, v_cache, tables, [1] * 4, seq_lens, scale=0.2, window=SPLIT_KEYS + 3)
+    assert_matches(first, expected, torch.float32)
+
+
+def test_arrival_counters_grow_and_keep_earlier_buffers():
+    """A captured graph holds the address of the buffer it ran with: growing never frees it."""
+    current = arrival_counters(DEVICE, 1)
+    grown = arrival_counters(DEVICE, current.numel() + 1)
+    assert grown.numel() > current.numel() and (grown == 0).all()
+    assert arrival_counters(DEVICE, 1) is grown
+    assert current.data_ptr() != grown.data_ptr() and (current == 0).all()
+
+
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (6, 2, 7), (6, 2, 100)])
 def test_prefill_matches_reference(heads, kv_heads, window):
     run_prefill(PREFILL_SEQS, heads=heads, kv_heads=kv_heads, head_dim=32, page=8, dtype=torch.float32, window=window)
@@ -289,3 +316,33 @@ def test_gpu_prefill_smollm2_sizes(dtype, window):
         s_len = rng.randint(1, 600)
         seqs.append((rng.randint(1, s_len), s_len))
     run_prefill(seqs, heads=9, kv_heads=3, head_dim=64, page=16, dtype=dtype, window=window)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_replays_in_a_cuda_graph():
+    """One launch per call, replayable: new queries and shorter sequences in the captured buffers give
+    the reference's output at every replay."""
+    rng = random.Random(3)
+    lens = [0, 1, 600, *rng.choices(range(1, 601), k=29)]
+    k_cache, v_cache, block_tables, tables = paged_cache(
+        lens, kv_heads=3, head_dim=64, page=16, dtype=torch.bfloat16, extra_columns=8
+    )
+    q = torch.randn(len(lens), 9, 64, device=DEVICE, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=0.125, out=out)  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=0.125, out=out)
+
+    for _ in range(3):
+        shorter = [max(length - rng.randrange(0, 300), 0) if length else 0 for length in lens]
+        q.copy_(torch.randn_like(q))
+        seq_lens.copy_(torch.tensor(shorter, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = reference(q, k_cache, v_cache, tables, [1] * len(lens), shorter, scale=0.125, window=None)
+        assert_matches(out, expected, torch.bfloat16)
+        assert (arrival_counters(q.device, 1) == 0).all()

@@ -1,21 +1,29 @@
-"""Paged decode attention (one query per sequence) as a split-KV Triton kernel, and its wrapper.
+"""Paged decode attention (one query per sequence) as one split-KV Triton kernel, and its wrapper.
 
-`_decode_split_kernel` computes, for each sequence b, kv head and split s, softmax attention of
-the kv head's query heads (its GQA group, packed as the rows of one tile so each K/V tile is
-loaded once for the group) over the keys in positions [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS)
-that the query at `seq_lens[b] - 1` sees. Grid: (B, kv_heads, num_splits). It writes the split's
-normalized output and its log-sum-exp (base 2) to an fp32 workspace; a split with no visible key
-(past the sequence's end, before its window, or a padding row with seq_len 0) writes zeros and
--inf. `_decode_reduce_kernel`, grid (B, heads), merges the splits weighted by exp2(lse - max).
+`_decode_kernel` computes, for each sequence b, kv head and split s, softmax attention of the kv
+head's query heads (its GQA group, packed as the rows of one tile so each K/V tile is loaded once
+for the group) over the keys in positions [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) that the query at
+`seq_lens[b] - 1` sees. Grid: (B, kv_heads, num_splits). Each split that holds a visible key writes
+its normalized output and its log-sum-exp (base 2) to an fp32 workspace; splits with none (past
+the sequence's end, before its window, or a padding row with seq_len 0) write nothing. Then the
+program counts its arrival on the (sequence, kv head)'s int32 counter (an acq_rel atomic add,
+after a barrier so every thread's stores come first); the program that arrives last merges the
+visible splits in split order, weighted by exp2(lse - max), writes the output (zeros for a row
+with no key) and resets the counter to 0. So a decode attention is one launch, and the counters
+are zero again whenever no launch is running: the kernel replays from a CUDA graph. The counters
+are a persistent per-device workspace shared by every layer, whose launches are stream-ordered;
+two streams must not run this kernel at once on one device.
+
 A group of two or more heads multiplies with tl.dot, its rows padded to 16; a lone head (no GQA)
 with a broadcast multiply-sum. With a window, key tiles before the query's window are skipped and
 the boundary tile is masked.
 
 The split count is cdiv(max_pages * page_size, SPLIT_KEYS): shapes only, never lengths, so the
 launch reads no tensor values and can be captured in a CUDA graph (the split count is a runtime
-argument, so a new table width does not compile a new kernel). Split boundaries sit at fixed
-key positions and empty splits add exact zeros, so a row's result does not depend on how wide
-the batch's block table is.
+argument, so a new table width does not compile a new kernel). Split boundaries sit at fixed key
+positions and the merge visits only the splits that hold visible keys, always in the same order,
+so a row's result does not depend on how wide the batch's block table is nor on which program
+arrives last.
 
 The input checks shared with the prefill wrapper (`check_supported`, `check_paged_inputs`) live
 here too.
@@ -29,7 +37,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SPLIT_KEYS = 256  # keys per split; a multiple of every key tile below
 DOT_MIN_GROUP = 2  # query heads per kv head from which scores use tl.dot (rows padded to 16)
-REDUCE_SPLITS = 16  # splits merged per step; fixed, so the merge order never depends on the split count
 MAX_CACHE_HEAD_ELEMENTS = 2**31  # page offsets within one kv head's slab are int32
 LOG2_E = 1.4426950408889634
 # fp32 operands of tl.dot: three tf32 tensor-core passes, about fp32 accuracy ("ieee" runs on CUDA
@@ -147,7 +154,7 @@ def paged_decode_attention(
     part_out = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     use_dot = group >= DOT_MIN_GROUP
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    _decode_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -155,6 +162,8 @@ def paged_decode_attention(
         seq_lens,
         part_out,
         part_lse,
+        arrival_counters(q.device, batch * kv_heads),
+        out,
         scale * LOG2_E,
         window or 0,
         max_pages,
@@ -164,6 +173,8 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group),
         HEAD_DIM=head_dim,
@@ -173,21 +184,32 @@ def paged_decode_attention(
         USE_WINDOW=window is not None,
         USE_DOT=use_dot,
     )
-    _decode_reduce_kernel[(batch, heads)](
-        part_out,
-        part_lse,
-        out,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_S=REDUCE_SPLITS,
-    )
     return out
 
 
+MIN_COUNTERS = 4096  # the first buffer's (sequence, kv head) pairs: growth stays rare
+# Per device, the arrival counters the decode kernel's last program resets: every buffer handed out
+# stays referenced, since captured CUDA graphs hold their addresses.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` int32 counters, all zero between launches. A larger buffer is allocated (and
+    zeroed) only outside CUDA-graph capture: a graph's first, eager run sizes it."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"decode attention needs {count} arrival counters during CUDA-graph capture; "
+                "run the step once outside the capture first"
+            )
+        grown = 2 * buffers[-1].numel() if buffers else MIN_COUNTERS
+        buffers.append(torch.zeros(max(count, grown), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 @triton.jit
-def _decode_split_kernel(
+def _decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -195,6 +217,8 @@ def _decode_split_kernel(
     seq_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    arrivals_ptr,
+    out_ptr,
     scale_log2,  # softmax scale * log2(e): scores go through exp2
     window,
     max_pages,
@@ -204,6 +228,8 @@ def _decode_split_kernel(
     stride_kh,  # k and v caches are contiguous and share strides
     stride_kp,
     stride_bt,
+    stride_ob,
+    stride_oh,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -220,23 +246,92 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     num_keys = tl.minimum(seq_len, max_pages * PAGE_SIZE)  # never read past the block table
     query_pos = seq_len - 1
-    start = split * SPLIT_KEYS
+    first_key = 0
     if USE_WINDOW:
-        first_visible = tl.maximum(query_pos - window + 1, 0)
-        start = tl.maximum(start, first_visible // BLOCK_N * BLOCK_N)  # prune tiles before the window
-    end = tl.minimum((split + 1) * SPLIT_KEYS, num_keys)
+        first_key = tl.maximum(query_pos - window + 1, 0)
+    # The splits that hold a visible key: the only ones written and merged.
+    first_split = first_key // SPLIT_KEYS
+    end_split = tl.cdiv(num_keys, SPLIT_KEYS)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
     row_ok = rows < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0
-    )
-    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_ptr + kv_head.to(tl.int64) * stride_kh
-    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    part = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits  # this row's first split
+    if (split >= first_split) & (split < end_split):
+        _attend_split(
+            q_ptr + b.to(tl.int64) * stride_qb,
+            k_ptr + kv_head.to(tl.int64) * stride_kh,
+            v_ptr + kv_head.to(tl.int64) * stride_kh,
+            block_tables_ptr + b.to(tl.int64) * stride_bt,
+            part_out_ptr,
+            part_lse_ptr,
+            part + split,
+            heads,
+            row_ok,
+            dims,
+            tl.maximum(split * SPLIT_KEYS, first_key // BLOCK_N * BLOCK_N),  # tiles before the window are pruned
+            tl.minimum((split + 1) * SPLIT_KEYS, num_keys),
+            query_pos,
+            window,
+            scale_log2,
+            stride_qh,
+            stride_kp,
+            BLOCK_H,
+            HEAD_DIM,
+            PAGE_SIZE,
+            BLOCK_N,
+            USE_WINDOW,
+            USE_DOT,
+        )
 
+    tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+    counter = arrivals_ptr + b * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        tl.store(counter, 0)  # all splits have arrived: zero again for the next launch
+        _merge_splits(
+            part_out_ptr,
+            part_lse_ptr,
+            part,
+            first_split,
+            end_split,
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            row_ok,
+            dims,
+            BLOCK_H,
+            HEAD_DIM,
+        )
+
+
+@triton.jit
+def _attend_split(
+    q_ptr,
+    k_head,
+    v_head,
+    table,
+    part_out_ptr,
+    part_lse_ptr,
+    part,
+    heads,
+    row_ok,
+    dims,
+    start,
+    end,
+    query_pos,
+    window,
+    scale_log2,
+    stride_qh,
+    stride_kp,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
+    """Online softmax over keys [start, end) of the group's rows; stores the normalized partial
+    output and its base-2 log-sum-exp at workspace row `part`."""
+    q = tl.load(q_ptr + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
     row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -268,46 +363,43 @@ def _decode_split_kernel(
 
     has_keys = row_sum > 0  # a row that saw a key has row_sum >= 1
     row_sum = tl.where(has_keys, row_sum, 1.0)
-    part = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
     tl.store(part_lse_ptr + part, tl.where(has_keys, row_max + tl.log2(row_sum), float("-inf")), mask=row_ok)
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / row_sum[:, None], mask=row_ok[:, None])
 
 
 @triton.jit
-def _decode_reduce_kernel(
+def _merge_splits(
     part_out_ptr,
     part_lse_ptr,
-    out_ptr,
-    num_splits,
-    stride_ob,
-    stride_oh,
+    part,
+    first_split,
+    end_split,
+    out_ptrs,
+    row_ok,
+    dims,
+    BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    row = (b * tl.num_programs(1) + head).to(tl.int64) * num_splits
-    dims = tl.arange(0, HEAD_DIM)
-
-    lse_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for first in range(0, num_splits, BLOCK_S):
-        splits = first + tl.arange(0, BLOCK_S)
-        lse = tl.load(part_lse_ptr + row + splits, mask=splits < num_splits, other=float("-inf"))
+    """The group's output from its splits [first_split, end_split), merged in split order. Loads
+    bypass L1 (.cg): the partials were written by other programs, possibly on other SMs."""
+    lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(first_split, end_split):
+        lse = tl.load(part_lse_ptr + part + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         lse_max = tl.maximum(lse_max, lse)
-    shift = tl.max(lse_max, axis=0)
-    shift = tl.where(shift == float("-inf"), 0.0, shift)  # a padding row: every weight is zero
+    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a padding row: every weight is zero
 
-    total = tl.zeros([HEAD_DIM], tl.float32)
-    weight_sums = tl.zeros([BLOCK_S], tl.float32)
-    for first in range(0, num_splits, BLOCK_S):
-        splits = first + tl.arange(0, BLOCK_S)
-        in_range = splits < num_splits
-        weights = tl.exp2(tl.load(part_lse_ptr + row + splits, mask=in_range, other=float("-inf")) - shift)
-        parts = tl.load(
-            part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :], mask=in_range[:, None], other=0.0
+    total = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    weight_sum = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(first_split, end_split):
+        lse = tl.load(part_lse_ptr + part + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(lse - shift)
+        partial = tl.load(
+            part_out_ptr + (part + s)[:, None] * HEAD_DIM + dims[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
         )
-        total += tl.sum(weights[:, None] * parts, axis=0)
-        weight_sums += weights
-    weight_sum = tl.sum(weight_sums, axis=0)
-    result = total / tl.where(weight_sum > 0, weight_sum, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims, result.to(out_ptr.dtype.element_ty))
+        total += weight[:, None] * partial
+        weight_sum += weight
+    result = total / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
+    tl.store(out_ptrs, result.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None])
