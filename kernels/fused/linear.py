@@ -53,8 +53,11 @@ class Blocks(NamedTuple):
 
 
 # Per kernel, (most rows, blocks) from small to large; row counts past the last use the last.
-# Chosen for SmolLM2-135M (K 576; N 960 qkv, 2 x 1536 gate_up, 49152 lm_head) on 132 SMs, so that
-# one decode row fills as many SMs as the columns allow; retune from bench/fused_layer.py --sweep.
+# Not yet timed on a GPU: chosen for SmolLM2-135M (K 576; N 960 qkv, 2 x 1536 gate_up, 49152
+# lm_head) on 132 SMs from sm_90 builds (ptxas: none spills in bf16) and this reasoning: a decode row
+# is bound by streaming W, so at few rows narrow column blocks put more SMs on it (gate_up 192
+# programs, qkv 60 at one row); every program re-reads its rows of x and residual twice from L2, so
+# past 16 rows wider blocks cut that redundant traffic. Retune from bench/fused_layer.py --sweep.
 BLOCKS: dict[str, tuple[tuple[int, Blocks], ...]] = {
     "linear": (
         (16, Blocks(16, 64, 64, 4, 4)),
@@ -63,16 +66,15 @@ BLOCKS: dict[str, tuple[tuple[int, Blocks], ...]] = {
         (256, Blocks(64, 128, 64, 8, 3)),
     ),
     "gate_up": (
+        (4, Blocks(16, 8, 64, 4, 4)),
         (16, Blocks(16, 16, 64, 4, 4)),
-        (32, Blocks(32, 16, 64, 4, 4)),
-        (64, Blocks(64, 32, 64, 4, 3)),
-        (256, Blocks(64, 64, 64, 4, 3)),
+        (64, Blocks(32, 16, 64, 4, 4)),
+        (256, Blocks(64, 32, 64, 4, 3)),
     ),
     "qkv": (
-        (16, Blocks(16, 16, 64, 4, 4)),
-        (32, Blocks(32, 16, 64, 4, 4)),
-        (64, Blocks(64, 32, 64, 4, 3)),
-        (256, Blocks(64, 32, 64, 4, 3)),
+        (16, Blocks(16, 8, 64, 4, 4)),
+        (64, Blocks(32, 8, 64, 4, 4)),
+        (256, Blocks(64, 16, 64, 4, 3)),
     ),
 }
 

@@ -139,7 +139,8 @@ def test_float32_norm_weight_with_half_inputs():
 
 
 def test_many_row_and_column_blocks(monkeypatch):
-    """16-row blocks over 17 rows: two row blocks, five column blocks, one writer per residual row."""
+    """16-row blocks over 17 rows: two row blocks, five column blocks, one writer per residual row;
+    16-column halves hold whole heads of 32."""
     small = ((256, Blocks(16, 16, 64, 4, 2)),)
     for kernel in BLOCKS:
         monkeypatch.setitem(BLOCKS, kernel, small)
@@ -224,9 +225,9 @@ def check_qkv(tokens, hidden, num_heads, kv_heads, head_dim, dtype, *, residual,
 @pytest.mark.parametrize(
     ("num_heads", "kv_heads", "head_dim", "residual", "bias"),
     [
-        (3, 1, 32, True, False),  # GQA 3/1, whole heads per program
-        (2, 2, 64, False, True),  # no GQA, a head split over two programs (16-column halves), Qwen2's bias
-        (4, 2, 16, True, True),  # the tiny test model's heads: halves of 8 columns
+        (3, 1, 32, True, False),  # GQA 3/1
+        (2, 2, 32, False, True),  # no GQA, Qwen2's bias
+        (4, 2, 16, True, True),  # the tiny test model's heads: a whole head per program
     ],
 )
 def test_qkv_rotary_matches_reference(tokens, dtype, num_heads, kv_heads, head_dim, residual, bias):
