@@ -339,7 +339,7 @@ def time_row_count(m: int, step: Step, layers: list[Layer], lm_heads: list[torch
 # Block-shape sweep.
 
 WARPS_STAGES = ((2, 4), (4, 3), (4, 4), (8, 3))
-COLUMN_BLOCKS = {"linear": (64, 128, 256), "gate_up": (8, 16, 32, 64), "qkv": (8, 16, 32)}
+COLUMN_BLOCKS = {"linear": (64, 128, 256), "gate_up": (8, 16, 32, 64), "qkv": (8, 16, 32, 64)}
 
 
 def row_blocks(m: int) -> tuple[int, ...]:

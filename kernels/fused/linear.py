@@ -18,14 +18,16 @@ only; with no residual it is x itself.
 
 Grid: (cdiv(T, BLOCK_M), column blocks), row blocks fastest so the row blocks sharing a weight tile
 run together and read it once from DRAM. A program makes two passes over K: the first sums h² (and
-writes h), the second normalizes each chunk and multiplies it by the weight tile. x is re-read by
-every column block, which is cheap next to W at these row counts. K (the hidden size) is a
+writes h), the second normalizes each chunk and multiplies it by the weight tile. Every column
+block re-reads its rows of x and residual (from L2): small next to W at a few rows, growing with
+the row count, which the model bounds (FUSED_LINEAR_MAX_ROWS). K (the hidden size) is a
 compile-time constant, so the first pass unrolls and its loads issue together.
 
-Block shapes come from BLOCKS, a table keyed by row count: tl.dot needs 16 rows, so BLOCK_M is at
-least 16; columns per program are chosen so that a single decode row still spreads over many SMs.
-BLOCK_K is 64 in every bucket, so a row's sum of squares is the same whatever the batch. float32
-operands multiply with input_precision "ieee" (fp32 FMAs), so float32 stays near-exact.
+Block shapes come from BLOCKS, a table keyed by row count (INTERPRETER_BLOCKS on the CPU): BLOCK_M
+is at least 16, tl.dot's smallest tile; columns per program are chosen so that a single decode row
+still spreads over many SMs. BLOCK_K is 64 in every bucket, so a row's sum of squares is the same
+whatever the batch. float32 operands multiply with input_precision "ieee" (fp32 FMAs), so float32
+stays near-exact.
 
 Launch-only wrappers (no host syncs, grid from shapes): safe to capture in a CUDA graph once a first
 call has compiled the kernel.
@@ -46,7 +48,7 @@ DOT_PRECISION = tl.constexpr("ieee")
 
 class Blocks(NamedTuple):
     block_m: int  # rows per program, >= 16 (tl.dot's smallest tile)
-    block_n: int  # output columns per program and accumulator (qkv: per half head, capped at head_dim / 2)
+    block_n: int  # output columns per program and accumulator (qkv: of the heads' first halves)
     block_k: int
     num_warps: int
     num_stages: int
@@ -79,8 +81,16 @@ BLOCKS: dict[str, tuple[tuple[int, Blocks], ...]] = {
 }
 
 
-def blocks_for(kernel: str, rows: int) -> Blocks:
-    table = BLOCKS[kernel]
+# On the CPU the kernels run in Triton's interpreter, one program after another in Python, where each
+# program costs milliseconds and tl.dot's cost grows with the tile: few wide programs of 16 rows
+# (a decode step's rows; a prefill takes a few row blocks).
+INTERPRETER_BLOCKS: dict[str, tuple[tuple[int, Blocks], ...]] = {
+    kernel: ((1 << 30, Blocks(16, 128, 64, 4, 1)),) for kernel in ("linear", "gate_up", "qkv")
+}
+
+
+def blocks_for(kernel: str, rows: int, device: torch.device) -> Blocks:
+    table = (BLOCKS if device.type == "cuda" else INTERPRETER_BLOCKS)[kernel]
     return next((blocks for most, blocks in table if rows <= most), table[-1][1])
 
 
@@ -153,7 +163,7 @@ def add_rms_norm_linear(
     new_residual = new_residual_like(x, residual)
     if tokens == 0:
         return out, new_residual
-    blocks = blocks_for("linear", tokens)
+    blocks = blocks_for("linear", tokens, x.device)
     grid = (triton.cdiv(tokens, blocks.block_m), triton.cdiv(weight.shape[0], blocks.block_n))
     _linear_kernel[grid](
         x, x.stride(0), *residual_args(residual, new_residual), norm_weight, eps,
@@ -181,7 +191,7 @@ def add_rms_norm_gate_up_silu(
     new_residual = new_residual_like(x, residual)
     if tokens == 0:
         return out, new_residual
-    blocks = blocks_for("gate_up", tokens)
+    blocks = blocks_for("gate_up", tokens, x.device)
     grid = (triton.cdiv(tokens, blocks.block_m), triton.cdiv(intermediate, blocks.block_n))
     _gate_up_silu_kernel[grid](
         x, x.stride(0), *residual_args(residual, new_residual), norm_weight, eps,
@@ -301,11 +311,9 @@ def normed_chunk(
 
 
 @triton.jit
-def weight_tile(w_ptr, stride_w, out_cols, col_ok, start, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[out_cols, start:start + BLOCK_K] as a [BLOCK_K, len(out_cols)] tile (0 where masked)."""
-    k = start + tl.arange(0, BLOCK_K)
-    ptrs = w_ptr + out_cols.to(tl.int64)[None, :] * stride_w + k[:, None]
-    return tl.load(ptrs, mask=(k < K)[:, None] & col_ok[None, :], other=0.0)
+def weight_columns(w_ptr, stride_w, out_cols):
+    """Pointers to W[out_cols, 0] as a [1, len(out_cols)] block: add k[:, None] for a [k, cols] tile."""
+    return w_ptr + out_cols.to(tl.int64)[None, :] * stride_w
 
 
 @triton.jit
@@ -324,12 +332,14 @@ def _linear_kernel(
     )  # fmt: skip
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    w_cols = weight_columns(w_ptr, stride_w, cols)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         a = normed_chunk(
             x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rows, row_ok, start, K, HAS_RESIDUAL, BLOCK_K
         )
-        w = weight_tile(w_ptr, stride_w, cols, col_ok, start, K, BLOCK_K)
+        k = start + tl.arange(0, BLOCK_K)[:, None]
+        w = tl.load(w_cols + k, mask=(k < K) & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -354,14 +364,18 @@ def _gate_up_silu_kernel(
     )  # fmt: skip
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < intermediate
+    gate_cols = weight_columns(w_ptr, stride_w, cols)
+    up_cols = weight_columns(w_ptr, stride_w, cols + intermediate)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_K):
         a = normed_chunk(
             x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rows, row_ok, start, K, HAS_RESIDUAL, BLOCK_K
         )
-        w_gate = weight_tile(w_ptr, stride_w, cols, col_ok, start, K, BLOCK_K)
-        w_up = weight_tile(w_ptr, stride_w, cols + intermediate, col_ok, start, K, BLOCK_K)
+        k = start + tl.arange(0, BLOCK_K)[:, None]
+        mask = (k < K) & col_ok[None, :]
+        w_gate = tl.load(gate_cols + k, mask=mask, other=0.0)
+        w_up = tl.load(up_cols + k, mask=mask, other=0.0)
         gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
     dtype = x_ptr.dtype.element_ty

@@ -13,13 +13,16 @@ s = slot_mapping[t] (page s // page_size, offset s % page_size of caches shaped
 [KV, pages, page_size, D]); a negative slot (a padding row) writes nothing. Positions must be
 below the tables' length and slots below pages * page_size; neither is checked (a host sync).
 
-A program computes BLOCK_D matching columns of both halves of one head as two accumulators, so
-the rotation needs nothing from another program: BLOCK_D = head_dim / 2 is one whole head, smaller
-values split a head over head_dim / (2 * BLOCK_D) programs to spread a decode row over more SMs.
+A program computes BLOCK_D matching columns of both halves of the heads as two accumulators, so the
+rotation needs nothing from another program: the columns run over the heads' first halves
+(H + 2 KV heads of head_dim / 2), the second accumulator holds the same columns head_dim / 2 further
+on. A BLOCK_D below head_dim / 2 splits a head over several programs, spreading a decode row over
+more SMs; a multiple of it holds whole heads, which re-read x less (each program reads its rows).
+Every column knows its head, so a tile may mix q, k and v heads.
 Per-head q/k RMSNorm (Qwen3's qk_norm) would need a whole head's sum of squares before the
 rotation; it is refused, and the model falls back to the unfused path for it.
 
-Grid: (cdiv(T, BLOCK_M), (H + 2 KV) * head_dim / (2 * BLOCK_D)); new_residual is written by the
+Grid: (cdiv(T, BLOCK_M), cdiv((H + 2 KV) * head_dim / 2, BLOCK_D)); new_residual is written by the
 column-0 programs (see linear.py). Launch-only wrapper (no host syncs, grid from shapes): safe to
 capture in a CUDA graph once a first call has compiled the kernel.
 """
@@ -40,7 +43,7 @@ from kernels.fused.linear import (
     normed_reference,
     residual_args,
     row_rstd,
-    weight_tile,
+    weight_columns,
 )
 from kernels.fused.rotary import rotary_and_cache_write_reference
 
@@ -107,10 +110,9 @@ def add_rms_norm_qkv_rotary(
     new_residual = new_residual_like(x, residual)
     if tokens == 0:
         return q, new_residual
-    blocks = blocks_for("qkv", tokens)
-    block_d = min(blocks.block_n, head_dim // 2)
-    heads = num_heads + 2 * num_kv_heads
-    grid = (triton.cdiv(tokens, blocks.block_m), heads * (head_dim // 2 // block_d))
+    blocks = blocks_for("qkv", tokens, x.device)
+    half_columns = (num_heads + 2 * num_kv_heads) * head_dim // 2
+    grid = (triton.cdiv(tokens, blocks.block_m), triton.cdiv(half_columns, blocks.block_n))
     _qkv_rotary_kernel[grid](
         x, x.stride(0), *residual_args(residual, new_residual), norm_weight, eps,
         qkv_weight, qkv_weight.stride(0), qkv_bias if qkv_bias is not None else qkv_weight, tokens,
@@ -119,7 +121,7 @@ def add_rms_norm_qkv_rotary(
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[2],
         K=hidden, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=qkv_bias is not None,
-        BLOCK_M=blocks.block_m, BLOCK_D=block_d, BLOCK_K=blocks.block_k,
+        BLOCK_M=blocks.block_m, BLOCK_D=blocks.block_n, BLOCK_K=blocks.block_k,
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
     return q, new_residual
@@ -203,46 +205,52 @@ def _qkv_rotary_kernel(
         x_ptr, stride_x, res_ptr, stride_r, new_res_ptr, eps, rows, row_ok, pid_n == 0,
         K, HAS_RESIDUAL, BLOCK_M, BLOCK_K,
     )  # fmt: skip
-    parts: tl.constexpr = HALF // BLOCK_D
-    head = pid_n // parts
-    d = (pid_n % parts) * BLOCK_D + tl.arange(0, BLOCK_D)  # columns in the head's first half
+    j = pid_n * BLOCK_D + tl.arange(0, BLOCK_D)  # over the heads' first halves
+    head = j // HALF
+    d = j % HALF
+    col_ok = head < NUM_HEADS + 2 * NUM_KV_HEADS
     cols1 = head * (2 * HALF) + d
     cols2 = cols1 + HALF
-    all_cols = d < HALF  # every column is real: tiles never straddle heads
+    w1_cols = weight_columns(w_ptr, stride_w, cols1)
+    w2_cols = weight_columns(w_ptr, stride_w, cols2)
     acc1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, K, BLOCK_K):
         a = normed_chunk(
             x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rows, row_ok, start, K, HAS_RESIDUAL, BLOCK_K
         )
-        w1 = weight_tile(w_ptr, stride_w, cols1, all_cols, start, K, BLOCK_K)
-        w2 = weight_tile(w_ptr, stride_w, cols2, all_cols, start, K, BLOCK_K)
+        k = start + tl.arange(0, BLOCK_K)[:, None]
+        mask = (k < K) & col_ok[None, :]
+        w1 = tl.load(w1_cols + k, mask=mask, other=0.0)
+        w2 = tl.load(w2_cols + k, mask=mask, other=0.0)
         acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
         acc2 = tl.dot(a, w2, acc2, input_precision=DOT_PRECISION)
     if HAS_BIAS:
-        acc1 += tl.load(bias_ptr + cols1).to(tl.float32)[None, :]
-        acc2 += tl.load(bias_ptr + cols2).to(tl.float32)[None, :]
+        acc1 += tl.load(bias_ptr + cols1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(bias_ptr + cols2, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     dtype = x_ptr.dtype.element_ty
     x1 = acc1.to(dtype).to(tl.float32)
     x2 = acc2.to(dtype).to(tl.float32)
 
     table = tl.load(positions_ptr + rows, mask=row_ok, other=0)[:, None] * (2 * HALF) + d[None, :]
-    rotate = head < NUM_HEADS + NUM_KV_HEADS  # q and k heads; v is stored as projected
+    rotate = (head < NUM_HEADS + NUM_KV_HEADS)[None, :]  # q and k heads; v is stored as projected
     out1 = tl.where(rotate, x1 * tl.load(cos_ptr + table) - x2 * tl.load(sin_ptr + table), x1).to(dtype)
     out2 = tl.where(rotate, x2 * tl.load(cos_ptr + table + HALF) + x1 * tl.load(sin_ptr + table + HALF), x2).to(dtype)
-    if head < NUM_HEADS:
-        dst = q_ptr + rows.to(tl.int64)[:, None] * (NUM_HEADS * 2 * HALF) + head * (2 * HALF) + d[None, :]
-        tl.store(dst, out1, mask=row_ok[:, None])
-        tl.store(dst + HALF, out2, mask=row_ok[:, None])
-    else:
-        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
-        write = (slot >= 0)[:, None]
-        page, offset = (slot // page_size)[:, None], (slot % page_size)[:, None]
-        if rotate:
-            kv_head = (head - NUM_HEADS).to(tl.int64)
-            dst = kc_ptr + kv_head * kc_head_stride + page * kc_page_stride + offset * kc_offset_stride + d[None, :]
-        else:
-            kv_head = (head - NUM_HEADS - NUM_KV_HEADS).to(tl.int64)
-            dst = vc_ptr + kv_head * vc_head_stride + page * vc_page_stride + offset * vc_offset_stride + d[None, :]
-        tl.store(dst, out1, mask=write)
-        tl.store(dst + HALF, out2, mask=write)
+
+    is_q = (head < NUM_HEADS)[None, :]
+    q_dst = q_ptr + rows.to(tl.int64)[:, None] * (NUM_HEADS * 2 * HALF) + (head * (2 * HALF) + d)[None, :]
+    tl.store(q_dst, out1, mask=row_ok[:, None] & is_q)
+    tl.store(q_dst + HALF, out2, mask=row_ok[:, None] & is_q)
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    write = (slot >= 0)[:, None]
+    page, offset = (slot // page_size)[:, None], (slot % page_size)[:, None]
+    k_head = (head - NUM_HEADS).to(tl.int64)[None, :]  # out of range where masked off
+    k_dst = kc_ptr + k_head * kc_head_stride + page * kc_page_stride + offset * kc_offset_stride + d[None, :]
+    k_write = write & ~is_q & rotate
+    tl.store(k_dst, out1, mask=k_write)
+    tl.store(k_dst + HALF, out2, mask=k_write)
+    v_head = k_head - NUM_KV_HEADS
+    v_dst = vc_ptr + v_head * vc_head_stride + page * vc_page_stride + offset * vc_offset_stride + d[None, :]
+    v_write = write & ~rotate & col_ok[None, :]
+    tl.store(v_dst, out1, mask=v_write)
+    tl.store(v_dst + HALF, out2, mask=v_write)

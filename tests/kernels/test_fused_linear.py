@@ -27,8 +27,9 @@ from kernels.fused import (  # noqa: E402
     add_rms_norm_linear_reference,
     add_rms_norm_qkv_rotary,
     add_rms_norm_qkv_rotary_reference,
+    linear,
 )
-from kernels.fused.linear import BLOCKS, Blocks, blocks_for  # noqa: E402
+from kernels.fused.linear import BLOCKS, INTERPRETER_BLOCKS, Blocks, blocks_for  # noqa: E402
 from workers.engine.config import RopeConfig  # noqa: E402
 from workers.engine.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -39,6 +40,12 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfl
 EPS = 1e-5
 SENTINEL = -7.0  # what the caches hold before a write; exact in every dtype
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def cuda_block_shapes(monkeypatch):
+    """The CUDA table's block shapes on the CPU too, so the interpreter runs the GPU's tiles."""
+    monkeypatch.setattr(linear, "INTERPRETER_BLOCKS", BLOCKS)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -147,6 +154,14 @@ def test_many_row_and_column_blocks(monkeypatch):
     check_linear(17, 96, 80, torch.float32, residual=True, bias=True)
     check_gate_up(17, 96, 40, torch.float32, residual=True)
     check_qkv(17, 96, 3, 1, 32, torch.float32, residual=True, bias=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qkv_tiles_of_several_heads(monkeypatch, dtype):
+    """64-column halves over heads of 32: a tile holds two heads (q beside k, k beside v) and the last
+    one is a quarter full."""
+    monkeypatch.setitem(BLOCKS, "qkv", ((256, Blocks(16, 64, 64, 4, 2)),))
+    check_qkv(3, 96, 3, 1, 32, dtype, residual=True, bias=True)
 
 
 # add_rms_norm_gate_up_silu
@@ -315,13 +330,18 @@ def test_empty_batches_launch_nothing():
 
 
 def test_block_table_buckets():
-    for kernel, table in BLOCKS.items():
-        limits = [most for most, _ in table]
-        assert limits == sorted(limits), kernel
-        for _, blocks in table:
-            assert blocks.block_m >= 16 and blocks.block_k == 64, (kernel, blocks)
-    assert blocks_for("linear", 1) == BLOCKS["linear"][0][1]
-    assert blocks_for("linear", 10_000) == BLOCKS["linear"][-1][1]
+    """Sorted buckets, tl.dot-sized tiles and one BLOCK_K (a row's sum of squares whatever the batch);
+    the interpreter's table (INTERPRETER_BLOCKS as imported, before this file's fixture) is one bucket."""
+    for kernel in BLOCKS:
+        for table in (BLOCKS[kernel], INTERPRETER_BLOCKS[kernel]):
+            limits = [most for most, _ in table]
+            assert limits == sorted(limits), kernel
+            for _, blocks in table:
+                assert blocks.block_m >= 16 and blocks.block_k == 64, (kernel, blocks)
+        assert len(INTERPRETER_BLOCKS[kernel]) == 1
+    cuda = torch.device("cuda")
+    assert blocks_for("linear", 1, cuda) == BLOCKS["linear"][0][1]
+    assert blocks_for("linear", 10_000, cuda) == BLOCKS["linear"][-1][1]
 
 
 # SmolLM2-135M's sizes on CUDA
