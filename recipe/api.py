@@ -14,6 +14,7 @@ from typing import get_args
 from recipe.completions import prepare_completion
 from recipe.conversation_requests import count_prompt_tokens, prepare_conversation_request
 from recipe.errors import ApiError, invalid_request
+from recipe.limits import RequestLimits, check_request_bounds
 from recipe.prepared_request import ApiProtocol, PreparedRequest, ResponseBuilder, SseEvent
 from recipe.served_model import ServedModel
 
@@ -24,6 +25,7 @@ __all__ = [
     "ApiError",
     "PreparedRequest",
     "Protocol",
+    "RequestLimits",
     "ResponseBuilder",
     "ServedModel",
     "SseEvent",
@@ -33,20 +35,23 @@ __all__ = [
 ]
 
 
-def prepare_request(protocol: Protocol, body: dict, models: Mapping[str, ServedModel]) -> PreparedRequest:
-    """Raises ApiError: 400 for a malformed or invalid request (with the field in `param`), 404 for
-    an unknown model, 400 when the prompt plus max_tokens does not fit the context window."""
+def prepare_request(
+    protocol: Protocol, body: dict, models: Mapping[str, ServedModel], limits: RequestLimits = RequestLimits()
+) -> PreparedRequest:
+    """Raises ApiError: 400 for a malformed or invalid request or one past `limits` (with the field in
+    `param`), 404 for an unknown model, 400 when the prompt plus max_tokens does not fit the context
+    window."""
     if protocol not in get_args(Protocol):
         raise ValueError(f"unknown protocol {protocol!r}")
-    model = _served_model(body, models)
+    model = _served_model(body, models, protocol, limits)
     if protocol == "completions":
-        return prepare_completion(body, model)
-    return prepare_conversation_request(protocol, body, model)
+        return prepare_completion(body, model, limits)
+    return prepare_conversation_request(protocol, body, model, limits)
 
 
-def count_tokens(body: dict, models: Mapping[str, ServedModel]) -> int:
+def count_tokens(body: dict, models: Mapping[str, ServedModel], limits: RequestLimits = RequestLimits()) -> int:
     """Anthropic's /v1/messages/count_tokens: the prompt length of this Messages request."""
-    return count_prompt_tokens("messages", body, _served_model(body, models))
+    return count_prompt_tokens("messages", body, _served_model(body, models, "messages.count_tokens", limits))
 
 
 def list_models(models: Mapping[str, ServedModel], created: int) -> dict:
@@ -57,9 +62,11 @@ def list_models(models: Mapping[str, ServedModel], created: int) -> dict:
     }
 
 
-def _served_model(body: object, models: Mapping[str, ServedModel]) -> ServedModel:
+def _served_model(body: object, models: Mapping[str, ServedModel], protocol: str, limits: RequestLimits) -> ServedModel:
+    """The model the body names, once the body is within bounds: before any work for it."""
     if not isinstance(body, Mapping):
         raise invalid_request("the request body must be a JSON object")
+    check_request_bounds(protocol, body, limits)
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise invalid_request("`model` is required and must be a string", "model")

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from recipe import request_fields
 from recipe.completions_response import CompletionsResponse
 from recipe.errors import invalid_request
+from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest, ResponseBuilder
 from recipe.served_model import ServedModel
 from workers.engine.errors import InvalidRequestError
@@ -18,11 +19,10 @@ from workers.engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this API
 MAX_LOGPROBS = 5
-MAX_STOP_STRINGS = 4
 UNSUPPORTED_FIELDS = {"suffix": "`suffix` (insertion) is not supported"}
 
 
-def prepare_completion(body: Mapping, model: ServedModel) -> PreparedRequest:
+def prepare_completion(body: Mapping, model: ServedModel, limits: RequestLimits) -> PreparedRequest:
     for field, message in UNSUPPORTED_FIELDS.items():
         if body.get(field) is not None:
             raise invalid_request(message, field)
@@ -30,15 +30,16 @@ def prepare_completion(body: Mapping, model: ServedModel) -> PreparedRequest:
     if best_of != 1:
         raise invalid_request("`best_of` is not supported; use `n`", "best_of")
 
-    prompt_token_ids, echo_text = _prompt(body, model)
-    n = request_fields.choices(body)
+    n = request_fields.choices(body, limits.max_choices)
     stream = request_fields.boolean(body, "stream", default=False)
     include_usage = request_fields.include_usage(body, stream=stream)
     echo = request_fields.boolean(body, "echo", default=False)
     logprobs = request_fields.integer(body, "logprobs", low=0, high=MAX_LOGPROBS)
-    max_tokens = request_fields.integer(body, "max_tokens", low=1, default=DEFAULT_MAX_TOKENS)
-    _check_context_window(len(prompt_token_ids), max_tokens, model.max_model_len)
+    max_tokens = request_fields.max_tokens(body, "max_tokens", model.max_model_len, default=DEFAULT_MAX_TOKENS)
     params = _sampling_params(body, max_tokens, logprobs, model)
+    # Last: encoding the prompt is the work the checks above spare a refused request.
+    prompt_token_ids, echo_text = _prompt(body, model)
+    _check_context_window(len(prompt_token_ids), max_tokens, model.max_model_len)
 
     def new_response(response_id: str, created: int) -> ResponseBuilder:
         return CompletionsResponse(
@@ -106,7 +107,8 @@ def _sampling_params(body: Mapping, max_tokens: int, logprobs: int | None, model
         return SamplingParams(
             temperature=temperature,
             top_p=top_p,
-            seed=request_fields.integer(body, "seed", low=0, high=request_fields.MAX_SEED),
+            top_k=request_fields.top_k(body, model.tokenizer.vocab_size),
+            seed=request_fields.seed(body),
             presence_penalty=request_fields.penalty(body, "presence_penalty"),
             frequency_penalty=request_fields.penalty(body, "frequency_penalty"),
             logit_bias=request_fields.logit_bias(body, model.tokenizer.vocab_size),
@@ -126,6 +128,4 @@ def _stop_strings(body: Mapping) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(item, str) and item for item in stops):
         raise invalid_request("`stop` must be a non-empty string or a list of them", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise invalid_request(f"`stop` takes at most {MAX_STOP_STRINGS} strings", "stop")
     return tuple(stops)

@@ -3,12 +3,14 @@
 The library converts the request into a Conversation plus inference and parsing options; this module
 adds what it leaves to the caller: prompt encoding per model family, the context-window check, the
 fields it ignores (n, penalties, logit_bias, top_k, stream_options, max_completion_tokens) and the
-sampling parameters. Its errors become ApiErrors naming the field where the message names one.
+sampling parameters. Its errors become ApiErrors naming the field: the one its message names, or
+else the top-level field it could not read.
 
 Stop strings go to the engine with `include_stop_str_in_output`: the engine stops on them, and the
 processor, seeing the stop string in the text, cuts it and reports it (Anthropic's `stop_sequence`).
 """
 
+import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,11 +21,12 @@ import deepseek_recipe
 from recipe import request_fields
 from recipe.conversation_responses import ConversationResponseFactory, choice_feed
 from recipe.errors import ApiError, invalid_request
+from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest
 from recipe.prompt_encoding import encode_conversation
 from recipe.served_model import ServedModel
 from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.protocol import OutputConstraintSpec
 
 ConversationProtocol = Literal["chat.completions", "responses", "messages"]
@@ -39,16 +42,29 @@ REQUEST_TYPES = {
 MAX_TOKENS_FIELDS = {"chat.completions": "max_tokens", "responses": "max_output_tokens", "messages": "max_tokens"}
 MESSAGES_FIELDS = {"chat.completions": "messages", "responses": "input", "messages": "messages"}
 TOOL_CALL_KINDS = ("tool_call", "tool_call_required")
+# Kept from the library: it rejects n > 1 (choices are fanned out here) and seeds outside [0, 2**63),
+# which OpenAI accepts (the engine folds them).
+FIELDS_READ_HERE = frozenset({"n", "seed"})
+# The smallest body of each protocol that the library deserializes.
+SKELETONS = {
+    "chat.completions": {"messages": []},
+    "responses": {"input": ""},
+    "messages": {"messages": [], "max_tokens": 1},
+}
+# How many top-level fields are tried alone to find the one the library could not read: each try
+# costs a parse of that field, so together they cost one more parse of the body.
+MAX_FIELDS_TRIED = 64
 
 
-def prepare_conversation_request(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> PreparedRequest:
+def prepare_conversation_request(
+    protocol: ConversationProtocol, body: Mapping, model: ServedModel, limits: RequestLimits
+) -> PreparedRequest:
     # Fields read here are checked before the library sees the body, so that errors name them.
-    n = request_fields.choices(body) if protocol == "chat.completions" else 1
+    n = request_fields.choices(body, limits.max_choices) if protocol == "chat.completions" else 1
     stream = request_fields.boolean(body, "stream", default=False)
     include_usage = request_fields.include_usage(body, stream=stream) if protocol == "chat.completions" else False
+    _check_token_counts(protocol, body, model)
     sampling_fields = _sampling_fields(protocol, body, model)
-    if protocol == "chat.completions":
-        request_fields.integer(body, "seed", low=0, high=request_fields.MAX_SEED)
     library_request = _library_request(protocol, body)
     responses_echo, namespace_tools = _responses_settings(library_request)
     converted = _converted(library_request, model.name)
@@ -85,10 +101,21 @@ def prepare_conversation_request(protocol: ConversationProtocol, body: Mapping, 
 
 
 def count_prompt_tokens(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> int:
-    """The prompt length this request would have (Anthropic's count_tokens)."""
+    """The prompt length this request would have (Anthropic's count_tokens, which takes no max_tokens)."""
     converted = _converted(_library_request(protocol, body), model.name)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     return len(_encoded(conversation, model, protocol))
+
+
+def _check_token_counts(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> None:
+    """The library reads these, but would name no field, or the wrong one, for a bad value."""
+    if protocol == "messages" and body.get("max_tokens") is None:
+        raise invalid_request("`max_tokens` is required", "max_tokens")
+    request_fields.max_tokens(body, MAX_TOKENS_FIELDS[protocol], model.max_model_len)
+    if protocol == "chat.completions":
+        request_fields.max_tokens(body, "max_completion_tokens", model.max_model_len)
+    if protocol != "messages":
+        request_fields.integer(body, "top_logprobs", low=0, high=MAX_LOGPROBS)
 
 
 def conversion_options(model_name: str) -> deepseek_recipe.ConversionOptions:
@@ -99,21 +126,36 @@ def conversion_options(model_name: str) -> deepseek_recipe.ConversionOptions:
 
 
 def _library_request(protocol: ConversationProtocol, body: Mapping) -> LibraryRequest:
-    """The request as the library should see it: without `n` (it rejects n > 1; choices are fanned
-    out here), and with `max_completion_tokens`, which it ignores, as `max_tokens`."""
+    """The request as the library should see it: without the fields read here, and with
+    `max_completion_tokens`, which it ignores, as `max_tokens`."""
     field = MESSAGES_FIELDS[protocol]
     allowed_types = (str, list) if protocol == "responses" else (list,)
     if not isinstance(body.get(field), allowed_types):
         shapes = "a string or a list" if protocol == "responses" else "a list"
         raise invalid_request(f"`{field}` is required and must be {shapes}", field)
-    library_body = {key: value for key, value in body.items() if key != "n"}
+    library_body = {key: value for key, value in body.items() if key not in FIELDS_READ_HERE}
     if protocol == "chat.completions" and body.get("max_completion_tokens") is not None:
-        request_fields.integer(body, "max_completion_tokens", low=1)
         library_body["max_tokens"] = library_body.pop("max_completion_tokens")
     try:
         return REQUEST_TYPES[protocol](library_body)
     except ValueError as error:  # a body the library cannot deserialize: missing field, wrong type
-        raise invalid_request(str(error), _named_param(str(error))) from None
+        message = str(error)
+        param = _named_param(message)
+        if param is None:
+            param = _undeserializable_field(protocol, library_body)
+            message = f"`{param}`: {message}" if param else message
+        raise invalid_request(message, param) from None
+
+
+def _undeserializable_field(protocol: ConversationProtocol, library_body: Mapping) -> str | None:
+    """The first top-level field that the library cannot deserialize even in a skeleton body."""
+    skeleton = {"model": library_body.get("model"), **SKELETONS[protocol]}
+    for name in itertools.islice(library_body, MAX_FIELDS_TRIED):
+        try:
+            REQUEST_TYPES[protocol]({**skeleton, name: library_body[name]})
+        except ValueError:
+            return name
+    return None
 
 
 def _responses_settings(
@@ -208,7 +250,8 @@ class _SamplingFields:
 
     temperature: float | None  # None: the library's value (DeepSeek models)
     top_p: float | None
-    top_k: int
+    top_k: int  # Anthropic's field; vLLM's extension on the OpenAI endpoints
+    seed: int | None
     presence_penalty: float
     frequency_penalty: float
     logit_bias: dict[int, float] | None
@@ -223,7 +266,8 @@ def _sampling_fields(protocol: ConversationProtocol, body: Mapping, model: Serve
     return _SamplingFields(
         temperature=request_fields.number(body, "temperature", low=0.0, high=2.0, default=1.0) if own_values else None,
         top_p=request_fields.number(body, "top_p", low=0.0, high=1.0, default=1.0) if own_values else None,
-        top_k=request_fields.integer(body, "top_k", low=0, default=0) if protocol == "messages" else 0,
+        top_k=request_fields.top_k(body, model.tokenizer.vocab_size),
+        seed=request_fields.seed(body) if is_chat else None,
         presence_penalty=request_fields.penalty(body, "presence_penalty") if is_chat else 0.0,
         frequency_penalty=request_fields.penalty(body, "frequency_penalty") if is_chat else 0.0,
         logit_bias=request_fields.logit_bias(body, model.tokenizer.vocab_size) if is_chat else None,
@@ -243,7 +287,7 @@ def _sampling_params(
             temperature=temperature,
             top_p=top_p,
             top_k=fields.top_k,
-            seed=options.seed,
+            seed=fields.seed,
             presence_penalty=fields.presence_penalty,
             frequency_penalty=fields.frequency_penalty,
             logit_bias=fields.logit_bias,

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 
 from recipe.errors import invalid_request
 
-MAX_CHOICES = 16
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
-MAX_SEED = 2**63 - 1
+# OpenAI's range for `seed`; the engine folds every seed to 64 bits, so negative ones are seeds too.
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 def integer(body: Mapping, name: str, *, low: int, high: int | None = None, default: int | None = None) -> int | None:
@@ -29,7 +29,12 @@ def number(body: Mapping, name: str, *, low: float, high: float, default: float)
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    # An int is finite however large (math.isfinite would overflow converting it).
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not math.isfinite(value))
+    ):
         raise invalid_request(f"`{name}` must be a number, got {value!r}", name)
     if not low <= value <= high:
         raise invalid_request(f"`{name}` must be between {low:g} and {high:g}, got {value}", name)
@@ -45,8 +50,24 @@ def boolean(body: Mapping, name: str, *, default: bool) -> bool:
     return value
 
 
-def choices(body: Mapping) -> int:
-    return integer(body, "n", low=1, high=MAX_CHOICES, default=1)
+def choices(body: Mapping, max_choices: int) -> int:
+    return integer(body, "n", low=1, high=max_choices, default=1)
+
+
+def seed(body: Mapping) -> int | None:
+    return integer(body, "seed", low=SEED_RANGE[0], high=SEED_RANGE[1])
+
+
+def top_k(body: Mapping, vocab_size: int) -> int:
+    """0 disables top-k sampling; so does any k that keeps the whole vocabulary, which is what it
+    becomes (the engine takes the ints it can hold)."""
+    k = integer(body, "top_k", low=0, default=0)
+    return 0 if k >= vocab_size else k
+
+
+def max_tokens(body: Mapping, name: str, max_model_len: int, *, default: int | None = None) -> int | None:
+    """A token count: more than the context window can never be served, so it is refused before any work."""
+    return integer(body, name, low=1, high=max_model_len, default=default)
 
 
 def penalty(body: Mapping, name: str) -> float:
@@ -62,13 +83,22 @@ def logit_bias(body: Mapping, vocab_size: int) -> dict[int, float] | None:
         raise invalid_request("`logit_bias` must be an object mapping token ids to biases", "logit_bias")
     biases = {}
     for key, bias in value.items():
-        token_id = int(key) if isinstance(key, str) and key.isdigit() else None
-        if token_id is None or token_id >= vocab_size:
+        token_id = _token_id(key, vocab_size)
+        if token_id is None:
             raise invalid_request(f"`logit_bias` key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise invalid_request(f"`logit_bias` values must be numbers in [-100, 100], got {bias!r}", "logit_bias")
         biases[token_id] = float(bias)
     return biases or None
+
+
+def _token_id(key: str, vocab_size: int) -> int | None:
+    # isdigit() also holds for digits that int() does not read ("²"), and int() refuses keys of
+    # thousands of digits: only short ASCII digit strings can be token ids.
+    if not (key.isascii() and key.isdigit()) or len(key) > len(str(vocab_size)):
+        return None
+    token_id = int(key)
+    return token_id if token_id < vocab_size else None
 
 
 def include_usage(body: Mapping, *, stream: bool) -> bool:

@@ -90,7 +90,10 @@ class Tokenizer:
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
         """Without allow_special, text such as "<|im_start|>" encodes as ordinary tokens."""
         encoder = self._parses_specials if allow_special else self._specials_as_text
-        ids = encoder.encode(text, add_special_tokens=False).ids
+        try:
+            ids = encoder.encode(text, add_special_tokens=False).ids
+        except TypeError:  # what `tokenizers` raises for a str that is not Unicode text (a lone surrogate)
+            raise InvalidRequestError("the text is not valid Unicode (it has a lone surrogate)") from None
         return [self.bos_token_id, *ids] if self._add_bos else ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

@@ -51,7 +51,7 @@ def test_the_model_must_be_named_and_served(models, protocol: str) -> None:
         ({"n": 0}, "n"),
         ({"n": 17}, "n"),
         ({"n": "2"}, "n"),
-        ({"seed": -1}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
