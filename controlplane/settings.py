@@ -1,5 +1,6 @@
 """Django settings. Embedded default: SQLite under var/; set DATABASE_URL for PostgreSQL."""
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -8,6 +9,7 @@ import msgspec
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane.database_url import parse_database_url
+from recipe.limits import RequestLimits
 from workers.protocol import GrammarLimits
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -185,6 +187,23 @@ def _grammar_limits(environ: Mapping[str, str]) -> GrammarLimits:
         raise ImproperlyConfigured(f"SLUICE_GRAMMAR_*: {error}") from None
 
 
+def _request_limits(environ: Mapping[str, str]) -> RequestLimits:
+    """RequestLimits with each field from SLUICE_<FIELD> (e.g. SLUICE_MAX_TOOLS) where it is set; the
+    defaults are recipe.limits'."""
+    values = {}
+    for field in dataclasses.fields(RequestLimits):
+        name = f"SLUICE_{field.name.upper()}"
+        if name in environ:
+            try:
+                values[field.name] = int(environ[name])
+            except ValueError:
+                raise ImproperlyConfigured(f"{name}: expected an integer, got {environ[name]!r}") from None
+    try:
+        return RequestLimits(**values)
+    except ValueError as error:
+        raise ImproperlyConfigured(f"request limits (SLUICE_MAX_*): {error}") from None
+
+
 # Gateway. Model names are resolved like `workers.engine.weights.resolve_model` does (packaged name or path).
 _models = os.environ.get("SLUICE_MODELS", "smollm2-135m-instruct")
 SLUICE_MODELS = [name.strip() for name in _models.split(",") if name.strip()]
@@ -194,9 +213,20 @@ SLUICE_WORKER_ENDPOINTS = _worker_endpoints(os.environ.get("SLUICE_WORKER_ENDPOI
 # The global KV store's index when the workers share one (a redis:// URL; `serve` sets it): the
 # gateway reads each prompt's hit length from it to weigh its prefill work. Empty: no index.
 SLUICE_KV_STORE_INDEX = os.environ.get("SLUICE_KV_STORE_INDEX", "")
+
+# Bounds on API requests (README, "Request limits"). A body larger than this is refused with 413.
 SLUICE_MAX_BODY_BYTES = int(os.environ.get("SLUICE_MAX_BODY_BYTES", 4 * 1024 * 1024))
 # Django's own cap on request.body would otherwise be 2.5 MiB.
 DATA_UPLOAD_MAX_MEMORY_SIZE = SLUICE_MAX_BODY_BYTES
+# A body still arriving this long after its request began is refused with 408.
+SLUICE_BODY_READ_TIMEOUT_S = float(os.environ.get("SLUICE_BODY_READ_TIMEOUT_S", 30))
+# A connection that has not sent a whole request head (line and headers) this long after it opened,
+# or after its previous response, is closed (uvicorn itself waits forever).
+SLUICE_HEADER_READ_TIMEOUT_S = float(os.environ.get("SLUICE_HEADER_READ_TIMEOUT_S", 10))
+
+# Nesting depth, counts and sizes in a request body (recipe.limits.RequestLimits), checked before any
+# work is done for it; each refusal is a 400 naming the field.
+SLUICE_REQUEST_LIMITS = _request_limits(os.environ)
 # What one request's output constraint (response_format / text.format json_schema or regex, tools)
 # may cost a worker, sent with every constrained request: workers.protocol.GrammarLimits lists the
 # fields, their defaults and what each bounds. A grammar that does not compile within them is a 400;

@@ -18,7 +18,16 @@ from workers.engine_client import RequestRejectedError, WorkerUnavailableError
 log = logging.getLogger(__name__)
 
 ErrorKind = Literal[
-    "invalid_request", "authentication", "not_found", "request_too_large", "rate_limit", "overloaded", "server_error"
+    "invalid_request",
+    "authentication",
+    "not_found",
+    "unknown_path",
+    "method_not_allowed",
+    "request_timeout",
+    "request_too_large",
+    "rate_limit",
+    "overloaded",
+    "server_error",
 ]
 # The protocols whose clients expect Anthropic's error shape; every other one gets OpenAI's.
 ANTHROPIC_PROTOCOLS = frozenset({"messages", "messages.count_tokens"})
@@ -26,12 +35,21 @@ GENERIC_SERVER_ERROR = "The server had an error while processing your request."
 
 
 class GatewayError(Exception):
-    def __init__(self, kind: ErrorKind, message: str, *, param: str | None = None, retry_after: int | None = None):
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: int | None = None,
+        allow: tuple[str, ...] | None = None,  # the methods a 405's path takes
+    ):
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.allow = allow
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +65,10 @@ _SHAPES: dict[ErrorKind, _Shape] = {
     "invalid_request": _Shape(400, "invalid_request_error", None, 400, "invalid_request_error"),
     "authentication": _Shape(401, "authentication_error", "invalid_api_key", 401, "authentication_error"),
     "not_found": _Shape(404, "not_found_error", "model_not_found", 404, "not_found_error"),
+    # What OpenAI answers for a path or method it does not serve.
+    "unknown_path": _Shape(404, "invalid_request_error", None, 404, "not_found_error"),
+    "method_not_allowed": _Shape(405, "invalid_request_error", None, 405, "invalid_request_error"),
+    "request_timeout": _Shape(408, "invalid_request_error", None, 408, "invalid_request_error"),
     "request_too_large": _Shape(413, "invalid_request_error", None, 413, "request_too_large"),
     "rate_limit": _Shape(429, "rate_limit_exceeded", None, 429, "rate_limit_error"),
     "overloaded": _Shape(503, "overloaded_error", None, 529, "overloaded_error"),
@@ -80,6 +102,12 @@ def as_gateway_error(error: Exception) -> GatewayError:
     return GatewayError("server_error", GENERIC_SERVER_ERROR)
 
 
+def unknown_path_protocol(path: str, anthropic_version: str | None) -> str:
+    """The protocol whose error shape suits a request for a path no endpoint serves: Anthropic's under
+    /v1/messages and for Anthropic's SDKs (which send `anthropic-version`), OpenAI's otherwise."""
+    return "messages" if path.startswith("/v1/messages") or anthropic_version else "unknown"
+
+
 def _payload(protocol: str, error: GatewayError) -> tuple[int, dict]:
     shape = _SHAPES[error.kind]
     if protocol in ANTHROPIC_PROTOCOLS:
@@ -96,6 +124,8 @@ def error_response(protocol: str, error: GatewayError) -> JsonResponse:
     response = JsonResponse(payload, status=status)
     if error.retry_after is not None:
         response["retry-after"] = str(error.retry_after)
+    if error.allow is not None:
+        response["allow"] = ", ".join(error.allow)
     return response
 
 

@@ -1,4 +1,4 @@
-from django.urls import path
+from django.urls import path, re_path
 
 from controlplane.gateway import views
 
@@ -9,6 +9,8 @@ urlpatterns = [
     path("v1/responses", views.generate, {"protocol": "responses"}),
     path("v1/messages", views.generate, {"protocol": "messages"}),
     path("v1/messages/count_tokens", views.count_tokens, {"protocol": "messages.count_tokens"}),
+    # Last under /v1/: every other path answers 404 in its protocol's error shape.
+    re_path(r"^v1/", views.unknown_path),
     path("healthz", views.healthz),
     path("metrics", views.metrics),
 ]

@@ -1,25 +1,25 @@
 """The OpenAI- and Anthropic-compatible HTTP API. Each view runs the admission checks, calls the
-module that does the work, and renders; every exception becomes an error in its protocol's shape."""
+module that does the work, and renders; every exception, a wrong method and a path no view serves
+become errors in the protocol's shape."""
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
-from controlplane.gateway.admission import admit, admit_caller, prepare
+from controlplane.gateway.admission import admit, admit_caller, count_prompt_tokens, prepare
 from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import engine_client
-from controlplane.gateway.errors import as_gateway_error, error_response
+from controlplane.gateway.errors import GatewayError, as_gateway_error, error_response, unknown_path_protocol
 from controlplane.gateway.generation import Generation
+from controlplane.gateway.health import can_serve, health_report
 from controlplane.gateway.usage import UsageCount, record_usage
 from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
 from controlplane.telemetry.windows import RequestSample
-from recipe.api import count_tokens as recipe_count_tokens
 from recipe.api import list_models
 
 # Proxies must pass events on as they come.
@@ -28,20 +28,30 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 View = Callable[..., Awaitable[HttpResponse]]
 
 
-def api_view(view: View) -> View:
-    @csrf_exempt
-    @functools.wraps(view)
-    async def wrapper(request: HttpRequest, *, protocol: str) -> HttpResponse:
-        try:
-            return await view(request, protocol=protocol)
-        except Exception as error:
-            return error_response(protocol, as_gateway_error(error))
+def api_view(*methods: str) -> Callable[[View], View]:
+    """A view of the API that takes `methods`; any other method gets a 405 in the protocol's shape."""
 
-    return wrapper
+    def decorate(view: View) -> View:
+        @csrf_exempt
+        @functools.wraps(view)
+        async def wrapper(request: HttpRequest, *, protocol: str) -> HttpResponse:
+            try:
+                if request.method not in methods:
+                    raise GatewayError(
+                        "method_not_allowed",
+                        f"Invalid method for URL ({request.method} {request.path}): use {' or '.join(methods)}.",
+                        allow=methods,
+                    )
+                return await view(request, protocol=protocol)
+            except Exception as error:
+                return error_response(protocol, as_gateway_error(error))
+
+        return wrapper
+
+    return decorate
 
 
-@require_POST
-@api_view
+@api_view("POST")
 async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
     admission = await admit(request)
     prepared = await prepare(admission, protocol=protocol)
@@ -73,44 +83,32 @@ async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
     )
 
 
-@require_POST
-@api_view
+@api_view("POST")
 async def count_tokens(request: HttpRequest, *, protocol: str) -> HttpResponse:
     admission = await admit(request)
-    input_tokens = await asyncio.to_thread(recipe_count_tokens, admission.body, admission.catalog.models)
-    return JsonResponse({"input_tokens": input_tokens})
+    return JsonResponse({"input_tokens": await count_prompt_tokens(admission)})
 
 
-@require_GET
-@api_view
+@api_view("GET")
 async def models(request: HttpRequest, *, protocol: str) -> HttpResponse:
     await admit_caller(request)
     catalog = await served_catalog()
     return JsonResponse(list_models(catalog.models, catalog.created))
 
 
+@csrf_exempt
+async def unknown_path(request: HttpRequest) -> HttpResponse:
+    """Any path under /v1/ that no endpoint serves."""
+    protocol = unknown_path_protocol(request.path, request.headers.get("anthropic-version"))
+    message = f"Invalid URL ({request.method} {request.path}): no such endpoint."
+    return error_response(protocol, GatewayError("unknown_path", message))
+
+
 @require_GET
 async def healthz(request: HttpRequest) -> HttpResponse:
-    """Unauthenticated, for load balancers: 200 while at least one engine worker sends heartbeats and
-    takes requests (a draining or drained worker is listed but does not count)."""
+    """Unauthenticated, for load balancers: 200 while the workers sending heartbeats can serve a request."""
     workers = (await engine_client()).healthy_workers()
-    serving = any(worker.state == "ready" for worker in workers)
-    payload = {
-        "status": "ok" if serving else "unavailable",
-        "workers": [
-            {
-                "worker_id": worker.worker_id,
-                "model": worker.model,
-                "role": worker.role,
-                "state": worker.state,
-                "num_running": worker.num_running,
-                "num_waiting": worker.num_waiting,
-                "kv_usage": worker.kv_usage,
-            }
-            for worker in workers
-        ],
-    }
-    return JsonResponse(payload, status=200 if serving else 503)
+    return JsonResponse(health_report(workers), status=200 if can_serve(workers) else 503)
 
 
 @require_GET

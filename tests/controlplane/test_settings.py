@@ -1,7 +1,8 @@
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.settings import _grammar_limits, _worker_endpoints
+from controlplane.settings import _grammar_limits, _request_limits, _worker_endpoints
+from recipe.limits import RequestLimits
 from workers.protocol import GrammarLimits
 
 
@@ -32,3 +33,18 @@ def test_grammar_limits_are_the_defaults_unless_the_environment_overrides_a_fiel
 def test_a_grammar_limit_that_is_not_a_positive_integer_is_refused(value):
     with pytest.raises(ImproperlyConfigured, match="max_compile_ms"):
         _grammar_limits({"SLUICE_GRAMMAR_MAX_COMPILE_MS": value})
+
+
+def test_request_limits_default_to_the_recipes_and_each_is_set_by_its_own_variable():
+    assert _request_limits({}) == RequestLimits()
+    assert _request_limits({"SLUICE_MAX_TOOLS": "8", "SLUICE_MAX_JSON_DEPTH": "20"}) == RequestLimits(
+        max_tools=8, max_json_depth=20
+    )
+
+
+@pytest.mark.parametrize(
+    "environ", [{"SLUICE_MAX_TOOLS": "many"}, {"SLUICE_MAX_TOOLS": "0"}, {"SLUICE_MAX_JSON_DEPTH": "500"}]
+)
+def test_request_limits_out_of_range_are_refused_at_start(environ):
+    with pytest.raises(ImproperlyConfigured):
+        _request_limits(environ)
