@@ -26,6 +26,15 @@ from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
 from workers.entrypoint.router import STEP_BUDGET_S
 
+# uvicorn's handling of the gateway's connections (README, "Request limits"): each request head has a
+# deadline (SLUICE_HEADER_READ_TIMEOUT_S, in the protocol class), an idle keep-alive connection is
+# closed after 5 s, and a request head may take at most 16 KiB (h11's default, spelled out).
+GATEWAY_HTTP_OPTIONS = (
+    "--http=controlplane.gateway.http_protocol:HeadDeadlineH11Protocol",
+    "--timeout-keep-alive=5",
+    "--h11-max-incomplete-event-size=16384",
+)
+
 
 class Command(BaseCommand):
     help = "Run the gateway and engine workers on this machine until Ctrl-C."
@@ -125,6 +134,7 @@ class Command(BaseCommand):
                     f"--port={port}",
                     "--log-level=warning",
                     "--no-access-log",
+                    *GATEWAY_HTTP_OPTIONS,
                 ],
                 env=child_env(
                     SLUICE_MODELS=model,
