@@ -140,11 +140,9 @@ def _library_request(protocol: ConversationProtocol, body: Mapping) -> LibraryRe
         return REQUEST_TYPES[protocol](library_body)
     except ValueError as error:  # a body the library cannot deserialize: missing field, wrong type
         message = str(error)
-        param = _named_param(message)
-        if param is None:
-            param = _undeserializable_field(protocol, library_body)
-            message = f"`{param}`: {message}" if param else message
-        raise invalid_request(message, param) from None
+        raise _library_refusal(
+            400, message, _named_param(message) or _undeserializable_field(protocol, library_body)
+        ) from None
 
 
 def _undeserializable_field(protocol: ConversationProtocol, library_body: Mapping) -> str | None:
@@ -208,14 +206,36 @@ def _encoded(
 
 def _api_error(error: deepseek_recipe.ConversionError) -> ApiError:
     status = error.status_code if 400 <= error.status_code < 500 else 400
-    return ApiError(status, "invalid_request_error", str(error), _named_param(str(error)))
+    return _library_refusal(status, str(error), _named_param(str(error)))
+
+
+def _library_refusal(status: int, message: str, param: str | None) -> ApiError:
+    """The library's message, led by the field it is about where it does not name it (Anthropic's
+    errors have no `param`: the message is where a client reads the field)."""
+    if param is not None and f"`{param}`" not in message:
+        message = f"`{param}`: {message.removeprefix(f'{param}: ')}"
+    return ApiError(status, "invalid_request_error", message, param)
 
 
 _PARAM_PATTERNS = (
     re.compile(r"Invalid (\w+) value"),
+    re.compile(r"Invalid (\w+) and \w+ value"),  # "Invalid top_logprobs and logprobs value, ..."
     re.compile(r"missing field `(\w+)`"),
     re.compile(r"unknown field `(\w+)`"),
     re.compile(r"[Ii]nvalid value for '(\w+)'"),
+    re.compile(r"^(\w+): "),  # "messages: at least one message is required"
+    re.compile(r"`(\w+)\.\d"),  # "unexpected `messages.0.content.0: tool_use_id` found ..."
+)
+# The library's messages that name no field, and the field each is about (found by bench.fuzz_api).
+_MESSAGE_PARAMS = (
+    ("Tool names must be unique", "tools"),
+    ("Invalid schema for function", "tools"),
+    ("Empty input messages", "messages"),
+    ("Messages with role 'tool'", "messages"),
+    ("Prompt must contain the word 'json'", "messages"),
+    ("Input items array must not be empty", "input"),
+    ("No tool call found for tool output", "input"),
+    ("Response input messages must contain the word 'json'", "input"),
 )
 
 
@@ -224,12 +244,12 @@ _PARAM_ALIASES = {"tool_call": "tool_choice"}
 
 
 def _named_param(message: str) -> str | None:
-    """The request field a library error message names, when it names one."""
+    """The request field a library error message is about, when it says or is known."""
     for pattern in _PARAM_PATTERNS:
         match = pattern.search(message)
         if match:
             return _PARAM_ALIASES.get(match.group(1), match.group(1))
-    return None
+    return next((param for fragment, param in _MESSAGE_PARAMS if fragment in message), None)
 
 
 def _constraint(

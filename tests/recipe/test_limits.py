@@ -295,9 +295,20 @@ def test_messages_needs_max_tokens_and_count_tokens_does_not(models):
         ("responses", {"instructions": 5}, "instructions"),
         ("messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
         ("messages", {"system": 5}, "system"),
+        # Refusals of fields it could read, whose messages name no field (found by bench.fuzz_api):
+        ("chat.completions", {"tools": [tool("chat.completions", {"type": "object"})] * 2}, "tools"),
+        ("responses", {"tools": [tool("responses", {"type": "object"})] * 2}, "tools"),
+        ("messages", {"tools": [tool("messages", {})]}, "tools"),
+        ("chat.completions", {"messages": []}, "messages"),
+        ("responses", {"input": []}, "input"),
+        ("messages", {"messages": []}, "messages"),
+        ("chat.completions", {"response_format": {"type": "json_object"}}, "messages"),
+        ("responses", {"text": {"format": {"type": "json_object"}}}, "input"),
+        ("chat.completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat.completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
     ],
 )
-def test_a_field_the_library_cannot_read_is_named(models, protocol, fields, param):
+def test_the_librarys_refusals_name_their_field(models, protocol, fields, param):
     assert refusal(protocol, body(protocol, **fields), models).param == param
 
 
