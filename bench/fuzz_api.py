@@ -1,0 +1,448 @@
+"""Hostile-input fuzzing of the inference API: hypothesis draws requests for the six endpoints (valid
+ones, valid ones with one field made hostile, arbitrary JSON, broken framings; good and bad headers)
+and sends them to a running stack, which must answer each without a 5xx, with the protocol's error
+shape on every 4xx, and still serve a normal request at the end.
+
+    python -m bench.fuzz_api --examples 2000 --base-url http://127.0.0.1:8000 --api-key sk-...
+
+Prints one JSON object: requests sent, statuses, the problems found (grouped, with an example each),
+the workers /healthz listed before and after, and whether a normal request succeeded afterwards.
+tests/e2e/test_fuzz_api.py runs the same strategies with a fixed budget in `make test`.
+
+Valid generations stay cheap: every body that could be served asks for at most a few tokens.
+"""
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 8192
+ENDPOINTS = {
+    "models": ("GET", "/v1/models"),
+    "chat.completions": ("POST", "/v1/chat/completions"),
+    "completions": ("POST", "/v1/completions"),
+    "responses": ("POST", "/v1/responses"),
+    "messages": ("POST", "/v1/messages"),
+    "messages.count_tokens": ("POST", "/v1/messages/count_tokens"),
+}
+TOKEN_BUDGET_FIELDS = {
+    "chat.completions": "max_tokens",
+    "completions": "max_tokens",
+    "responses": "max_output_tokens",
+    "messages": "max_tokens",
+}
+# Fields whose valid values cost engine work in proportion: a hostile value for one of them is drawn
+# from those that are refused, or that stay cheap.
+COSTLY_FIELDS = {"max_tokens", "max_output_tokens", "max_completion_tokens", "n"}
+REQUEST_TIMEOUT_S = 120.0
+
+# --- values ------------------------------------------------------------------------------------
+
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=20),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+surrogate_text = st.builds(
+    lambda before, surrogate, after: before + surrogate + after,
+    st.text(max_size=5),
+    st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+    st.text(max_size=5),
+)
+
+
+def nested(depth: int, leaf: object, as_object: bool) -> object:
+    for _ in range(depth):
+        leaf = {"a": leaf} if as_object else [leaf]
+    return leaf
+
+
+deep_values = st.builds(nested, st.integers(min_value=30, max_value=1000), json_scalars, st.booleans())
+hostile_values = st.one_of(
+    st.sampled_from(
+        [10**30, -(10**30), 2**64, 2**63, -(2**63) - 1, 10**20, -1, 0, 1.5, -0.0, 1e308, "", "²", "١", None, True]
+    ),
+    st.sampled_from([[], {}, [[]], {"": None}, "x" * 5000, ["a"] * 40, {str(i): 1 for i in range(40)}]),
+    surrogate_text,
+    deep_values,
+    json_values,
+)
+# A hostile value for a field that costs work when valid: refused, or cheap (None means the default,
+# which for a token budget is the whole context window).
+costly_field_values = hostile_values.filter(
+    lambda value: value is not None
+    and not (isinstance(value, int) and not isinstance(value, bool) and 5 <= value <= MAX_MODEL_LEN)
+)
+short_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=30)
+tiny_schema = st.sampled_from(
+    [{"type": "object"}, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}]
+)
+
+# --- valid bodies ------------------------------------------------------------------------------
+
+
+def _chat_messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _optional(**fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries({}, optional=fields)
+
+
+def valid_body(protocol: str) -> st.SearchStrategy[dict]:
+    budget = st.integers(min_value=1, max_value=4)
+    common = {
+        "temperature": st.floats(min_value=0, max_value=2),
+        "top_p": st.floats(min_value=0.01, max_value=1),
+        "top_k": st.integers(min_value=0, max_value=2**63),
+        "stream": st.booleans(),
+    }
+    if protocol == "chat.completions":
+        required = {"model": st.just(MODEL), "messages": short_text.map(_chat_messages), "max_tokens": budget}
+        optional = _optional(
+            **common,
+            n=st.integers(min_value=1, max_value=2),
+            seed=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+            stop=st.lists(short_text, max_size=3),
+            logit_bias=st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
+            presence_penalty=st.floats(min_value=-2, max_value=2),
+            logprobs=st.booleans(),
+            tools=st.lists(
+                tiny_schema.map(lambda schema: {"type": "function", "function": {"name": "f", "parameters": schema}}),
+                max_size=2,
+            ),
+        )
+    elif protocol == "completions":
+        prompt = short_text | st.lists(st.integers(0, 49151), min_size=1, max_size=8)
+        required = {"model": st.just(MODEL), "prompt": prompt, "max_tokens": budget}
+        optional = _optional(
+            **common,
+            n=st.integers(min_value=1, max_value=2),
+            echo=st.booleans(),
+            logprobs=st.integers(min_value=0, max_value=5),
+            seed=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+            stop=short_text,
+        )
+    elif protocol == "responses":
+        required = {"model": st.just(MODEL), "input": short_text, "max_output_tokens": budget}
+        optional = _optional(
+            **common,
+            instructions=short_text,
+            tools=st.lists(
+                tiny_schema.map(lambda schema: {"type": "function", "name": "f", "parameters": schema}), max_size=2
+            ),
+        )
+    else:
+        required = {"model": st.just(MODEL), "messages": short_text.map(_chat_messages)}
+        if protocol == "messages":
+            required["max_tokens"] = budget
+        optional = _optional(
+            **common,
+            system=short_text,
+            stop_sequences=st.lists(short_text, max_size=3),
+            tools=st.lists(tiny_schema.map(lambda schema: {"name": "f", "input_schema": schema}), max_size=2),
+            metadata=st.fixed_dictionaries({"user_id": short_text}),
+        )
+    return st.builds(lambda fixed, extra: {**fixed, **extra}, st.fixed_dictionaries(required), optional)
+
+
+@st.composite
+def mutated_body(draw, protocol: str) -> dict:
+    """A valid body with one field (one it has, a known one, or any name) set to a hostile value, or
+    deleted, or with a hostile value inside one of its lists or objects."""
+    body = draw(valid_body(protocol))
+    known = [*body, *TOKEN_BUDGET_FIELDS.values(), "n", "seed", "top_k", "logit_bias", "stop", "tools", "tool_choice"]
+    name = draw(st.sampled_from(known) | st.text(max_size=10))
+    how = draw(st.sampled_from(["replace", "delete", "inside"]))
+    if how == "delete":
+        body.pop(name, None)
+    elif how == "inside" and isinstance(body.get(name), list | dict) and body[name]:
+        container = body[name]
+        key = draw(st.sampled_from(list(range(len(container))) if isinstance(container, list) else list(container)))
+        container[key] = draw(hostile_values)
+    else:
+        body[name] = draw(costly_field_values if name in COSTLY_FIELDS else hostile_values)
+    # A body that lost its token budget would generate up to the context window: give it a small one
+    # back. Messages requires one, so there the loss is what is tested.
+    budget_field = TOKEN_BUDGET_FIELDS.get(protocol)
+    if budget_field and budget_field not in body and protocol != "messages":
+        body[budget_field] = 2
+    return body
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    protocol: str  # the endpoint's, or "unknown" for a path no endpoint serves
+    method: str
+    path: str
+    headers: dict[str, str]
+    content: bytes
+    chunked: bool  # sent with Transfer-Encoding: chunked instead of Content-Length
+    body_is_object: bool  # the content is a JSON object (what a field-naming 400 can be about)
+
+    def anthropic_shaped(self) -> bool:
+        if self.protocol == "unknown":
+            return self.path.startswith("/v1/messages") or "anthropic-version" in self.headers
+        return self.protocol.startswith("messages")
+
+    def describe(self) -> dict:
+        return {
+            "method": self.method,
+            "path": self.path,
+            "headers": {
+                name: value for name, value in self.headers.items() if name not in ("authorization", "x-api-key")
+            },
+            "content": self.content[:300].decode("utf-8", "backslashreplace"),
+            "chunked": self.chunked,
+        }
+
+
+def _encoded(body: object) -> bytes:
+    # ensure_ascii writes lone surrogates as \ud800 escapes, which is how a client would send them.
+    return json.dumps(body, allow_nan=True).encode()
+
+
+@st.composite
+def framed(draw, body: object) -> bytes:
+    """The body's JSON, sometimes broken on the way: cut short, a byte that is not UTF-8 put in,
+    a BOM in front, or NaN where a number was."""
+    content = _encoded(body)
+    how = draw(st.sampled_from(["plain"] * 6 + ["cut", "invalid_utf8", "bom", "nan", "in_string"]))
+    if how == "cut" and len(content) > 1:
+        return content[: draw(st.integers(0, len(content) - 1))]
+    if how == "invalid_utf8":
+        at = draw(st.integers(0, len(content)))
+        return (
+            content[:at]
+            + draw(st.sampled_from([b"\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80", b"\xf8\x88"]))
+            + content[at:]
+        )
+    if how == "in_string" and b'": "' in content:
+        return content.replace(b'": "', b'": "\xfe\xfe', 1)
+    if how == "bom":
+        return b"\xef\xbb\xbf" + content
+    if how == "nan":
+        return content.replace(b"1", b"NaN", 1)
+    return content
+
+
+def _headers(draw, api_key: str, protocol: str) -> dict[str, str]:
+    auth = draw(st.sampled_from(["bearer"] * 5 + ["x-api-key"] * 2 + ["none", "wrong", "garbage"]))
+    headers = {}
+    if auth == "bearer":
+        headers["authorization"] = f"Bearer {api_key}"
+    elif auth == "x-api-key":
+        headers["x-api-key"] = api_key
+    elif auth == "wrong":
+        headers["authorization"] = f"Bearer {api_key[:-3]}xyz"
+    elif auth == "garbage":
+        headers[draw(st.sampled_from(["authorization", "x-api-key"]))] = draw(
+            # Header values are bytes: any that HTTP allows (visible ASCII, space, tab and 0x80-0xFF).
+            st.text(st.characters(codec="latin-1", exclude_categories=["Cc"]), max_size=40)
+        )
+    content_type = draw(
+        st.sampled_from(["application/json"] * 4 + [None, "text/plain", "application/json; charset=utf-16"])
+    )
+    if content_type:
+        headers["content-type"] = content_type
+    if protocol.startswith("messages") and draw(st.booleans()):
+        headers["anthropic-version"] = "2023-06-01"
+    return headers
+
+
+@st.composite
+def fuzz_cases(draw, api_key: str) -> FuzzCase:
+    protocol = draw(st.sampled_from(list(ENDPOINTS)))
+    method, path = ENDPOINTS[protocol]
+    route = draw(st.sampled_from(["endpoint"] * 12 + ["wrong_method", "unknown_path"]))
+    if route == "wrong_method":
+        method = draw(st.sampled_from([m for m in ("GET", "POST", "PUT", "DELETE", "PATCH") if m != method]))
+    elif route == "unknown_path":
+        protocol = "unknown"
+        path = draw(st.sampled_from(["/v1/", "/v1/chat", "/v1/messages/batches", "/v1/completions/", "/v1/x"]))
+        path += draw(st.text(st.characters(min_codepoint=0x30, max_codepoint=0x7A), max_size=6))
+    generating = protocol in TOKEN_BUDGET_FIELDS or protocol == "messages.count_tokens"
+    kind = draw(st.sampled_from(["valid", "mutated", "mutated", "mutated", "any_json"])) if generating else "any_json"
+    if kind == "valid":
+        body = draw(valid_body(protocol))
+    elif kind == "mutated":
+        body = draw(mutated_body(protocol))
+    else:
+        body = draw(json_values | st.dictionaries(st.text(max_size=8), json_values, max_size=5))
+    content = draw(framed(body)) if method != "GET" or draw(st.booleans()) else b""
+    try:
+        parsed = json.loads(
+            content.decode("utf-8", "surrogateescape").removeprefix("\ufeff"), parse_constant=_no_constant
+        )
+    except ValueError:
+        parsed = None
+    return FuzzCase(
+        protocol=protocol,
+        method=method,
+        path=path,
+        headers=_headers(draw, api_key, protocol),
+        content=content,
+        chunked=bool(content) and draw(st.integers(0, 9)) == 0,
+        body_is_object=isinstance(parsed, dict),
+    )
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(name)
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def send(client: httpx.Client, case: FuzzCase) -> httpx.Response:
+    content = iter([case.content[:7], case.content[7:]]) if case.chunked else case.content
+    headers = [(name.encode(), value.encode("latin-1")) for name, value in case.headers.items()]
+    return client.request(case.method, case.path, headers=headers, content=content)
+
+
+def problems(case: FuzzCase, response: httpx.Response) -> list[str]:
+    """What is wrong with the response to `case`: each problem a short kind, the same for alike ones."""
+    status = response.status_code
+    if status >= 500:
+        return [f"status {status}"]
+    if status >= 400:
+        return _error_shape_problems(case, response)
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        return _stream_problems(response.text)
+    try:
+        response.json()
+    except ValueError:
+        return [f"status {status} with a body that is not JSON"]
+    return []
+
+
+def _error_shape_problems(case: FuzzCase, response: httpx.Response) -> list[str]:
+    status = response.status_code
+    try:
+        body = response.json()
+    except ValueError:
+        return [f"status {status} with a body that is not JSON"]
+    found = []
+    if case.anthropic_shaped():
+        if not (isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error"):
+            return [f"status {status} not in Anthropic's error shape"]
+        if set(body["error"]) != {"type", "message"} or not body["error"]["message"]:
+            found.append(f"status {status}: Anthropic error without type and message")
+    else:
+        error = body.get("error") if isinstance(body, dict) else None
+        if not isinstance(error, dict) or set(body) != {"error"} or set(error) != {"message", "type", "param", "code"}:
+            return [f"status {status} not in OpenAI's error shape"]
+        # A refusal of a JSON object's content names the field it is about (JSON that does not parse,
+        # or is not an object, has no field to name).
+        if status == 400 and case.body_is_object and error["param"] is None:
+            found.append(f"400 without param: {error['message'][:60]}")
+    if status == 405 and "allow" not in response.headers:
+        found.append("405 without Allow")
+    return found
+
+
+def _stream_problems(text: str) -> list[str]:
+    for frame in text.split("\n\n"):
+        for line in frame.split("\n"):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                data = json.loads(line[len("data: ") :])
+                error = data.get("error") if isinstance(data, dict) else None
+                if isinstance(error, dict) and error.get("type") in ("server_error", "api_error"):
+                    return [f"stream ended with a server error: {error.get('message', '')[:60]}"]
+    return []
+
+
+@dataclass
+class FuzzReport:
+    sent: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    problems: dict[str, dict] = field(default_factory=dict)  # kind -> {"count", "example", "response"}
+
+    def record(self, case: FuzzCase, response: httpx.Response) -> list[str]:
+        self.sent += 1
+        self.statuses[response.status_code] += 1
+        found = problems(case, response)
+        for kind in found:
+            entry = self.problems.setdefault(
+                kind, {"count": 0, "example": case.describe(), "response": response.text[:300]}
+            )
+            entry["count"] += 1
+        return found
+
+
+def fuzz(
+    client: httpx.Client, api_key: str, *, examples: int, derandomize: bool, report: FuzzReport, fail_fast: bool
+) -> None:
+    """Sends `examples` drawn cases; with fail_fast the first problem raises (and hypothesis shrinks it),
+    else every problem is recorded in `report`."""
+
+    @given(case=fuzz_cases(api_key))
+    @settings(
+        max_examples=examples,
+        derandomize=derandomize,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def run(case: FuzzCase) -> None:
+        found = report.record(case, send(client, case))
+        assert not (fail_fast and found), (found, case.describe())
+
+    run()
+
+
+def still_serving(client: httpx.Client, api_key: str) -> bool:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    response = client.post("/v1/chat/completions", json=request, headers={"authorization": f"Bearer {api_key}"})
+    return response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def workers(client: httpx.Client) -> list[tuple[str, str]]:
+    """(worker id, state) of each worker /healthz lists."""
+    return [(worker["worker_id"], worker["state"]) for worker in client.get("/healthz").json()["workers"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=1000)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", required=True)
+    parser.add_argument("--derandomize", action="store_true", help="the same requests every run")
+    args = parser.parse_args()
+    report = FuzzReport()
+    with httpx.Client(base_url=args.base_url, timeout=REQUEST_TIMEOUT_S) as client:
+        before = workers(client)
+        fuzz(client, args.api_key, examples=args.examples, derandomize=args.derandomize, report=report, fail_fast=False)
+        after = workers(client)
+        serving = still_serving(client, args.api_key)
+    summary = {
+        "sent": report.sent,
+        "statuses": dict(sorted(report.statuses.items())),
+        "problems": report.problems,
+        "workers_before": before,
+        "workers_after": after,
+        "still_serving": serving,
+    }
+    print(json.dumps(summary, indent=2, ensure_ascii=False))
+    sys.exit(0 if serving and not report.problems and before == after else 1)
+
+
+if __name__ == "__main__":
+    main()
