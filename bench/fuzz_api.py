@@ -9,11 +9,13 @@ Prints one JSON object: requests sent, statuses, the problems found (grouped, wi
 the workers /healthz listed before and after, and whether a normal request succeeded afterwards.
 tests/e2e/test_fuzz_api.py runs the same strategies with a fixed budget in `make test`.
 
-Valid generations stay cheap: every body that could be served asks for at most a few tokens.
+Valid generations stay cheap: every body that could be served asks for at most a few tokens. One case
+in eight is raw bytes on a socket of its own (framings that no HTTP client library would send).
 """
 
 import argparse
 import json
+import socket
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -84,8 +86,10 @@ hostile_values = st.one_of(
 # A hostile value for a field that costs work when valid: refused, or cheap (None means the default,
 # which for a token budget is the whole context window).
 costly_field_values = hostile_values.filter(
-    lambda value: value is not None
-    and not (isinstance(value, int) and not isinstance(value, bool) and 5 <= value <= MAX_MODEL_LEN)
+    lambda value: (
+        value is not None
+        and not (isinstance(value, int) and not isinstance(value, bool) and 5 <= value <= MAX_MODEL_LEN)
+    )
 )
 short_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=30)
 tiny_schema = st.sampled_from(
@@ -97,6 +101,71 @@ tiny_schema = st.sampled_from(
 
 def _chat_messages(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+# Conversations of the shapes each API documents: roles, content parts, tool calls and their results,
+# with tool-call arguments that may not be JSON. They end with a user turn, as a client's would.
+tool_arguments = st.sampled_from(['{"city": "Paris"}', "{}", "not json", '{"a": [1, {"b": null}]}', ""])
+chat_parts = st.lists(
+    st.one_of(
+        short_text.map(lambda text: {"type": "text", "text": text}),
+        st.just({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}),
+        st.just({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
+    ),
+    min_size=1,
+    max_size=3,
+)
+chat_turn = st.one_of(
+    st.builds(lambda content: {"role": "system", "content": content}, short_text),
+    st.builds(lambda content: {"role": "user", "content": content}, short_text | chat_parts),
+    st.builds(lambda content: {"role": "assistant", "content": content}, short_text | st.none()),
+    st.builds(
+        lambda arguments: {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}],
+        },
+        tool_arguments,
+    ),
+    st.builds(lambda content: {"role": "tool", "tool_call_id": "call_1", "content": content}, short_text),
+)
+anthropic_block = st.one_of(
+    short_text.map(lambda text: {"type": "text", "text": text}),
+    st.builds(
+        lambda arguments: {"type": "tool_use", "id": "toolu_1", "name": "f", "input": arguments},
+        st.dictionaries(st.text(max_size=5), json_scalars, max_size=2),
+    ),
+    st.builds(lambda text: {"type": "tool_result", "tool_use_id": "toolu_1", "content": text}, short_text),
+    st.builds(lambda text: {"type": "thinking", "thinking": text, "signature": "x"}, short_text),
+    st.just({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}),
+)
+anthropic_turn = st.builds(
+    lambda role, content: {"role": role, "content": content},
+    st.sampled_from(["user", "assistant"]),
+    short_text | st.lists(anthropic_block, min_size=1, max_size=3),
+)
+responses_item = st.one_of(
+    st.builds(lambda text: {"role": "user", "content": text}, short_text),
+    st.builds(lambda text: {"role": "user", "content": [{"type": "input_text", "text": text}]}, short_text),
+    st.builds(
+        lambda text: {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]},
+        short_text,
+    ),
+    st.builds(
+        lambda arguments: {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": arguments},
+        tool_arguments,
+    ),
+    st.builds(lambda text: {"type": "function_call_output", "call_id": "call_1", "output": text}, short_text),
+)
+
+
+def _ending_with_user(turns: list[dict], last: str) -> list[dict]:
+    return [*turns, {"role": "user", "content": last}]
+
+
+def conversations(protocol: str) -> st.SearchStrategy[list[dict]]:
+    turns = {"chat.completions": chat_turn, "responses": responses_item}.get(protocol, anthropic_turn)
+    return st.builds(_ending_with_user, st.lists(turns, max_size=4), short_text)
 
 
 def _optional(**fields: st.SearchStrategy) -> st.SearchStrategy[dict]:
@@ -112,7 +181,8 @@ def valid_body(protocol: str) -> st.SearchStrategy[dict]:
         "stream": st.booleans(),
     }
     if protocol == "chat.completions":
-        required = {"model": st.just(MODEL), "messages": short_text.map(_chat_messages), "max_tokens": budget}
+        messages = short_text.map(_chat_messages) | conversations(protocol)
+        required = {"model": st.just(MODEL), "messages": messages, "max_tokens": budget}
         optional = _optional(
             **common,
             n=st.integers(min_value=1, max_value=2),
@@ -138,7 +208,7 @@ def valid_body(protocol: str) -> st.SearchStrategy[dict]:
             stop=short_text,
         )
     elif protocol == "responses":
-        required = {"model": st.just(MODEL), "input": short_text, "max_output_tokens": budget}
+        required = {"model": st.just(MODEL), "input": short_text | conversations(protocol), "max_output_tokens": budget}
         optional = _optional(
             **common,
             instructions=short_text,
@@ -147,7 +217,7 @@ def valid_body(protocol: str) -> st.SearchStrategy[dict]:
             ),
         )
     else:
-        required = {"model": st.just(MODEL), "messages": short_text.map(_chat_messages)}
+        required = {"model": st.just(MODEL), "messages": short_text.map(_chat_messages) | conversations(protocol)}
         if protocol == "messages":
             required["max_tokens"] = budget
         optional = _optional(
@@ -308,6 +378,53 @@ def _no_constant(name: str) -> None:
     raise ValueError(name)
 
 
+@dataclass(frozen=True)
+class RawCase:
+    """Bytes sent as they are, on a connection of their own: HTTP framings no client library would
+    produce (bare LFs, two Content-Lengths, broken chunks, bad request lines, odd header names)."""
+
+    data: bytes
+
+    def describe(self) -> dict:
+        return {"raw": self.data[:300].decode("latin-1")}
+
+
+def _chunked(body: bytes) -> bytes:
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n"
+
+
+@st.composite
+def raw_cases(draw, api_key: str) -> RawCase:
+    protocol = draw(st.sampled_from([name for name in ENDPOINTS if name != "models"]))
+    body = _encoded(draw(valid_body(protocol) | mutated_body(protocol)))
+    method = draw(st.sampled_from([b"POST"] * 4 + [b"GET", b"PO ST", b"G\x00T", b""]))
+    path = draw(st.sampled_from([ENDPOINTS[protocol][1].encode()] * 4 + [b"/v1/%ff%00", b"/v1/" + b"a" * 3000, b"*"]))
+    version = draw(st.sampled_from([b"HTTP/1.1"] * 4 + [b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 x", b""]))
+    headers = [(b"Host", b"x"), (b"Authorization", b"Bearer " + api_key.encode()), (b"Connection", b"close")]
+    headers.append((b"Content-Type", b"application/json"))
+    # Every framing here is complete or refused at once: none leaves the server waiting for more.
+    framing = draw(st.sampled_from(["length"] * 3 + ["short_length", "chunked", "bad_chunks", "both", "two", "bad"]))
+    if framing in ("length", "two", "both"):
+        headers.append((b"Content-Length", b"%d" % len(body)))
+    if framing == "short_length":
+        headers.append((b"Content-Length", b"%d" % draw(st.integers(0, max(0, len(body) - 1)))))
+    if framing == "two":
+        headers.append((b"Content-Length", b"%d" % (len(body) + 1)))
+    if framing == "bad":
+        headers.append((b"Content-Length", draw(st.sampled_from([b"-1", b"abc", b"1e3", b"0x10", b" "]))))
+    if framing in ("chunked", "bad_chunks", "both"):
+        headers.append((b"Transfer-Encoding", b"chunked"))
+        body = _chunked(body) if framing != "bad_chunks" else b"zz\r\n" + body + b"\r\n0\r\n\r\n"
+    odd_header = draw(
+        st.sampled_from([None] * 4 + [(b"X Bad", b"1"), (b"X-Null", b"a\x00b"), (b" X-Fold", b"x"), (b"X-\xff", b"1")])
+    )
+    if odd_header:
+        headers.insert(draw(st.integers(0, len(headers))), odd_header)
+    eol = draw(st.sampled_from([b"\r\n"] * 4 + [b"\n"]))
+    head = method + b" " + path + b" " + version + eol + b"".join(name + b": " + value + eol for name, value in headers)
+    return RawCase(head + eol + body)
+
+
 # --- checks ------------------------------------------------------------------------------------
 
 
@@ -369,31 +486,82 @@ def _stream_problems(text: str) -> list[str]:
     return []
 
 
+def send_raw(base_url: httpx.URL, case: RawCase) -> bytes:
+    """Everything the server sends back until it closes the connection (or goes quiet)."""
+    reply = b""
+    with socket.create_connection((base_url.host, base_url.port), timeout=REQUEST_TIMEOUT_S) as connection:
+        connection.sendall(case.data)
+        try:
+            while chunk := connection.recv(65536):
+                reply += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return reply
+
+
+def raw_problems(reply: bytes) -> tuple[int, list[str]]:
+    """(status, problems) of the first response in `reply`. Which protocol's shape a 4xx takes depends
+    on how much of the request the server could read, so either is right."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status_line = head.split(b"\r\n", 1)[0].split()
+    if len(status_line) < 2 or not status_line[1].isdigit():
+        return 0, ["no HTTP response"]
+    status = int(status_line[1])
+    if status >= 500:
+        return status, [f"status {status}"]
+    if status < 400:
+        return status, []
+    if b"transfer-encoding: chunked" in head.lower():
+        body = _dechunked(body)
+    try:
+        payload, _ = json.JSONDecoder().raw_decode(body.decode("utf-8"))
+    except ValueError:
+        return status, [f"raw: status {status} with a body that is not JSON"]
+    openai_shaped = isinstance(payload, dict) and set(payload) == {"error"} and isinstance(payload["error"], dict)
+    anthropic_shaped = isinstance(payload, dict) and payload.get("type") == "error" and "error" in payload
+    return status, [] if openai_shaped or anthropic_shaped else [f"raw: status {status} in neither error shape"]
+
+
+def _dechunked(body: bytes) -> bytes:
+    data = b""
+    while True:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            return data
+        data, body = data + rest[:size], rest[size + 2 :]
+
+
+def exchange(client: httpx.Client, case: "FuzzCase | RawCase") -> tuple[int, list[str], str]:
+    """Sends the case: (status, problems found, the start of the reply)."""
+    if isinstance(case, RawCase):
+        reply = send_raw(client.base_url, case)
+        return *raw_problems(reply), reply[:300].decode("latin-1")
+    response = send(client, case)
+    return response.status_code, problems(case, response), response.text[:300]
+
+
 @dataclass
 class FuzzReport:
     sent: int = 0
     statuses: Counter = field(default_factory=Counter)
     problems: dict[str, dict] = field(default_factory=dict)  # kind -> {"count", "example", "response"}
 
-    def record(self, case: FuzzCase, response: httpx.Response) -> list[str]:
+    def record(self, case: "FuzzCase | RawCase", status: int, found: list[str], reply: str) -> None:
         self.sent += 1
-        self.statuses[response.status_code] += 1
-        found = problems(case, response)
+        self.statuses[status] += 1
         for kind in found:
-            entry = self.problems.setdefault(
-                kind, {"count": 0, "example": case.describe(), "response": response.text[:300]}
-            )
+            entry = self.problems.setdefault(kind, {"count": 0, "example": case.describe(), "response": reply})
             entry["count"] += 1
-        return found
 
 
 def fuzz(
     client: httpx.Client, api_key: str, *, examples: int, derandomize: bool, report: FuzzReport, fail_fast: bool
 ) -> None:
-    """Sends `examples` drawn cases; with fail_fast the first problem raises (and hypothesis shrinks it),
-    else every problem is recorded in `report`."""
+    """Sends `examples` drawn cases (one in eight raw framings); with fail_fast the first problem raises
+    (and hypothesis shrinks it), else every problem is recorded in `report`."""
 
-    @given(case=fuzz_cases(api_key))
+    @given(case=st.one_of(*[fuzz_cases(api_key)] * 7, raw_cases(api_key)))
     @settings(
         max_examples=examples,
         derandomize=derandomize,
@@ -401,9 +569,10 @@ def fuzz(
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    def run(case: FuzzCase) -> None:
-        found = report.record(case, send(client, case))
-        assert not (fail_fast and found), (found, case.describe())
+    def run(case: FuzzCase | RawCase) -> None:
+        status, found, reply = exchange(client, case)
+        report.record(case, status, found, reply)
+        assert not (fail_fast and found), (found, case.describe(), reply)
 
     run()
 

@@ -225,6 +225,7 @@ _PARAM_PATTERNS = (
     re.compile(r"[Ii]nvalid value for '(\w+)'"),
     re.compile(r"^(\w+): "),  # "messages: at least one message is required"
     re.compile(r"`(\w+)\.\d"),  # "unexpected `messages.0.content.0: tool_use_id` found ..."
+    re.compile(r"^(\w+)\.\d"),  # "messages.0.content: thinking blocks may only be in `assistant` messages"
 )
 # The library's messages that name no field, and the field each is about (found by bench.fuzz_api).
 _MESSAGE_PARAMS = (
@@ -235,6 +236,7 @@ _MESSAGE_PARAMS = (
     ("Prompt must contain the word 'json'", "messages"),
     ("Input items array must not be empty", "input"),
     ("No tool call found for tool output", "input"),
+    ("No tool output found for tool call", "input"),
     ("Response input messages must contain the word 'json'", "input"),
 )
 

@@ -108,7 +108,8 @@ def unknown_path_protocol(path: str, anthropic_version: str | None) -> str:
     return "messages" if path.startswith("/v1/messages") or anthropic_version else "unknown"
 
 
-def _payload(protocol: str, error: GatewayError) -> tuple[int, dict]:
+def error_payload(protocol: str, error: GatewayError) -> tuple[int, dict]:
+    """The status and body of `error` for a client of `protocol`."""
     shape = _SHAPES[error.kind]
     if protocol in ANTHROPIC_PROTOCOLS:
         return shape.anthropic_status, {
@@ -120,7 +121,7 @@ def _payload(protocol: str, error: GatewayError) -> tuple[int, dict]:
 
 
 def error_response(protocol: str, error: GatewayError) -> JsonResponse:
-    status, payload = _payload(protocol, error)
+    status, payload = error_payload(protocol, error)
     response = JsonResponse(payload, status=status)
     if error.retry_after is not None:
         response["retry-after"] = str(error.retry_after)
@@ -131,5 +132,5 @@ def error_response(protocol: str, error: GatewayError) -> JsonResponse:
 
 def error_event(protocol: str, error: GatewayError) -> SseEvent:
     """The same error as a stream event, for failures after the response has started."""
-    _, payload = _payload(protocol, error)
+    _, payload = error_payload(protocol, error)
     return SseEvent(event="error" if protocol in ANTHROPIC_PROTOCOLS else None, data=json.dumps(payload))

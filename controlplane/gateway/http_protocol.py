@@ -1,5 +1,5 @@
 """The gateway's HTTP/1.1 for uvicorn (`serve` passes `--http` this class): h11's, with a deadline on
-each request head.
+each request head, and a request that is not HTTP answered with a JSON error rather than text.
 
 uvicorn arms no timer while a connection waits for its first request, and any byte that arrives
 cancels its keep-alive timer, so a client that opens connections and sends nothing, or sends headers
@@ -9,9 +9,13 @@ previous response, is closed. Once the head is in, BodyLimitMiddleware bounds th
 """
 
 import asyncio
+import json
 
+import h11
 from django.conf import settings
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from controlplane.gateway.errors import GatewayError, error_payload
 
 
 class HeadDeadlineH11Protocol(H11Protocol):
@@ -41,3 +45,17 @@ class HeadDeadlineH11Protocol(H11Protocol):
         waiting_for_a_head = self.cycle is None or self.cycle.response_complete
         if waiting_for_a_head and not self.transport.is_closing():
             self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # What uvicorn answers when h11 cannot parse a request (bad framing, a head over 16 KiB). The
+        # path, and with it the protocol, may be unknown: OpenAI's shape, which most clients read.
+        status, payload = error_payload("unknown", GatewayError("invalid_request", msg))
+        body = json.dumps(payload).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+        ]
+        for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()

@@ -306,6 +306,12 @@ def test_messages_needs_max_tokens_and_count_tokens_does_not(models):
         ("responses", {"text": {"format": {"type": "json_object"}}}, "input"),
         ("chat.completions", {"top_logprobs": 2}, "top_logprobs"),
         ("chat.completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
+        ("responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input"),
+        (
+            "messages",
+            {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": "s"}]}]},
+            "messages",
+        ),
     ],
 )
 def test_the_librarys_refusals_name_their_field(models, protocol, fields, param):

@@ -28,7 +28,8 @@ from workers.entrypoint.router import STEP_BUDGET_S
 
 # uvicorn's handling of the gateway's connections (README, "Request limits"): each request head has a
 # deadline (SLUICE_HEADER_READ_TIMEOUT_S, in the protocol class), an idle keep-alive connection is
-# closed after 5 s, and a request head may take at most 16 KiB (h11's default, spelled out).
+# closed after 5 s, and at most 16 KiB of an unfinished request head is buffered (h11's default,
+# spelled out).
 GATEWAY_HTTP_OPTIONS = (
     "--http=controlplane.gateway.http_protocol:HeadDeadlineH11Protocol",
     "--timeout-keep-alive=5",

@@ -2,6 +2,7 @@
 that did are served however long they take. A real uvicorn server on a socket, with a small app."""
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -86,6 +87,28 @@ def test_a_request_slower_than_the_deadline_is_served_and_its_idle_connection_cl
 
         assert response.startswith(b"HTTP/1.1 200") and response.endswith(b"ok")
         assert closed_within(connection, HEAD_DEADLINE_S + 2)  # well before uvicorn's 5 s keep-alive
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello",
+        b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000,  # a head that grows past 16 KiB unfinished
+        b"GET / HTTP/1.1\r\nNo colon here\r\n\r\n",
+    ],
+)
+def test_a_request_that_is_not_http_gets_a_json_400(server_address, request_bytes):
+    with socket.create_connection(server_address, timeout=5) as connection:
+        connection.sendall(request_bytes)
+        reply = b""
+        while chunk := connection.recv(65536):
+            reply += chunk
+
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
 
 
 def test_serve_passes_uvicorn_options_it_knows():
