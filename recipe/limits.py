@@ -105,9 +105,7 @@ def check_request_bounds(protocol: str, body: Mapping, limits: RequestLimits) ->
     layout = _LAYOUTS["messages" if protocol == "messages.count_tokens" else protocol]
     _check_length(body, layout.messages, limits.max_messages, "items")
     for path in layout.contents:
-        for where, content in _values_at(body, path):
-            if isinstance(content, list):
-                _refuse_longer(where, content, limits.max_content_parts, "content parts")
+        _check_length(body, path, limits.max_content_parts, "content parts")
     _check_length(body, layout.tools, limits.max_tools, "tools")
     _check_length(body, layout.logit_bias, limits.max_logit_bias, "entries")
     _check_stop_sequences(body, layout.stop, limits)
@@ -130,7 +128,7 @@ def field_name(path: Path) -> str:
 
 
 def _check_values(body: Mapping, max_depth: int) -> None:
-    """Every value in the body, without recursion (the body may nest deeper than Python's stack)."""
+    """Checks every value in the body, without recursion (the body may nest deeper than Python's stack)."""
     # (value, depth, path): paths are built once per container, not per scalar.
     pending: list[tuple[object, int, Path]] = [(body, 1, ())]
     while pending:
