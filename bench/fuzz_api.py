@@ -398,7 +398,7 @@ def raw_cases(draw, api_key: str) -> RawCase:
     protocol = draw(st.sampled_from([name for name in ENDPOINTS if name != "models"]))
     body = _encoded(draw(valid_body(protocol) | mutated_body(protocol)))
     method = draw(st.sampled_from([b"POST"] * 4 + [b"GET", b"PO ST", b"G\x00T", b""]))
-    path = draw(st.sampled_from([ENDPOINTS[protocol][1].encode()] * 4 + [b"/v1/%ff%00", b"/v1/" + b"a" * 3000, b"*"]))
+    path = draw(st.sampled_from([ENDPOINTS[protocol][1].encode()] * 4 + [b"/v1/%ff%00", b"/v1/" + b"a" * 3000]))
     version = draw(st.sampled_from([b"HTTP/1.1"] * 4 + [b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 x", b""]))
     headers = [(b"Host", b"x"), (b"Authorization", b"Bearer " + api_key.encode()), (b"Connection", b"close")]
     headers.append((b"Content-Type", b"application/json"))

@@ -233,10 +233,12 @@ _MESSAGE_PARAMS = (
     ("Invalid schema for function", "tools"),
     ("Empty input messages", "messages"),
     ("Messages with role 'tool'", "messages"),
+    ("An assistant message with 'tool_calls' must be followed", "messages"),
     ("Prompt must contain the word 'json'", "messages"),
     ("Input items array must not be empty", "input"),
     ("No tool call found for tool output", "input"),
     ("No tool output found for tool call", "input"),
+    ("Duplicate 'call_id'", "input"),
     ("Response input messages must contain the word 'json'", "input"),
 )
 

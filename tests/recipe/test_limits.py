@@ -308,6 +308,24 @@ def test_messages_needs_max_tokens_and_count_tokens_does_not(models):
         ("chat.completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
         ("responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input"),
         (
+            "responses",
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}] * 2},
+            "input",
+        ),
+        (
+            "chat.completions",
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    {"role": "user", "content": "Hi"},
+                ]
+            },
+            "messages",
+        ),
+        (
             "messages",
             {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": "s"}]}]},
             "messages",
