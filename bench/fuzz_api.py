@@ -95,6 +95,17 @@ short_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"
 tiny_schema = st.sampled_from(
     [{"type": "object"}, {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}]
 )
+# Output formats, some of whose grammars do not compile ("((" is no regex, "bogus" no type): the
+# workers refuse those, and the refusal must be a 400 that names the field.
+output_schema = tiny_schema | st.sampled_from([{"type": "string", "pattern": "(("}, {"type": "bogus"}])
+chat_response_format = st.one_of(
+    st.just({"type": "json_object"}),
+    output_schema.map(lambda schema: {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}),
+    st.sampled_from(["(yes|no)", "[0-9]+", "(("]).map(lambda regex: {"type": "regex", "regex": regex}),
+)
+responses_text_format = output_schema.map(
+    lambda schema: {"format": {"type": "json_schema", "name": "out", "schema": schema}}
+)
 
 # --- valid bodies ------------------------------------------------------------------------------
 
@@ -195,6 +206,7 @@ def valid_body(protocol: str) -> st.SearchStrategy[dict]:
                 tiny_schema.map(lambda schema: {"type": "function", "function": {"name": "f", "parameters": schema}}),
                 max_size=2,
             ),
+            response_format=chat_response_format,
         )
     elif protocol == "completions":
         prompt = short_text | st.lists(st.integers(0, 49151), min_size=1, max_size=8)
@@ -215,6 +227,7 @@ def valid_body(protocol: str) -> st.SearchStrategy[dict]:
             tools=st.lists(
                 tiny_schema.map(lambda schema: {"type": "function", "name": "f", "parameters": schema}), max_size=2
             ),
+            text=responses_text_format,
         )
     else:
         required = {"model": st.just(MODEL), "messages": short_text.map(_chat_messages) | conversations(protocol)}
