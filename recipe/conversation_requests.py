@@ -41,6 +41,7 @@ REQUEST_TYPES = {
 }
 MAX_TOKENS_FIELDS = {"chat.completions": "max_tokens", "responses": "max_output_tokens", "messages": "max_tokens"}
 MESSAGES_FIELDS = {"chat.completions": "messages", "responses": "input", "messages": "messages"}
+OUTPUT_FORMAT_FIELDS = {"chat.completions": "response_format", "responses": "text.format"}
 TOOL_CALL_KINDS = ("tool_call", "tool_call_required")
 # Kept from the library: it rejects n > 1 (choices are fanned out here) and seeds outside [0, 2**63),
 # which OpenAI accepts (the engine folds them).
@@ -67,7 +68,7 @@ def prepare_conversation_request(
     sampling_fields = _sampling_fields(protocol, body, model)
     library_request = _library_request(protocol, body)
     responses_echo, namespace_tools = _responses_settings(library_request)
-    converted = _converted(library_request, model.name)
+    converted = _converted(protocol, library_request, model.name)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     forces_tool_call = conversation.tool_choice == "required" and bool(conversation.tools)
     prompt_token_ids = _encoded(conversation, model, protocol)
@@ -102,7 +103,7 @@ def prepare_conversation_request(
 
 def count_prompt_tokens(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> int:
     """The prompt length this request would have (Anthropic's count_tokens, which takes no max_tokens)."""
-    converted = _converted(_library_request(protocol, body), model.name)
+    converted = _converted(protocol, _library_request(protocol, body), model.name)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     return len(_encoded(conversation, model, protocol))
 
@@ -141,7 +142,7 @@ def _library_request(protocol: ConversationProtocol, body: Mapping) -> LibraryRe
     except ValueError as error:  # a body the library cannot deserialize: missing field, wrong type
         message = str(error)
         raise _library_refusal(
-            400, message, _named_param(message) or _undeserializable_field(protocol, library_body)
+            400, message, _named_param(message, protocol) or _undeserializable_field(protocol, library_body)
         ) from None
 
 
@@ -165,14 +166,16 @@ def _responses_settings(
     try:
         return request.echo(), request.namespace_tool_map(conversion_options(request.model))
     except deepseek_recipe.ConversionError as error:
-        raise _api_error(error) from None
+        raise _api_error(error, "responses") from None
 
 
-def _converted(request: LibraryRequest, model_name: str) -> deepseek_recipe.ConversationRequest:
+def _converted(
+    protocol: ConversationProtocol, request: LibraryRequest, model_name: str
+) -> deepseek_recipe.ConversationRequest:
     try:
         return request.convert(conversion_options(model_name))
     except deepseek_recipe.ConversionError as error:
-        raise _api_error(error) from None
+        raise _api_error(error, protocol) from None
 
 
 def _with_anthropic_any_as_required(
@@ -204,9 +207,9 @@ def _encoded(
     return encode_conversation(conversation, model)
 
 
-def _api_error(error: deepseek_recipe.ConversionError) -> ApiError:
+def _api_error(error: deepseek_recipe.ConversionError, protocol: ConversationProtocol) -> ApiError:
     status = error.status_code if 400 <= error.status_code < 500 else 400
-    return _library_refusal(status, str(error), _named_param(str(error)))
+    return _library_refusal(status, str(error), _named_param(str(error), protocol))
 
 
 def _library_refusal(status: int, message: str, param: str | None) -> ApiError:
@@ -233,6 +236,7 @@ _MESSAGE_PARAMS = (
     ("Invalid schema for function", "tools"),
     ("Empty input messages", "messages"),
     ("Messages with role 'tool'", "messages"),
+    ("Invalid assistant message", "messages"),
     ("An assistant message with 'tool_calls' must be followed", "messages"),
     ("Prompt must contain the word 'json'", "messages"),
     ("Input items array must not be empty", "input"),
@@ -247,12 +251,14 @@ _MESSAGE_PARAMS = (
 _PARAM_ALIASES = {"tool_call": "tool_choice"}
 
 
-def _named_param(message: str) -> str | None:
+def _named_param(message: str, protocol: ConversationProtocol) -> str | None:
     """The request field a library error message is about, when it says or is known."""
     for pattern in _PARAM_PATTERNS:
         match = pattern.search(message)
         if match:
             return _PARAM_ALIASES.get(match.group(1), match.group(1))
+    if "Invalid json schema" in message:  # the output format's, which each protocol names its own way
+        return OUTPUT_FORMAT_FIELDS.get(protocol)
     return next((param for fragment, param in _MESSAGE_PARAMS if fragment in message), None)
 
 

@@ -9,6 +9,10 @@ from hypothesis import strategies as st
 
 from bench.fuzz_api.bodies import ENDPOINTS, TOKEN_BUDGET_FIELDS, json_values, mutated_body, valid_body
 
+# Python's JSON parser recurses once per level, so the server cannot read a body nested much past
+# this at all (its stack is deeper than ours when it parses): it refuses the body as a whole.
+READABLE_DEPTH = 500
+
 
 @dataclass(frozen=True)
 class FuzzCase:
@@ -18,7 +22,8 @@ class FuzzCase:
     headers: dict[str, str]
     content: bytes
     chunked: bool  # sent with Transfer-Encoding: chunked instead of Content-Length
-    body_is_object: bool  # the content is a JSON object (what a field-naming 400 can be about)
+    # The content is a JSON object the server can read (what a field-naming 400 can be about).
+    body_is_object: bool
 
     def anthropic_shaped(self) -> bool:
         if self.protocol == "unknown":
@@ -123,12 +128,22 @@ def fuzz_cases(draw, api_key: str) -> FuzzCase:
         headers=_headers(draw, api_key, protocol),
         content=content,
         chunked=bool(content) and draw(st.integers(0, 9)) == 0,
-        body_is_object=isinstance(parsed, dict),
+        body_is_object=isinstance(parsed, dict) and _depth(parsed) <= READABLE_DEPTH,
     )
 
 
 def _no_constant(name: str) -> None:
     raise ValueError(name)
+
+
+def _depth(value: object) -> int:
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 @dataclass(frozen=True)

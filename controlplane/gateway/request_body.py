@@ -112,8 +112,12 @@ def parse_json_object(request: HttpRequest) -> dict:
     text = request.body.decode("utf-8", "surrogateescape").removeprefix("\ufeff")
     try:
         body = json.loads(text, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as error:
+    except ValueError as error:
         raise GatewayError("invalid_request", f"The request body is not valid JSON: {error}") from error
+    except RecursionError:
+        # Python's parser recurses per level: a body nested near its stack's depth cannot be read at
+        # all, let alone checked field by field (SLUICE_MAX_JSON_DEPTH refuses far shallower ones).
+        raise GatewayError("invalid_request", "The request body nests arrays and objects too deep to read.") from None
     if not isinstance(body, dict):
         raise GatewayError("invalid_request", "The request body must be a JSON object.")
     return body

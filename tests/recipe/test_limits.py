@@ -307,6 +307,17 @@ def test_messages_needs_max_tokens_and_count_tokens_does_not(models):
         ("chat.completions", {"top_logprobs": 2}, "top_logprobs"),
         ("chat.completions", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
         ("responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input"),
+        ("chat.completions", {"messages": [{"role": "assistant", "content": None}, *USER]}, "messages"),
+        (
+            "chat.completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+            "response_format",
+        ),
+        (
+            "responses",
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
+            "text.format",
+        ),
         (
             "responses",
             {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}] * 2},

@@ -139,6 +139,15 @@ def test_content_nested_900_deep_is_refused(api, key, protocol):
     assert_refused(response, protocol, PROMPT_FIELDS[protocol], exact=False)
 
 
+@pytest.mark.parametrize("protocol", ALL_PROTOCOLS)
+def test_a_body_nested_past_what_the_parser_holds_is_refused_as_a_whole(api, key, protocol):
+    content = with_prompt(protocol, "1").replace(b"}", b', "deep": ' + b"[" * 5000 + b"]" * 5000 + b"}", 1)
+
+    error = assert_error(post_raw(api, protocol, content, key), protocol, 400, "invalid_request_error")
+
+    assert "too deep" in error["message"]
+
+
 @pytest.mark.parametrize("protocol", ["chat.completions", "responses", "messages", "messages.count_tokens"])
 def test_a_tool_schema_nested_200_deep_is_refused(api, key, protocol):
     schema: dict = {"type": "string"}
