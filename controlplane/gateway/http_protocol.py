@@ -47,8 +47,9 @@ class HeadDeadlineH11Protocol(H11Protocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        # What uvicorn answers when h11 cannot parse a request (bad framing, a head over 16 KiB). The
-        # path, and with it the protocol, may be unknown: OpenAI's shape, which most clients read.
+        # What uvicorn answers when h11 cannot parse a request (bad framing, an unfinished head past
+        # 16 KiB). The path, and with it the protocol, may be unknown: OpenAI's shape, which most
+        # clients read.
         status, payload = error_payload("unknown", GatewayError("invalid_request", msg))
         body = json.dumps(payload).encode()
         headers = [
