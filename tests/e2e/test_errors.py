@@ -169,10 +169,12 @@ def raw_http(stack, data: bytes) -> socket.socket:
 def test_a_content_length_shorter_than_the_body_is_a_400(stack):
     body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": 3}).encode()
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {stack.api_key}\r\n"
-    head += f"Content-Type: application/json\r\nContent-Length: {len(body) // 2}\r\n\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(body) // 2}\r\nConnection: close\r\n\r\n"
 
     with raw_http(stack, head.encode() + body) as connection:
-        reply = connection.recv(65536)
+        reply = b""  # until the server closes the connection, as asked, after its answer
+        while chunk := connection.recv(65536):
+            reply += chunk
 
     assert reply.startswith(b"HTTP/1.1 400") and b"not valid JSON" in reply
     still_serving(stack)
