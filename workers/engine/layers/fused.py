@@ -28,18 +28,3 @@ def rotary_and_cache_write(*args, **kwargs) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _fused().silu_and_mul(gate_up)
-
-
-# The norm-prologue GEMMs for steps of few rows: each returns (out, new residual), inputs untouched.
-
-
-def add_rms_norm_linear(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fused().add_rms_norm_linear(*args, **kwargs)
-
-
-def add_rms_norm_gate_up_silu(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fused().add_rms_norm_gate_up_silu(*args, **kwargs)
-
-
-def add_rms_norm_qkv_rotary(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fused().add_rms_norm_qkv_rotary(*args, **kwargs)

@@ -5,13 +5,9 @@ queries and keys; either may window some layers. Projections that read the same 
 (q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
 
 Two ways through a layer: the reference (torch ops, bitwise what the CPU tests hold against HF)
-and, with `use_fused_ops(True)` on CUDA, the fused Triton ops (kernels.fused). A step of at most
-FUSED_LINEAR_MAX_ROWS tokens (every decode step of a CUDA-graph bucket up to that size) runs each
-layer as five kernels: residual add + RMSNorm + qkv + rotary + KV-cache write, attention, o_proj,
-residual add + RMSNorm + gate_up + SiLU·mul, down_proj; the final norm runs in the lm_head's
-prologue. Those kernels leave their inputs alone, so (hidden, residual) pairs pass between layers.
-Larger steps, and models with per-head q/k norms (no fused kernel), run the residual add + RMSNorm,
-rotary + cache write and SiLU·mul kernels around cuBLAS GEMMs, about ten kernels a layer.
+and, with `use_fused_ops(True)` on CUDA, the fused Triton ops (kernels.fused): residual add and
+RMSNorm in one kernel, rotary embedding fused with the KV-cache write, SiLU·mul in one kernel, so
+a decode layer is about ten kernels.
 """
 
 from collections.abc import Iterable, Sequence
@@ -24,23 +20,12 @@ from torch import nn
 from kernels.attention import AttentionBackend, write_kv
 from workers.engine.config import ModelConfig
 from workers.engine.errors import ModelLoadError
-from workers.engine.layers.fused import (
-    add_rms_norm_gate_up_silu,
-    add_rms_norm_linear,
-    add_rms_norm_qkv_rotary,
-    fused_add_rms_norm,
-    rms_norm,
-    rotary_and_cache_write,
-    silu_and_mul,
-)
+from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 RotaryAngles = tuple[torch.Tensor, torch.Tensor]
-# Steps of at most this many tokens run the norm-prologue GEMMs: decode-sized row counts, where a
-# layer is launch-bound. The row count is fixed within a CUDA-graph bucket, so a graph holds one path.
-FUSED_LINEAR_MAX_ROWS = 256
 
 
 class Attention(nn.Module):
@@ -99,40 +84,6 @@ class Attention(nn.Module):
         out = backend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
-    def forward_fused_linear(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: Any,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(hidden + residual), the qkv projection, rotary and the cache write in one kernel, then
-        attention and o_proj: (attention output, hidden + residual)."""
-        k_cache, v_cache = kv_cache
-        q, residual = add_rms_norm_qkv_rotary(
-            hidden,
-            residual,
-            norm.weight,
-            norm.eps,
-            self.qkv_proj.weight,
-            self.qkv_proj.bias,
-            positions,
-            rotary.cos,
-            rotary.sin,
-            k_cache,
-            v_cache,
-            metadata.slot_mapping,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            qk_norm=self.q_norm is not None,
-        )
-        out = backend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
-        return self.o_proj(out.reshape(q.shape[0], self.q_size)), residual
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -146,13 +97,6 @@ class MLP(nn.Module):
             return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-    def forward_fused_linear(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(x + residual), gate_up and SiLU·mul in one kernel, then down_proj: (output, x + residual)."""
-        activated, residual = add_rms_norm_gate_up_silu(x, residual, norm.weight, norm.eps, self.gate_up_proj.weight)
-        return self.down_proj(activated), residual
 
 
 class DecoderLayer(nn.Module):
@@ -186,17 +130,9 @@ class DecoderLayer(nn.Module):
         metadata: Any,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
-        *,
-        linear: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with the fused ops. `hidden` is the previous layer's output not yet added
-        to `residual` (None for the first layer); returns this layer's pair. `linear` selects the
-        norm-prologue GEMMs, which leave both inputs as they are; otherwise they are updated in place."""
-        if linear:
-            attended, residual = self.self_attn.forward_fused_linear(
-                hidden, residual, self.input_layernorm, positions, kv_cache, metadata, backend, rotary
-            )
-            return self.mlp.forward_fused_linear(attended, residual, self.post_attention_layernorm)
+        to `residual` (None for the first layer); returns this layer's pair."""
         if residual is None:
             residual = hidden
             normed = rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
@@ -221,8 +157,6 @@ class DecoderForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.fused_ops = False
-        # Per-head q/k norms need a whole head before the rotation: no norm-prologue qkv kernel.
-        self.fused_linear = not config.qk_norm
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Run layers through the fused Triton ops (CUDA) instead of the torch reference ops."""
@@ -237,64 +171,22 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Final hidden states ([tokens, hidden]) of the step's flattened tokens."""
-        if self.fused_ops:
-            hidden, residual = self._fused_layers(input_ids, positions, kv_caches, metadata, backend)
-            return fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         hidden = self.embed_tokens(input_ids)
+        if self.fused_ops:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer.forward_fused(
+                    hidden, residual, positions, kv_cache, metadata, backend, self.rotary
+                )
+            return fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         angles = self.rotary.angles(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, angles, kv_cache, metadata, backend, self.rotary)
         return self.norm(hidden)
 
-    def logits(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[KVCache],
-        metadata: Any,
-        backend: AttentionBackend,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """float32 logits of the step's rows (those at `rows` if given): compute_logits(forward(...)[rows]).
-        With the fused ops and at most FUSED_LINEAR_MAX_ROWS rows, the final norm runs in the lm_head's
-        prologue, and the logits are written in float32 by that one kernel."""
-        if not self.fused_ops:
-            hidden = self.forward(input_ids, positions, kv_caches, metadata, backend)
-            return self.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
-        hidden, residual = self._fused_layers(input_ids, positions, kv_caches, metadata, backend)
-        if rows is not None:
-            hidden, residual = hidden.index_select(0, rows), residual.index_select(0, rows)
-        if hidden.shape[0] > FUSED_LINEAR_MAX_ROWS:
-            return self.compute_logits(fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps))
-        logits, _ = add_rms_norm_linear(
-            hidden, residual, self.norm.weight, self.norm.eps, self.lm_head_weight, out_dtype=torch.float32
-        )
-        return logits
-
-    def _fused_layers(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: Sequence[KVCache],
-        metadata: Any,
-        backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers through the fused ops: (last layer's output, residual), not yet added and normed."""
-        hidden = self.embed_tokens(input_ids)
-        linear = self.fused_linear and hidden.shape[0] <= FUSED_LINEAR_MAX_ROWS
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer.forward_fused(
-                hidden, residual, positions, kv_cache, metadata, backend, self.rotary, linear=linear
-            )
-        return hidden, residual
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
 
     def init_random_weights(self, seed: int) -> None:
         """Normal(0, initializer_range) matrices and unit norms, as HF initializes, reproducibly."""

@@ -143,19 +143,16 @@ class ModelRunner:
             inputs = self.batch.step_inputs(
                 layout, device_buffer, decode_only=plan.decode_only, max_query_len=plan.max_query_len
             )
-            if plan.prompt_logprobs or not len(plan.sampling):
-                hidden = self._hidden(inputs)
-                if plan.prompt_logprobs:
-                    query_starts = np.concatenate([[0], np.cumsum(plan.counts)])
-                    prompt_logprobs = [
-                        self._prompt_logprobs(self._sequence(output, i), hidden, int(query_starts[i]))
-                        for i in plan.prompt_logprobs
-                    ]
-                if not len(plan.sampling):
-                    return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
-            else:
-                logits = self._device_logits(inputs, inputs.logit_rows)
+            hidden = self._hidden(inputs)
+            if plan.prompt_logprobs:
+                query_starts = np.concatenate([[0], np.cumsum(plan.counts)])
+                prompt_logprobs = [
+                    self._prompt_logprobs(self._sequence(output, i), hidden, int(query_starts[i]))
+                    for i in plan.prompt_logprobs
+                ]
+            if not len(plan.sampling):
+                return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
             tokens, logprobs = self._sample(logits, inputs, plan.mode)
         request_ids = [output.request_ids[i] for i in plan.sampling]
         num_logprobs = [int(k) for k in self.batch.logprobs[plan.rows[plan.sampling]]] if logprobs else None
@@ -181,13 +178,6 @@ class ModelRunner:
         metadata = self.backend.build_metadata(self._step_batch(inputs))
         return self.model(inputs.input_ids, inputs.attention.positions, self.kv_cache.layers, metadata, self.backend)
 
-    def _device_logits(self, inputs: StepInputs, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the step's `rows` (all if None), the final norm fused into the lm_head where it can be."""
-        metadata = self.backend.build_metadata(self._step_batch(inputs))
-        return self.model.logits(
-            inputs.input_ids, inputs.attention.positions, self.kv_cache.layers, metadata, self.backend, rows=rows
-        )
-
     def _step_batch(self, inputs: StepInputs) -> StepBatch:
         # The device path's backends read only the tensors; the host lists stay empty.
         return StepBatch(
@@ -210,7 +200,7 @@ class ModelRunner:
 
     def _decode_forward(self, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """One decode step from the inputs to the sampled ids: what a CUDA graph captures."""
-        return self._sample(self._device_logits(inputs), inputs, mode)
+        return self._sample(self.model.compute_logits(self._hidden(inputs)), inputs, mode)
 
     # The reference path.
 
