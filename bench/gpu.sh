@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # On the accelerator machine (no network): install the wheels carried in .whl/, run the GPU tests,
-# time the fused decode-layer kernels against cuBLAS + the unfused ops, profile decode steps, the
-# engine throughput table against HF, and fit the cost model (prefill and decode steps). Writes JSON
-# and logs to $OUT (or ./bench-out).
+# time decode attention per keys-per-split, profile decode steps, the engine throughput table against
+# HF, and fit the cost model (prefill and decode steps). Writes JSON and logs to $OUT (or ./bench-out).
 #
 # Wheels to carry in .whl/ (the machine's image lacks them; see the device tool's README for how):
 #   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any)
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
-# STEPS (default "tests fused profile throughput fit") picks what runs.
+# STEPS (default "tests attention profile throughput fit") picks what runs.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests fused profile throughput fit}
+steps=${STEPS:-tests attention profile throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -25,9 +24,8 @@ if has tests; then
   python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -40 \
     || echo "GPU TESTS FAILED (the benchmarks still run)"
 fi
-if has fused; then
-  python3 -m bench.fused_layer >"$out/fused_layer_h200.json" 2>"$out/fused_layer.log" || tail -20 "$out/fused_layer.log"
-  python3 -c "import json; print(json.dumps(json.load(open('$out/fused_layer_h200.json')).get('ratios', {})))" || true
+if has attention; then
+  python3 -m bench.decode_attention | tee "$out/decode_attention_h200.json"
 fi
 if has profile; then
   for batch in 1 64 256; do

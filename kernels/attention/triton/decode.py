@@ -131,14 +131,18 @@ def paged_decode_attention(
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its cached keys: [B, heads, head_dim] in q.dtype.
 
     q: [B, heads, head_dim], the query at position seq_lens[b] - 1 (its K/V already in the cache);
     k_cache, v_cache: [kv_heads, pages, page_size, head_dim]; block_tables: [B, max_pages] int32;
-    seq_lens: [B] int32, 0 for a padding row (its output is zeros).
+    seq_lens: [B] int32, 0 for a padding row (its output is zeros); split_keys: keys per split, a
+    multiple of the key tile (a row's result depends on it, so one engine keeps one value).
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    if split_keys < 1 or split_keys % key_tile(q.shape[2]):
+        raise ValueError(f"split_keys must be a positive multiple of {key_tile(q.shape[2])}, got {split_keys}")
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
     if window is not None and window < 1:
@@ -150,7 +154,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group = heads // kv_heads
-    num_splits = max(triton.cdiv(max_pages * page_size, SPLIT_KEYS), 1)
+    num_splits = max(triton.cdiv(max_pages * page_size, split_keys), 1)
     part_out = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     use_dot = group >= DOT_MIN_GROUP
@@ -180,7 +184,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=key_tile(head_dim),
-        SPLIT_KEYS=SPLIT_KEYS,
+        SPLIT_KEYS=split_keys,
         USE_WINDOW=window is not None,
         USE_DOT=use_dot,
     )
