@@ -121,3 +121,23 @@ def test_sampling_settings_come_from_each_row():
     assert list(first["temperature"].view(np.float64)) == [1.0, 0.5]
     assert list(first["top_p"].view(np.float64)) == [1.0, 0.9]
     assert list(first["min_p"].view(np.float64)) == [0.0, 0.1]
+
+
+def test_a_row_reused_by_a_request_without_extras_gets_a_neutral_bias_and_mask():
+    driver = Driver()
+    biased = make_request("biased", 3)
+    biased.params = SamplingParams(temperature=0.0, logit_bias={5: 50.0}, presence_penalty=1.0)
+    driver.add(biased)
+    driver.add(make_request("penalised", 3, start=100))
+    driver.requests["penalised"].params = SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    driver.step()
+    row = driver.batch.row_of["biased"]
+    driver.batch.extras.allowed[row, :7] = False  # as a constrained request's last mask would leave it
+    driver.scheduler.remove(driver.requests.pop("biased"))
+    driver.add(make_request("plain", 3, start=200))
+
+    driver.step()
+
+    assert driver.batch.row_of["plain"] == row
+    extras = driver.batch.extras
+    assert not extras.bias[row].any() and extras.allowed[row].all()

@@ -65,7 +65,8 @@ class SamplingExtras:
 
     def reset_row(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
         """A request's row from its settings and history (its output holds no pending token here:
-        a request gets a row only when every token it has is known)."""
+        a request gets a row only when every token it has is known); a request without penalties
+        needs no history, only a neutral bias and mask."""
         device = self.bias.device
         self.bias[row].zero_()
         if params.logit_bias:

@@ -165,10 +165,13 @@ class InputBatch:
             self.needs_extras[row] = needs_extras(params, new.constraint is not None)
             self.constrained[row] = new.constraint is not None
             self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
-            if self.needs_extras[row] or params.logprobs is not None:
-                if self.extras is None:
-                    self.extras = SamplingExtras(self.max_rows + 1, self.vocab_size, self.device)
-                self.extras.reset_row(row, params, new.prompt_token_ids, new.output_token_ids)
+            if self.extras is None and (self.needs_extras[row] or params.logprobs is not None):
+                self.extras = SamplingExtras(self.max_rows + 1, self.vocab_size, self.device)
+            if self.extras is not None:
+                # Every new row, extras or not: an "extras" step reads every row's bias and mask, and
+                # the request that had this row before may have left its own there.
+                history = (new.prompt_token_ids, new.output_token_ids) if self.needs_extras[row] else ([], [])
+                self.extras.reset_row(row, params, *history)
         for request_id, (added,) in output.new_block_ids.items():
             row = self.row_of[request_id]
             self._set_table(row, added, start=int(self.num_row_pages[row]))
