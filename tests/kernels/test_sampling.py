@@ -249,3 +249,14 @@ BAD_CALLS = [
 def test_ops_reject_mismatched_inputs_naming_them(call, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
+
+
+@pytest.mark.parametrize("vocab", [7, 96, 4096, 49152])
+def test_argmax_rows_is_torch_argmax_ties_included(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=generator)
+    x[1] = 0.0  # every entry tied: the first wins
+    x[2, vocab // 2] = x[2, vocab - 1] = 50.0  # two maxima in different chunks
+    x[3, -1] = torch.inf
+    assert torch.equal(sampling.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(sampling.argmax_rows(x[:, : vocab - 1]), x[:, : vocab - 1].argmax(dim=-1))

@@ -112,23 +112,24 @@ class SampledLogprobs:
 
 def sample(
     logits: torch.Tensor,
-    params: SamplingTensors,
+    params: SamplingTensors | None,
     mode: str,
     *,
     rows: torch.Tensor,
     extras: SamplingExtras | None,
 ) -> tuple[torch.Tensor, SampledLogprobs | None]:
     """[B] int64 token ids from [B, V] float32 logits (and their logprobs in "logprobs" mode); `rows`
-    are the sequences' input-batch rows, whose history `extras` holds."""
+    are the sequences' input-batch rows, whose history `extras` holds; `params` may be None in
+    "greedy" mode."""
     if mode == "greedy":
-        return logits.argmax(dim=-1), None
+        return sampling.argmax_rows(logits), None
     processed = extras.process(logits, rows, params) if mode in ("extras", "logprobs") else logits
     probs = sampling.temperature_softmax(processed, params.temperature)
     probs = sampling.top_k_mask(probs, params.top_k)
     probs = sampling.top_p_mask(probs, params.top_p)
     probs = sampling.min_p_mask(probs, params.min_p)
     noise = sampling.counter_exponential_noise(params.seed_lo, params.seed_hi, params.step, logits.shape[-1])
-    tokens = torch.where(params.greedy, processed.argmax(dim=-1), sampling.exponential_race(probs, noise))
+    tokens = torch.where(params.greedy, sampling.argmax_rows(processed), sampling.exponential_race(probs, noise))
     if extras is not None and mode in ("extras", "logprobs"):
         extras.record(rows, tokens)
     return tokens, _logprobs(logits, tokens) if mode == "logprobs" else None

@@ -47,7 +47,21 @@ class StepInputs:
     attention: DeviceStepTensors
     logit_rows: torch.Tensor  # [samples] int64: the token row whose logits each sampling sequence reads
     sample_rows: torch.Tensor  # [samples] int64: each sampling sequence's row in the input batch
-    sampling: SamplingTensors
+    sample_fields: dict[str, torch.Tensor]  # the packed buffer's views of the sampling parameters
+
+    def sampling(self) -> SamplingTensors:
+        """The sampling parameters as the sampler takes them. Built on demand: a greedy step (or its
+        CUDA graph) needs none of them, and each conversion is a kernel."""
+        fields = self.sample_fields
+        as_float = {name: fields[name].view(torch.float64).to(torch.float32) for name in FLOAT_SAMPLE_FIELDS}
+        return SamplingTensors(
+            greedy=fields["greedy"].bool(),
+            top_k=fields["top_k"],
+            seed_lo=fields["seed_lo"],
+            seed_hi=fields["seed_hi"],
+            step=fields["step"],
+            **as_float,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +359,6 @@ class InputBatch:
     ) -> StepInputs:
         """Views of a device copy of the packed buffer, and the step's block tables gathered from the rows."""
         view = {name: device_buffer[cut] for name, cut in layout.slices.items()}
-        as_float = {name: view[name].view(torch.float64).to(torch.float32) for name in FLOAT_SAMPLE_FIELDS}
         attention = DeviceStepTensors(
             positions=view["positions"],
             slot_mapping=view["slot_mapping"],
@@ -355,19 +368,6 @@ class InputBatch:
             max_query_len=max_query_len,
             decode_only=decode_only,
         )
-        sampling = SamplingTensors(
-            greedy=view["greedy"].bool(),
-            temperature=as_float["temperature"],
-            top_k=view["top_k"],
-            top_p=as_float["top_p"],
-            min_p=as_float["min_p"],
-            seed_lo=view["seed_lo"],
-            seed_hi=view["seed_hi"],
-            step=view["step"],
-            repetition_penalty=as_float["repetition_penalty"],
-            frequency_penalty=as_float["frequency_penalty"],
-            presence_penalty=as_float["presence_penalty"],
-        )
         ids = view["input_ids"]
         input_ids = torch.where(ids < 0, self.last_tokens.index_select(0, view["token_rows"]), ids)
         return StepInputs(
@@ -375,7 +375,7 @@ class InputBatch:
             attention=attention,
             logit_rows=view["logit_rows"],
             sample_rows=view["sample_rows"],
-            sampling=sampling,
+            sample_fields={name: view[name] for name in SAMPLE_FIELDS + FLOAT_SAMPLE_FIELDS},
         )
 
     def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:

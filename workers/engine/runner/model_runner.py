@@ -192,8 +192,9 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, inputs: StepInputs, mode: str
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        params = inputs.sampling() if mode != "greedy" else None
         tokens, logprobs = device_sampling.sample(
-            logits, inputs.sampling, mode, rows=inputs.sample_rows, extras=self.batch.extras
+            logits, params, mode, rows=inputs.sample_rows, extras=self.batch.extras
         )
         self.batch.record_sampled(inputs, tokens)
         return tokens, logprobs
