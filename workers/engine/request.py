@@ -101,12 +101,7 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        prompt_len = len(self.prompt_token_ids)
-        if stop <= prompt_len:
-            return self.prompt_token_ids[start:stop]
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len : stop - prompt_len]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -142,3 +137,13 @@ class Request:
         self.num_pages_sent = -1
         self.page_hashes = []
         self.num_preemptions += 1
+
+
+def token_slice(prompt: list[int], output: list[int], start: int, stop: int) -> list[int]:
+    """Tokens [start, stop) of prompt + output, without building the whole list."""
+    prompt_len = len(prompt)
+    if stop <= prompt_len:
+        return prompt[start:stop]
+    if start >= prompt_len:
+        return output[start - prompt_len : stop - prompt_len]
+    return prompt[start:] + output[: stop - prompt_len]

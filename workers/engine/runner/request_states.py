@@ -9,6 +9,7 @@ and the host-driven sampler read.
 from dataclasses import dataclass
 
 from workers.engine.constraints import TokenConstraint
+from workers.engine.request import token_slice
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
 
@@ -28,12 +29,7 @@ class RequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        prompt_len = len(self.prompt_token_ids)
-        if stop <= prompt_len:
-            return self.prompt_token_ids[start:stop]
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len : stop - prompt_len]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, stop)
 
     @property
     def reports_prompt_logprobs(self) -> bool:
