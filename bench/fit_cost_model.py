@@ -129,7 +129,9 @@ def measure_decode(
         enable_prefix_caching=False,
         async_scheduling=False,
         max_num_seqs=max(batches),
-        max_num_batched_tokens=max(max(contexts), 4096),
+        # Every point's prompts prefill in one step: prefilled one by one, the first ones would reach
+        # max_tokens and finish before the last were in, and the timed steps would decode a few.
+        max_num_batched_tokens=max(batches) * max(contexts),
         max_model_len=max_context,
         num_pages=max(batches) * -(-max_context // 16) + 2,
     )
@@ -149,12 +151,16 @@ def measure_decode(
         times = []
         for _ in range(DECODE_STEPS):
             started = _synchronized(device)
-            engine.step()
+            decoded = len(engine.step())
             times.append(_synchronized(device) - started)
+            if decoded != batch:
+                raise RuntimeError(f"a timed decode step decoded {decoded} of the batch's {batch} requests")
         while engine.has_unfinished():
             engine.step()
         seconds = median(times)
-        samples.append(DecodeSample(batch=batch, total_kv=batch * (context + 2), seconds=seconds))
+        # The timed steps attend to the prompt, the first two tokens and on average half of theirs.
+        mean_context = context + 2 + DECODE_STEPS // 2
+        samples.append(DecodeSample(batch=batch, total_kv=batch * mean_context, seconds=seconds))
         print(f"[{index}/{len(points)}] decode batch={batch:4d} context={context:5d} {seconds * 1000:8.3f} ms",
               file=sys.stderr, flush=True)  # fmt: skip
     llm.close()
