@@ -78,6 +78,11 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     # A decode worker's transfer endpoint: prefill only, then send the KV there (the first output
     # ends with finish_reason "transfer"). "": run the whole request here.
     decode_endpoint: str = ""
+    # Whose request this is, and its tenant's weight: the engine's waiting queue gives each tenant
+    # with requests waiting a share of admissions in proportion to its weight (workers.engine.sched.
+    # waiting). Requests without a tenant ("") share one.
+    tenant: str = ""
+    tenant_weight: Annotated[int, msgspec.Meta(ge=1)] = 1
 
 
 class ExpectTransferRequest(msgspec.Struct, tag="expect_transfer", frozen=True, forbid_unknown_fields=True):

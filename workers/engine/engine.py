@@ -147,6 +147,8 @@ class LLMEngine:
         prompt_logprobs: int | None = None,
         traffic_class: str = "chat",
         prefill_only: bool = False,
+        tenant: str = "",
+        tenant_weight: int = 1,
     ) -> None:
         """Admit a request, or raise InvalidRequestError naming the problem, or EngineOverloadedError
         when max_waiting requests already wait (either way nothing is changed).
@@ -156,7 +158,8 @@ class LLMEngine:
         `prompt_logprobs=k` reports, with the first output, each prompt token's logprob and its top k;
         `traffic_class` sets how long the KV store keeps the blocks this request writes;
         `prefill_only` ends the request after its first token with finish reason "transfer" (unless
-        that token already finished it: stop or length) and pins its KV for export_kv.
+        that token already finished it: stop or length) and pins its KV for export_kv;
+        `tenant` and `tenant_weight` (at least 1) place it in the waiting queue by its tenant's fair share.
         """
         max_tokens = self.admission.max_tokens(
             request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=self._in_use(request_id)
@@ -176,6 +179,8 @@ class LLMEngine:
             constraint=self._isolated(constraint),
             prompt_logprobs=prompt_logprobs,
             traffic_class=traffic_class,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         self.requests[request_id] = request
         self.outputs.add(request)

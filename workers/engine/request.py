@@ -52,6 +52,9 @@ class Request:
     cache_namespace: str = ""
     # Stop after the first sampled token and keep the KV for a decode engine (FinishReason.TRANSFER).
     prefill_only: bool = False
+    # Whose request it is and that tenant's weight: the waiting queue admits tenants by fair share.
+    tenant: str = ""
+    tenant_weight: int = 1
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -227,6 +227,8 @@ class Worker:
                 prompt_logprobs=request.prompt_logprobs,
                 traffic_class=request.traffic_class,
                 prefill_only=bool(request.decode_endpoint),
+                tenant=request.tenant,
+                tenant_weight=request.tenant_weight,
             )
         except InvalidRequestError as error:
             self._send(peer, GenerateError(request.request_id, "invalid_request", str(error)))

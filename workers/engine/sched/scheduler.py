@@ -4,18 +4,20 @@ Each step the scheduler decides how many tokens every request computes, within a
 running requests first, in arrival order (a decode costs one token, an unfinished prefill
 continues with the next chunk), then waiting requests, whose cached prefix pages are attached
 first (except for a request that reports prompt logprobs: every prompt position must produce
-logits). When pages run out, the most recently admitted running request is preempted: its pages
-are freed and it goes back to the front of the queue to be recomputed later. The scheduler moves
-request objects and lists of ints; it never touches tensors.
+logits). Waiting requests are admitted in the waiting queue's order: preempted ones first, then by
+fair share of their tenants (see waiting). While another tenant's request waits, a running prefill
+leaves room in the step for it (up to half the token budget), so a tenant's first token does not
+wait for the whole of another tenant's long prompt. When pages run out, the most recently admitted
+running request is preempted: its pages are freed and it goes back to the front of the queue to be
+recomputed later. The scheduler moves request objects and lists of ints; it never touches tensors.
 """
-
-from collections import deque
 
 from workers.block_hash import BlockHash
 from workers.engine.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import NewRequestData, SchedulerOutput
 from workers.engine.sched.step_budget import StepBudget
+from workers.engine.sched.waiting import WaitingQueue
 from workers.engine.store_connector import KVLoad, LoadedBlocks
 
 
@@ -37,7 +39,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_budget = step_budget
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_admitted_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0  # of the admitted prompt tokens, those hit in the prefix cache
@@ -45,7 +47,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -55,11 +57,18 @@ class Scheduler:
         time_left = self.step_budget.start_step() if self.step_budget is not None else None
         plan: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        # The request the waiting loop would admit first, and the budget kept for it from other
+        # tenants' running prefills; none when the running batch is full and it could not be admitted.
+        next_waiting = next((request for request in self.waiting if not request.is_fetching), None)
+        can_admit = next_waiting is not None and len(self.running) < self.max_num_seqs
+        reserve = min(next_waiting.num_tokens, self.max_num_batched_tokens // 2) if can_admit else 0
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if count > 1 and reserve and request.tenant != next_waiting.tenant:
+                count = max(0, min(count, budget - reserve))
             if count and time_left is not None:
                 count = time_left.fit(count, request.num_computed_tokens, first=not plan)
             if not count:
@@ -93,7 +102,7 @@ class Scheduler:
                     break
             if not self.block_manager.allocate(request, loaded_tokens + count + self.num_lookahead_tokens, cached):
                 break
-            del self.waiting[position]
+            self.waiting.pop(position)
             request.store_fetch = None
             if loaded:
                 first = loaded.first_page
@@ -142,7 +151,7 @@ class Scheduler:
             victim = self.running.pop()
             self.block_manager.free(victim)
             victim.reset_for_recompute()
-            self.waiting.appendleft(victim)
+            self.waiting.push_front(victim)
             preempted.append(victim.request_id)
             self.num_preemptions += 1
             if victim is request:
