@@ -8,7 +8,16 @@ from controlplane.tenants.services import api_key_revoke
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ["name", "rate_limit_rpm", "token_quota_per_day", "share_prefix_cache", "created_at"]
+    list_display = [
+        "name",
+        "rate_limit_rpm",
+        "token_quota_per_day",
+        "max_requests_in_flight",
+        "max_queued_prompt_tokens",
+        "fair_share_weight",
+        "share_prefix_cache",
+        "created_at",
+    ]
     search_fields = ["name"]
     readonly_fields = ["cache_namespace", "created_at"]
 

@@ -2,10 +2,14 @@
 
 import secrets
 
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 # The namespace of every tenant that opts into a shared prefix cache.
 SHARED_CACHE_NAMESPACE = "shared"
+# A tenant's share of the queues against another's is the ratio of their weights; beyond a thousand
+# to one the lighter tenant would only ever get the crumbs.
+MAX_FAIR_SHARE_WEIGHT = 1000
 
 
 def new_cache_namespace() -> str:
@@ -24,6 +28,23 @@ class Tenant(models.Model):
     token_quota_per_day = models.PositiveBigIntegerField(
         null=True, blank=True, help_text="Prompt plus completion tokens per UTC day; empty = unlimited."
     )
+    # Admission caps: past either one a request is refused with 429. Empty: the gateway's defaults
+    # (SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT, SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS). Queued prompt
+    # tokens are those of admitted requests still waiting for their first output token; a request
+    # that finds none of its tenant's queued is admitted whatever its length.
+    max_requests_in_flight = models.PositiveIntegerField(
+        null=True, blank=True, help_text="API calls at once, until each response ends; empty = the gateway's default."
+    )
+    max_queued_prompt_tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Prompt tokens awaiting their first output; empty = the gateway's default."
+    )
+    # The share of the gateway's and the engines' queues while tenants compete is the ratio of
+    # their weights.
+    fair_share_weight = models.PositiveIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_FAIR_SHARE_WEIGHT)],
+        help_text=f"Share of the queues against other tenants' weights (1 to {MAX_FAIR_SHARE_WEIGHT}).",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -32,6 +53,18 @@ class Tenant(models.Model):
                 condition=~models.Q(cache_namespace=SHARED_CACHE_NAMESPACE), name="tenant_private_cache_namespace"
             ),
             models.CheckConstraint(condition=models.Q(rate_limit_rpm__gte=1), name="tenant_rate_limit_positive"),
+            models.CheckConstraint(
+                condition=models.Q(max_requests_in_flight__isnull=True) | models.Q(max_requests_in_flight__gte=1),
+                name="tenant_max_requests_in_flight_positive",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(max_queued_prompt_tokens__isnull=True) | models.Q(max_queued_prompt_tokens__gte=1),
+                name="tenant_max_queued_prompt_tokens_positive",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(fair_share_weight__gte=1, fair_share_weight__lte=MAX_FAIR_SHARE_WEIGHT),
+                name="tenant_fair_share_weight_range",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -35,12 +35,18 @@ def tenant_create(
     rate_limit_rpm: int = 600,
     token_quota_per_day: int | None = None,
     share_prefix_cache: bool = False,
+    max_requests_in_flight: int | None = None,
+    max_queued_prompt_tokens: int | None = None,
+    fair_share_weight: int = 1,
 ) -> Tenant:
     tenant = Tenant(
         name=name,
         rate_limit_rpm=rate_limit_rpm,
         token_quota_per_day=token_quota_per_day,
         share_prefix_cache=share_prefix_cache,
+        max_requests_in_flight=max_requests_in_flight,
+        max_queued_prompt_tokens=max_queued_prompt_tokens,
+        fair_share_weight=fair_share_weight,
     )
     full_clean_or_raise(tenant)
     tenant.save()
@@ -48,7 +54,17 @@ def tenant_create(
 
 
 # The fields tenant_update may change; the cache namespace never changes (it is part of every block hash).
-TENANT_UPDATABLE_FIELDS = frozenset({"name", "rate_limit_rpm", "token_quota_per_day", "share_prefix_cache"})
+TENANT_UPDATABLE_FIELDS = frozenset(
+    {
+        "name",
+        "rate_limit_rpm",
+        "token_quota_per_day",
+        "share_prefix_cache",
+        "max_requests_in_flight",
+        "max_queued_prompt_tokens",
+        "fair_share_weight",
+    }
+)
 
 
 @transaction.atomic

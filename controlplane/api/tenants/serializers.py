@@ -6,10 +6,24 @@ from controlplane.tenants.models import ApiKey, Tenant, TenantUsage
 class TenantSerializer(serializers.ModelSerializer):
     class Meta:
         model = Tenant
-        fields = ["id", "name", "rate_limit_rpm", "token_quota_per_day", "share_prefix_cache", "created_at"]
+        fields = [
+            "id",
+            "name",
+            "rate_limit_rpm",
+            "token_quota_per_day",
+            "share_prefix_cache",
+            "max_requests_in_flight",
+            "max_queued_prompt_tokens",
+            "fair_share_weight",
+            "created_at",
+        ]
         read_only_fields = ["id", "created_at"]
-        # The model's check constraint, as a field-level message.
-        extra_kwargs = {"rate_limit_rpm": {"min_value": 1}}
+        # The model's check constraints, as field-level messages.
+        extra_kwargs = {
+            "rate_limit_rpm": {"min_value": 1},
+            "max_requests_in_flight": {"min_value": 1},
+            "max_queued_prompt_tokens": {"min_value": 1},
+        }
 
 
 class ApiKeySerializer(serializers.ModelSerializer):

@@ -24,7 +24,8 @@ READ = mixins.ListModelMixin, mixins.RetrieveModelMixin
 
 
 class TenantViewSet(*READ, viewsets.GenericViewSet):
-    """Tenants: who may call the inference API, at what rate and daily token quota."""
+    """Tenants: who may call the inference API, at what rate and daily token quota, how much at once
+    (requests in flight, queued prompt tokens) and with what share of the queues (fair_share_weight)."""
 
     queryset = Tenant.objects.all()
     serializer_class = TenantSerializer

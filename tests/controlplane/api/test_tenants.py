@@ -1,4 +1,6 @@
-from controlplane.tenants.models import ApiKey, Tenant
+import pytest
+
+from controlplane.tenants.models import MAX_FAIR_SHARE_WEIGHT, ApiKey, Tenant
 from controlplane.tenants.services import api_key_authenticate, api_key_create, tenant_usage_record
 from tests.controlplane.api.helpers import assert_error
 
@@ -22,8 +24,67 @@ def test_admin_creates_a_tenant_and_edits_its_limits(client_as):
         "rate_limit_rpm": 60,
         "token_quota_per_day": 1000,
         "share_prefix_cache": False,
+        "max_requests_in_flight": None,
+        "max_queued_prompt_tokens": None,
+        "fair_share_weight": 1,
         "created_at": None,
     }
+
+
+def test_admin_sets_a_tenants_admission_caps_and_weight(client_as, make_tenant):
+    tenant = make_tenant("acme")
+    admin = client_as("admin")
+    fields = {"max_requests_in_flight": 4, "max_queued_prompt_tokens": 20_000, "fair_share_weight": 3}
+
+    updated = admin.patch(f"/api/v1/tenants/{tenant.id}/", fields)
+    created = admin.post("/api/v1/tenants/", {"name": "globex", **fields})
+
+    assert updated.status_code == 200, updated.content
+    assert created.status_code == 201, created.content
+    tenant.refresh_from_db()
+    assert (tenant.max_requests_in_flight, tenant.max_queued_prompt_tokens, tenant.fair_share_weight) == (4, 20_000, 3)
+    assert {name: created.json()[name] for name in fields} == fields
+    # Empty again: back to the gateway's defaults.
+    cleared = admin.patch(f"/api/v1/tenants/{tenant.id}/", {"max_requests_in_flight": None})
+    assert cleared.status_code == 200 and cleared.json()["max_requests_in_flight"] is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_requests_in_flight", 0),
+        ("max_requests_in_flight", -1),
+        ("max_requests_in_flight", "many"),
+        ("max_queued_prompt_tokens", 0),
+        ("fair_share_weight", 0),
+        ("fair_share_weight", MAX_FAIR_SHARE_WEIGHT + 1),
+        ("fair_share_weight", None),
+    ],
+)
+def test_an_invalid_cap_or_weight_is_a_field_error_and_changes_nothing(client_as, make_tenant, field, value):
+    tenant = make_tenant("acme")
+
+    response = client_as("admin").patch(f"/api/v1/tenants/{tenant.id}/", {field: value}, format="json")
+
+    assert set(assert_error(response, 400, "validation_error")["fields"]) == {field}
+    unchanged = Tenant.objects.get(pk=tenant.pk)
+    assert (unchanged.max_requests_in_flight, unchanged.max_queued_prompt_tokens, unchanged.fair_share_weight) == (
+        None,
+        None,
+        1,
+    )
+
+
+@pytest.mark.parametrize("role", ["tenant:acme", "operator", "auditor"])
+def test_only_admins_change_caps_and_weights(client_as, make_tenant, role):
+    tenant = make_tenant("acme")
+
+    response = client_as(role).patch(f"/api/v1/tenants/{tenant.id}/", {"fair_share_weight": 1000})
+
+    assert response.status_code == 403, response.content
+    assert_error(response, 403, "permission_denied")
+    tenant.refresh_from_db()
+    assert tenant.fair_share_weight == 1
 
 
 def test_a_duplicate_tenant_name_is_a_field_error(client_as, make_tenant):
