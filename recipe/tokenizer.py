@@ -91,7 +91,9 @@ class Tokenizer:
         """Without allow_special, text such as "<|im_start|>" encodes as ordinary tokens."""
         encoder = self._parses_specials if allow_special else self._specials_as_text
         try:
-            ids = encoder.encode(text, add_special_tokens=False).ids
+            # encode_batch, not encode: only it releases the GIL while it works (seconds for a long
+            # text), so other threads, the gateway's event loop among them, run meanwhile.
+            ids = encoder.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:  # what `tokenizers` raises for a str that is not Unicode text (a lone surrogate)
             raise InvalidRequestError("the text is not valid Unicode (it has a lone surrogate)") from None
         return [self.bos_token_id, *ids] if self._add_bos else ids
