@@ -204,6 +204,18 @@ def _request_limits(environ: Mapping[str, str]) -> RequestLimits:
         raise ImproperlyConfigured(f"request limits (SLUICE_MAX_*): {error}") from None
 
 
+def _positive_int(name: str, default: int) -> int:
+    """The environment's value of `name`, else `default`, as an integer of at least 1."""
+    raw = os.environ.get(name)
+    try:
+        value = int(raw) if raw is not None else default
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ImproperlyConfigured(f"{name}: expected a positive integer, got {raw!r}")
+    return value
+
+
 # Gateway. Model names are resolved like `workers.engine.weights.resolve_model` does (packaged name or path).
 _models = os.environ.get("SLUICE_MODELS", "smollm2-135m-instruct")
 SLUICE_MODELS = [name.strip() for name in _models.split(",") if name.strip()]
@@ -234,6 +246,26 @@ SLUICE_REQUEST_LIMITS = _request_limits(os.environ)
 # overridden by SLUICE_GRAMMAR_<FIELD>, e.g. SLUICE_GRAMMAR_MAX_REGEX_REPEAT=4000 or
 # SLUICE_GRAMMAR_STEP_LEXER_FUEL=400000.
 SLUICE_GRAMMAR_LIMITS = _grammar_limits(os.environ)
+
+# Fair admission (README, "Fair admission"). "0" turns it off: no per-tenant caps, and the gateway's
+# preparation queues and the engines' waiting queues serve requests in arrival order, whoever sent them.
+SLUICE_FAIR_ADMISSION = os.environ.get("SLUICE_FAIR_ADMISSION", "1") != "0"
+# A tenant's caps where its own fields are empty (Tenant.max_requests_in_flight, .max_queued_prompt_tokens):
+# API calls at once, from admission to the end of the response, and prompt tokens of its admitted
+# requests still waiting for their first output token. Past either, a request is refused with 429 and
+# `retry-after` of this many seconds (each cap frees as soon as one of the tenant's requests moves on).
+SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT = _positive_int("SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT", 32)
+SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS = _positive_int("SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS", 65536)
+SLUICE_TENANT_CAP_RETRY_AFTER_S = _positive_int("SLUICE_TENANT_CAP_RETRY_AFTER_S", 1)
+# Where request bodies are parsed, rendered and tokenized (controlplane.gateway.preparation): bodies up
+# to SLUICE_PREPARE_INLINE_MAX_BYTES in this many gateway threads (a few milliseconds each)...
+SLUICE_PREPARE_INLINE_MAX_BYTES = _positive_int("SLUICE_PREPARE_INLINE_MAX_BYTES", 16 * 1024)
+SLUICE_PREPARE_THREADS = _positive_int("SLUICE_PREPARE_THREADS", 2)
+# ...larger ones first in this many processes of their own, each job within a CPU budget (seconds of
+# CPU, whole seconds as the kernel counts them); past it the request is refused with 413. The largest
+# body SLUICE_MAX_BODY_BYTES allows takes about 10 s on one core of a small machine.
+SLUICE_PREPARE_PROCESSES = _positive_int("SLUICE_PREPARE_PROCESSES", 2)
+SLUICE_PREPARE_CPU_BUDGET_S = _positive_int("SLUICE_PREPARE_CPU_BUDGET_S", 30)
 
 # Telemetry (controlplane.telemetry): the gateway keeps one-minute rollups this many days.
 SLUICE_TELEMETRY_RETENTION_DAYS = int(os.environ.get("SLUICE_TELEMETRY_RETENTION_DAYS", 14))

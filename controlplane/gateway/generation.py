@@ -5,6 +5,9 @@ A constraint goes to the workers with the grammar limits of this gateway's setti
 refuses it, or whose grammar fails on the output mid-way ("invalid_constraint"), ends the generation
 with an invalid-request error naming the field the constraint came from: the HTTP error before the
 first event, an error event after it.
+
+The call's hold on its tenant's caps counts each
+choice's prompt as queued until its first output, and the call in flight until the generation ends.
 """
 
 import asyncio
@@ -17,6 +20,7 @@ import msgspec
 from django.conf import settings
 
 from controlplane.gateway.errors import GatewayError, as_gateway_error, error_event
+from controlplane.gateway.tenant_caps import TenantHold
 from controlplane.gateway.usage import UsageCount
 from recipe.api import PreparedRequest, SseEvent
 from recipe.constraint_fields import constraint_field
@@ -48,12 +52,18 @@ class Generation:
         *,
         protocol: str,
         cache_namespace: str,
+        hold: TenantHold,
+        tenant: str,
+        tenant_weight: int,
         on_end: Callable[[UsageCount], Awaitable[None]] | None = None,
     ) -> None:
-        """on_end gets the tokens used and the outputs' timing once the generation ends, however it ends."""
+        """on_end gets the tokens used and the outputs' timing once the generation ends, however it
+        ends; then `hold` is released. `tenant` and `tenant_weight` place its requests in the engines'
+        waiting queues."""
         self._client = client
         self._protocol = protocol
         self._on_end = on_end
+        self._hold = hold
         self._usage = UsageCount()
         response_id = f"{RESPONSE_ID_PREFIXES[protocol]}{uuid.uuid4().hex}"
         self._builder = prepared.new_response(response_id, int(time.time()))
@@ -71,6 +81,8 @@ class Generation:
                 constraint=self._constraint,
                 prompt_logprobs=prepared.prompt_logprobs,
                 traffic_class=prepared.traffic_class,
+                tenant=tenant,
+                tenant_weight=tenant_weight,
             )
             for choice in range(prepared.n)
         ]
@@ -129,11 +141,15 @@ class Generation:
             # task is cancelled, or this generator is closed). Cancelling a pump closes its
             # `generate` stream, and the engine client aborts every request whose stream is closed
             # before its final output: the engine stops each choice still running.
-            for pump in pumps:
-                pump.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-            if self._on_end is not None:
-                await self._on_end(self._usage)
+            try:
+                for pump in pumps:
+                    pump.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+                if self._on_end is not None:
+                    await self._on_end(self._usage)
+            finally:
+                # Even when the request task is cancelled while the pumps wind down.
+                self._hold.release()
 
     def _constraint_error(self, error: Exception) -> GatewayError | None:
         """A worker's verdict on the request's constraint, as the client's error about its field."""
@@ -143,9 +159,14 @@ class Generation:
         return GatewayError("invalid_request", error.message, param=constraint_field(self._protocol, self._constraint))
 
     async def _pump(self, choice: int, outputs: asyncio.Queue) -> None:
+        first_seen = False
         try:
-            async with aclosing(self._client.generate(self._requests[choice])) as stream:
+            request = self._requests[choice]
+            async with aclosing(self._client.generate(request)) as stream:
                 async for output in stream:
+                    if not first_seen:
+                        first_seen = True
+                        self._hold.prompt_started(len(request.prompt_token_ids))
                     outputs.put_nowait((choice, output))
             outputs.put_nowait((choice, _ENDED))
         except Exception as error:

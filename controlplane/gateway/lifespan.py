@@ -1,7 +1,9 @@
 """ASGI lifespan (uvicorn sends it; Django has none): do the slow first-use work before the first
-request, start the telemetry collector, warn loudly when the gateway is open, and stop the collector
-and disconnect from the workers on shutdown."""
+request (the catalog, the prepare processes), start the telemetry collector, warn loudly when the
+gateway is open, and stop the collector, disconnect from the workers and stop the prepare processes
+on shutdown."""
 
+import asyncio
 import logging
 
 from asgiref.sync import sync_to_async
@@ -10,6 +12,7 @@ from django.db import connections
 from controlplane.gateway.auth import warn_open_mode
 from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import close_engine_client, engine_client
+from controlplane.gateway.preparation import close_preparation, start_preparation
 from controlplane.telemetry.collector import close_telemetry_collector, telemetry_collector
 from controlplane.tenants.selectors import api_keys_exist
 
@@ -27,6 +30,7 @@ def _gateway_is_open() -> bool:
 async def _start() -> None:
     await served_catalog()
     await engine_client()
+    start_preparation()
     await telemetry_collector()
     if await sync_to_async(_gateway_is_open)():
         warn_open_mode()
@@ -46,5 +50,6 @@ async def lifespan(scope: dict, receive, send) -> None:
         elif message["type"] == "lifespan.shutdown":
             await close_telemetry_collector()
             await close_engine_client()
+            await asyncio.to_thread(close_preparation)
             await send({"type": "lifespan.shutdown.complete"})
             return

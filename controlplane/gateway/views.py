@@ -16,6 +16,7 @@ from controlplane.gateway.engine import engine_client
 from controlplane.gateway.errors import GatewayError, as_gateway_error, error_response, unknown_path_protocol
 from controlplane.gateway.generation import Generation
 from controlplane.gateway.health import can_serve, health_report
+from controlplane.gateway.tenant_caps import fair_share_of
 from controlplane.gateway.usage import UsageCount, record_usage
 from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
@@ -54,15 +55,23 @@ def api_view(*methods: str) -> Callable[[View], View]:
 @api_view("POST")
 async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
     admission = await admit(request)
-    prepared = await prepare(admission, protocol=protocol)
     tenant_id = admission.tenant.pk
-    generation = Generation(
-        await engine_client(),
-        prepared,
-        protocol=protocol,
-        cache_namespace=admission.tenant.prefix_cache_namespace,
-        on_end=lambda usage: _generation_ended(tenant_id, usage),
-    )
+    fair_share, weight = fair_share_of(admission.tenant)
+    try:
+        prepared = await prepare(admission, protocol=protocol)
+        generation = Generation(
+            await engine_client(),
+            prepared,
+            protocol=protocol,
+            cache_namespace=admission.tenant.prefix_cache_namespace,
+            hold=admission.hold,
+            tenant=fair_share,
+            tenant_weight=weight,
+            on_end=lambda usage: _generation_ended(tenant_id, usage),
+        )
+    except BaseException:
+        admission.hold.release()  # from here on the generation releases it, when it ends
+        raise
     if prepared.stream:
         await generation.start_stream()
         return StreamingHttpResponse(generation.stream(), content_type="text/event-stream", headers=SSE_HEADERS)
@@ -86,7 +95,10 @@ async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
 @api_view("POST")
 async def count_tokens(request: HttpRequest, *, protocol: str) -> HttpResponse:
     admission = await admit(request)
-    return JsonResponse({"input_tokens": await count_prompt_tokens(admission)})
+    try:
+        return JsonResponse({"input_tokens": await count_prompt_tokens(admission)})
+    finally:
+        admission.hold.release()
 
 
 @api_view("GET")

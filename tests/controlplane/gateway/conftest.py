@@ -47,6 +47,15 @@ def api(db) -> Api:
     signals.request_finished.connect(close_old_connections)
 
 
+@pytest.fixture(scope="session")
+def smollm2_worker(smollm2_files, tmp_path_factory) -> tuple[str, str]:
+    """(request endpoint, heartbeat endpoint) of a SmolLM2 worker process, shared by the live tests."""
+    from tests.controlplane.gateway.live import smollm2_worker_process
+
+    with smollm2_worker_process(tmp_path_factory.mktemp("worker")) as endpoints:
+        yield endpoints
+
+
 @pytest.fixture(autouse=True)
 def fresh_rate_limits(monkeypatch) -> None:
     from controlplane.gateway import rate_limit

@@ -196,7 +196,7 @@ def test_an_unexpected_failure_is_500_without_details(api, make_api_key, monkeyp
     def broken(*args):
         raise RuntimeError("internal detail")
 
-    monkeypatch.setattr("controlplane.gateway.admission.prepare_request", broken)
+    monkeypatch.setattr("controlplane.gateway.prepare_jobs.prepare_request", broken)
 
     for protocol, error_type in [("chat.completions", "server_error"), ("messages", "api_error")]:
         response = api.post(protocol, valid_body(protocol), headers=key_headers(make_api_key()))

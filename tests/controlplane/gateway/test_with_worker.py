@@ -1,26 +1,17 @@
 """The happy path end to end: uvicorn serving the real ASGI application (lifespan included) in a
-thread, one real SmolLM2 worker process on ipc:// sockets, and httpx over TCP."""
+thread, one real SmolLM2 worker process on ipc:// sockets (tests/controlplane/gateway/live.py), and
+httpx over TCP."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-import zmq
 from django.test import override_settings
 
 pytest.importorskip("recipe.api")  # skipped, with the import error, until it exists
 pytest.importorskip("workers.worker")  # skipped, with the import error, until it exists
 
-import uvicorn  # noqa: E402
-
-from controlplane.asgi import application  # noqa: E402
 from tests.controlplane.gateway.helpers import (  # noqa: E402
     PATHS,
     SMOLLM2,
@@ -29,71 +20,17 @@ from tests.controlplane.gateway.helpers import (  # noqa: E402
     sse_frames,
     valid_body,
 )
+from tests.controlplane.gateway.live import live_gateway  # noqa: E402
 from workers.protocol import GrammarLimits  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-STARTUP_TIMEOUT_S = 120.0
 # The server's threads only see committed rows.
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def _wait_for_heartbeat(endpoint: str, process: subprocess.Popen) -> None:
-    context = zmq.Context()
-    subscriber = context.socket(zmq.SUB)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(endpoint)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    try:
-        while not subscriber.poll(200):
-            if process.poll() is not None:
-                raise RuntimeError(f"the worker exited with {process.returncode} before its first heartbeat")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no heartbeat from the worker in {STARTUP_TIMEOUT_S} s")
-    finally:
-        subscriber.close(linger=0)
-        context.term()
-
-
-@pytest.fixture(scope="session")
-def smollm2_worker(smollm2_files, tmp_path_factory) -> tuple[str, str]:
-    """(request endpoint, heartbeat endpoint) of a running SmolLM2 worker."""
-    directory = tmp_path_factory.mktemp("worker")
-    endpoints = (f"ipc://{directory}/w.req", f"ipc://{directory}/w.hb")
-    command = [sys.executable, "-m", "workers.worker", "--model", SMOLLM2, "--worker-id", "gateway-tests"]
-    command += ["--request-endpoint", endpoints[0], "--heartbeat-endpoint", endpoints[1]]
-    command += ["--kv-cache-bytes", str(128 << 20)]
-    # One torch thread: on a small shared machine more threads than cores stall the worker's steps
-    # (and so its heartbeats) for seconds.
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        _wait_for_heartbeat(endpoints[1], process)
-        yield endpoints
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @pytest.fixture(scope="module")
 def gateway_url(smollm2_worker, django_db_setup, django_db_blocker) -> str:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(application, lifespan="on", log_level="warning", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    with override_settings(SLUICE_WORKER_ENDPOINTS=[smollm2_worker]):
-        with django_db_blocker.unblock():  # the lifespan startup checks whether any key exists
-            thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-            thread.start()
-            while not server.started:
-                assert thread.is_alive(), "the gateway did not start (see its log above)"
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-        server.should_exit = True
-        thread.join(timeout=15)
-    listener.close()
+    with live_gateway(smollm2_worker, django_db_blocker) as url:
+        yield url
 
 
 @pytest.fixture

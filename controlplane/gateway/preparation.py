@@ -1,0 +1,105 @@
+"""Where a request body is parsed, rendered and tokenized: never on the event loop, and never where
+one tenant's large bodies hold up everyone.
+
+The native code that does most of this (json, the recipe's conversion, tokenizers' encode) holds the
+GIL for as long as it runs, so a thread does not keep the event loop free: a 3.9 MB count_tokens body
+holds it for ~10 s of tokenizing on a 2-core machine, and 4 MB of small messages for ~0.4 s of
+json.loads alone. So bodies up to SLUICE_PREPARE_INLINE_MAX_BYTES (a few milliseconds of work) are
+prepared in a few gateway threads, and larger ones first in prepare processes (prepare_pool), each
+job within a CPU budget. A count_tokens answer comes whole from there. A generation's prepared
+request holds its response builder, which cannot leave the process that made it: the process refuses
+a body that is invalid or over the context window, and a valid one is prepared again in a gateway
+thread, which the context window bounds (the recipe's tokenizer releases the GIL while it encodes).
+
+Both queues are fair between tenants (fair_work, weighted by fair_share_weight, each job costing its
+body's bytes), so a tenant's backlog of large bodies delays another tenant's by about one job each.
+"""
+
+import asyncio
+import contextlib
+import threading
+from typing import TYPE_CHECKING, TypeVar
+
+from django.conf import settings
+
+from controlplane.gateway.catalog import load_catalog
+from controlplane.gateway.fair_work import FairWorkers
+from controlplane.gateway.prepare_jobs import PrepareJob, run_job
+from controlplane.gateway.prepare_pool import prepare_pool
+from controlplane.gateway.tenant_caps import fair_share_of
+from recipe.api import PreparedRequest
+
+if TYPE_CHECKING:
+    from controlplane.gateway.admission import Admission
+
+Result = TypeVar("Result")
+
+_lock = threading.Lock()
+_threads: FairWorkers | None = None
+_processes: FairWorkers | None = None
+
+
+def _run_here(job: PrepareJob) -> PreparedRequest | int:
+    return run_job(job, load_catalog())
+
+
+def _thread_workers() -> FairWorkers:
+    global _threads
+    with _lock:
+        if _threads is None:
+            _threads = FairWorkers(
+                settings.SLUICE_PREPARE_THREADS, lambda: contextlib.nullcontext(_run_here), name="prepare-thread"
+            )
+        return _threads
+
+
+def _process_workers() -> FairWorkers:
+    global _processes
+    with _lock:
+        if _processes is None:
+            _processes = prepare_pool()
+        return _processes
+
+
+def start_preparation() -> None:
+    """Start the threads and the prepare processes now, so that the first large body finds them warm."""
+    _thread_workers()
+    _process_workers()
+
+
+def close_preparation() -> None:
+    global _threads, _processes
+    with _lock:
+        workers, _threads, _processes = [_threads, _processes], None, None
+    for each in workers:
+        if each is not None:
+            each.close()
+
+
+async def prepare_generation(admission: "Admission", *, protocol: str) -> PreparedRequest:
+    job = PrepareJob("generation", protocol, admission.body, settings.SLUICE_REQUEST_LIMITS)
+    if _is_large(job):
+        await _done_by(_process_workers(), job, admission)
+    return await _done_by(_thread_workers(), job, admission)
+
+
+async def prepare_count(admission: "Admission") -> int:
+    job = PrepareJob("count_tokens", "messages.count_tokens", admission.body, settings.SLUICE_REQUEST_LIMITS)
+    return await _done_by(_process_workers() if _is_large(job) else _thread_workers(), job, admission)
+
+
+def _is_large(job: PrepareJob) -> bool:
+    return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES
+
+
+async def _done_by(workers: FairWorkers, job: PrepareJob, admission: "Admission") -> Result:
+    tenant, weight = fair_share_of(admission.tenant)
+    work = workers.submit(job, tenant=tenant, weight=weight, cost=len(job.body))
+    try:
+        return await asyncio.wrap_future(work)
+    except asyncio.CancelledError:
+        # The client went away. Work not yet started is dropped; work that runs keeps counting
+        # against the tenant's cap until it ends.
+        if not work.done():
+            admission.hold.release_after(work)
+        raise
