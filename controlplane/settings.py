@@ -266,6 +266,9 @@ SLUICE_PREPARE_THREADS = _positive_int("SLUICE_PREPARE_THREADS", 2)
 # body SLUICE_MAX_BODY_BYTES allows takes about 10 s on one core of a small machine.
 SLUICE_PREPARE_PROCESSES = _positive_int("SLUICE_PREPARE_PROCESSES", 2)
 SLUICE_PREPARE_CPU_BUDGET_S = _positive_int("SLUICE_PREPARE_CPU_BUDGET_S", 30)
+# Outputs a stream holds for a client that has stopped reading (on top of the server's socket buffers):
+# once this many wait, its requests are aborted in the engines.
+SLUICE_STREAM_BUFFER_OUTPUTS = _positive_int("SLUICE_STREAM_BUFFER_OUTPUTS", 256)
 
 # Telemetry (controlplane.telemetry): the gateway keeps one-minute rollups this many days.
 SLUICE_TELEMETRY_RETENTION_DAYS = int(os.environ.get("SLUICE_TELEMETRY_RETENTION_DAYS", 14))

@@ -6,11 +6,15 @@ refuses it, or whose grammar fails on the output mid-way ("invalid_constraint"),
 with an invalid-request error naming the field the constraint came from: the HTTP error before the
 first event, an error event after it.
 
-The call's hold on its tenant's caps counts each
+Each choice's outputs are buffered for the client up to SLUICE_STREAM_BUFFER_OUTPUTS: a client that
+stops reading a stream stops taking events, and once that many outputs wait for it the generation's
+engine requests are aborted, so it holds no engine capacity and no more memory (it ends with an
+error event, should the client read again). The call's hold on its tenant's caps counts each
 choice's prompt as queued until its first output, and the call in flight until the generation ends.
 """
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +30,8 @@ from recipe.api import PreparedRequest, SseEvent
 from recipe.constraint_fields import constraint_field
 from workers.engine_client import EngineClient, RequestRejectedError
 from workers.protocol import GenerateOutput, GenerateRequest
+
+log = logging.getLogger(__name__)
 
 RESPONSE_ID_PREFIXES = {
     "chat.completions": "chatcmpl-",
@@ -64,6 +70,8 @@ class Generation:
         self._protocol = protocol
         self._on_end = on_end
         self._hold = hold
+        self._max_buffered = settings.SLUICE_STREAM_BUFFER_OUTPUTS
+        self._pumps: list[asyncio.Task] = []
         self._usage = UsageCount()
         response_id = f"{RESPONSE_ID_PREFIXES[protocol]}{uuid.uuid4().hex}"
         self._builder = prepared.new_response(response_id, int(time.time()))
@@ -118,7 +126,7 @@ class Generation:
 
     async def _run(self) -> AsyncIterator[SseEvent]:
         outputs: asyncio.Queue[tuple[int, GenerateOutput | Exception | None]] = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(choice, outputs)) for choice in range(len(self._requests))]
+        self._pumps = [asyncio.create_task(self._pump(choice, outputs)) for choice in range(len(self._requests))]
         running = set(range(len(self._requests)))
         try:
             while running:
@@ -142,9 +150,9 @@ class Generation:
             # `generate` stream, and the engine client aborts every request whose stream is closed
             # before its final output: the engine stops each choice still running.
             try:
-                for pump in pumps:
+                for pump in self._pumps:
                     pump.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
+                await asyncio.gather(*self._pumps, return_exceptions=True)
                 if self._on_end is not None:
                     await self._on_end(self._usage)
             finally:
@@ -167,7 +175,22 @@ class Generation:
                     if not first_seen:
                         first_seen = True
                         self._hold.prompt_started(len(request.prompt_token_ids))
+                    if outputs.qsize() >= self._max_buffered:
+                        raise self._stop_unread()
                     outputs.put_nowait((choice, output))
             outputs.put_nowait((choice, _ENDED))
         except Exception as error:
             outputs.put_nowait((choice, error))
+
+    def _stop_unread(self) -> GatewayError:
+        """The client has not taken the outputs buffered for it: stop every choice. The calling pump
+        closes its own stream as the error leaves it; closing a stream aborts its engine request."""
+        log.warning("%s: the client stopped reading; aborting it", self._requests[0].request_id.rsplit("-", 1)[0])
+        current = asyncio.current_task()
+        for pump in self._pumps:
+            if pump is not current:
+                pump.cancel()
+        return GatewayError(
+            "request_timeout",
+            f"The stream was stopped: the client left {self._max_buffered} outputs unread.",
+        )
