@@ -28,17 +28,20 @@ def tenant_request(rid: str, tenant: str, length: int, *, start: int = 0) -> Req
     )
 
 
-def test_a_long_prefill_leaves_room_for_another_tenants_waiting_request():
+@pytest.mark.parametrize(("short_tokens", "long_chunk"), [(6, 14), (15, 5), (30, 0)])
+def test_a_long_prefill_leaves_another_tenants_waiting_request_the_tokens_it_needs(short_tokens, long_chunk):
     scheduler = Scheduler(BlockManager(num_pages=64, page_size=4), max_num_seqs=8, max_num_batched_tokens=20)
     requests = {"long": tenant_request("long", "a", 100)}
     scheduler.add(requests["long"])
     run_step(scheduler, requests)
-    requests["short"] = tenant_request("short", "b", 6, start=200)
+    requests["short"] = tenant_request("short", "b", short_tokens, start=200)
     scheduler.add(requests["short"])
 
     output = run_step(scheduler, requests)
 
-    assert [(row.request_id, row.num_tokens) for row in rows(output)] == [("long", 14), ("short", 6)]
+    # the long prefill goes on with what is left of the budget (nothing, for a prompt past it)
+    expected = [("long", long_chunk)] if long_chunk else []
+    assert [(row.request_id, row.num_tokens) for row in rows(output)] == [*expected, ("short", min(short_tokens, 20))]
 
 
 def test_a_long_prefill_of_the_same_tenant_keeps_the_whole_budget():

@@ -5,11 +5,12 @@ running requests first, in arrival order (a decode costs one token, an unfinishe
 continues with the next chunk), then waiting requests, whose cached prefix pages are attached
 first (except for a request that reports prompt logprobs: every prompt position must produce
 logits). Waiting requests are admitted in the waiting queue's order: preempted ones first, then by
-fair share of their tenants (see waiting). While another tenant's request waits, a running prefill
-leaves room in the step for it (up to half the token budget), so a tenant's first token does not
-wait for the whole of another tenant's long prompt. When pages run out, the most recently admitted
-running request is preempted: its pages are freed and it goes back to the front of the queue to be
-recomputed later. The scheduler moves request objects and lists of ints; it never touches tensors.
+fair share of their tenants (see waiting). While the next waiting request is another tenant's, the
+running prefills of other tenants leave it the tokens it needs in the step (up to the whole budget),
+so its first token waits for the step in progress, not for the rest of a long prompt. When pages
+run out, the most recently admitted running request is preempted: its pages are freed and it goes
+back to the front of the queue to be recomputed later. The scheduler moves request objects and lists
+of ints; it never touches tensors.
 """
 
 from workers.block_hash import BlockHash
@@ -61,7 +62,7 @@ class Scheduler:
         # tenants' running prefills; none when the running batch is full and it could not be admitted.
         next_waiting = next((request for request in self.waiting if not request.is_fetching), None)
         can_admit = next_waiting is not None and len(self.running) < self.max_num_seqs
-        reserve = min(next_waiting.num_tokens, self.max_num_batched_tokens // 2) if can_admit else 0
+        reserve = min(next_waiting.num_tokens, self.max_num_batched_tokens) if can_admit else 0
 
         index = 0
         while index < len(self.running) and budget > 0:
