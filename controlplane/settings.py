@@ -204,9 +204,9 @@ def _request_limits(environ: Mapping[str, str]) -> RequestLimits:
         raise ImproperlyConfigured(f"request limits (SLUICE_MAX_*): {error}") from None
 
 
-def _positive_int(name: str, default: int) -> int:
-    """The environment's value of `name`, else `default`, as an integer of at least 1."""
-    raw = os.environ.get(name)
+def _positive_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    """The value of `name` in `environ`, else `default`, as an integer of at least 1."""
+    raw = environ.get(name)
     try:
         value = int(raw) if raw is not None else default
     except ValueError:
@@ -254,21 +254,21 @@ SLUICE_FAIR_ADMISSION = os.environ.get("SLUICE_FAIR_ADMISSION", "1") != "0"
 # API calls at once, from admission to the end of the response, and prompt tokens of its admitted
 # requests still waiting for their first output token. Past either, a request is refused with 429 and
 # `retry-after` of this many seconds (each cap frees as soon as one of the tenant's requests moves on).
-SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT = _positive_int("SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT", 32)
-SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS = _positive_int("SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS", 65536)
-SLUICE_TENANT_CAP_RETRY_AFTER_S = _positive_int("SLUICE_TENANT_CAP_RETRY_AFTER_S", 1)
+SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT = _positive_int(os.environ, "SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT", 32)
+SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS = _positive_int(os.environ, "SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS", 65536)
+SLUICE_TENANT_CAP_RETRY_AFTER_S = _positive_int(os.environ, "SLUICE_TENANT_CAP_RETRY_AFTER_S", 1)
 # Where request bodies are parsed, rendered and tokenized (controlplane.gateway.preparation): bodies up
 # to SLUICE_PREPARE_INLINE_MAX_BYTES in this many gateway threads (a few milliseconds each)...
-SLUICE_PREPARE_INLINE_MAX_BYTES = _positive_int("SLUICE_PREPARE_INLINE_MAX_BYTES", 16 * 1024)
-SLUICE_PREPARE_THREADS = _positive_int("SLUICE_PREPARE_THREADS", 2)
+SLUICE_PREPARE_INLINE_MAX_BYTES = _positive_int(os.environ, "SLUICE_PREPARE_INLINE_MAX_BYTES", 16 * 1024)
+SLUICE_PREPARE_THREADS = _positive_int(os.environ, "SLUICE_PREPARE_THREADS", 2)
 # ...larger ones first in this many processes of their own, each job within a CPU budget (seconds of
 # CPU, whole seconds as the kernel counts them); past it the request is refused with 413. The largest
 # body SLUICE_MAX_BODY_BYTES allows takes about 10 s on one core of a small machine.
-SLUICE_PREPARE_PROCESSES = _positive_int("SLUICE_PREPARE_PROCESSES", 2)
-SLUICE_PREPARE_CPU_BUDGET_S = _positive_int("SLUICE_PREPARE_CPU_BUDGET_S", 30)
+SLUICE_PREPARE_PROCESSES = _positive_int(os.environ, "SLUICE_PREPARE_PROCESSES", 2)
+SLUICE_PREPARE_CPU_BUDGET_S = _positive_int(os.environ, "SLUICE_PREPARE_CPU_BUDGET_S", 30)
 # Outputs a stream holds for a client that has stopped reading (on top of the server's socket buffers):
 # once this many wait, its requests are aborted in the engines.
-SLUICE_STREAM_BUFFER_OUTPUTS = _positive_int("SLUICE_STREAM_BUFFER_OUTPUTS", 256)
+SLUICE_STREAM_BUFFER_OUTPUTS = _positive_int(os.environ, "SLUICE_STREAM_BUFFER_OUTPUTS", 256)
 
 # Telemetry (controlplane.telemetry): the gateway keeps one-minute rollups this many days.
 SLUICE_TELEMETRY_RETENTION_DAYS = int(os.environ.get("SLUICE_TELEMETRY_RETENTION_DAYS", 14))

@@ -18,7 +18,7 @@ body's bytes), so a tenant's backlog of large bodies delays another tenant's by 
 import asyncio
 import contextlib
 import threading
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 
@@ -31,8 +31,6 @@ from recipe.api import PreparedRequest
 
 if TYPE_CHECKING:
     from controlplane.gateway.admission import Admission
-
-Result = TypeVar("Result")
 
 _lock = threading.Lock()
 _threads: FairWorkers | None = None
@@ -92,7 +90,7 @@ def _is_large(job: PrepareJob) -> bool:
     return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES
 
 
-async def _done_by(workers: FairWorkers, job: PrepareJob, admission: "Admission") -> Result:
+async def _done_by(workers: FairWorkers, job: PrepareJob, admission: "Admission") -> PreparedRequest | int | None:
     tenant, weight = fair_share_of(admission.tenant)
     work = workers.submit(job, tenant=tenant, weight=weight, cost=len(job.body))
     try:

@@ -106,10 +106,10 @@ def check_body_received(request: HttpRequest) -> None:
         )
 
 
-def parse_json_body(body: bytes) -> dict:
+def parse_json_body(raw: bytes) -> dict:
     """Bytes that are not UTF-8 become lone surrogates (surrogateescape), so that the recipe's bounds
     check refuses them naming the field they are in; JSON outside strings must be valid either way."""
-    text = body.decode("utf-8", "surrogateescape").removeprefix("\ufeff")
+    text = raw.decode("utf-8", "surrogateescape").removeprefix("\ufeff")
     try:
         body = json.loads(text, parse_constant=_refuse_constant)
     except ValueError as error:

@@ -70,7 +70,8 @@ async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
             on_end=lambda usage: _generation_ended(tenant_id, usage),
         )
     except BaseException:
-        admission.hold.release()  # from here on the generation releases it, when it ends
+        # Until the generation exists; from then on it releases the hold when it ends.
+        admission.hold.release()
         raise
     if prepared.stream:
         await generation.start_stream()

@@ -1,7 +1,7 @@
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.settings import _grammar_limits, _request_limits, _worker_endpoints
+from controlplane.settings import _grammar_limits, _positive_int, _request_limits, _worker_endpoints
 from recipe.limits import RequestLimits
 from workers.protocol import GrammarLimits
 
@@ -48,3 +48,14 @@ def test_request_limits_default_to_the_recipes_and_each_is_set_by_its_own_variab
 def test_request_limits_out_of_range_are_refused_at_start(environ):
     with pytest.raises(ImproperlyConfigured):
         _request_limits(environ)
+
+
+def test_a_count_setting_is_its_default_unless_the_environment_sets_it():
+    assert _positive_int({}, "SLUICE_PREPARE_THREADS", 2) == 2
+    assert _positive_int({"SLUICE_PREPARE_THREADS": "4"}, "SLUICE_PREPARE_THREADS", 2) == 4
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", ""])
+def test_a_count_setting_that_is_not_a_positive_integer_is_refused_at_start(value):
+    with pytest.raises(ImproperlyConfigured, match="SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT"):
+        _positive_int({"SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT": value}, "SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT", 32)
