@@ -12,9 +12,9 @@ tenant A keeps `--flood` long prompts in flight from as many clients, each sendi
 as one is answered (after retry-after when refused with 429, as a client that retries would). Each
 gateway runs B alone, then B under A's flood (B starts once the worker has A's requests waiting; the
 flood goes on until B's last request is answered). With fair admission on, A's caps are the
-gateway's defaults (32 requests in flight); both tenants' rate limits are lifted, so that only fair
-admission limits A. Prints one JSON object: B's TTFT percentiles
-per case, and the ratio of B's p99 under the flood to B's p99 alone.
+gateway's defaults (128 requests in flight, 65,536 queued prompt tokens, so all 64 get in); both
+tenants' rate limits are lifted, so that only fair admission limits A. Prints one JSON object: B's
+TTFT percentiles per case, and the ratio of B's p99 under the flood to B's p99 alone.
 
 The worker's prefill chunk (`--max-num-batched-tokens`) is about the size of B's prompt: steps are
 not preemptible, so B's first token under load waits for the step in progress and then its own,

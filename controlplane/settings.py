@@ -254,7 +254,8 @@ SLUICE_FAIR_ADMISSION = os.environ.get("SLUICE_FAIR_ADMISSION", "1") != "0"
 # API calls at once, from admission to the end of the response, and prompt tokens of its admitted
 # requests still waiting for their first output token. Past either, a request is refused with 429 and
 # `retry-after` of this many seconds (each cap frees as soon as one of the tenant's requests moves on).
-SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT = _positive_int(os.environ, "SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT", 32)
+# The in-flight default lets one client run a 64-stream load test; the token cap bounds the backlog.
+SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT = _positive_int(os.environ, "SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT", 128)
 SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS = _positive_int(os.environ, "SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS", 65536)
 SLUICE_TENANT_CAP_RETRY_AFTER_S = _positive_int(os.environ, "SLUICE_TENANT_CAP_RETRY_AFTER_S", 1)
 # Where request bodies are parsed, rendered and tokenized (controlplane.gateway.preparation): bodies up
