@@ -215,7 +215,7 @@ def _check_stop_sequences(body: Mapping, path: Path | None, limits: RequestLimit
 
 def _check_schema(where: Path, schema: object, limits: RequestLimits) -> None:
     name = field_name(where)
-    if _depth(schema) > limits.max_schema_depth:
+    if json_depth(schema) > limits.max_schema_depth:
         raise invalid_request(f"`{name}` nests more than {limits.max_schema_depth} deep", name)
     text = schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
     size = len(text.encode())
@@ -223,8 +223,8 @@ def _check_schema(where: Path, schema: object, limits: RequestLimits) -> None:
         raise invalid_request(f"`{name}` is {size} bytes; at most {limits.max_schema_bytes} are allowed", name)
 
 
-def _depth(value: object) -> int:
-    """Levels of arrays and objects; the body's own check has bounded it already."""
+def json_depth(value: object) -> int:
+    """Levels of arrays and objects in a parsed JSON value (iteratively: no recursion limit)."""
     deepest, pending = 0, [(value, 1)]
     while pending:
         item, depth = pending.pop()

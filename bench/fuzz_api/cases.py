@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from bench.fuzz_api.bodies import ENDPOINTS, TOKEN_BUDGET_FIELDS, json_values, mutated_body, valid_body
+from recipe.limits import json_depth
 
 # Python's JSON parser recurses once per level, so the server cannot read a body nested much past
 # this at all (its stack is deeper than ours when it parses): it refuses the body as a whole.
@@ -128,22 +129,12 @@ def fuzz_cases(draw, api_key: str) -> FuzzCase:
         headers=_headers(draw, api_key, protocol),
         content=content,
         chunked=bool(content) and draw(st.integers(0, 9)) == 0,
-        body_is_object=isinstance(parsed, dict) and _depth(parsed) <= READABLE_DEPTH,
+        body_is_object=isinstance(parsed, dict) and json_depth(parsed) <= READABLE_DEPTH,
     )
 
 
 def _no_constant(name: str) -> None:
     raise ValueError(name)
-
-
-def _depth(value: object) -> int:
-    deepest, pending = 0, [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 @dataclass(frozen=True)
