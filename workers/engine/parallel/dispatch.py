@@ -1,0 +1,35 @@
+"""Dispatch and combine: rows exchanged between the ranks of a group, a different number to each.
+
+`exchange_counts` tells every rank how many rows each other rank will send it (an all-to-all of one
+count per pair), then `exchange_rows` moves the rows (an all-to-all with those splits). Both join
+the collective even with nothing to send, which is how a rank without tokens keeps the others going.
+The counts come to the host: a variable-size all-to-all needs its split sizes there.
+"""
+
+import torch
+import torch.distributed as dist
+
+from workers.engine.parallel.groups import EPGroup
+
+
+def exchange_counts(group: EPGroup, send_counts: torch.Tensor) -> torch.Tensor:
+    """`send_counts[r]`: rows this rank sends rank r; returns rows it receives from each rank."""
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group.process_group)
+    return recv_counts
+
+
+def exchange_rows(
+    group: EPGroup, rows: torch.Tensor, *, send_counts: list[int], recv_counts: list[int]
+) -> torch.Tensor:
+    """Rows grouped by destination rank (`send_counts` of them for each, in rank order) -> the rows
+    the other ranks sent this one, grouped by source rank."""
+    received = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    dist.all_to_all_single(
+        received,
+        rows.contiguous(),
+        output_split_sizes=recv_counts,
+        input_split_sizes=send_counts,
+        group=group.process_group,
+    )
+    return received
