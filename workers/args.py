@@ -100,8 +100,22 @@ class EngineArgs:
         help="wait for each step before scheduling the next (by default the host schedules step N+1 while "
         "the device runs step N, on the Triton backend)",
     )
+    ep_size: int = _setting(
+        1,
+        help="expert-parallel ranks: processes that serve a mixture-of-experts model as one worker (attention "
+        "data-parallel, experts spread over the ranks)",
+    )
+    ep_slots_per_rank: int | None = _setting(
+        None,
+        help="expert slots on each EP rank; slots past one per expert hold replicas of experts",
+        none="the experts divided by --ep-size, rounded up",
+    )
 
     def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
+        if self.ep_slots_per_rank is not None and (self.ep_slots_per_rank < 1 or self.ep_size == 1):
+            raise ValueError(f"ep_slots_per_rank must be >= 1 and needs ep_size > 1, got {self.ep_slots_per_rank}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
         check_engine_limits(

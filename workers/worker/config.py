@@ -32,7 +32,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_eviction_policy: str = "best"
     pool: str = ""  # the pool the control plane scales this worker in
     registry_endpoint: str | None = None  # where to register (a RegistryServer); None: nowhere
-    ep_size: int = 1  # expert-parallel ranks: the shape an ApplyEPLayoutRequest must have
     transfer_endpoint: str | None = None  # a decode worker's PULL for KV transfers (bound)
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S
 
@@ -43,8 +42,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("a decode worker needs a transfer_endpoint, and only a decode worker has one")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
-        if self.ep_size < 1:
-            raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
+        if self.engine.ep_size > 1 and self.role != "mixed":
+            raise ValueError(f"an expert-parallel worker (ep_size {self.engine.ep_size}) serves role mixed only")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
         if self.kv_gc_interval_s < 0:
@@ -69,7 +68,6 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-eviction-policy", default="best", choices=sorted(POLICIES))
     parser.add_argument("--pool", default="", help="the pool the control plane scales this worker in")
     parser.add_argument("--registry-endpoint", help="register with the control plane's registry there")
-    parser.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
     parser.add_argument("--transfer-endpoint", help="decode workers: bind the PULL for KV transfers here")
     parser.add_argument(
         "--transfer-timeout",
@@ -92,7 +90,6 @@ def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
         kv_eviction_policy=args.kv_eviction_policy,
         pool=args.pool,
         registry_endpoint=args.registry_endpoint,
-        ep_size=args.ep_size,
         transfer_endpoint=args.transfer_endpoint,
         transfer_timeout_s=args.transfer_timeout,
     )

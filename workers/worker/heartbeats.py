@@ -139,7 +139,7 @@ def registration(identity: WorkerIdentity, config: WorkerConfig, engine: LLMEngi
         request_endpoint=identity.request_endpoint,
         heartbeat_endpoint=identity.heartbeat_endpoint,
         transfer_endpoint=identity.transfer_endpoint,
-        ep_size=config.ep_size,
+        ep_size=config.engine.ep_size,
         num_accelerators=1 if on_cuda else 0,
         accelerator_kind=torch.cuda.get_device_name(device) if on_cuda else device.type,
         started_at=identity.started_at,

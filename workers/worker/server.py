@@ -100,7 +100,7 @@ class Worker:
         self.encoder = msgspec.msgpack.Encoder()
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
         self.control = WorkerControl(
-            self.worker_id, ep_size=config.ep_size, collector=collector, num_in_flight=self._num_in_flight
+            self.worker_id, ep_size=config.engine.ep_size, collector=collector, num_in_flight=self._num_in_flight
         )
         self.transfers = Transfers(
             worker_id=self.worker_id,

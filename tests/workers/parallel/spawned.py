@@ -9,8 +9,10 @@ import torch
 
 from workers.engine.parallel.groups import Rendezvous, join_group
 
-# Spawned, not forked: a forked child inherits the test process's OpenMP and gloo threads' state.
-CONTEXT = multiprocessing.get_context("spawn")
+# From a fork server, not forked from the test process (its OpenMP and gloo threads' state would be
+# copied): the server imports torch once for all the ranks it starts.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "kernels.moe", "workers.engine.parallel.experts"])
 RANK_TIMEOUT_S = 120
 
 

@@ -35,7 +35,9 @@ def check_scenarios(group: EPGroup, scenarios: list[tuple[list[list[int]], list[
     w13, w2 = _weights()
     found = []
     for number, (placement, tokens_per_rank) in enumerate(scenarios):
-        layer = ExpertParallelExperts(group=group, host_w13=w13, host_w2=w2, placement=placement, compute=experts)
+        layer = ExpertParallelExperts(
+            group=group, host_w13=w13, host_w2=w2, placement=placement, top_k=TOP_K, compute=experts
+        )
         hidden, ids, weights = _batch(sum(tokens_per_rank), seed=number)
         start = sum(tokens_per_rank[: group.rank])
         mine = slice(start, start + tokens_per_rank[group.rank])

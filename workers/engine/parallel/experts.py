@@ -49,10 +49,12 @@ class ExpertParallelExperts(nn.Module):
         host_w13: torch.Tensor,
         host_w2: torch.Tensor,
         placement: list[list[int]],
+        top_k: int,
         compute: ExpertsFn,
     ) -> None:
         super().__init__()
         self.num_experts = host_w13.shape[0]
+        self.top_k = top_k  # every rank's rows carry k slots, an empty pass's too
         self.host_w13 = host_w13.detach().cpu()
         self.host_w2 = host_w2.detach().cpu()
         self.compute = compute

@@ -1,0 +1,510 @@
+"""EPEngine: an engine of EP size N as N processes, driven from rank 0 (the worker process), with
+LLMEngine's interface so the worker serves it like any engine.
+
+Rank 0 runs its own LLMEngine here and starts ranks 1..N-1 (workers.engine.parallel.rank_process),
+each with a pipe. Attention is data-parallel: every rank schedules and serves its own requests;
+rank 0 checks each new request (its own admission rules are every rank's) and gives it to the rank
+with the fewest requests in flight (constrained requests stay on rank 0: their compiled grammar lives
+here). One `step()` is one lockstep step: rank 0 sends every rank its command (new requests, aborts,
+a placement to put in force, whether to report load), all ranks step together (a rank with nothing to
+run joins the collectives with an empty pass), and every rank answers with its outputs and state.
+No rank steps unless one has work.
+
+A rank that dies (its process exits, or a collective fails because a peer did) triggers a resize:
+the survivors meet at a new rendezvous, take a placement that covers every logical expert on them,
+and every request in flight is resubmitted from its prompt plus the tokens already streamed, so a
+greedy stream goes on with the same tokens. The resize is recorded (resized_at, resize_reason).
+"""
+
+import dataclasses
+import logging
+import multiprocessing
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+import msgspec
+import torch
+
+from workers.args import EngineArgs
+from workers.engine.builder import build_rank_engine
+from workers.engine.constraints import TokenConstraint
+from workers.engine.engine import EngineStats
+from workers.engine.errors import EngineOverloadedError, InvalidRequestError
+from workers.engine.outputs import RequestDelta, RequestFailure
+from workers.engine.parallel.groups import Rendezvous, join_group
+from workers.engine.parallel.placement import (
+    Placement,
+    PlacementError,
+    check_placement,
+    round_robin_placement,
+    slots_for,
+)
+from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_experts
+from workers.engine.parallel.rank_process import run_rank_process
+from workers.engine.sampling_params import SamplingParams
+from workers.protocol import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+# Ranks are forked from a fork server, not from the worker process, which has threads (heartbeats,
+# ZMQ, OpenMP) a fork would copy mid-flight; the server imports the rank's modules once, so a rank
+# starts without importing torch again.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["workers.engine.parallel.rank_process"])
+# Longest rank 0 waits for a live rank's report of one step (a long prefill on a CPU takes seconds).
+REPORT_TIMEOUT_S = 300.0
+# How often the ranks' expert load counters are read into the window heartbeats take.
+LOAD_INTERVAL_S = 0.1
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """What rank 0 keeps of a request to resubmit it elsewhere: as it came, and what it streamed."""
+
+    request: GenerateRequest
+    constraint: TokenConstraint | None
+    rank: int  # its rank's index in the group now
+    emitted: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _RemoteRank:
+    process: multiprocessing.Process
+    pipe: Connection
+    report: EPRankReport
+    commands: list[GenerateRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+class RankFailedError(RuntimeError):
+    """A rank died or its step failed."""
+
+
+class EPEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        # Eager: a variable-size all-to-all reads its counts on the host, which a CUDA graph cannot.
+        args = dataclasses.replace(args, enforce_eager=True)
+        self.args = args
+        self.device = torch.device(args.device)
+        size = args.ep_size
+        # On the CPU the ranks share the host's cores: each takes its share of threads, or their
+        # spinning OpenMP threads starve each other (restored by close()).
+        self._threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, self._threads // size))
+        local = build_rank_engine(args)
+        self.num_layers = len(moe_blocks(local.runner.model))
+        self.num_experts = num_logical_experts(local.runner.model)
+        slots = args.ep_slots_per_rank or slots_for(self.num_experts, size)
+        placement = round_robin_placement(
+            num_layers=self.num_layers, num_experts=self.num_experts, num_ranks=size, slots_per_rank=slots
+        )
+        rendezvous = Rendezvous.open(size)
+        self.remotes: list[_RemoteRank] = []
+        for rank in range(1, size):
+            ours, theirs = CONTEXT.Pipe()
+            spec = EPGroupSpec(port=rendezvous.port, rank=rank, size=size)
+            process = CONTEXT.Process(
+                target=run_rank_process, args=(args, spec, placement, theirs), name=f"ep-rank-{rank}", daemon=True
+            )
+            process.start()
+            theirs.close()
+            self.remotes.append(_RemoteRank(process=process, pipe=ours, report=EPRankReport(rank=rank)))
+        self._rendezvous = rendezvous
+        group = join_group(rank=0, size=size, port=rendezvous.port, device=self.device, rendezvous=rendezvous)
+        self.local = RankEngine(local, group, placement)
+        self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EPRankMessage)
+        for remote in self.remotes:
+            remote.report = self._receive(remote)
+        self.requests: dict[str, _InFlight] = {}
+        self.placement = placement
+        self._pending_placement: Placement | None = None
+        self._load_lock = threading.Lock()
+        self._load_window: list[list[int]] = []
+        self._load_collected_at = time.monotonic()
+        self.resized_at = 0.0
+        self.resize_reason = ""
+
+    # What the worker reads of an engine.
+    @property
+    def ep_size(self) -> int:
+        return 1 + len(self.remotes)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return len(self.placement[0][0])
+
+    # The model and settings are rank 0's engine's: every rank's is built from the same EngineArgs.
+    @property
+    def model_name(self) -> str:
+        return self.local.engine.model_name
+
+    @property
+    def model_config(self):
+        return self.local.engine.model_config
+
+    @property
+    def tokenizer(self):
+        return self.local.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.local.engine.max_model_len
+
+    @property
+    def config(self):
+        return self.local.engine.config
+
+    @property
+    def kv_model_id(self) -> str:
+        return self.local.engine.kv_model_id
+
+    @property
+    def store(self):
+        return self.local.engine.store
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_namespace: str = "",
+        constraint: TokenConstraint | None = None,
+        prompt_logprobs: int | None = None,
+        traffic_class: str = "chat",
+        prefill_only: bool = False,
+        tenant: str = "",
+        tenant_weight: int = 1,
+    ) -> None:
+        """LLMEngine.add_request's checks and errors; the request goes to the least loaded rank."""
+        if prefill_only:
+            raise InvalidRequestError("an expert-parallel worker serves whole requests (role mixed)")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        engine = self.local.engine
+        engine.admission.max_tokens(request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=False)
+        request = GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            cache_namespace=cache_namespace,
+            prompt_logprobs=prompt_logprobs,
+            traffic_class=traffic_class,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
+        )
+        rank = 0 if constraint is not None else self._least_loaded()
+        self._check_room(rank)
+        self._submit(_InFlight(request=request, constraint=constraint, rank=rank))
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return None
+        if entry.rank == 0:
+            return self.local.engine.abort_request(request_id)
+        remote = self.remotes[entry.rank - 1]
+        if entry.request in remote.commands:  # not sent yet
+            remote.commands.remove(entry.request)
+        else:
+            remote.aborts.append(request_id)
+        return RequestDelta(
+            request_id=request_id,
+            token_ids=[],
+            text="" if self.local.engine.tokenizer is not None else None,
+            logprobs=[],
+            finish_reason="abort",
+            stop_reason=None,
+            num_prompt_tokens=len(entry.request.prompt_token_ids),
+            num_cached_tokens=0,
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self.local.engine.has_unfinished()
+
+    def apply_placement(self, placement: object) -> None:
+        """Check `placement` against the group in force (PlacementError saying why, nothing changed);
+        every rank puts it in force before the next step."""
+        placement = check_placement(
+            placement, num_layers=self.num_layers, num_experts=self.num_experts, num_ranks=self.ep_size
+        )
+        slots = {len(experts) for layer in placement for experts in layer}
+        if slots != {self.slots_per_rank}:
+            raise PlacementError(
+                f"every rank has {self.slots_per_rank} expert slots; the placement has {sorted(slots)}"
+            )
+        self._pending_placement = placement
+
+    def take_expert_load(self) -> list[list[int]]:
+        """Tokens routed to each physical slot per MoE layer since the previous take (any thread)."""
+        with self._load_lock:
+            window, self._load_window = self._load_window, []
+        return window
+
+    def step(self) -> list[RequestDelta]:
+        placement, self._pending_placement = self._pending_placement, None
+        collect = placement is not None or time.monotonic() - self._load_collected_at >= LOAD_INTERVAL_S
+        stepping = self.local.engine.has_unfinished() or any(
+            r.report.has_unfinished or r.commands for r in self.remotes
+        )
+        for remote in self.remotes:
+            command = EPRankCommand(
+                step=stepping,
+                requests=remote.commands,
+                aborts=remote.aborts,
+                placement=placement,
+                collect_load=collect,
+            )
+            remote.commands, remote.aborts = [], []
+            self._send(remote, command)
+        local_error: Exception | None = None
+        deltas: list[RequestDelta] = []
+        load: list[list[int]] = []
+        try:
+            if placement is not None:
+                load = self.local.take_load()
+                self.local.apply_placement(placement)
+            if stepping:
+                deltas = self.local.step()
+            if collect and placement is None:
+                load = self.local.take_load()
+        except Exception as error:
+            local_error = error
+        failed = local_error is not None
+        reports = []
+        for remote in self.remotes:
+            try:
+                remote.report = self._receive(remote)
+            except RankFailedError:
+                failed = True
+                continue
+            failed |= bool(remote.report.error)
+            reports.append(remote.report)
+        if placement is not None:
+            self.placement = placement
+        for report in reports:
+            deltas += self._remote_deltas(report)
+        deltas = self._track(deltas)
+        if collect:
+            self._add_load([load, *(r.expert_load for r in reports)], fresh_layout=placement is not None)
+        if failed:
+            dead = [i + 1 for i, r in enumerate(self.remotes) if not r.process.is_alive()]
+            if not dead:
+                raise RankFailedError("an EP step failed with every rank alive") from local_error
+            self._resize(dead)
+        return deltas
+
+    def stats(self) -> EngineStats:
+        local = self.local.engine.stats()
+        reports = [r.report for r in self.remotes]
+        num_pages = local.num_pages + sum(r.num_pages for r in reports)
+        num_free = local.num_free_pages + sum(r.num_free_pages for r in reports)
+        return EngineStats(
+            num_running=local.num_running + sum(r.num_running for r in reports),
+            num_waiting=local.num_waiting + sum(r.num_waiting for r in reports),
+            num_free_pages=num_free,
+            num_pages=num_pages,
+            kv_usage=1.0 - num_free / num_pages if num_pages else 0.0,
+            num_computed_tokens=local.num_computed_tokens,
+            num_prompt_tokens=local.num_prompt_tokens + sum(r.num_prompt_tokens for r in reports),
+            num_cached_prompt_tokens=local.num_cached_prompt_tokens + sum(r.num_cached_prompt_tokens for r in reports),
+            num_preemptions=local.num_preemptions + sum(r.num_preemptions for r in reports),
+            store=local.store,
+            cost_model_error=local.cost_model_error,
+        )
+
+    def close(self) -> None:
+        for remote in self.remotes:
+            try:
+                self._send(remote, EPRankCommand(step=False, stop=True))
+            except (BrokenPipeError, OSError):
+                pass
+        for remote in self.remotes:
+            remote.process.join(timeout=10)
+            if remote.process.is_alive():
+                remote.process.kill()
+        self.local.group.destroy()
+        self.local.engine.close()
+        torch.set_num_threads(self._threads)
+
+    # Requests.
+
+    def _least_loaded(self) -> int:
+        counts = [0] * self.ep_size
+        for entry in self.requests.values():
+            counts[entry.rank] += 1
+        return counts.index(min(counts))
+
+    def _check_room(self, rank: int) -> None:
+        """A rank takes at most max_num_seqs running plus max_waiting waiting requests."""
+        waiting = self.args.max_waiting
+        if waiting is None:
+            return
+        held = sum(1 for entry in self.requests.values() if entry.rank == rank)
+        if held >= self.args.max_num_seqs + waiting:
+            raise EngineOverloadedError(f"rank {rank} of this EP worker holds {held} requests")
+
+    def _submit(self, entry: _InFlight) -> None:
+        request = _continued(entry)
+        self.requests[request.request_id] = entry
+        if entry.rank == 0:
+            self.local.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                cache_namespace=request.cache_namespace,
+                constraint=entry.constraint,
+                prompt_logprobs=request.prompt_logprobs,
+                traffic_class=request.traffic_class,
+                tenant=request.tenant,
+                tenant_weight=request.tenant_weight,
+            )
+        else:
+            self.remotes[entry.rank - 1].commands.append(request)
+
+    def _remote_deltas(self, report: EPRankReport) -> list[RequestDelta]:
+        failures = {f.request_id: RequestFailure(f.kind, f.message) for f in report.failures}
+        deltas = [
+            RequestDelta(
+                request_id=o.request_id,
+                token_ids=o.token_ids,
+                text=o.text if self.local.engine.tokenizer is not None else None,
+                logprobs=o.logprobs,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+                num_prompt_tokens=o.num_prompt_tokens,
+                num_cached_tokens=o.num_cached_tokens,
+                prompt_logprobs=o.prompt_logprobs,
+                failure=failures.get(o.request_id),
+            )
+            for o in report.outputs
+        ]
+        for refused in report.refused:
+            deltas.append(
+                RequestDelta(
+                    request_id=refused.request_id,
+                    token_ids=[],
+                    text=None,
+                    logprobs=[],
+                    finish_reason="error",
+                    stop_reason=None,
+                    num_prompt_tokens=0,
+                    num_cached_tokens=0,
+                    failure=RequestFailure("internal", f"rank {report.rank} refused it: {refused.message}"),
+                )
+            )
+        return deltas
+
+    def _track(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Record what each request streamed; drop outputs of requests aborted meanwhile; report
+        prompt lengths as the client's prompt."""
+        kept = []
+        for delta in deltas:
+            entry = self.requests.get(delta.request_id)
+            if entry is None:
+                continue
+            entry.emitted += delta.token_ids
+            delta.num_prompt_tokens = len(entry.request.prompt_token_ids)
+            delta.num_cached_tokens = min(delta.num_cached_tokens, delta.num_prompt_tokens)
+            if delta.finished:
+                del self.requests[delta.request_id]
+            kept.append(delta)
+        return kept
+
+    def _add_load(self, per_rank: list[list[list[int]]], *, fresh_layout: bool) -> None:
+        """Sum the ranks' counts into the window. Counts from before a new layout index other slots:
+        the window is restarted with the new layout's counts."""
+        self._load_collected_at = time.monotonic()
+        per_rank = [load for load in per_rank if load]
+        if not per_rank:
+            return
+        summed = torch.tensor(per_rank, dtype=torch.int64).sum(dim=0).tolist()
+        with self._load_lock:
+            if fresh_layout or not self._load_window or len(self._load_window[0]) != len(summed[0]):
+                self._load_window = summed if not fresh_layout else []
+            else:
+                self._load_window = [
+                    [a + b for a, b in zip(x, y, strict=True)] for x, y in zip(self._load_window, summed, strict=True)
+                ]
+
+    # Ranks.
+
+    def _send(self, remote: _RemoteRank, command: EPRankCommand) -> None:
+        remote.pipe.send_bytes(self.encoder.encode(command))
+
+    def _receive(self, remote: _RemoteRank) -> EPRankReport:
+        """The rank's next report; RankFailedError when it died first."""
+        deadline = time.monotonic() + REPORT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            ready = wait([remote.pipe, remote.process.sentinel], timeout=deadline - time.monotonic())
+            if remote.pipe in ready:
+                try:
+                    return self.decoder.decode(remote.pipe.recv_bytes())
+                except (EOFError, OSError):
+                    break
+            if remote.process.sentinel in ready:
+                break
+        raise RankFailedError(f"EP rank process {remote.process.name} is gone (exit code {remote.process.exitcode})")
+
+    def _resize(self, dead: list[int]) -> None:
+        """Re-form the group from the survivors, put a placement covering every expert on them in
+        force, and resubmit every request in flight (each survivor's own too: a step that broke
+        part-way left them half-computed) from its prompt and what it streamed."""
+        for rank in dead:
+            self.remotes[rank - 1].process.join(timeout=1)
+        old_ranks = [0] + [rank for rank in range(1, self.ep_size) if rank not in dead]
+        new_rank = {old: new for new, old in enumerate(old_ranks)}
+        survivors = [self.remotes[rank - 1] for rank in old_ranks[1:]]
+        size = len(old_ranks)
+        slots = max(self.slots_per_rank, slots_for(self.num_experts, size))
+        placement = round_robin_placement(
+            num_layers=self.num_layers, num_experts=self.num_experts, num_ranks=size, slots_per_rank=slots
+        )
+        reason = f"EP ranks {dead} died; the group re-formed with {size} ranks"
+        log.warning("%s; resubmitting %d requests", reason, len(self.requests))
+        self.local.group.destroy()
+        self._rendezvous = Rendezvous.open(size)
+        for old, remote in zip(old_ranks[1:], survivors, strict=True):
+            spec = EPGroupSpec(port=self._rendezvous.port, rank=new_rank[old], size=size)
+            aborts = [request_id for request_id, entry in self.requests.items() if entry.rank == old]
+            self._send(remote, EPRankCommand(step=False, regroup=spec, placement=placement, aborts=aborts))
+        group = join_group(
+            rank=0, size=size, port=self._rendezvous.port, device=self.device, rendezvous=self._rendezvous
+        )
+        self.local.apply_placement(placement, group)
+        for remote in survivors:
+            remote.report = self._receive(remote)  # its abort outputs are ours, not the clients'
+            remote.commands, remote.aborts = [], []
+        self.remotes = survivors
+        self.placement = placement
+        with self._load_lock:
+            self._load_window = []
+        entries = list(self.requests.values())
+        self.requests = {}
+        for entry in entries:
+            if entry.rank == 0:
+                self.local.engine.abort_request(entry.request.request_id)
+            entry.rank = new_rank.get(entry.rank, -1)
+        # The lost ranks' requests go to the least loaded survivors once the others have their place.
+        for entry in sorted(entries, key=lambda e: e.rank < 0):
+            if entry.rank < 0:
+                entry.rank = self._least_loaded()
+            self._submit(entry)
+        self.resized_at = time.time()
+        self.resize_reason = reason
+
+
+def _continued(entry: _InFlight) -> GenerateRequest:
+    """The request as a rank is given it: after a resubmission, its prompt followed by what it streamed."""
+    request = entry.request
+    if not entry.emitted:
+        return request
+    params = request.params
+    if params.max_tokens is not None:
+        params = msgspec.structs.replace(params, max_tokens=params.max_tokens - len(entry.emitted))
+    return msgspec.structs.replace(
+        request, prompt_token_ids=request.prompt_token_ids + entry.emitted, params=params, prompt_logprobs=None
+    )
