@@ -10,6 +10,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
+from workers.engine.parallel.placement import Placement, PlacementError, placement_error
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol import (
@@ -41,8 +42,12 @@ class WorkerControl:
         ep_size: int,
         collector: GarbageCollector | None,
         num_in_flight: Callable[[], int],
+        apply_placement: Callable[[int, Placement], None] | None = None,
         remembered_answers: int = REMEMBERED_ANSWERS,
     ) -> None:
+        """`apply_placement(num_logical_experts, placement)` puts an expert placement in force on an
+        expert-parallel engine (EPEngine.apply_layout), raising PlacementError for one it cannot take;
+        None for a dense engine, which records a valid layout's version and has no experts to move."""
         self.worker_id = worker_id
         self.state = READY
         self.ttl_policy_version = 0
@@ -50,6 +55,7 @@ class WorkerControl:
         self._ep_size = ep_size
         self._collector = collector
         self._num_in_flight = num_in_flight
+        self._apply_placement = apply_placement
         self._answers: OrderedDict[str, ControlAck] = OrderedDict()
         self._remembered_answers = remembered_answers
         # Each action returns "" when done, or why it was refused (and then changes nothing).
@@ -131,27 +137,27 @@ class WorkerControl:
         return ""
 
     def _apply_ep_layout(self, request: ApplyEPLayoutRequest) -> str:
+        if request.version < self.ep_layout_version:
+            return f"EP layout version {request.version} is older than the active version {self.ep_layout_version}"
         refusal = ep_layout_error(request, self._ep_size)
         if refusal:
             return refusal
-        # The models served so far are dense: a valid layout is recorded, and there are no experts to
-        # move. MoE models will re-place their experts here.
+        if self._apply_placement is not None:
+            try:
+                self._apply_placement(request.num_logical_experts, request.placement)
+            except PlacementError as error:
+                return f"invalid EP layout: {error}"
         self.ep_layout_version = request.version
         return ""
 
 
 def ep_layout_error(request: ApplyEPLayoutRequest, ep_size: int) -> str:
-    """Why `request` is not a valid layout for `ep_size` ranks, or "" when it is."""
+    """Why `request` is not a valid layout ([layer][rank][slot]) for `ep_size` ranks, or "" when it is."""
     experts = request.num_logical_experts
     if experts < 1:
         return f"num_logical_experts must be positive, got {experts}"
-    if len(request.placement) != ep_size:
-        return f"the placement has {len(request.placement)} ranks; this worker has ep_size {ep_size}"
-    placed = [expert for rank in request.placement for expert in rank]
-    outside = sorted({expert for expert in placed if not 0 <= expert < experts})
-    if outside:
-        return f"expert ids {outside} are outside 0..{experts - 1}"
-    missing = sorted(set(range(experts)) - set(placed))
-    if missing:
-        return f"experts {missing} have no slot on any rank"
-    return ""
+    if not request.placement:
+        return "the placement has no layers"
+    if len(request.placement[0]) != ep_size:
+        return f"the placement has {len(request.placement[0])} ranks; this worker has ep_size {ep_size}"
+    return placement_error(request.placement, num_layers=len(request.placement), num_experts=experts, num_ranks=ep_size)

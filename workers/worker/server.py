@@ -22,6 +22,7 @@ from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.outputs import RequestDelta, RequestFailure
+from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.request import FinishReason
 from workers.engine.sampling_params import invalid_request_from
 from workers.kvstore.gc import GarbageCollector
@@ -100,7 +101,11 @@ class Worker:
         self.encoder = msgspec.msgpack.Encoder()
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
         self.control = WorkerControl(
-            self.worker_id, ep_size=config.engine.ep_size, collector=collector, num_in_flight=self._num_in_flight
+            self.worker_id,
+            ep_size=config.engine.ep_size,
+            collector=collector,
+            num_in_flight=self._num_in_flight,
+            apply_placement=engine.apply_layout if isinstance(engine, EPEngine) else None,
         )
         self.transfers = Transfers(
             worker_id=self.worker_id,

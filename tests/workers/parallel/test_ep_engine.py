@@ -1,11 +1,14 @@
 """An EP engine of 2 and 4 gloo ranks (processes) serves a tiny random Qwen3-MoE with the greedy
 tokens and logprobs of one process, with redundant experts too; a rank without requests does not
-stall the others."""
+stall the others. A placement put in force while streams run changes none of their tokens and the
+load counters follow the experts to their new slots; an invalid one changes nothing."""
 
 import pytest
 
 from workers.engine import LLM, SamplingParams
+from workers.engine.parallel import ep_engine
 from workers.engine.parallel.ep_engine import EPEngine
+from workers.engine.parallel.placement import PlacementError
 
 QWEN3_MOE = dict(
     model_type="qwen3_moe",
@@ -25,7 +28,8 @@ QWEN3_MOE = dict(
     norm_topk_prob=True,
     mlp_only_layers=[1],
 )
-SETTINGS = dict(seed=0, kv_cache_bytes=1 << 22, max_num_batched_tokens=32)
+# No prefix cache: the same prompts run twice route the same tokens (the load counter test).
+SETTINGS = dict(seed=0, kv_cache_bytes=1 << 22, max_num_batched_tokens=32, enable_prefix_caching=False)
 PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 80)), [7] * 9, [100, 1, 2]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -42,21 +46,104 @@ def one_process():
     llm.close()
 
 
+@pytest.fixture(scope="module")
+def ep2():
+    llm = LLM(QWEN3_MOE, **SETTINGS, ep_size=2, ep_slots_per_rank=5)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def ep4():
+    llm = LLM(QWEN3_MOE, **SETTINGS, ep_size=4, ep_slots_per_rank=3)
+    yield llm
+    llm.close()
+
+
 @pytest.mark.parametrize(("ep_size", "slots_per_rank"), [(2, 5), (4, 3)])
-def test_ep_engine_matches_one_process(one_process, ep_size, slots_per_rank):
-    llm = LLM(QWEN3_MOE, **SETTINGS, ep_size=ep_size, ep_slots_per_rank=slots_per_rank)
-    try:
-        engine = llm.engine
-        assert isinstance(engine, EPEngine) and engine.ep_size == ep_size
-        # Redundant slots hold replicas: some expert has two.
-        layer = [expert for rank in engine.placement[0] for expert in rank]
-        assert len(layer) == ep_size * slots_per_rank and len(set(layer)) == 8
-        tokens, logprobs = _tokens_and_logprobs(llm, PROMPTS)
-        assert tokens == one_process[0]
-        for ours, theirs in zip(logprobs, one_process[1], strict=True):
-            assert ours == pytest.approx(theirs, abs=1e-4)
-        # One request: the other ranks have none and run empty passes; it completes all the same.
-        tokens, _ = _tokens_and_logprobs(llm, PROMPTS[1:2])
-        assert tokens == one_process[0][1:2]
-    finally:
-        llm.close()
+def test_ep_engine_matches_one_process(request, one_process, ep_size, slots_per_rank):
+    llm = request.getfixturevalue(f"ep{ep_size}")
+    engine = llm.engine
+    assert isinstance(engine, EPEngine) and engine.ep_size == ep_size
+    # Redundant slots hold replicas: some expert has two.
+    layer = [expert for rank in engine.placement[0] for expert in rank]
+    assert len(layer) == ep_size * slots_per_rank and len(set(layer)) == 8
+    tokens, logprobs = _tokens_and_logprobs(llm, PROMPTS)
+    assert tokens == one_process[0]
+    for ours, theirs in zip(logprobs, one_process[1], strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+    # One request: the other ranks have none and run empty passes; it completes all the same.
+    tokens, _ = _tokens_and_logprobs(llm, PROMPTS[1:2])
+    assert tokens == one_process[0][1:2]
+
+
+def _streams(engine: EPEngine, prompts: list[list[int]], *, after_steps: int = -1, placement=None) -> list[list[int]]:
+    """Run `prompts` to the end, putting `placement` in force after `after_steps` steps."""
+    tokens = {f"s{i}": [] for i in range(len(prompts))}
+    for request_id, prompt in zip(tokens, prompts, strict=True):
+        engine.add_request(request_id, prompt, GREEDY)
+    steps = 0
+    while engine.has_unfinished():
+        if steps == after_steps:
+            engine.apply_layout(8, placement)
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+        steps += 1
+    return list(tokens.values())
+
+
+# Every expert once more than in the round-robin start: expert 7 on two slots, on both ranks.
+MOVED = [[[7, 6, 5, 4, 3], [2, 1, 0, 7, 6]], [[7, 6, 5, 4, 3], [2, 1, 0, 7, 6]]]
+
+
+def _per_expert(window: list[list[int]], placement: list[list[list[int]]]) -> list[list[int]]:
+    totals = [[0] * 8 for _ in window]
+    for layer, counts in enumerate(window):
+        slots = [expert for rank in placement[layer] for expert in rank]
+        for slot, count in enumerate(counts):
+            totals[layer][slots[slot]] += count
+    return totals
+
+
+def test_a_placement_applied_while_streams_run_changes_no_token(ep2, one_process, monkeypatch):
+    # Counters read at every step, so that a window holds exactly the steps run between two takes.
+    monkeypatch.setattr(ep_engine, "LOAD_INTERVAL_S", 0.0)
+    engine = ep2.engine
+    start = engine.placement
+    engine.step()  # nothing to run: only reads what earlier tests left in the counters
+    engine.take_expert_load()
+    assert _streams(engine, PROMPTS) == one_process[0]
+    before = engine.take_expert_load()
+
+    assert _streams(engine, PROMPTS, after_steps=3, placement=MOVED) == one_process[0]
+    assert engine.placement == MOVED
+    # The same traffic again, all of it under the new placement: every expert gets the tokens it
+    # got before, now counted at its new slots, and expert 7's load is spread over its two.
+    engine.take_expert_load()
+    assert _streams(engine, PROMPTS) == one_process[0]
+    after = engine.take_expert_load()
+    assert _per_expert(after, MOVED) == _per_expert(before, start)
+    slots_of_7 = [0, 8]
+    for layer in after:
+        assert sum(layer) > 0 and all(layer[slot] > 0 for slot in slots_of_7)
+
+
+@pytest.mark.parametrize(
+    ("experts", "placement", "message"),
+    [
+        (8, [[[0, 1, 2, 3, 4], [5, 6, 0, 1, 2]]] * 2, r"experts \[7\] have no slot"),
+        (8, [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2, "every rank has 5 expert slots"),
+        (8, [[[0, 1, 2, 3, 4], [5, 6, 7, 0, 1]]], "2 layers"),
+        (8, [[[0, 1, 2, 3, 4]], [[5, 6, 7, 0, 1]]], "must have 2 ranks"),
+        (4, [[[0, 1, 2, 3, 0], [1, 2, 3, 0, 1]]] * 2, "8 experts"),
+    ],
+    ids=["expert-missing", "slot-count", "layer-count", "rank-count", "expert-count"],
+)
+def test_an_invalid_placement_is_refused_and_the_one_in_force_stays(ep2, one_process, experts, placement, message):
+    engine = ep2.engine
+    in_force = engine.placement
+    with pytest.raises(PlacementError, match=message):
+        engine.apply_layout(experts, placement)
+    assert engine.placement == in_force
+    tokens, _ = _tokens_and_logprobs(ep2, PROMPTS[:1])
+    assert tokens == one_process[0][:1] and engine.placement == in_force

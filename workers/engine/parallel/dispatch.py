@@ -7,7 +7,6 @@ The counts come to the host: a variable-size all-to-all needs its split sizes th
 """
 
 import torch
-import torch.distributed as dist
 
 from workers.engine.parallel.groups import EPGroup
 
@@ -15,7 +14,8 @@ from workers.engine.parallel.groups import EPGroup
 def exchange_counts(group: EPGroup, send_counts: torch.Tensor) -> torch.Tensor:
     """`send_counts[r]`: rows this rank sends rank r; returns rows it receives from each rank."""
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group.process_group)
+    ones = [1] * group.size
+    group.process_group.alltoall_base(recv_counts, send_counts, ones, ones).wait()
     return recv_counts
 
 
@@ -25,11 +25,5 @@ def exchange_rows(
     """Rows grouped by destination rank (`send_counts` of them for each, in rank order) -> the rows
     the other ranks sent this one, grouped by source rank."""
     received = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
-    dist.all_to_all_single(
-        received,
-        rows.contiguous(),
-        output_split_sizes=recv_counts,
-        input_split_sizes=send_counts,
-        group=group.process_group,
-    )
+    group.process_group.alltoall_base(received, rows.contiguous(), recv_counts, send_counts).wait()
     return received

@@ -225,9 +225,12 @@ class EPEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.local.engine.has_unfinished()
 
-    def apply_placement(self, placement: object) -> None:
-        """Check `placement` against the group in force (PlacementError saying why, nothing changed);
-        every rank puts it in force before the next step."""
+    def apply_layout(self, num_logical_experts: int, placement: object) -> None:
+        """Check a placement ([layer][rank][slot]) against the model and the group in force
+        (PlacementError saying why, and nothing changes); every rank puts it in force before the
+        next step, so every forward runs under one placement on all ranks."""
+        if num_logical_experts != self.num_experts:
+            raise PlacementError(f"the model has {self.num_experts} experts per layer, not {num_logical_experts}")
         placement = check_placement(
             placement, num_layers=self.num_layers, num_experts=self.num_experts, num_ranks=self.ep_size
         )

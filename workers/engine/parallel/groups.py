@@ -4,6 +4,9 @@ localhost that rank 0 hosts on a port the system picks.
 Rank 0 opens the rendezvous (`Rendezvous.open`), hands its port to the other ranks (the EP engine
 sends it down each rank's pipe), and every rank, rank 0 included, joins with `join_group`. After a
 rank dies the survivors destroy their group and meet again at a new rendezvous.
+
+Collectives are called on the process group object itself (`alltoall_base`), which torch.distributed's
+module-level functions do not accept for a group made outside init_process_group.
 """
 
 from dataclasses import dataclass
@@ -37,21 +40,21 @@ class Rendezvous:
 
 @dataclass(slots=True)
 class EPGroup:
-    """One rank's membership of an expert-parallel group."""
+    """One rank's membership of an expert-parallel group. The process group is made directly, not
+    as torch.distributed's default group: a process may hold several at once (tests run engines of
+    different sizes side by side), and a re-formed group simply replaces a destroyed one."""
 
     rank: int
     size: int
     device: torch.device
     process_group: dist.ProcessGroup | None  # None for a group of one on the CPU: nothing to exchange
+    store: dist.Store | None = None  # kept for the group's life
 
     def destroy(self) -> None:
         if self.process_group is not None:
-            dist.destroy_process_group()
+            self.process_group.shutdown()
             self.process_group = None
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+            self.store = None
 
 
 def join_group(
@@ -69,9 +72,10 @@ def join_group(
     if size == 1 and device.type != "cuda":
         return EPGroup(rank=0, size=1, device=device, process_group=None)
     store = rendezvous.store if rendezvous is not None else dist.TCPStore(HOST, port, size, timeout=GROUP_TIMEOUT)
-    options = {"device_id": device} if device.type == "cuda" else {}
-    # One group per process at a time, the default one: a re-formed group replaces a destroyed one.
-    dist.init_process_group(
-        backend_for(device), store=store, rank=rank, world_size=size, timeout=GROUP_TIMEOUT, **options
-    )
-    return EPGroup(rank=rank, size=size, device=device, process_group=dist.group.WORLD)
+    prefixed = dist.PrefixStore("ep", store)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        group = dist.ProcessGroupNCCL(prefixed, rank, size, dist.ProcessGroupNCCL.Options())
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, size, GROUP_TIMEOUT)
+    return EPGroup(rank=rank, size=size, device=device, process_group=group, store=store)
