@@ -1,7 +1,12 @@
 """An EP engine of 2 and 4 gloo ranks (processes) serves a tiny random Qwen3-MoE with the greedy
 tokens and logprobs of one process, with redundant experts too; a rank without requests does not
 stall the others. A placement put in force while streams run changes none of their tokens and the
-load counters follow the experts to their new slots; an invalid one changes nothing."""
+load counters follow the experts to their new slots; an invalid one changes nothing. When one of 4
+ranks is killed, the group re-forms with 3, every expert is still served, and the running greedy
+streams complete with the same tokens."""
+
+import os
+import signal
 
 import pytest
 
@@ -147,3 +152,26 @@ def test_an_invalid_placement_is_refused_and_the_one_in_force_stays(ep2, one_pro
     assert engine.placement == in_force
     tokens, _ = _tokens_and_logprobs(ep2, PROMPTS[:1])
     assert tokens == one_process[0][:1] and engine.placement == in_force
+
+
+def test_a_killed_rank_leaves_three_that_finish_every_stream(ep4, one_process):
+    """Last of the ep4 tests: it kills one of the engine's ranks."""
+    engine = ep4.engine
+    victim = engine.remotes[1].process
+    tokens = {f"k{i}": [] for i in range(len(PROMPTS))}
+    for request_id, prompt in zip(tokens, PROMPTS, strict=True):
+        engine.add_request(request_id, prompt, GREEDY)
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 4:
+            os.kill(victim.pid, signal.SIGKILL)
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+        steps += 1
+    assert list(tokens.values()) == one_process[0]
+    assert engine.ep_size == 3 and not victim.is_alive()
+    assert "re-formed with 3 ranks" in engine.resize_reason and engine.resized_at > 0
+    for layer in engine.placement:
+        assert len(layer) == 3 and {expert for rank in layer for expert in rank} == set(range(8))
+    # The re-formed group serves new requests too.
+    assert _tokens_and_logprobs(ep4, PROMPTS[:2])[0] == one_process[0][:2]

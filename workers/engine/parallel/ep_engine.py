@@ -262,7 +262,10 @@ class EPEngine:
                 collect_load=collect,
             )
             remote.commands, remote.aborts = [], []
-            self._send(remote, command)
+            try:
+                self._send(remote, command)
+            except OSError:  # its pipe broke: it died; its report will say so
+                pass
         local_error: Exception | None = None
         deltas: list[RequestDelta] = []
         load: list[list[int]] = []
