@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from workers.engine.engine import LLMEngine
+from workers.engine.parallel.ep_engine import EPEngine
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
 from workers.protocol import WorkerHeartbeat, WorkerRegistration
@@ -40,7 +41,7 @@ class Heartbeats:
         self,
         identity: WorkerIdentity,
         config: WorkerConfig,
-        engine: LLMEngine,
+        engine: LLMEngine | EPEngine,
         control: WorkerControl,
         collector: GarbageCollector | None,
         publisher: zmq.Socket,
@@ -74,6 +75,8 @@ class Heartbeats:
         store_usage = self._read_store_usage()
         collector = self.collector
         identity = self.identity
+        engine = self.engine
+        expert_parallel = isinstance(engine, EPEngine)
         heartbeat = WorkerHeartbeat(
             worker_id=identity.worker_id,
             role=self.config.role,
@@ -112,6 +115,11 @@ class Heartbeats:
             kv_store_high_watermark=collector.high_watermark if collector else 0.0,
             kv_store_evicted_expired=collector.evicted_expired if collector else 0,
             kv_store_evicted_capacity=collector.evicted_capacity if collector else 0,
+            ep_size=engine.ep_size if expert_parallel else 1,
+            # Taken here, so each heartbeat carries the window since the previous one.
+            expert_load=engine.take_expert_load() if expert_parallel else [],
+            ep_resized_at=engine.resized_at if expert_parallel else 0.0,
+            ep_resize_reason=engine.resize_reason if expert_parallel else "",
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 
@@ -127,7 +135,8 @@ class Heartbeats:
         return self.store_usage
 
 
-def registration(identity: WorkerIdentity, config: WorkerConfig, engine: LLMEngine) -> WorkerRegistration:
+def registration(identity: WorkerIdentity, config: WorkerConfig, engine: LLMEngine | EPEngine) -> WorkerRegistration:
+    """One registration for the worker, however many EP ranks (one device each) it runs."""
     device = torch.device(config.engine.device)
     on_cuda = device.type == "cuda"
     return WorkerRegistration(
@@ -140,7 +149,7 @@ def registration(identity: WorkerIdentity, config: WorkerConfig, engine: LLMEngi
         heartbeat_endpoint=identity.heartbeat_endpoint,
         transfer_endpoint=identity.transfer_endpoint,
         ep_size=config.engine.ep_size,
-        num_accelerators=1 if on_cuda else 0,
+        num_accelerators=config.engine.ep_size if on_cuda else 0,
         accelerator_kind=torch.cuda.get_device_name(device) if on_cuda else device.type,
         started_at=identity.started_at,
     )

@@ -10,29 +10,12 @@ import signal
 
 import pytest
 
+from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from workers.engine import LLM, SamplingParams
 from workers.engine.parallel import ep_engine
 from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.parallel.placement import PlacementError
 
-QWEN3_MOE = dict(
-    model_type="qwen3_moe",
-    architectures=["Qwen3MoeForCausalLM"],
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-    mlp_only_layers=[1],
-)
 # No prefix cache: the same prompts run twice route the same tokens (the load counter test).
 SETTINGS = dict(seed=0, kv_cache_bytes=1 << 22, max_num_batched_tokens=32, enable_prefix_caching=False)
 PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 80)), [7] * 9, [100, 1, 2]]

@@ -5,6 +5,7 @@ A command whose step fails (a collective broke: another rank died) is answered w
 rank then waits for a command that re-forms the group. Its requests are rank 0's to resubmit.
 """
 
+import dataclasses
 import logging
 from multiprocessing.connection import Connection
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 def run_rank_process(args: EngineArgs, spec: EPGroupSpec, placement: Placement, pipe: Connection) -> None:
     # The ranks share the host's cores with rank 0 (on the CPU, their device too).
     torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
+    args = dataclasses.replace(args, device=rank_device(args.device, spec.rank))
     engine = build_rank_engine(args)
     group = join_group(rank=spec.rank, size=spec.size, port=spec.port, device=torch.device(args.device))
     rank = RankEngine(engine, group, placement)
@@ -51,6 +53,14 @@ def run_rank_process(args: EngineArgs, spec: EPGroupSpec, placement: Placement, 
             pipe.send_bytes(encoder.encode(serve_command(rank, command)))
     finally:
         rank.group.destroy()
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r of an engine on CUDA runs on GPU r (rank 0 on the engine's own device); on the CPU
+    every rank shares the host."""
+    if torch.device(device).type != "cuda" or rank == 0:
+        return device
+    return f"cuda:{rank}"
 
 
 def serve_command(rank: RankEngine, command: EPRankCommand) -> EPRankReport:

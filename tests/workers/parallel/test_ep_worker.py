@@ -1,0 +1,86 @@
+"""`python -m workers.worker --ep-size 2`: two rank processes that look like one worker. One request
+endpoint serves greedy streams with one process's tokens; heartbeats carry ep_size and the expert
+load of real traffic; an EP layout is applied (or refused, changing nothing) over ZMQ; the worker
+drains as one."""
+
+import threading
+
+import pytest
+
+from tests.workers.parallel.tiny_moe import QWEN3_MOE
+from tests.workers.worker_process import (
+    KV_CACHE_BYTES,
+    SEED,
+    Dealer,
+    start_worker,
+    token_ids,
+    wait_for_worker_heartbeat,
+)
+from workers.control_client import new_command_id, send_control
+from workers.engine import LLM, SamplingParams
+from workers.protocol import ApplyEPLayoutRequest, DrainRequest, GenerateOutput, GenerateRequest
+
+PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 80)), [7] * 9]
+SHORT = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+MOVED = [[[7, 6, 5, 4, 3], [2, 1, 0, 7, 6]]] * 2
+
+
+@pytest.fixture(scope="module")
+def ep_worker(tmp_path_factory):
+    worker = start_worker(
+        tmp_path_factory.mktemp("ep"), "ep", "--ep-size", "2", "--ep-slots-per-rank", "5", config=QWEN3_MOE
+    )
+    yield worker
+    assert worker.stop() == 0
+
+
+def _outputs(dealer: Dealer, request_ids: set[str]) -> dict[str, list[GenerateOutput]]:
+    outputs: dict[str, list[GenerateOutput]] = {request_id: [] for request_id in request_ids}
+    open_ids = set(request_ids)
+    while open_ids:
+        reply = dealer.receive(timeout_s=60)
+        assert isinstance(reply, GenerateOutput), reply
+        outputs[reply.request_id].append(reply)
+        if reply.finish_reason is not None:
+            open_ids.discard(reply.request_id)
+    return outputs
+
+
+def test_an_ep_worker_serves_reports_load_and_takes_layouts_as_one(ep_worker):
+    request_endpoint, heartbeat_endpoint = ep_worker.endpoints
+    beat = wait_for_worker_heartbeat(heartbeat_endpoint)
+    assert beat.ep_size == 2 and beat.worker_id == "ep"
+
+    expected = LLM(QWEN3_MOE, seed=SEED, kv_cache_bytes=KV_CACHE_BYTES).generate(PROMPTS, SHORT)
+    with Dealer(request_endpoint) as dealer:
+        dealer.send(*(GenerateRequest(f"r{i}", prompt, SHORT) for i, prompt in enumerate(PROMPTS)))
+        outputs = _outputs(dealer, {f"r{i}" for i in range(len(PROMPTS))})
+    assert [token_ids(outputs[f"r{i}"]) for i in range(len(PROMPTS))] == [r.token_ids for r in expected]
+
+    # A long stream: heartbeats meanwhile carry the load of its tokens, per MoE layer and slot.
+    loaded = []
+    listener = threading.Thread(
+        target=lambda: loaded.append(
+            wait_for_worker_heartbeat(heartbeat_endpoint, lambda b: sum(map(sum, b.expert_load)) > 0)
+        )
+    )
+    listener.start()
+    with Dealer(request_endpoint) as dealer:
+        dealer.send(GenerateRequest("long", PROMPTS[0], LONG))
+        bad = send_control(request_endpoint, ApplyEPLayoutRequest(new_command_id(), 2, 8, [MOVED[0]]))
+        good = send_control(request_endpoint, ApplyEPLayoutRequest(new_command_id(), 3, 8, MOVED))
+        long_outputs = _outputs(dealer, {"long"})["long"]
+    listener.join()
+    assert not bad.ok and "2 layers" in bad.message and bad.ep_layout_version == 0
+    assert good.ok and good.ep_layout_version == 3
+    assert len(token_ids(long_outputs)) == 300
+    [beat] = loaded
+    assert len(beat.expert_load) == 2 and all(len(layer) == 10 for layer in beat.expert_load)
+    assert wait_for_worker_heartbeat(heartbeat_endpoint, lambda b: b.ep_layout_version == 3).ep_size == 2
+
+    # The new placement serves with the same tokens; then the worker drains as one.
+    with Dealer(request_endpoint) as dealer:
+        dealer.send(GenerateRequest("after", PROMPTS[1], SHORT))
+        assert token_ids(_outputs(dealer, {"after"})["after"]) == expected[1].token_ids
+    assert send_control(request_endpoint, DrainRequest(new_command_id())).state == "drained"
