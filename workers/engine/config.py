@@ -15,7 +15,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    # dots.llm1: Qwen3-style attention with DeepSeek-V3's MoE, our model for DeepSeek-V3 routing
+    # until MLA attention is served.
+    "Dots1ForCausalLM": "dots1",
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "dots1")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -132,9 +137,9 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; its HF config does not say so.
-                attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-                qk_norm=family in ("qwen3", "qwen3_moe"),
-                layer_windows=_layer_windows(hf, num_layers),
+                attention_bias=_attention_bias(hf, family),
+                qk_norm=family in ("qwen3", "qwen3_moe", "dots1"),
+                layer_windows=_layer_windows(hf, num_layers, family),
                 dtype=_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
                 initializer_range=float(hf.get("initializer_range", 0.02)),
                 moe=_moe_config(hf, family, num_layers),
@@ -163,14 +168,45 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
+def _attention_bias(hf: dict[str, Any], family: str) -> bool:
+    if family == "qwen2":
+        return bool(hf.get("attention_bias", True))  # Qwen2 always has q/k/v biases; its config does not say so
+    if family == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    bias = bool(hf.get("attention_bias", False))
+    if bias and family == "dots1":
+        raise ModelLoadError("dots1 with attention_bias (which also biases o_proj) is not supported")
+    return bias
+
+
 def _moe_config(hf: dict[str, Any], family: str, num_layers: int) -> MoeConfig | None:
     """The routed-experts settings of a MoE family, None for a dense one; which layers are sparse
     follows each family's HF definition."""
-    if family != "qwen3_moe":
+    if family not in MOE_FAMILIES:
         return None
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r} for experts; supported: silu")
-    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    top_k = int(hf["num_experts_per_tok"])
+    intermediate = int(hf["moe_intermediate_size"])
+    norm_topk_prob = bool(hf.get("norm_topk_prob", False))
+    if family == "dots1":
+        first_sparse = int(hf.get("first_k_dense_replace") or 0)
+        if not 0 <= first_sparse <= num_layers:
+            raise ModelLoadError(f"first_k_dense_replace must be in [0, {num_layers}], got {first_sparse}")
+        return MoeConfig(
+            num_experts=int(hf.get("n_routed_experts") or 0),
+            top_k=top_k,
+            intermediate_size=intermediate,
+            routing="grouped_sigmoid",
+            norm_topk_prob=norm_topk_prob,
+            sparse_layers=tuple(i >= first_sparse for i in range(num_layers)),
+            num_groups=int(hf.get("n_group") or 1),
+            topk_groups=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_intermediate_size=intermediate * int(hf.get("n_shared_experts") or 0),
+        )
+    # Qwen2-MoE's shared expert is always scaled by its sigmoid gate; Qwen3-MoE has none.
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
     dense_layers = set(hf.get("mlp_only_layers") or [])
     step = int(hf.get("decoder_sparse_step", 1))
     if step < 1:
@@ -178,12 +214,14 @@ def _moe_config(hf: dict[str, Any], family: str, num_layers: int) -> MoeConfig |
     if not dense_layers <= set(range(num_layers)):
         raise ModelLoadError(f"mlp_only_layers {sorted(dense_layers)} name layers outside 0..{num_layers - 1}")
     return MoeConfig(
-        num_experts=num_experts,
-        top_k=int(hf["num_experts_per_tok"]),
-        intermediate_size=int(hf["moe_intermediate_size"]),
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+        top_k=top_k,
+        intermediate_size=intermediate,
         routing="softmax",
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        norm_topk_prob=norm_topk_prob,
         sparse_layers=tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers)),
+        shared_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
     )
 
 
@@ -211,9 +249,13 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _layer_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+def _layer_windows(hf: dict[str, Any], num_layers: int, family: str) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
+    if layer_types is None and family == "dots1" and window is not None:
+        # dots.llm1 windows the layers from max_window_layers on (HF's default is 62).
+        first_sliding = int(hf.get("max_window_layers", 62))
+        layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
     if layer_types is None:
         if window is None or hf.get("use_sliding_window") is False:
             return (None,) * num_layers

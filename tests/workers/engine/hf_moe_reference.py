@@ -17,6 +17,35 @@ TINY_MOE_CONFIGS = {
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
+    # Four layers, the odd ones routed (decoder_sparse_step=2); top-3 of 8 not renormalised; a
+    # sigmoid-gated shared expert; q/k/v biases.
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        **{**TINY, "num_hidden_layers": 4},
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+    ),
+    # DeepSeek-V3 routing: layer 0 dense (first_k_dense_replace), 16 experts in 4 groups, a token's
+    # top-3 within its best 2 groups, renormalised and scaled by 2.5; two shared experts.
+    "dots1": dict(
+        model_type="dots1",
+        architectures=["Dots1ForCausalLM"],
+        **TINY,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+    ),
 }
 
 

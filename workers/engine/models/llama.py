@@ -3,9 +3,10 @@
 One module serves the families: Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm of
 queries and keys; either may window some layers. Projections that read the same input are fused
 (q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
-Qwen3-MoE is Qwen3 whose sparse layers' feed-forward is a routed-experts block
-(layers.moe.SparseMoeBlock); a checkpoint's per-expert tensors are handed to that block's experts
-module, which stacks them (or, for expert parallelism, keeps the ones it holds).
+The MoE families are these decoders whose sparse layers' feed-forward is a routed-experts block
+(layers.moe.SparseMoeBlock): Qwen3-MoE and dots1 (DeepSeek-V3 routing) on Qwen3's attention,
+Qwen2-MoE (with a gated shared expert) on Qwen2's. A checkpoint's per-expert tensors are handed to
+that block's experts module, which stacks them (or, for expert parallelism, keeps those it holds).
 
 Two ways through a layer: the reference (torch ops, bitwise what the CPU tests hold against HF)
 and, with `use_fused_ops(True)` on CUDA, the fused Triton ops (kernels.fused): residual add and
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBackend, write_kv
-from workers.engine.config import ModelConfig, MoeConfig
+from workers.engine.config import ModelConfig
 from workers.engine.errors import ModelLoadError
 from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
 from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
@@ -270,13 +271,18 @@ def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | 
         return None
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
+    # dots1 names its shared experts in the plural; one fused MLP serves them either way.
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+    shared_size = config.moe.shared_intermediate_size if config.moe is not None else 0
     fused = {
         "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
         "self_attn.k_proj.": ("self_attn.qkv_proj.", q_size),
         "self_attn.v_proj.": ("self_attn.qkv_proj.", q_size + kv_size),
         "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
         "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
-        # A sparse layer's router is HF's `mlp.gate`.
+        "mlp.shared_expert.gate_proj.": ("mlp.shared_expert.gate_up_proj.", 0),
+        "mlp.shared_expert.up_proj.": ("mlp.shared_expert.gate_up_proj.", shared_size),
+        # A sparse layer's router (weight and correction bias) is HF's `mlp.gate`.
         "mlp.gate.": ("mlp.router.", None),
     }
     for part, (replacement, offset) in fused.items():
@@ -304,12 +310,20 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
     dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     for i in range(config.num_layers):
         sparse = config.moe is not None and config.moe.sparse_layers[i]
-        feed_forward = _expected_moe_names(config.moe) if sparse else dense
+        feed_forward = _expected_moe_names(config) if sparse else dense
         names.update(f"model.layers.{i}.{p}" for p in per_layer + feed_forward)
     return names
 
 
-def _expected_moe_names(moe: MoeConfig) -> list[str]:
+def _expected_moe_names(config: ModelConfig) -> list[str]:
+    moe = config.moe
     names = ["mlp.gate.weight"]
     names += [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts) for p in ("gate", "up", "down")]
+    if moe.routing == "grouped_sigmoid":
+        names.append("mlp.gate.e_score_correction_bias")
+    if moe.shared_intermediate_size:
+        shared = "shared_experts" if config.family == "dots1" else "shared_expert"
+        names += [f"mlp.{shared}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if moe.shared_expert_gate:
+        names.append("mlp.shared_expert_gate.weight")
     return names
