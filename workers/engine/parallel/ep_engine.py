@@ -19,7 +19,6 @@ greedy stream goes on with the same tokens. The resize is recorded (resized_at, 
 import dataclasses
 import logging
 import multiprocessing
-import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -32,8 +31,10 @@ from workers.engine.builder import build_rank_engine
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import EngineStats
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
-from workers.engine.outputs import RequestDelta, RequestFailure
+from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
+from workers.engine.parallel.in_flight import InFlight, aborted, report_deltas
+from workers.engine.parallel.load_window import LoadWindow
 from workers.engine.parallel.placement import (
     Placement,
     PlacementError,
@@ -57,16 +58,6 @@ CONTEXT.set_forkserver_preload(["workers.engine.parallel.rank_process"])
 REPORT_TIMEOUT_S = 300.0
 # How often the ranks' expert load counters are read into the window heartbeats take.
 LOAD_INTERVAL_S = 0.1
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """What rank 0 keeps of a request to resubmit it elsewhere: as it came, and what it streamed."""
-
-    request: GenerateRequest
-    constraint: TokenConstraint | None
-    rank: int  # its rank's index in the group now
-    emitted: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -118,11 +109,10 @@ class EPEngine:
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EPRankMessage)
         for remote in self.remotes:
             remote.report = self._receive(remote)
-        self.requests: dict[str, _InFlight] = {}
+        self.requests: dict[str, InFlight] = {}
         self.placement = placement
         self._pending_placement: Placement | None = None
-        self._load_lock = threading.Lock()
-        self._load_window: list[list[int]] = []
+        self.load_window = LoadWindow()
         self._load_collected_at = time.monotonic()
         self.resized_at = 0.0
         self.resize_reason = ""
@@ -198,7 +188,7 @@ class EPEngine:
         )
         rank = 0 if constraint is not None else self._least_loaded()
         self._check_room(rank)
-        self._submit(_InFlight(request=request, constraint=constraint, rank=rank))
+        self._submit(InFlight(request=request, constraint=constraint, rank=rank))
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         entry = self.requests.pop(request_id, None)
@@ -211,19 +201,15 @@ class EPEngine:
             remote.commands.remove(entry.request)
         else:
             remote.aborts.append(request_id)
-        return RequestDelta(
-            request_id=request_id,
-            token_ids=[],
-            text="" if self.local.engine.tokenizer is not None else None,
-            logprobs=[],
-            finish_reason="abort",
-            stop_reason=None,
-            num_prompt_tokens=len(entry.request.prompt_token_ids),
-            num_cached_tokens=0,
-        )
+        return aborted(entry, has_tokenizer=self.local.engine.tokenizer is not None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.local.engine.has_unfinished()
+        """Whether a step has anything to do: a request in flight, or an abort still to deliver."""
+        return (
+            bool(self.requests)
+            or self.local.engine.has_unfinished()
+            or any(r.aborts or r.commands or r.report.has_unfinished for r in self.remotes)
+        )
 
     def apply_layout(self, num_logical_experts: int, placement: object) -> None:
         """Check a placement ([layer][rank][slot]) against the model and the group in force
@@ -243,11 +229,10 @@ class EPEngine:
 
     def take_expert_load(self) -> list[list[int]]:
         """Tokens routed to each physical slot per MoE layer since the previous take (any thread)."""
-        with self._load_lock:
-            window, self._load_window = self._load_window, []
-        return window
+        return self.load_window.take()
 
     def step(self) -> list[RequestDelta]:
+        """One lockstep step of every rank; a rank that died in it makes the survivors re-form."""
         placement, self._pending_placement = self._pending_placement, None
         collect = placement is not None or time.monotonic() - self._load_collected_at >= LOAD_INTERVAL_S
         stepping = self.local.engine.has_unfinished() or any(
@@ -255,32 +240,45 @@ class EPEngine:
         )
         for remote in self.remotes:
             command = EPRankCommand(
-                step=stepping,
-                requests=remote.commands,
-                aborts=remote.aborts,
-                placement=placement,
-                collect_load=collect,
+                step=stepping, requests=remote.commands, aborts=remote.aborts, placement=placement, collect_load=collect
             )
             remote.commands, remote.aborts = [], []
             try:
                 self._send(remote, command)
-            except OSError:  # its pipe broke: it died; its report will say so
+            except OSError:  # its pipe broke: it died, which receiving its report finds
                 pass
-        local_error: Exception | None = None
         deltas: list[RequestDelta] = []
         load: list[list[int]] = []
+        local_error: Exception | None = None
         try:
             if placement is not None:
-                load = self.local.take_load()
                 self.local.apply_placement(placement)
             if stepping:
                 deltas = self.local.step()
-            if collect and placement is None:
+            if collect:
                 load = self.local.take_load()
-        except Exception as error:
+        except Exception as error:  # a collective broke (a peer died?), or the engine did
             local_error = error
-        failed = local_error is not None
-        reports = []
+        reports, failed = self._gather()
+        if placement is not None:
+            self.placement = placement
+        for report in reports:
+            deltas += report_deltas(report, has_tokenizer=self.local.engine.tokenizer is not None)
+        deltas = self._track(deltas)
+        if collect:
+            self._load_collected_at = time.monotonic()
+            # Counts from before a new placement went with its swap; these are all under the new one.
+            self.load_window.add([load, *(r.expert_load for r in reports)], restart=placement is not None)
+        if failed or local_error is not None:
+            dead = [rank for rank, r in enumerate(self.remotes, start=1) if not r.process.is_alive()]
+            if not dead:
+                raise RankFailedError("an EP step failed with every rank alive") from local_error
+            self._resize(dead)
+        return deltas
+
+    def _gather(self) -> tuple[list[EPRankReport], bool]:
+        """Every live rank's report of the step; and whether any rank failed it or died."""
+        reports, failed = [], False
         for remote in self.remotes:
             try:
                 remote.report = self._receive(remote)
@@ -289,19 +287,7 @@ class EPEngine:
                 continue
             failed |= bool(remote.report.error)
             reports.append(remote.report)
-        if placement is not None:
-            self.placement = placement
-        for report in reports:
-            deltas += self._remote_deltas(report)
-        deltas = self._track(deltas)
-        if collect:
-            self._add_load([load, *(r.expert_load for r in reports)], fresh_layout=placement is not None)
-        if failed:
-            dead = [i + 1 for i, r in enumerate(self.remotes) if not r.process.is_alive()]
-            if not dead:
-                raise RankFailedError("an EP step failed with every rank alive") from local_error
-            self._resize(dead)
-        return deltas
+        return reports, failed
 
     def stats(self) -> EngineStats:
         local = self.local.engine.stats()
@@ -353,8 +339,8 @@ class EPEngine:
         if held >= self.args.max_num_seqs + waiting:
             raise EngineOverloadedError(f"rank {rank} of this EP worker holds {held} requests")
 
-    def _submit(self, entry: _InFlight) -> None:
-        request = _continued(entry)
+    def _submit(self, entry: InFlight) -> None:
+        request = entry.continued()
         self.requests[request.request_id] = entry
         if entry.rank == 0:
             self.local.engine.add_request(
@@ -371,70 +357,18 @@ class EPEngine:
         else:
             self.remotes[entry.rank - 1].commands.append(request)
 
-    def _remote_deltas(self, report: EPRankReport) -> list[RequestDelta]:
-        failures = {f.request_id: RequestFailure(f.kind, f.message) for f in report.failures}
-        deltas = [
-            RequestDelta(
-                request_id=o.request_id,
-                token_ids=o.token_ids,
-                text=o.text if self.local.engine.tokenizer is not None else None,
-                logprobs=o.logprobs,
-                finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason,
-                num_prompt_tokens=o.num_prompt_tokens,
-                num_cached_tokens=o.num_cached_tokens,
-                prompt_logprobs=o.prompt_logprobs,
-                failure=failures.get(o.request_id),
-            )
-            for o in report.outputs
-        ]
-        for refused in report.refused:
-            deltas.append(
-                RequestDelta(
-                    request_id=refused.request_id,
-                    token_ids=[],
-                    text=None,
-                    logprobs=[],
-                    finish_reason="error",
-                    stop_reason=None,
-                    num_prompt_tokens=0,
-                    num_cached_tokens=0,
-                    failure=RequestFailure("internal", f"rank {report.rank} refused it: {refused.message}"),
-                )
-            )
-        return deltas
-
     def _track(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
-        """Record what each request streamed; drop outputs of requests aborted meanwhile; report
-        prompt lengths as the client's prompt."""
+        """Record what each request streamed and drop outputs of requests aborted meanwhile."""
         kept = []
         for delta in deltas:
             entry = self.requests.get(delta.request_id)
             if entry is None:
                 continue
-            entry.emitted += delta.token_ids
-            delta.num_prompt_tokens = len(entry.request.prompt_token_ids)
-            delta.num_cached_tokens = min(delta.num_cached_tokens, delta.num_prompt_tokens)
+            entry.record(delta)
             if delta.finished:
                 del self.requests[delta.request_id]
             kept.append(delta)
         return kept
-
-    def _add_load(self, per_rank: list[list[list[int]]], *, fresh_layout: bool) -> None:
-        """Sum the ranks' counts into the window. Counts from before a new layout index other slots:
-        the window is restarted with the new layout's counts."""
-        self._load_collected_at = time.monotonic()
-        per_rank = [load for load in per_rank if load]
-        if not per_rank:
-            return
-        summed = torch.tensor(per_rank, dtype=torch.int64).sum(dim=0).tolist()
-        with self._load_lock:
-            if fresh_layout or not self._load_window or len(self._load_window[0]) != len(summed[0]):
-                self._load_window = summed if not fresh_layout else []
-            else:
-                self._load_window = [
-                    [a + b for a, b in zip(x, y, strict=True)] for x, y in zip(self._load_window, summed, strict=True)
-                ]
 
     # Ranks.
 
@@ -486,8 +420,7 @@ class EPEngine:
             remote.commands, remote.aborts = [], []
         self.remotes = survivors
         self.placement = placement
-        with self._load_lock:
-            self._load_window = []
+        self.load_window.clear()
         entries = list(self.requests.values())
         self.requests = {}
         for entry in entries:
@@ -501,16 +434,3 @@ class EPEngine:
             self._submit(entry)
         self.resized_at = time.time()
         self.resize_reason = reason
-
-
-def _continued(entry: _InFlight) -> GenerateRequest:
-    """The request as a rank is given it: after a resubmission, its prompt followed by what it streamed."""
-    request = entry.request
-    if not entry.emitted:
-        return request
-    params = request.params
-    if params.max_tokens is not None:
-        params = msgspec.structs.replace(params, max_tokens=params.max_tokens - len(entry.emitted))
-    return msgspec.structs.replace(
-        request, prompt_token_ids=request.prompt_token_ids + entry.emitted, params=params, prompt_logprobs=None
-    )
