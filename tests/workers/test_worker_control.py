@@ -259,8 +259,18 @@ def test_heartbeats_describe_the_worker_for_the_control_plane(worker):
             "placement",
         ),
         ({"type": "control.set_ttl_policy", "command_id": "x", "version": "one", "policy": {}}, "int"),
+        (
+            {
+                "type": "control.apply_ep_layout",
+                "command_id": "x",
+                "version": 1,
+                "num_logical_experts": 2,
+                "placement": [[0, 1]],  # [rank][slot]: a layer short
+            },
+            "placement[0][0]",
+        ),
     ],
-    ids=["no-command-id", "unknown-field", "missing-field", "wrong-type"],
+    ids=["no-command-id", "unknown-field", "missing-field", "wrong-type", "placement-without-layers"],
 )
 def test_malformed_control_frames_are_answered_and_the_worker_keeps_serving(worker, message, expected):
     with Dealer(worker.endpoints[0]) as dealer:

@@ -80,11 +80,6 @@ class EPEngine:
         self.args = args
         self.device = torch.device(args.device)
         size = args.ep_size
-        # On the CPU the ranks share the host's cores: each takes its share of threads, or their
-        # spinning OpenMP threads starve each other (restored by close()).
-        self._threads = torch.get_num_threads()
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, self._threads // size))
         local = build_rank_engine(args)
         self.num_layers = len(moe_blocks(local.runner.model))
         self.num_experts = num_logical_experts(local.runner.model)
@@ -92,23 +87,30 @@ class EPEngine:
         placement = round_robin_placement(
             num_layers=self.num_layers, num_experts=self.num_experts, num_ranks=size, slots_per_rank=slots
         )
-        rendezvous = Rendezvous.open(size)
+        # On the CPU the ranks share the host's cores: each takes its share of threads, or their
+        # spinning OpenMP threads starve each other (restored by close()).
+        self._threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, self._threads // size))
+        self._rendezvous = Rendezvous.open(size)
         self.remotes: list[_RemoteRank] = []
-        for rank in range(1, size):
-            ours, theirs = CONTEXT.Pipe()
-            spec = EPGroupSpec(port=rendezvous.port, rank=rank, size=size)
-            process = CONTEXT.Process(
-                target=run_rank_process, args=(args, spec, placement, theirs), name=f"ep-rank-{rank}", daemon=True
-            )
-            process.start()
-            theirs.close()
-            self.remotes.append(_RemoteRank(process=process, pipe=ours, report=EPRankReport(rank=rank)))
-        self._rendezvous = rendezvous
-        group = join_group(rank=0, size=size, port=rendezvous.port, device=self.device, rendezvous=rendezvous)
-        self.local = RankEngine(local, group, placement)
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EPRankMessage)
-        for remote in self.remotes:
-            remote.report = self._receive(remote)
+        try:
+            for rank in range(1, size):
+                self.remotes.append(
+                    self._start_rank(EPGroupSpec(port=self._rendezvous.port, rank=rank, size=size), placement)
+                )
+            group = join_group(
+                rank=0, size=size, port=self._rendezvous.port, device=self.device, rendezvous=self._rendezvous
+            )
+            self.local = RankEngine(local, group, placement)
+            for remote in self.remotes:
+                remote.report = self._receive(remote)  # ready
+        except BaseException:
+            for remote in self.remotes:
+                remote.process.kill()
+            torch.set_num_threads(self._threads)
+            raise
         self.requests: dict[str, InFlight] = {}
         self.placement = placement
         self._pending_placement: Placement | None = None
@@ -371,6 +373,18 @@ class EPEngine:
         return kept
 
     # Ranks.
+
+    def _start_rank(self, spec: EPGroupSpec, placement: Placement) -> _RemoteRank:
+        ours, theirs = CONTEXT.Pipe()
+        process = CONTEXT.Process(
+            target=run_rank_process,
+            args=(self.args, spec, placement, theirs),
+            name=f"ep-rank-{spec.rank}",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()
+        return _RemoteRank(process=process, pipe=ours, report=EPRankReport(rank=spec.rank))
 
     def _send(self, remote: _RemoteRank, command: EPRankCommand) -> None:
         remote.pipe.send_bytes(self.encoder.encode(command))
