@@ -5,7 +5,9 @@ drains as one."""
 
 import threading
 
+import msgspec
 import pytest
+import zmq
 
 from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from tests.workers.worker_process import (
@@ -18,7 +20,14 @@ from tests.workers.worker_process import (
 )
 from workers.control_client import new_command_id, send_control
 from workers.engine import LLM, SamplingParams
-from workers.protocol import ApplyEPLayoutRequest, DrainRequest, GenerateOutput, GenerateRequest
+from workers.protocol import (
+    ApplyEPLayoutRequest,
+    DrainRequest,
+    GenerateOutput,
+    GenerateRequest,
+    RegistrationAck,
+    WorkerRegistration,
+)
 
 PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 80)), [7] * 9]
 SHORT = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -27,12 +36,32 @@ MOVED = [[[7, 6, 5, 4, 3], [2, 1, 0, 7, 6]]] * 2
 
 
 @pytest.fixture(scope="module")
-def ep_worker(tmp_path_factory):
-    worker = start_worker(
-        tmp_path_factory.mktemp("ep"), "ep", "--ep-size", "2", "--ep-slots-per-rank", "5", config=QWEN3_MOE
-    )
+def registry(tmp_path_factory):
+    """A stand-in for the control plane's registry: a ROUTER that hears registrations."""
+    endpoint = f"ipc://{tmp_path_factory.mktemp('registry')}/registry"
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as router:
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        yield endpoint, router
+
+
+@pytest.fixture(scope="module")
+def ep_worker(tmp_path_factory, registry):
+    options = ("--ep-size", "2", "--ep-slots-per-rank", "5", "--registry-endpoint", registry[0])
+    worker = start_worker(tmp_path_factory.mktemp("ep"), "ep", *options, config=QWEN3_MOE)
     yield worker
     assert worker.stop() == 0
+
+
+def test_the_ranks_register_once_as_one_worker(ep_worker, registry):
+    _, router = registry
+    assert router.poll(60_000), "no registration"
+    peer, payload = router.recv_multipart()
+    registration = msgspec.msgpack.decode(payload, type=WorkerRegistration)
+    assert (registration.worker_id, registration.ep_size, registration.role) == ("ep", 2, "mixed")
+    router.send_multipart([peer, msgspec.msgpack.encode(RegistrationAck("ep", ok=True))])
+    # Acknowledged, the worker sends no more; and its ranks never register on their own.
+    assert not router.poll(1000)
 
 
 def _outputs(dealer: Dealer, request_ids: set[str]) -> dict[str, list[GenerateOutput]]:
