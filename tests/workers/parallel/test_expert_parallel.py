@@ -1,6 +1,7 @@
 """ExpertParallelExperts over 2 and 4 gloo ranks in spawned processes equals the single-process experts
 (fp32 tolerance), with and without redundant experts, with a rank that has no tokens; the load
-counters count every routed pair at the slot it went to."""
+counters count every routed pair at the slot it went to. A new placement staged within the group
+moves the weights between the ranks (the host copies are wiped first, so they cannot be the source)."""
 
 import pytest
 import torch
@@ -82,3 +83,24 @@ def test_expert_parallel_equals_one_process(ranks, scenarios):
             assert load[replicas].sum().item() == per_expert[expert].item()
             if len(replicas) > 1 and per_expert[expert] > 1:
                 assert all(load[slot] > 0 for slot in replicas), (expert, load[replicas])
+
+
+def check_moved(group: EPGroup, old: list[list[int]], new: list[list[int]]) -> float:
+    """Stage `new` over `old` with the host copies zeroed; this rank's largest difference afterwards."""
+    w13, w2 = _weights()
+    layer = ExpertParallelExperts(
+        group=group, host_w13=w13.clone(), host_w2=w2.clone(), placement=old, top_k=TOP_K, compute=experts
+    )
+    layer.host_w13.zero_()
+    layer.host_w2.zero_()
+    layer.install(layer.stage(group, new))
+    hidden, ids, weights = _batch(20, seed=5)
+    mine = slice(10 * group.rank, 10 * group.rank + 10)
+    expected = experts(hidden, w13, w2, ids, weights)[mine]
+    return (layer(hidden[mine], ids[mine], weights[mine]) - expected).abs().max().item()
+
+
+def test_a_new_placement_moves_weights_between_the_ranks():
+    old = [[0, 1, 2, 3, 4], [5, 6, 7, 0, 1]]
+    new = [[7, 6, 5, 7, 0], [2, 3, 4, 1, 2]]  # all but one slot filled from the other rank
+    assert max(run_on_ranks(check_moved, 2, old, new)) < 1e-5

@@ -10,9 +10,10 @@ topk_weights [T, k]) and returns the same [T, H]. Per call:
   4. combine: the partial sums return to the token's rank, which adds them up (float32).
 Each call also counts, on the device, the pairs this rank routed to every physical slot (`load`).
 
-Weights: every rank keeps the layer's full expert weights in host memory (the checkpoint's copy)
-and its own slots' weights on its device. A new placement is staged from the host copy first and
-swapped in with the routing table in one assignment, so a forward sees the old one or the new one.
+Weights: every rank keeps its own slots' weights on its device and the layer's full expert weights
+in host memory (the checkpoint's copy, for a group re-formed after a rank died). A new placement is
+staged first (weights moved between the ranks' devices, see transfer.py) and then swapped in with
+the routing table in one assignment, so a forward sees the old one or the new one.
 """
 
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from torch import nn
 from workers.engine.parallel.dispatch import exchange_counts, exchange_rows
 from workers.engine.parallel.groups import EPGroup
 from workers.engine.parallel.placement import RoutingTable
+from workers.engine.parallel.transfer import move_experts
 
 # kernels.moe.experts' signature: hidden [T, H], w13 [S, 2I, H], w2 [S, H, I], topk_slots int64
 # [T, k] (-1: not here), topk_weights f32 [T, k] -> [T, H].
@@ -38,7 +40,7 @@ class StagedLayer:
     table: RoutingTable
     w13: torch.Tensor
     w2: torch.Tensor
-    experts: list[int]  # this rank's slots, by logical id
+    placement: list[list[int]]  # every rank's slots, by logical id
 
 
 class ExpertParallelExperts(nn.Module):
@@ -59,21 +61,27 @@ class ExpertParallelExperts(nn.Module):
         self.host_w2 = host_w2.detach().cpu()
         self.compute = compute
         self.num_calls = 0  # forwards so far: the EP engine's check that a step joined every layer
-        self._install(self.stage(group, placement))
+        self._install(self._stage_from_host(group, placement))
 
     def stage(self, group: EPGroup, placement: list[list[int]]) -> StagedLayer:
-        """This layer's part of a placement ([rank][slot]) for `group`, the weights copied from host
-        memory; nothing in force changes."""
-        device = group.device
-        experts = placement[group.rank]
-        index = torch.tensor(experts, dtype=torch.int64)
-        return StagedLayer(
-            group=group,
-            table=RoutingTable.build(placement, self.num_experts, device),
-            w13=self.host_w13[index].to(device),
-            w2=self.host_w2[index].to(device),
-            experts=list(experts),
+        """This layer's part of a placement ([rank][slot]) for `group`; nothing in force changes.
+        Within the group in force the weights move between the ranks' devices (a collective: every
+        rank stages the same placement together); for a group re-formed after a rank died, whose
+        experts only host memory may still have, they come from the host copy."""
+        if group is not self.group:
+            return self._stage_from_host(group, placement)
+        w13, w2 = move_experts(group, self.placement, placement, [self.w13, self.w2])
+        return self._staged(group, placement, w13, w2)
+
+    def _stage_from_host(self, group: EPGroup, placement: list[list[int]]) -> StagedLayer:
+        index = torch.tensor(placement[group.rank], dtype=torch.int64)
+        return self._staged(
+            group, placement, self.host_w13[index].to(group.device), self.host_w2[index].to(group.device)
         )
+
+    def _staged(self, group: EPGroup, placement: list[list[int]], w13: torch.Tensor, w2: torch.Tensor) -> StagedLayer:
+        table = RoutingTable.build(placement, self.num_experts, group.device)
+        return StagedLayer(group=group, table=table, w13=w13, w2=w2, placement=[list(r) for r in placement])
 
     def install(self, staged: StagedLayer) -> None:
         """Put a staged placement in force. The load counts restart: they index the new slots."""
@@ -83,7 +91,7 @@ class ExpertParallelExperts(nn.Module):
         self.group = staged.group
         self.table = staged.table
         self.w13, self.w2 = staged.w13, staged.w2
-        self.local_experts = staged.experts
+        self.placement = staged.placement
         self.slots_per_rank = staged.table.slots_per_rank
         self.load = torch.zeros(staged.group.size * self.slots_per_rank, dtype=torch.int64, device=staged.group.device)
 
