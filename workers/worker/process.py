@@ -16,6 +16,7 @@ from workers.kvstore.eviction import get_policy
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import KVStore
 from workers.kvstore.ttl import TTLPolicy
+from workers.process_title import set_process_title
 from workers.worker.config import WorkerConfig, add_worker_arguments, config_from_arguments
 from workers.worker.server import CLOSE_LINGER_MS, Worker
 
@@ -28,7 +29,7 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 def run_worker_process(config: WorkerConfig) -> None:
     """The worker's entry point: returns after SIGTERM/SIGINT or a ShutdownRequest; a crash is logged
     and exits 1."""
-    _set_process_title(PROCESS_TITLE)
+    set_process_title(PROCESS_TITLE)
     _die_with_parent()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -61,15 +62,6 @@ def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event)
     )
     thread.start()
     return collector
-
-
-def _set_process_title(title: str) -> None:
-    """Best effort: the name ps/top show; only Linux exposes it as a file."""
-    try:
-        with open("/proc/self/comm", "w") as comm:
-            comm.write(title[:15])
-    except OSError:
-        pass
 
 
 def _die_with_parent() -> None:

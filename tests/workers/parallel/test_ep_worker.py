@@ -1,11 +1,13 @@
 """`python -m workers.worker --ep-size 2`: two rank processes that look like one worker. One request
 endpoint serves greedy streams with one process's tokens; heartbeats carry ep_size and the expert
 load of real traffic; an EP layout is applied (or refused, changing nothing) over ZMQ; the worker
-drains as one."""
+drains as one; when a rank dies, the worker re-forms on the survivor, serves on, and says so in its
+heartbeats."""
 
 import threading
 
 import msgspec
+import psutil
 import pytest
 import zmq
 
@@ -26,6 +28,7 @@ from workers.protocol import (
     GenerateOutput,
     GenerateRequest,
     RegistrationAck,
+    ResumeRequest,
     WorkerRegistration,
 )
 
@@ -113,3 +116,19 @@ def test_an_ep_worker_serves_reports_load_and_takes_layouts_as_one(ep_worker):
         dealer.send(GenerateRequest("after", PROMPTS[1], SHORT))
         assert token_ids(_outputs(dealer, {"after"})["after"]) == expected[1].token_ids
     assert send_control(request_endpoint, DrainRequest(new_command_id())).state == "drained"
+
+
+def test_a_rank_that_dies_is_reported_and_the_worker_serves_on(ep_worker):
+    """After the test above: the worker is drained, with its two ranks."""
+    request_endpoint, heartbeat_endpoint = ep_worker.endpoints
+    assert send_control(request_endpoint, ResumeRequest(new_command_id())).state == "ready"
+    descendants = psutil.Process(ep_worker.process.pid).children(recursive=True)
+    [rank] = [process for process in descendants if process.name() == "sluice-ep-rank"]
+    rank.kill()
+
+    expected = LLM(QWEN3_MOE, seed=SEED, kv_cache_bytes=KV_CACHE_BYTES).generate(PROMPTS[:1], SHORT)
+    with Dealer(request_endpoint) as dealer:
+        dealer.send(GenerateRequest("survivor", PROMPTS[0], SHORT))
+        assert token_ids(_outputs(dealer, {"survivor"})["survivor"]) == expected[0].token_ids
+    beat = wait_for_worker_heartbeat(heartbeat_endpoint, lambda b: b.ep_size == 1)
+    assert "re-formed with 1 ranks" in beat.ep_resize_reason and beat.ep_resized_at > 0

@@ -199,8 +199,9 @@ class EPEngine:
         if entry.rank == 0:
             return self.local.engine.abort_request(request_id)
         remote = self.remotes[entry.rank - 1]
-        if entry.request in remote.commands:  # not sent yet
-            remote.commands.remove(entry.request)
+        unsent = [request for request in remote.commands if request.request_id == request_id]
+        if unsent:
+            remote.commands.remove(unsent[0])
         else:
             remote.aborts.append(request_id)
         return aborted(entry, has_tokenizer=self.local.engine.tokenizer is not None)

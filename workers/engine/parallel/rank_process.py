@@ -19,6 +19,7 @@ from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
 from workers.engine.parallel.rank import RankEngine
+from workers.process_title import set_process_title
 from workers.protocol import (
     EPGroupSpec,
     EPRankCommand,
@@ -33,7 +34,12 @@ from workers.protocol import (
 log = logging.getLogger(__name__)
 
 
+PROCESS_TITLE = "sluice-ep-rank"  # /proc/self/comm keeps 15 bytes
+
+
 def run_rank_process(args: EngineArgs, spec: EPGroupSpec, placement: Placement, pipe: Connection) -> None:
+    """Serve rank 0 until it says stop or goes (its end of the pipe closes)."""
+    set_process_title(PROCESS_TITLE)
     # The ranks share the host's cores with rank 0 (on the CPU, their device too).
     torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
     args = dataclasses.replace(args, device=rank_device(args.device, spec.rank))
