@@ -16,7 +16,8 @@ weights only.
 
 No host syncs: every buffer and grid is sized from shapes (T * k pairs plus at most BLOCK_M - 1 of
 padding per slot), tiles past the last one exit at once, so the op is safe to capture in a CUDA graph.
-Tile sizes follow the mean pairs per slot: small tiles for decode, larger for prefill.
+Tile sizes follow the mean pairs per slot: small tiles for decode, larger for prefill (first
+guesses for the H200, to be tuned with bench.moe_layer).
 """
 
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class TileConfig:
 TILE_CONFIGS = (
     (16, TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
     (48, TileConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    (None, TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    (None, TileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )
 COMBINE_BLOCK = 1024
 
@@ -68,6 +69,9 @@ def fused_experts(
     topk_slots = topk_slots.contiguous()
     topk_weights = topk_weights.contiguous()
     config = tile_config(tokens * top_k, num_slots)
+    # The configs are sized for 2-byte elements; float32 halves the depth so that the pipelined
+    # tiles still fit in shared memory.
+    block_k = config.block_k * 2 // hidden.element_size()
     sorted_pairs, tile_slots = align_pairs(topk_slots, num_slots, config.block_m)
     padded = sorted_pairs.shape[0]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
@@ -91,7 +95,7 @@ def fused_experts(
         activations.stride(0),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
+        BLOCK_K=block_k,
         PRECISION=precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -115,7 +119,7 @@ def fused_experts(
         pair_out.stride(0),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
+        BLOCK_K=block_k,
         PRECISION=precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

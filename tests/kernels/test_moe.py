@@ -133,37 +133,46 @@ def test_fused_experts_refuses_bad_inputs():
 # On the accelerator machine: a Qwen3-30B-A3B layer (128 experts, top-8, hidden 2048, intermediate 768).
 
 
-def qwen3_30b_layer(tokens: int, seed: int = 0):
-    x, w13, w2, _, _ = make_inputs(
-        tokens=tokens, hidden=2048, intermediate=768, slots=128, k=8, dtype=torch.bfloat16, seed=seed, device=DEVICE
-    )
-    logits = torch.randn(tokens, 128, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
+@pytest.fixture(scope="module")
+def qwen3_30b_weights():
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    w13 = torch.randn(128, 2 * 768, 2048, device=DEVICE, generator=generator) * 2048**-0.5
+    w2 = torch.randn(128, 2048, 768, device=DEVICE, generator=generator) * 768**-0.5
+    return w13.bfloat16(), w2.bfloat16()
+
+
+def qwen3_30b_routing(tokens: int, seed: int):
+    """Hidden states and softmax top-8 routing; one pair in ten held elsewhere (-1)."""
+    generator = torch.Generator(DEVICE).manual_seed(seed)
+    x = torch.randn(tokens, 2048, device=DEVICE, generator=generator).bfloat16()
+    logits = torch.randn(tokens, 128, device=DEVICE, generator=generator)
     weights, ids = logits.softmax(dim=-1).topk(8, dim=-1)
-    return x, w13, w2, ids, weights
+    elsewhere = torch.rand(tokens, 8, device=DEVICE, generator=generator) < 0.1
+    return x, ids.masked_fill(elsewhere, -1), weights
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 64, 512, 4096])
-def test_gpu_fused_experts_at_qwen3_30b_sizes(tokens):
-    inputs = qwen3_30b_layer(tokens)
-    torch.testing.assert_close(fused_experts(*inputs), experts_reference(*inputs), **TOLERANCE[torch.bfloat16])
+def test_gpu_fused_experts_at_qwen3_30b_sizes(qwen3_30b_weights, tokens):
+    w13, w2 = qwen3_30b_weights
+    x, ids, weights = qwen3_30b_routing(tokens, seed=tokens)
+    out = fused_experts(x, w13, w2, ids, weights)
+    torch.testing.assert_close(out, experts_reference(x, w13, w2, ids, weights), **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_fused_experts_replays_in_a_cuda_graph():
-    x, w13, w2, ids, weights = qwen3_30b_layer(64)
-    ids[::5, 0] = -1  # some pairs held elsewhere
+def test_gpu_fused_experts_replays_in_a_cuda_graph(qwen3_30b_weights):
+    w13, w2 = qwen3_30b_weights
+    x, ids, weights = qwen3_30b_routing(64, seed=0)
     experts(x, w13, w2, ids, weights)  # compiles the kernels outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = experts(x, w13, w2, ids, weights)
     for seed in (1, 2):
-        new_x, _, _, new_ids, new_weights = qwen3_30b_layer(64, seed=seed)
-        x.copy_(new_x)
-        ids.copy_(new_ids)
-        weights.copy_(new_weights)
+        for static, new in zip((x, ids, weights), qwen3_30b_routing(64, seed=seed)):
+            static.copy_(new)
         graph.replay()
         torch.testing.assert_close(out, experts_reference(x, w13, w2, ids, weights), **TOLERANCE[torch.bfloat16])
 
