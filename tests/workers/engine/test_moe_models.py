@@ -87,6 +87,8 @@ def test_checkpoint_missing_an_expert_is_refused(hf_checkpoint):
         ("dots1", {"first_k_dense_replace": 9}, "first_k_dense_replace"),
         ("dots1", {"attention_bias": True}, "attention_bias"),
         ("qwen2_moe", {"num_experts_per_tok": 0}, r"num_experts_per_tok must be in \[1, 8\]"),
+        ("qwen2_moe", {"num_experts_per_tok": "three"}, "malformed field"),
+        ("qwen2_moe", {"mlp_only_layers": 1}, "malformed field"),
     ],
 )
 def test_bad_moe_configs_are_refused(family, change, message):
@@ -94,3 +96,11 @@ def test_bad_moe_configs_are_refused(family, change, message):
     config = {key: value for key, value in config.items() if value is not None}
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_hf_config(config)
+
+
+def test_sliding_windows_follow_each_family():
+    qwen3 = {**TINY_MOE_CONFIGS["qwen3_moe"], "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}
+    assert ModelConfig.from_hf_config(qwen3).layer_windows == (6, 6, 6)  # HF's Qwen3-MoE windows every layer
+    dots1 = {key: value for key, value in TINY_MOE_CONFIGS["dots1"].items() if key != "layer_types"}
+    dots1 = {**dots1, "sliding_window": 6, "max_window_layers": 2}
+    assert ModelConfig.from_hf_config(dots1).layer_windows == (None, None, 6)
