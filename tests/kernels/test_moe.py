@@ -105,8 +105,9 @@ def test_align_pairs_gives_each_slot_whole_tiles():
 @pytest.mark.parametrize(
     "dtype, tokens",
     [
-        (torch.float32, 13),  # 16-row tiles
-        (torch.bfloat16, 40),  # 32-row tiles; columns and depth not multiples of the blocks
+        (torch.float32, 13),  # 16-row tiles; columns and depth not multiples of the blocks
+        (torch.bfloat16, 40),  # 32-row tiles
+        (torch.float32, 100),  # 64-row tiles
     ],
 )
 def test_fused_experts_equals_the_reference(dtype, tokens):
