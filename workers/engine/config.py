@@ -146,6 +146,8 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ModelLoadError(f"model config lacks required field {missing}") from None
+        except (TypeError, ValueError) as malformed:
+            raise ModelLoadError(f"model config has a malformed field: {malformed}") from None
         config.validate()
         return config
 
@@ -259,8 +261,10 @@ def _layer_windows(hf: dict[str, Any], num_layers: int, family: str) -> tuple[in
     if layer_types is None:
         if window is None or hf.get("use_sliding_window") is False:
             return (None,) * num_layers
-        # Qwen-style configs window the layers from max_window_layers on (HF's default is 28).
-        first_sliding = int(hf.get("max_window_layers", 28)) if "use_sliding_window" in hf else 0
+        # Qwen-style configs window the layers from max_window_layers on (HF's default is 28);
+        # Qwen3-MoE's windows every layer.
+        windows_from = int(hf.get("max_window_layers", 28)) if family != "qwen3_moe" else 0
+        first_sliding = windows_from if "use_sliding_window" in hf else 0
         layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
     if len(layer_types) != num_layers:
         raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")

@@ -43,13 +43,13 @@ def test_greedy_generation_matches_hf_generate(hf_checkpoint):
     hf_model, directory = hf_checkpoint
     llm = LLM(directory, seed=0, kv_cache_bytes=1 << 24, max_num_batched_tokens=16)  # chunked prefill too
     prompts = [[3, 14, 15, 92, 65], list(range(40, 70))]
-    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    ours = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     for prompt, result in zip(prompts, ours):
         with torch.no_grad():
             reference = hf_model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=12,
+                max_new_tokens=8,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
@@ -87,6 +87,8 @@ def test_checkpoint_missing_an_expert_is_refused(hf_checkpoint):
         ("dots1", {"first_k_dense_replace": 9}, "first_k_dense_replace"),
         ("dots1", {"attention_bias": True}, "attention_bias"),
         ("qwen2_moe", {"num_experts_per_tok": 0}, r"num_experts_per_tok must be in \[1, 8\]"),
+        ("qwen2_moe", {"num_experts_per_tok": "three"}, "malformed field"),
+        ("qwen2_moe", {"mlp_only_layers": 1}, "malformed field"),
     ],
 )
 def test_bad_moe_configs_are_refused(family, change, message):
@@ -94,3 +96,11 @@ def test_bad_moe_configs_are_refused(family, change, message):
     config = {key: value for key, value in config.items() if value is not None}
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_hf_config(config)
+
+
+def test_sliding_windows_follow_each_family():
+    qwen3 = {**TINY_MOE_CONFIGS["qwen3_moe"], "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}
+    assert ModelConfig.from_hf_config(qwen3).layer_windows == (6, 6, 6)  # HF's Qwen3-MoE windows every layer
+    dots1 = {key: value for key, value in TINY_MOE_CONFIGS["dots1"].items() if key != "layer_types"}
+    dots1 = {**dots1, "sliding_window": 6, "max_window_layers": 2}
+    assert ModelConfig.from_hf_config(dots1).layer_windows == (None, None, 6)
