@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the accelerator machine (no network): install the wheels carried in .whl/, run the GPU tests,
-# time decode attention per keys-per-split and the fused MoE layer against the per-expert loop,
+# time decode attention per keys-per-split and the fused MoE layer against the per-expert loop, the
+# EP layer's dispatch and combine (one rank, NCCL) against the plain fused op,
 # profile decode steps, the engine throughput table against HF, and fit the cost model (prefill and
 # decode steps). Writes JSON and logs to $OUT (or ./bench-out).
 #
@@ -8,10 +9,10 @@
 #   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any)
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
-# STEPS (default "tests attention moe profile throughput fit") picks what runs.
+# STEPS (default "tests attention moe ep profile throughput fit") picks what runs.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention moe profile throughput fit}
+steps=${STEPS:-tests attention moe ep profile throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import json; from bench.smollm2_config import SMOLLM2_135M_CONFIG as c; json.dump(c, open('/tmp/smollm2.json', 'w'))"
 has() { [[ " $steps " == *" $1 "* ]]; }
 if has tests; then
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -40 \
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/workers/parallel/test_ep_gpu.py tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -40 \
     || echo "GPU TESTS FAILED (the benchmarks still run)"
 fi
 if has attention; then
@@ -30,6 +31,9 @@ if has attention; then
 fi
 if has moe; then
   python3 -m bench.moe_layer | tee "$out/moe_layer_h200.json"
+fi
+if has ep; then
+  python3 -m bench.ep_layer | tee "$out/ep_layer_h200.json"
 fi
 if has profile; then
   for batch in 1 64 256; do
