@@ -58,7 +58,8 @@ class FakeCollector:
 def control(in_flight: list[int] | None = None, **options) -> WorkerControl:
     """A WorkerControl whose in-flight count is `in_flight[0]`."""
     count = in_flight if in_flight is not None else [0]
-    return WorkerControl("w", ep_size=options.pop("ep_size", 1), num_in_flight=lambda: count[0], **options)
+    ep_size = options.pop("ep_size", 1)
+    return WorkerControl("w", ep_size=lambda: ep_size, num_in_flight=lambda: count[0], **options)
 
 
 def layout(version: int, experts: int, placement: list[list[list[int]]]) -> ApplyEPLayoutRequest:

@@ -39,13 +39,14 @@ class WorkerControl:
         self,
         worker_id: str,
         *,
-        ep_size: int,
+        ep_size: Callable[[], int],
         collector: GarbageCollector | None,
         num_in_flight: Callable[[], int],
         apply_placement: Callable[[int, Placement], None] | None = None,
         remembered_answers: int = REMEMBERED_ANSWERS,
     ) -> None:
-        """`apply_placement(num_logical_experts, placement)` puts an expert placement in force on an
+        """`ep_size()`: the ranks the engine runs now (fewer after a rank died and the rest re-formed).
+        `apply_placement(num_logical_experts, placement)` puts an expert placement in force on an
         expert-parallel engine (EPEngine.apply_layout), raising PlacementError for one it cannot take;
         None for a dense engine, which records a valid layout's version and has no experts to move."""
         self.worker_id = worker_id
@@ -139,7 +140,7 @@ class WorkerControl:
     def _apply_ep_layout(self, request: ApplyEPLayoutRequest) -> str:
         if request.version < self.ep_layout_version:
             return f"EP layout version {request.version} is older than the active version {self.ep_layout_version}"
-        refusal = ep_layout_error(request, self._ep_size)
+        refusal = ep_layout_error(request, self._ep_size())
         if refusal:
             return refusal
         if self._apply_placement is not None:

@@ -102,7 +102,7 @@ class Worker:
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
         self.control = WorkerControl(
             self.worker_id,
-            ep_size=config.engine.ep_size,
+            ep_size=(lambda: engine.ep_size) if isinstance(engine, EPEngine) else (lambda: 1),
             collector=collector,
             num_in_flight=self._num_in_flight,
             apply_placement=engine.apply_layout if isinstance(engine, EPEngine) else None,

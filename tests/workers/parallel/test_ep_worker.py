@@ -132,3 +132,7 @@ def test_a_rank_that_dies_is_reported_and_the_worker_serves_on(ep_worker):
         assert token_ids(_outputs(dealer, {"survivor"})["survivor"]) == expected[0].token_ids
     beat = wait_for_worker_heartbeat(heartbeat_endpoint, lambda b: b.ep_size == 1)
     assert "re-formed with 1 ranks" in beat.ep_resize_reason and beat.ep_resized_at > 0
+    # Layouts are checked against the group as it is now: one rank, holding all 8 experts.
+    one_rank = [[[7, 6, 5, 4, 3, 2, 1, 0]]] * 2
+    assert send_control(request_endpoint, ApplyEPLayoutRequest(new_command_id(), 4, 8, one_rank)).ok
+    assert not send_control(request_endpoint, ApplyEPLayoutRequest(new_command_id(), 5, 8, MOVED)).ok
