@@ -39,6 +39,13 @@ def instances_live(*, pool_id: int | None = None) -> QuerySet[EngineInstance]:
     return instances if pool_id is None else instances.filter(pool_id=pool_id)
 
 
+def pool_serving_count(*, pool_id: int) -> int:
+    """Instances that serve or are about to (starting, ready): what a pool's target counts."""
+    return EngineInstance.objects.filter(
+        pool_id=pool_id, state__in=[InstanceState.STARTING, InstanceState.READY]
+    ).count()
+
+
 def instances_least_loaded_ready(*, pool_id: int) -> QuerySet[EngineInstance]:
     """Ready instances, least loaded first: fewest requests, then least KV in use, then newest."""
     return (
@@ -62,6 +69,31 @@ def pool_scaled_in_window(*, pool_id: int, since: datetime) -> tuple[int, int]:
         added += max(change, 0)
         removed += max(-change, 0)
     return added, removed
+
+
+def pool_last_event(*, pool_id: int, actions: list[str]) -> ScalingEvent | None:
+    return ScalingEvent.objects.filter(pool_id=pool_id, action__in=actions).order_by("-created_at", "-id").first()
+
+
+def nodes_without_agent(*, cluster_id: int) -> list[int]:
+    """Nodes whose latest instance failed before any agent started its process: nothing serves their
+    queue (or could start a worker there). An operator's start on such a node tries it again."""
+    latest: dict[int, tuple] = {}
+    rows = EngineInstance.objects.filter(node__cluster_id=cluster_id).order_by("-id")
+    for node, state, pid, endpoint in rows.values_list("node_id", "state", "pid", "request_endpoint"):
+        latest.setdefault(node, (state, pid, endpoint))
+    return [
+        node
+        for node, (state, pid, endpoint) in latest.items()
+        if state == InstanceState.FAILED and pid is None and not endpoint
+    ]
+
+
+def instances_to_start(*, hostname: str) -> QuerySet[EngineInstance]:
+    """Starting instances placed on the node that no agent has started a process for yet."""
+    return EngineInstance.objects.filter(
+        node__hostname=hostname, state=InstanceState.STARTING, pid__isnull=True
+    ).order_by("id")
 
 
 def scaling_event_list(

@@ -1,7 +1,9 @@
 """`python manage.py serve`: the whole stack on this machine (gateway + engine workers), supervised.
 
 Workers: one prefill and one decode worker by default (`--prefill N --decode M` for more), or
-`--workers K` mixed workers (prefill and decode in one process) instead.
+`--workers K` mixed workers (prefill and decode in one process) instead. They are each pool's lower
+bound: the autoscaler (on the supervisor's timer) and operators add workers up to a pool's max, started
+by the local node agent, also on the supervisor's timer.
 
 The KV store: with the in-process ("memory") index only one process may use the store, so
 `--workers` must be 1 and `--prefill` 1; decode workers then run without the store (the prefill
@@ -20,11 +22,13 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.dev_key import dev_api_key
-from controlplane.supervisor import Child, Supervisor, child_env, manage_py
-from controlplane.topology.services import topology_ensure_local
+from controlplane.supervisor import Child, Supervisor, Timer, child_env, manage_py
+from controlplane.topology.node_agent import reconcile_local, record_exit
+from controlplane.topology.services import autoscale_tick, topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
 from workers.entrypoint.router import STEP_BUDGET_S
+from workers.node_agent import NodeAgent
 
 # uvicorn's handling of the gateway's connections (README, "Request limits"): each request head has a
 # deadline (SLUICE_HEADER_READ_TIMEOUT_S, in the protocol class), an idle keep-alive connection is
@@ -35,6 +39,10 @@ GATEWAY_HTTP_OPTIONS = (
     "--timeout-keep-alive=5",
     "--h11-max-incomplete-event-size=16384",
 )
+
+
+# How often the local node agent looks for instances to start or end and reaps its workers.
+AGENT_ROUND_S = 1.0
 
 
 class Command(BaseCommand):
@@ -97,7 +105,8 @@ class Command(BaseCommand):
         # Workers register here; the registry keeps their EngineInstance rows current.
         registry_endpoint = f"ipc://{runtime}/registry"
         pools = [(role, role, roles.count(role)) for role in dict.fromkeys(roles)]
-        topology_ensure_local(hostname=socket.gethostname(), model=model, pools=pools)
+        hostname = socket.gethostname()
+        topology_ensure_local(hostname=hostname, model=model, pools=pools)
         names = [_worker_name(role, roles[:index].count(role)) for index, role in enumerate(roles)]
         endpoints = [(f"ipc://{runtime}/{name}.requests", f"ipc://{runtime}/{name}.heartbeats") for name in names]
         children = [
@@ -161,7 +170,25 @@ class Command(BaseCommand):
             "Ctrl-C stops everything.\n\n"
         )
         self.stdout.flush()
-        Supervisor(children).run()
+        # The local node's agent: the workers the autoscaler (or an operator) adds beyond these. Added
+        # prefill workers go without a process-local store, which only the first may use.
+        added_engine = {
+            "decode": decode_engine,
+            "prefill": engine if shared_index else replace(engine, kv_store=None),
+            "mixed": engine if shared_index else replace(engine, kv_store=None),
+        }
+        agent = NodeAgent(
+            runtime_dir=runtime,
+            registry_endpoint=registry_endpoint,
+            worker_options=lambda role: [*added_engine[role].to_argv(), "--kv-gc-interval=0"],
+            on_exit=record_exit,
+            env=child_env(),
+        )
+        timers = [
+            Timer("node agent", AGENT_ROUND_S, lambda: reconcile_local(agent, hostname)),
+            Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, autoscale_tick),
+        ]
+        Supervisor(children, timers, on_stop=lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S)).run()
 
 
 def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) -> list[str]:

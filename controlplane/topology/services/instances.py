@@ -20,7 +20,7 @@ from controlplane.topology.models import (
     ScalingAction,
     ScalingEvent,
 )
-from controlplane.topology.services.events import queue_task, scaling_event_record
+from controlplane.topology.services.events import node_queue, queue_node_task, queue_task, scaling_event_record
 
 # Heartbeats arrive every ~100 ms; the database needs the load a few times a minute, not ten times a second.
 HEARTBEAT_WRITE_INTERVAL = timedelta(seconds=1)
@@ -162,6 +162,9 @@ def instance_register(
         "kv_usage": 0.0,
     }
     instance = EngineInstance.objects.select_for_update().filter(worker_id=worker_id).first()
+    if instance is not None and (instance.pid is not None or instance.state == InstanceState.STARTING):
+        # A node agent placed it: it stays on that agent's node (its queue), whatever the host calls itself.
+        del fields["node"]
     if instance is None:
         from_state = None
         instance = EngineInstance(worker_id=worker_id, state=InstanceState.READY, **fields)
@@ -266,6 +269,9 @@ def instance_mark_drained(*, instance_id: int, now: datetime | None = None) -> b
             after={"state": InstanceState.STOPPED},
             now=now,
         )
+    if instance.pid is not None and instance.node is not None:
+        # A node agent started it, so that agent ends the idle process.
+        queue_node_task(tasks.node_stop_instance_task, node_queue(instance.node.hostname), instance.pk)
     return True
 
 
