@@ -1,6 +1,6 @@
 from datetime import datetime
 
-from django.db.models import F, QuerySet, Sum
+from django.db.models import Count, F, QuerySet, Sum
 
 from controlplane.topology.models import (
     LIVE_STATES,
@@ -14,6 +14,23 @@ from controlplane.topology.models import (
 
 def pool_list() -> QuerySet[Pool]:
     return Pool.objects.select_related("cluster").order_by("cluster__name", "name")
+
+
+def pool_scaling_summary() -> list[dict]:
+    """Each pool's target, autoscaler pause and instances by state (every state, zeros included)."""
+    counts: dict[int, dict[str, int]] = {}
+    rows = EngineInstance.objects.values_list("pool_id", "state").annotate(count=Count("id")).order_by()
+    for pool_id, state, count in rows:
+        counts.setdefault(pool_id, {})[state] = count
+    return [
+        {
+            "pool": str(pool),
+            "target_instances": pool.target_instances,
+            "autoscale_paused": pool.autoscale_paused,
+            "instances": {state: counts.get(pool.pk, {}).get(state, 0) for state in InstanceState.values},
+        }
+        for pool in pool_list()
+    ]
 
 
 def pool_by_name(*, name: str, cluster_name: str | None = None) -> list[Pool]:
