@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
 
+from controlplane.common.connections import close_stale_connections
 from controlplane.topology import selectors, services
 from controlplane.topology.models import EngineInstance, InstanceState
 from workers.node_agent import NodeAgent
@@ -44,7 +44,7 @@ def node_agent() -> NodeAgent:
 
 
 def record_exit(instance_id: int, exit_code: int, requested: bool) -> None:
-    close_old_connections()  # runs on the reaper's thread too
+    close_stale_connections()  # runs on the reaper's thread too
     services.instance_record_exit(instance_id=instance_id, exit_code=exit_code, requested=requested)
 
 
@@ -85,7 +85,7 @@ def agent_stop(agent: NodeAgent, instance_id: int) -> None:
 def reconcile_local(agent: NodeAgent, hostname: str) -> None:
     """The embedded default's agent round: reap, start what waits for this node, end the processes of
     instances that stopped or failed."""
-    close_old_connections()
+    close_stale_connections()
     agent.reap()
     for instance_id in selectors.instances_to_start(hostname=hostname).values_list("id", flat=True):
         agent_start(agent, instance_id, hostname=hostname)
