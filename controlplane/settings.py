@@ -247,6 +247,9 @@ SLUICE_MODELS = [name.strip() for name in _models.split(",") if name.strip()]
 # Engine workers to send requests to; `manage.py serve` sets this for the workers it starts. None
 # configured means every generation answers 503 and /healthz says so.
 SLUICE_WORKER_ENDPOINTS = _worker_endpoints(os.environ.get("SLUICE_WORKER_ENDPOINTS", ""))
+# Seconds between the gateway's looks at the topology for workers registered after it started (0: it
+# routes to SLUICE_WORKER_ENDPOINTS only; `serve` sets 2, so the workers its node agent adds serve).
+SLUICE_WORKER_DISCOVERY_INTERVAL_S = float(os.environ.get("SLUICE_WORKER_DISCOVERY_INTERVAL_S", 0))
 # The global KV store's index when the workers share one (a redis:// URL; `serve` sets it): the
 # gateway reads each prompt's hit length from it to weigh its prefill work. Empty: no index.
 SLUICE_KV_STORE_INDEX = os.environ.get("SLUICE_KV_STORE_INDEX", "")

@@ -41,8 +41,10 @@ GATEWAY_HTTP_OPTIONS = (
 )
 
 
-# How often the local node agent looks for instances to start or end and reaps its workers.
+# How often the local node agent looks for instances to start or end and reaps its workers, and how
+# often the gateway looks for the workers it adds.
 AGENT_ROUND_S = 1.0
+WORKER_DISCOVERY_INTERVAL_S = 2.0
 
 
 class Command(BaseCommand):
@@ -152,6 +154,8 @@ class Command(BaseCommand):
                     # The gateway reads a shared index for hit lengths; a process-local one is the worker's alone.
                     SLUICE_KV_STORE_INDEX=kv_store_index if shared_index and engine.kv_store else "",
                     SLUICE_COST_MODEL=str(engine.cost_model or ""),
+                    # Workers the local node agent adds register later: the gateway follows them.
+                    SLUICE_WORKER_DISCOVERY_INTERVAL_S=str(WORKER_DISCOVERY_INTERVAL_S),
                 ),
             )
         )

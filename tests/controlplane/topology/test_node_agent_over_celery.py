@@ -1,6 +1,7 @@
 """A node agent on the production path: a real `celery worker` on the real Redis consumes its node's
 queue (node.<name>) and starts a real engine worker process (a tiny random-weight model), which
-registers with a real registry (starting → ready) and serves a request; scaling the pool down drains
+registers with a real registry (starting → ready) and serves a request through a client that found it
+in the topology (as the gateway does); scaling the pool down drains
 it (drained → stopped) and the agent ends the process. A start on a node no agent serves fails once
 its timeout passes, with the reason."""
 
@@ -21,6 +22,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from controlplane.celery import app
+from controlplane.gateway.worker_discovery import follow_registered_workers
 from controlplane.topology.models import Cluster, EngineInstance, InstanceState, Node, ScalingEvent
 from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 from controlplane.topology.services import (
@@ -32,8 +34,9 @@ from controlplane.topology.services import (
     pool_scale,
 )
 from tests.waiting import wait_until
-from tests.workers.worker_process import CONFIG, KV_CACHE_BYTES, SEED, collect, connected_client, token_ids
+from tests.workers.worker_process import CONFIG, KV_CACHE_BYTES, SEED, collect, token_ids, wait_for_heartbeat
 from workers.engine import SamplingParams
+from workers.engine_client import EngineClient
 from workers.protocol import GenerateRequest
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("default_ttl_policies")]
@@ -110,13 +113,19 @@ def node_agent(broker, tmp_path):
         redis.Redis.from_url(REDIS_URL).delete(f"node.{name}")
 
 
-def serve_one(instance: EngineInstance) -> list[int]:
+def serve_one() -> list[int]:
+    """A request through an EngineClient that knew no worker: it finds the new one as a gateway does."""
+
     async def generate() -> list[int]:
-        client = await connected_client((instance.request_endpoint, instance.heartbeat_endpoint))
+        client = EngineClient()
+        await client.start()
+        discovery = asyncio.create_task(follow_registered_workers(client, set(), interval_s=0.2))
         try:
+            await wait_for_heartbeat(client, lambda beats: len(beats) == 1, timeout_s=WAIT_S)
             params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
             return token_ids(await collect(client, GenerateRequest("agent-started", [5, 6, 7], params)))
         finally:
+            discovery.cancel()
             await client.close()
 
     return asyncio.run(generate())
@@ -147,7 +156,7 @@ def test_an_agent_starts_a_worker_that_serves_then_stops_it_on_scale_down(tmp_pa
     # then the agent starts the worker, which registers under the instance's id and serves
     wait_until(lambda: EngineInstance.objects.get(pk=instance.pk).state == InstanceState.READY, WAIT_S)
     instance.refresh_from_db()
-    tokens = serve_one(instance)
+    tokens = serve_one()
     assert len(tokens) == 8
     assert instance.pid is not None and pid_alive(instance.pid), log.read_text()
 
