@@ -63,6 +63,14 @@ def pool_serving_count(*, pool_id: int) -> int:
     ).count()
 
 
+def pool_recovering_count(*, pool_id: int, since: datetime) -> int:
+    """Failed instances no agent started that were heard from since `since`: a supervisor (or an
+    operator) may be restarting them, and they come back as ready when they do."""
+    return EngineInstance.objects.filter(
+        pool_id=pool_id, state=InstanceState.FAILED, pid__isnull=True, last_heartbeat_at__gte=since
+    ).count()
+
+
 def instances_least_loaded_ready(*, pool_id: int) -> QuerySet[EngineInstance]:
     """Ready instances, least loaded first: fewest requests, then least KV in use, then newest."""
     return (

@@ -158,9 +158,17 @@ def uncached_tokens_per_s(*, now: datetime) -> list[float]:
 @transaction.atomic
 def pool_reconcile(*, pool: Pool, now: datetime | None = None) -> list:
     """Starts as many instances as the pool's target lacks, each on the cluster's node with the fewest
-    live instances, among nodes whose last start no agent took up (nodes without an agent) excluded."""
+    live instances, nodes without an agent passed over. Paused pools too: pausing stops the autoscaler
+    from moving the target, not the pool from following it. A worker that failed lately without an
+    agent (one `serve`'s supervisor restarts) counts as coming back until the start timeout passes."""
+    now = now or timezone.now()
     locked = Pool.objects.select_for_update().get(pk=pool.pk)
-    missing = locked.target_instances - selectors.pool_serving_count(pool_id=locked.pk)
+    recovering_since = now - timedelta(seconds=settings.SLUICE_INSTANCE_START_TIMEOUT_S)
+    missing = (
+        locked.target_instances
+        - selectors.pool_serving_count(pool_id=locked.pk)
+        - selectors.pool_recovering_count(pool_id=locked.pk, since=recovering_since)
+    )
     started = []
     for _ in range(max(missing, 0)):
         node = _placement(locked)

@@ -194,3 +194,22 @@ def test_bad_starts_are_refused_and_change_nothing(cluster):
     assert list(full.value.fields) == ["pool"]
     assert after_one == (before[0] + 1, before[1] + 1)
     assert (EngineInstance.objects.count(), ScalingEvent.objects.count()) == after_one
+
+
+@override_settings(SLUICE_INSTANCE_START_TIMEOUT_S=60)
+def test_a_worker_that_failed_lately_without_an_agent_is_given_time_to_come_back(cluster, make_instance):
+    _, decode = cluster
+    # given the decode pool's one instance, failed a moment ago (serve's supervisor restarts such a worker)
+    instance = make_instance(decode, state=InstanceState.FAILED, last_heartbeat_at=START)
+    pool_autoscale_pause(pool=decode, paused=True, actor=None)
+
+    # when the autoscaler ticks within the start timeout, then after it
+    soon = autoscale_tick(now=START + timedelta(seconds=30))
+    later = autoscale_tick(now=START + timedelta(seconds=61))
+
+    # then nothing replaces it at first; once the timeout passed, a new instance is asked for
+    def decode_started(report) -> list[str]:
+        return [worker for worker in report.started if worker.startswith("decode-")]
+
+    assert decode_started(soon) == []
+    assert len(decode_started(later)) == 1 and decode_started(later) != [instance.worker_id]
