@@ -11,9 +11,12 @@ supervisor's timer: the same start and stop, found in the database instead of on
 import logging
 import shlex
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
+from django.db.models import Q
+from django.utils import timezone
 
 from controlplane.common.connections import close_stale_connections
 from controlplane.topology import selectors, services
@@ -84,12 +87,14 @@ def agent_stop(agent: NodeAgent, instance_id: int) -> None:
 
 def reconcile_local(agent: NodeAgent, hostname: str) -> None:
     """The embedded default's agent round: reap, start what waits for this node, end the processes of
-    instances that stopped or failed."""
+    instances that stopped, and of failed ones silent for longer than a start may take (a worker that
+    missed heartbeats on a loaded host comes back by itself before that)."""
     close_stale_connections()
     agent.reap()
     for instance_id in selectors.instances_to_start(hostname=hostname).values_list("id", flat=True):
         agent_start(agent, instance_id, hostname=hostname)
-    held = agent.held_instances()
-    ended = EngineInstance.objects.filter(pk__in=held, state__in=[InstanceState.STOPPED, InstanceState.FAILED])
+    held = EngineInstance.objects.filter(pk__in=agent.held_instances())
+    given_up = timezone.now() - timedelta(seconds=settings.SLUICE_INSTANCE_START_TIMEOUT_S)
+    ended = held.filter(Q(state=InstanceState.STOPPED) | Q(state=InstanceState.FAILED, last_heartbeat_at__lt=given_up))
     for instance_id in ended.values_list("id", flat=True):
         agent.stop(instance_id, grace_s=settings.SLUICE_NODE_STOP_GRACE_S)

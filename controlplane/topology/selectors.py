@@ -1,6 +1,6 @@
 from datetime import datetime
 
-from django.db.models import Count, F, QuerySet, Sum
+from django.db.models import Count, Exists, F, OuterRef, QuerySet, Sum
 
 from controlplane.topology.models import (
     LIVE_STATES,
@@ -64,11 +64,22 @@ def pool_serving_count(*, pool_id: int) -> int:
 
 
 def pool_recovering_count(*, pool_id: int, since: datetime) -> int:
-    """Failed instances no agent started that were heard from since `since`: a supervisor (or an
-    operator) may be restarting them, and they come back as ready when they do."""
-    return EngineInstance.objects.filter(
-        pool_id=pool_id, state=InstanceState.FAILED, pid__isnull=True, last_heartbeat_at__gte=since
-    ).count()
+    """Failed instances heard from since `since` whose process no agent saw exit: they went silent
+    (a loaded host) or a supervisor restarts them, and they come back as ready when they do."""
+    exited = ScalingEvent.objects.filter(
+        instance_id=OuterRef("pk"), action=ScalingAction.INSTANCE_EXITED, created_at__gte=OuterRef("registered_at")
+    )
+    return (
+        EngineInstance.objects.filter(pool_id=pool_id, state=InstanceState.FAILED, last_heartbeat_at__gte=since)
+        .exclude(Exists(exited))
+        .count()
+    )
+
+
+def local_workers_registered(*, worker_ids: list[str], since: datetime) -> bool:
+    """Whether every one of these workers registered since `since` (and is ready)."""
+    ready = EngineInstance.objects.filter(worker_id__in=worker_ids, state=InstanceState.READY, registered_at__gte=since)
+    return ready.count() == len(set(worker_ids))
 
 
 def instances_least_loaded_ready(*, pool_id: int) -> QuerySet[EngineInstance]:

@@ -20,10 +20,12 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
 from controlplane.dev_key import dev_api_key
 from controlplane.supervisor import Child, Supervisor, Timer, child_env, manage_py
 from controlplane.topology.node_agent import reconcile_local, record_exit
+from controlplane.topology.selectors import local_workers_registered
 from controlplane.topology.services import autoscale_tick, topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
@@ -190,9 +192,28 @@ class Command(BaseCommand):
         )
         timers = [
             Timer("node agent", AGENT_ROUND_S, lambda: reconcile_local(agent, hostname)),
-            Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, autoscale_tick),
+            Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, AutoscalerAfterStart(names)),
         ]
         Supervisor(children, timers, on_stop=lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S)).run()
+
+
+class AutoscalerAfterStart:
+    """The autoscaler's tick, from once serve's own workers registered (until then the pools look empty
+    and it would start more of them), or once a start may take no longer."""
+
+    def __init__(self, worker_ids: list[str]) -> None:
+        self.worker_ids = worker_ids
+        self.started_at = timezone.now()
+        self.waiting = True
+
+    def __call__(self) -> None:
+        if self.waiting:
+            waited = (timezone.now() - self.started_at).total_seconds()
+            registered = local_workers_registered(worker_ids=self.worker_ids, since=self.started_at)
+            if not registered and waited < settings.SLUICE_INSTANCE_START_TIMEOUT_S:
+                return
+            self.waiting = False
+        autoscale_tick()
 
 
 def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) -> list[str]:
