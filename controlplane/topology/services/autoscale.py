@@ -77,10 +77,10 @@ def pool_autoscale(
     """Plans one pool and applies the decision: a pool_scaled event (with its why) when the target
     changes, an autoscale_held event when a limit held a wanted change (once per rule in a row)."""
     locked = Pool.objects.select_for_update().get(pk=pool.pk)
-    decision = plan(
-        pool_inputs(pool=locked, now=now, prefill_rates=prefill_rates, prefill_per_worker=prefill_per_worker),
-        config,
+    inputs = pool_inputs(
+        pool=locked, now=now, config=config, prefill_rates=prefill_rates, prefill_per_worker=prefill_per_worker
     )
+    decision = plan(inputs, config)
     if decision.changes:
         try:
             pool_scale(
@@ -109,7 +109,9 @@ def pool_autoscale(
     return decision
 
 
-def pool_inputs(*, pool: Pool, now: datetime, prefill_rates: list[float], prefill_per_worker: float) -> PoolInputs:
+def pool_inputs(
+    *, pool: Pool, now: datetime, config: PlannerConfig, prefill_rates: list[float], prefill_per_worker: float
+) -> PoolInputs:
     window_start = now - timedelta(seconds=pool.scale_window_s)
     added, removed = selectors.pool_scaled_in_window(pool_id=pool.pk, since=window_start)
     last_change = selectors.pool_last_event(pool_id=pool.pk, actions=[ScalingAction.POOL_SCALED])
@@ -123,7 +125,7 @@ def pool_inputs(*, pool: Pool, now: datetime, prefill_rates: list[float], prefil
             for i in live
             if i.state != InstanceState.STARTING
         ]
-        demands |= decode_demands(loads, PlannerConfig())
+        demands |= decode_demands(loads, config)
     return PoolInputs(
         kind=pool.kind,
         min_instances=pool.min_instances,
