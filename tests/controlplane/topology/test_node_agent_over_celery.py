@@ -17,7 +17,8 @@ from pathlib import Path
 import kombu.pools
 import pytest
 import redis
-from django.db import connection
+from asgiref.sync import sync_to_async
+from django.db import connection, connections
 from django.test import override_settings
 from django.utils import timezone
 
@@ -127,6 +128,8 @@ def serve_one() -> list[int]:
         finally:
             discovery.cancel()
             await client.close()
+            # The discovery's database reads ran on asgiref's thread: its connection ends with the test.
+            await sync_to_async(connections.close_all)()
 
     return asyncio.run(generate())
 
