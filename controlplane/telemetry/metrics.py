@@ -60,19 +60,41 @@ def observe_request(sample: RequestSample) -> None:
 
 
 class _Scrape:
-    """One scrape's collector: the request metrics, then families built from `workers`."""
+    """One scrape's collector: the request metrics, then families built from `workers` and `pools`."""
 
-    def __init__(self, workers: list[WorkerHeartbeat]) -> None:
+    def __init__(self, workers: list[WorkerHeartbeat], pools: list[dict]) -> None:
         self._workers = workers
+        self._pools = pools
 
     def collect(self) -> Iterable[Metric]:
         yield from REQUEST_REGISTRY.collect()
         yield from heartbeat_families(self._workers)
+        yield from pool_families(self._pools)
 
 
-def exposition(workers: list[WorkerHeartbeat]) -> bytes:
-    """The text exposition format; `workers` are the healthy workers' latest heartbeats."""
-    return generate_latest(_Scrape(workers))
+def exposition(workers: list[WorkerHeartbeat], pools: list[dict] = ()) -> bytes:
+    """The text exposition format; `workers` are the healthy workers' latest heartbeats, `pools` the
+    topology's pools as controlplane.topology.selectors.pool_scaling_summary gives them."""
+    return generate_latest(_Scrape(workers, list(pools)))
+
+
+def pool_families(pools: list[dict]) -> list[Metric]:
+    """What the autoscaler (or an operator) wants of each pool against what it has."""
+    desired = GaugeMetricFamily(
+        "sluice:pool_desired_instances", "The pool's target instance count (autoscaler or operator).", labels=["pool"]
+    )
+    instances = GaugeMetricFamily(
+        "sluice:pool_instances", "The pool's engine instances by state.", labels=["pool", "state"]
+    )
+    paused = GaugeMetricFamily(
+        "sluice:autoscaler_paused", "1 while the autoscaler leaves the pool alone.", labels=["pool"]
+    )
+    for pool in pools:
+        desired.add_metric([pool["pool"]], pool["target_instances"])
+        paused.add_metric([pool["pool"]], 1.0 if pool["autoscale_paused"] else 0.0)
+        for state, count in sorted(pool["instances"].items()):
+            instances.add_metric([pool["pool"], state], count)
+    return [desired, instances, paused]
 
 
 def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:

@@ -30,6 +30,8 @@ ENDPOINTS = [
     ("get", "/api/v1/pools/{id}/", READERS),
     ("patch", "/api/v1/pools/{id}/", OPERATORS),
     ("post", "/api/v1/pools/{id}/scale/", OPERATORS),
+    ("post", "/api/v1/pools/{id}/autoscale/", OPERATORS),
+    ("post", "/api/v1/pools/{id}/start-instance/", OPERATORS),
     ("get", "/api/v1/instances/", READERS),
     ("get", "/api/v1/instances/{id}/", READERS),
     ("post", "/api/v1/instances/{id}/drain/", OPERATORS),
