@@ -101,6 +101,12 @@ class WorkerControl:
             num_in_flight=self._num_in_flight(),
         )
 
+    def forget_ep_layout(self) -> None:
+        """The EP group re-formed after a rank died and runs a placement of its own: no control-plane
+        layout is in force until the next one is applied (version 0 in acks and heartbeats)."""
+        log.warning("worker %s: EP layout version %d is no longer in force", self.worker_id, self.ep_layout_version)
+        self.ep_layout_version = 0
+
     def check_drained(self) -> None:
         """Call when requests finish: a draining worker with none left is drained."""
         if self.state == DRAINING and self._num_in_flight() == 0:

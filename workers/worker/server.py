@@ -100,6 +100,7 @@ class Worker:
         self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
         self.encoder = msgspec.msgpack.Encoder()
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
+        self._resized_at = 0.0  # the EP group's last resize this worker has acted on
         self.control = WorkerControl(
             self.worker_id,
             ep_size=(lambda: engine.ep_size) if isinstance(engine, EPEngine) else (lambda: 1),
@@ -166,10 +167,14 @@ class Worker:
 
     def _step(self) -> list[RequestDelta]:
         try:
-            return self.engine.step()
+            deltas = self.engine.step()
         except Exception as error:
             self._fail_in_flight(f"the engine worker {self.worker_id} failed: {type(error).__name__}")
             raise
+        if isinstance(self.engine, EPEngine) and self.engine.resized_at != self._resized_at:
+            self._resized_at = self.engine.resized_at
+            self.control.forget_ep_layout()
+        return deltas
 
     def _fail_in_flight(self, reason: str) -> None:
         """Tell every peer with a request here that the worker is going, before it goes. The
