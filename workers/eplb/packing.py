@@ -5,7 +5,7 @@ import numpy as np
 
 # A swap must lower its busy GPU by this fraction of the mean GPU load: smaller gains cost rounds
 # and do not show in max/mean.
-MIN_GAIN = 1e-4
+MIN_GAIN = 1e-3
 
 
 def fill_replicas(loads: np.ndarray, slots: int) -> np.ndarray:

@@ -59,8 +59,9 @@ def _place_flat(loads: np.ndarray, *, gpus: int, slots: int) -> np.ndarray:
     arrangement = greedy_pack(replica_load, gpus)
     batch = loads.shape[0]
     placement = np.take_along_axis(replica_expert, arrangement.reshape(batch, -1), axis=1).reshape(arrangement.shape)
-    # Many busy GPUs with a few partners each first, then fewer with more, then the busiest with all.
-    passes = ((max(1, gpus // 4), 3), (max(1, gpus // 16), 15), (1, gpus))
+    # Many busy GPUs with a few partners each, then fewer with more; _refine polishes the layers that
+    # stay above SCRATCH_GOAL with the busiest against all.
+    passes = ((max(1, gpus // 4), 3), (max(1, gpus // 16), 15))
     return swap_descent(placement, per_replica, stop_at=np.zeros(batch), gpus_per_node=gpus, passes=passes)
 
 
