@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,30 @@ class Child:
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
 
+@dataclass
+class PeriodicJob:
+    """Work the embedded default runs on a timer in the supervisor (Celery beat's job with a broker).
+    A job that raises is logged and runs again at its next time."""
+
+    name: str
+    interval_s: float
+    run: Callable[[], object]
+    next_at: float = 0.0
+
+    def run_if_due(self, now: float) -> None:
+        if now < self.next_at:
+            return
+        self.next_at = now + self.interval_s
+        try:
+            self.run()
+        except Exception:
+            log.exception("periodic job %s failed", self.name)
+
+
 class Supervisor:
-    def __init__(self, children: Sequence[Child]) -> None:
+    def __init__(self, children: Sequence[Child], periodic: Sequence[PeriodicJob] = ()) -> None:
         self.children = list(children)
+        self.periodic = list(periodic)
         self.stopping = False
 
     def run(self) -> int:
@@ -64,6 +85,8 @@ class Supervisor:
             child.start()
         while not self.stopping:
             self._tend(time.monotonic())
+            for job in self.periodic:
+                job.run_if_due(time.monotonic())
             time.sleep(0.2)
         return self._stop_all()
 

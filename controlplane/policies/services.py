@@ -100,13 +100,20 @@ def ep_layout_activate(*, layout: EPLayout, actor: Any, reason: str = "", now: d
     locked.is_active = True
     locked.activated_at = now
     locked.save(update_fields=["is_active", "activated_at"])
+    # An EPLB proposal says why: its load window, the rule that fired, balance and slots changed.
+    why = locked.rationale
     scaling_event_record(
         action=ScalingAction.EP_LAYOUT_APPLIED,
         actor=actor,
         reason=reason,
         pool=pool,
-        before={"version": None if previous is None else previous.version},
-        after={"version": locked.version, "layout_id": locked.pk},
+        before={"version": None if previous is None else previous.version, **why.get("before", {})},
+        after={
+            "version": locked.version,
+            "layout_id": locked.pk,
+            **why.get("after", {}),
+            **({"slots_changed": why["slots_changed"], "why": why} if why else {}),
+        },
         now=now,
     )
     queue_task(tasks.ep_layout_push_task, locked.pk)

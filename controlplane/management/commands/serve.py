@@ -20,7 +20,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.dev_key import dev_api_key
-from controlplane.supervisor import Child, Supervisor, child_env, manage_py
+from controlplane.policies.tasks import ep_rebalance_tick_task
+from controlplane.supervisor import Child, PeriodicJob, Supervisor, child_env, manage_py
 from controlplane.topology.services import topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
@@ -161,7 +162,8 @@ class Command(BaseCommand):
             "Ctrl-C stops everything.\n\n"
         )
         self.stdout.flush()
-        Supervisor(children).run()
+        eplb = PeriodicJob("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay)
+        Supervisor(children, periodic=[eplb]).run()
 
 
 def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) -> list[str]:
