@@ -1,7 +1,7 @@
 from rest_framework import serializers
 
 from controlplane.api.inputs import SlugRelatedField
-from controlplane.policies.models import EPLayout, TrafficClass, TTLPolicy
+from controlplane.policies.models import EPLayout, EPRebalancePolicy, TrafficClass, TTLPolicy
 
 # Far above any real model (DeepSeek V3 has 256 routed experts); the checks build sets of this size.
 MAX_LOGICAL_EXPERTS = 65536
@@ -62,5 +62,26 @@ class EPLayoutSerializer(serializers.ModelSerializer):
             "created_by_label",
             "created_at",
             "activated_at",
+            "rationale",
         ]
-        read_only_fields = ["id", "version", "is_active", "created_by_label", "created_at", "activated_at"]
+        read_only_fields = [
+            "id",
+            "version",
+            "is_active",
+            "created_by_label",
+            "created_at",
+            "activated_at",
+            "rationale",
+        ]
+
+
+class EPRebalancePolicySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = EPRebalancePolicy
+        fields = ["id", "pool", "mode", "interval_s", "window_s", "target_balance", "min_window_tokens", "last_run_at"]
+        read_only_fields = ["id", "last_run_at"]
+        extra_kwargs = {
+            "target_balance": {"min_value": 1.0},
+            "interval_s": {"min_value": 1},
+            "window_s": {"min_value": 1},
+        }
