@@ -1,7 +1,7 @@
 """The EPLB on a loads file: one placement, its balance, how long it took and how many slots moved.
 
     python -m bench.eplb --loads FILE --which base|drift --gpus G --slots S [--nodes N]
-        [--previous-placement FILE] [--save-placement FILE] [--target-balance 1.02]
+        [--previous-placement FILE] [--save-placement FILE] [--target-balance 1.025]
 
 Prints one JSON line {"max_over_mean", "worst_layer", "seconds", "slots_changed"}: max_over_mean
 is, per layer, the max over GPUs of GPU load over the mean (each expert's load split evenly over its

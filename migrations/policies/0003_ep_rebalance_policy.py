@@ -52,7 +52,7 @@ class Migration(migrations.Migration):
                 (
                     "target_balance",
                     models.FloatField(
-                        default=1.02,
+                        default=1.025,
                         help_text="Max/mean GPU load (mean over layers) above which the EPLB proposes a layout.",
                     ),
                 ),

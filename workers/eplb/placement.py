@@ -7,7 +7,7 @@ from workers.eplb.packing import expand_replicas, fill_replicas, greedy_pack, sw
 from workers.eplb.validation import PlacementInputError, check_sizes, checked_loads, checked_placement
 
 # A re-placement stops once every layer's max/mean GPU load is at most this.
-DEFAULT_TARGET_BALANCE = 1.02
+DEFAULT_TARGET_BALANCE = 1.025
 # A layer no placement gets under the target aims at what placing from scratch reaches plus this.
 UNREACHABLE_MARGIN = 0.005
 # Re-homing gives up on a layer after this many re-homed slots in a row that did not lower its max/mean.
