@@ -16,6 +16,9 @@ PATIENCE = 2
 SCRATCH_GOAL = 1.01
 # ... at most this many slots per layer: more slows placing down for little gain.
 SCRATCH_REHOMES = 4
+# A re-placement re-homes this many slots of each layer above its target before it swaps: a
+# re-homed slot changes one slot, a swap two, and drift often needs new replica counts anyway.
+MIGRATION_REHOMES_FIRST = 3
 
 
 def place_experts(loads, *, gpus: int, slots: int, nodes: int = 1) -> np.ndarray:
@@ -93,15 +96,24 @@ def rebalance_experts(
         return placement
     reachable = layer_balance(place_experts(loads, gpus=gpus, slots=slots, nodes=nodes), loads)
     goal = np.maximum(target_balance, reachable + UNREACHABLE_MARGIN)
-    return _refine(placement, loads, goal=goal, gpus_per_node=gpus // nodes, rehomes=slots)
+    return _refine(
+        placement, loads, goal=goal, gpus_per_node=gpus // nodes, rehomes=slots, rehomes_first=MIGRATION_REHOMES_FIRST
+    )
 
 
 def _refine(
-    placement: np.ndarray, loads: np.ndarray, *, goal: np.ndarray, gpus_per_node: int, rehomes: int
+    placement: np.ndarray,
+    loads: np.ndarray,
+    *,
+    goal: np.ndarray,
+    gpus_per_node: int,
+    rehomes: int,
+    rehomes_first: int = 0,
 ) -> np.ndarray:
-    """Swaps, then one re-homed slot and swaps again, for every layer above its `goal` max/mean,
-    until it is under it or PATIENCE re-homings in a row did not lower it; each layer ends at the
-    best placement it went through. Changes `placement`; returns the best."""
+    """For every layer above its `goal` max/mean: `rehomes_first` re-homed slots, then swaps, then
+    one re-homed slot and swaps again, until it is under it or PATIENCE re-homings in a row did not
+    lower it; each layer ends at the best placement it went through. Changes `placement`; returns
+    the best."""
     layers, experts = loads.shape
     gpus = placement.shape[1]
     stop_at = goal * loads.sum(axis=1) / gpus
@@ -109,6 +121,10 @@ def _refine(
     best = placement.copy()
     stale = np.zeros(layers, dtype=np.int64)
     active = np.flatnonzero(best_balance > goal)
+    for _ in range(rehomes_first if active.size else 0):
+        part = placement[active]
+        _rehome_one(part, loads[active], gpus_per_node)
+        placement[active] = part
     for _ in range(rehomes + 1):
         if not active.size:
             break
