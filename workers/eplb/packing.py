@@ -55,6 +55,7 @@ def swap_descent(
     stop_at: np.ndarray,
     gpus_per_node: int,
     passes: tuple[tuple[int, int], ...] = ((1, 1 << 30),),
+    max_rounds: int = 1 << 30,
 ) -> np.ndarray:
     """Swap slots off the most loaded GPUs of each node while that lowers them, best swap first,
     until no swap helps or every GPU of the problem is under `stop_at`.
@@ -69,7 +70,15 @@ def swap_descent(
     # float32 halves the memory each round streams through; MIN_GAIN is far above its rounding.
     per_replica = per_replica.astype(np.float32)
     for busy, partners in passes:
-        _descend(placement, per_replica, stop_at=stop_at, gpus_per_node=gpus_per_node, busy=busy, partners=partners)
+        _descend(
+            placement,
+            per_replica,
+            stop_at=stop_at,
+            gpus_per_node=gpus_per_node,
+            busy=busy,
+            partners=partners,
+            max_rounds=max_rounds,
+        )
     return placement
 
 
@@ -81,6 +90,7 @@ def _descend(
     gpus_per_node: int,
     busy: int,
     partners: int,
+    max_rounds: int,
 ) -> None:
     batch, gpus, slots = placement.shape
     nodes = gpus // gpus_per_node
@@ -93,7 +103,9 @@ def _descend(
     all_weights = np.take_along_axis(per_replica, placement.reshape(batch, -1), axis=1).reshape(placement.shape)
     least = all_weights.sum(axis=(1, 2)) / gpus * MIN_GAIN
     active = np.arange(batch)
-    while active.size:
+    for _ in range(max_rounds):
+        if not active.size:
+            return
         weights = all_weights[active]
         rows = np.arange(active.size)[:, None, None]
         loads = weights.sum(axis=2)

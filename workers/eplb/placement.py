@@ -14,8 +14,10 @@ UNREACHABLE_MARGIN = 0.005
 PATIENCE = 2
 # Placing from scratch re-homes replicas in layers above this max/mean.
 SCRATCH_GOAL = 1.01
-# ... at most this many slots per layer: more slows placing down for little gain.
+# ... at most this many slots per layer, each followed by at most this many rounds of swaps: more
+# slows placing down (2-4x on skewed loads) for a little balance.
 SCRATCH_REHOMES = 4
+SCRATCH_SWAP_ROUNDS = 4
 # A re-placement re-homes this many slots of each layer above its target before it swaps: a
 # re-homed slot changes one slot, a swap two, and drift often needs new replica counts anyway.
 MIGRATION_REHOMES_FIRST = 3
@@ -37,7 +39,14 @@ def place_experts(loads, *, gpus: int, slots: int, nodes: int = 1) -> np.ndarray
     # Replica counts by load per replica are not always the counts that pack best: re-homing
     # replicas lowers the layers that packing leaves above SCRATCH_GOAL.
     goal = np.full(layers, SCRATCH_GOAL)
-    return _refine(placement, loads, goal=goal, gpus_per_node=gpus // nodes, rehomes=SCRATCH_REHOMES)
+    return _refine(
+        placement,
+        loads,
+        goal=goal,
+        gpus_per_node=gpus // nodes,
+        rehomes=SCRATCH_REHOMES,
+        swap_rounds=SCRATCH_SWAP_ROUNDS,
+    )
 
 
 def _place_grouped(loads: np.ndarray, *, gpus: int, slots: int, nodes: int) -> np.ndarray:
@@ -109,6 +118,7 @@ def _refine(
     gpus_per_node: int,
     rehomes: int,
     rehomes_first: int = 0,
+    swap_rounds: int = 1 << 30,
 ) -> np.ndarray:
     """For every layer above its `goal` max/mean: `rehomes_first` re-homed slots, then swaps, then
     one re-homed slot and swaps again, until it is under it or PATIENCE re-homings in a row did not
@@ -130,7 +140,11 @@ def _refine(
             break
         per_replica = loads / np.maximum(replica_counts(placement, experts), 1)
         part = swap_descent(
-            placement[active], per_replica[active], stop_at=stop_at[active], gpus_per_node=gpus_per_node
+            placement[active],
+            per_replica[active],
+            stop_at=stop_at[active],
+            gpus_per_node=gpus_per_node,
+            max_rounds=swap_rounds,
         )
         placement[active] = part
         now = layer_balance(part, loads[active])
