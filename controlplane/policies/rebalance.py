@@ -9,6 +9,7 @@ import numpy as np
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.common.errors import DomainValidationError
 from controlplane.policies.models import EPLayout, EPRebalanceMode, EPRebalancePolicy
 from controlplane.policies.selectors import ep_layout_active
 from controlplane.policies.services import ep_layout_activate, ep_layout_create
@@ -91,9 +92,14 @@ def ep_rebalance_run(*, pool: Pool, now: datetime | None = None) -> EPLayout | N
         "after": {"max_over_mean": _rounded(after.mean()), "worst_layer": _rounded(after.max())},
         "slots_changed": _rounded(slots_changed(previous, placement)),
     }
-    layout = ep_layout_create(
-        pool=pool, num_logical_experts=current.num_logical_experts, placement=placement.tolist(), actor=EPLB_ACTOR
-    )
+    try:
+        layout = ep_layout_create(
+            pool=pool, num_logical_experts=current.num_logical_experts, placement=placement.tolist(), actor=EPLB_ACTOR
+        )
+    except DomainValidationError as error:
+        # The pool changed under the layout in force (fewer ranks, another model): the operator's move.
+        log.warning("EPLB for pool %s: the proposal does not fit the pool: %s", pool.name, error.fields)
+        return None
     layout.rationale = rationale
     layout.save(update_fields=["rationale"])
     if policy.mode == EPRebalanceMode.AUTO:

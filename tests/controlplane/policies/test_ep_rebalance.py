@@ -137,6 +137,16 @@ def test_loads_that_do_not_fit_the_layout_are_refused_and_nothing_changes(moe_po
     assert EPLayout.objects.count() == 1
 
 
+def test_a_proposal_that_no_longer_fits_the_pool_is_dropped(moe_pool, in_force):
+    policy(moe_pool, "auto", target_balance=1.05)
+    record_minutes(moe_pool, in_force, HOT_TWO)
+    moe_pool.instances.update(ep_size=1)  # the layout in force has 2 ranks, the pool now 1
+
+    assert ep_rebalance_run(pool=moe_pool, now=NOW) is None
+
+    assert list(EPLayout.objects.values_list("version", "is_active")) == [(1, True)]
+
+
 def test_without_a_layout_in_force_nothing_is_proposed(moe_pool):
     policy(moe_pool, "auto")
 
