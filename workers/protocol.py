@@ -189,6 +189,9 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     kv_store_high_watermark: float = 0.0
     kv_store_evicted_expired: int = 0
     kv_store_evicted_capacity: int = 0
+    # MoE workers: tokens routed to each physical expert slot since the previous heartbeat,
+    # expert_load[layer][rank * slots_per_rank + slot]; empty for dense models.
+    expert_load: list[list[int]] = []
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a
@@ -224,7 +227,7 @@ class ApplyEPLayoutRequest(msgspec.Struct, tag="control.apply_ep_layout", frozen
     command_id: str
     version: int
     num_logical_experts: int
-    placement: list[list[int]]  # placement[rank][slot] = logical expert id
+    placement: list[list[list[int]]]  # placement[layer][rank][slot] = logical expert id
 
 
 class StatusRequest(msgspec.Struct, tag="control.status", frozen=True, forbid_unknown_fields=True):
