@@ -153,6 +153,15 @@ CELERY_BROKER_URL = os.environ.get("SLUICE_CELERY_BROKER_URL") or "memory://loca
 CELERY_TASK_ACKS_LATE = True  # a worker that dies mid-task leaves it queued for another
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
+# How often the EPLB tick looks for MoE pools whose rebalancing interval has passed: the `serve`
+# supervisor's timer in the embedded default, Celery beat with a broker.
+SLUICE_EP_REBALANCE_TICK_S = float(os.environ.get("SLUICE_EP_REBALANCE_TICK_S", 30))
+CELERY_BEAT_SCHEDULE = {
+    "ep-rebalance-tick": {
+        "task": "controlplane.policies.tasks.ep_rebalance_tick_task",
+        "schedule": SLUICE_EP_REBALANCE_TICK_S,
+    }
+}
 # How long a drain may take before the task gives up and records control_failed.
 SLUICE_DRAIN_TIMEOUT_S = float(os.environ.get("SLUICE_DRAIN_TIMEOUT_S", 600))
 

@@ -180,6 +180,7 @@ def scaling_event_text(event) -> str:
 
 
 def expert_heatmaps(expert_load: dict[str, list[list[float]]]) -> list:
+    """One heatmap per MoE pool: tokens per [layer][physical slot] over the telemetry window."""
     if not expert_load:
         return [html.P(DENSE_MODEL, id="expert-load-empty")]
     return [
@@ -187,8 +188,8 @@ def expert_heatmaps(expert_load: dict[str, list[list[float]]]) -> list:
             figure=_layout(
                 go.Figure(go.Heatmap(z=loads, colorscale="Viridis", colorbar={"title": "load"})),
                 f"Expert load: pool {pool}",
-                "rank",
-            ).update_xaxes(title="expert slot")
+                "MoE layer",
+            ).update_xaxes(title="expert slot (rank x slots per rank + slot)")
         )
         for pool, loads in sorted(expert_load.items())
     ]

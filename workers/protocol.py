@@ -190,8 +190,8 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     kv_store_evicted_expired: int = 0
     kv_store_evicted_capacity: int = 0
     # Expert parallelism: the ranks the worker runs as one, and per MoE layer the tokens routed to
-    # each physical slot (index rank * slots_per_rank + slot) since the previous heartbeat (the
-    # collector sums the windows). Empty for dense models.
+    # each physical expert slot since the previous heartbeat, expert_load[layer][rank *
+    # slots_per_rank + slot] (the collector sums the windows); empty for dense models.
     ep_size: int = 1
     expert_load: list[list[int]] = []
     # The last time the EP group lost a rank and re-formed with the survivors (0: never): what the

@@ -122,24 +122,26 @@ def test_a_ttl_policy_goes_to_the_collector_and_a_bad_or_stale_one_changes_nothi
 @pytest.mark.parametrize(
     ("ep_size", "experts", "placement", "message"),
     [
-        (2, 4, [[[0, 1, 2], [3, 0, 1]], [[3, 2, 1], [0, 0, 0]]], ""),  # redundant copies of an expert are fine
-        (1, 4, [[[0, 1, 2, 2]]], "experts [3] have no slot"),
+        (2, 4, [[[0, 1, 2], [3, 0, 0]], [[3, 2, 1], [0, 1, 1]]], ""),  # redundant copies of an expert are fine
+        (1, 4, [[[0, 1, 2, 2]]], "layer 0: experts [3] have no slot"),
+        (1, 4, [[[0, 1, 2, 3]], [[0, 1, 2, 2]]], "layer 1: experts [3] have no slot"),
         (1, 2, [[[0, 1, 2]]], "outside 0..1"),
         (1, 2, [[[0, -1, 1]]], "outside 0..1"),
         (2, 2, [[[0, 1]]], "ep_size 2"),
-        (2, 2, [[[0, 1], [1, 0]], [[0, 1]]], "layer 1 must have 2 ranks"),
-        (2, 2, [[[0, 1], [1]]], "every rank has 2"),
+        (2, 2, [[[0], [1]], [[0, 1], [1, 0]]], "layer 1: every rank must hold the same number of slots"),
+        (2, 2, [[[0], [1, 0]]], "layer 0: every rank must hold the same number of slots"),
         (1, 2, [], "no layers"),
         (1, 0, [[[]]], "positive"),
     ],
     ids=[
         "valid",
         "missing-expert",
+        "missing-in-a-later-layer",
         "id-too-large",
         "negative-id",
         "wrong-rank-count",
-        "ragged-layers",
-        "ragged-slots",
+        "slots-differ-between-layers",
+        "slots-differ-between-ranks",
         "no-layers",
         "no-experts",
     ],
@@ -223,8 +225,8 @@ def test_a_retried_command_is_answered_again_but_acted_on_once(worker):
 def test_an_ep_layout_is_applied_and_reported_and_a_bad_one_refused(worker):
     request_endpoint, heartbeat_endpoint = worker.endpoints
 
-    applied = send_control(request_endpoint, layout(3, 4, [[[3, 2, 1, 0]]]))
-    refused = send_control(request_endpoint, layout(4, 4, [[[0, 1, 2, 2]]]))
+    applied = send_control(request_endpoint, layout(3, 4, [[[3, 2, 1, 0]], [[0, 1, 2, 3]]]))
+    refused = send_control(request_endpoint, layout(4, 4, [[[0, 1, 2, 2]], [[0, 1, 2, 3]]]))
 
     assert applied.ok and applied.ep_layout_version == 3
     assert not refused.ok and "[3]" in refused.message and refused.ep_layout_version == 3

@@ -10,7 +10,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
-from workers.engine.parallel.placement import Placement, PlacementError, placement_error
+from workers.engine.parallel.placement import Placement, PlacementError
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol import (
@@ -159,12 +159,25 @@ class WorkerControl:
 
 
 def ep_layout_error(request: ApplyEPLayoutRequest, ep_size: int) -> str:
-    """Why `request` is not a valid layout ([layer][rank][slot]) for `ep_size` ranks, or "" when it is."""
+    """Why `request` is not a valid layout for `ep_size` ranks, or "" when it is: every layer has
+    ep_size ranks of one slot count (the same in every layer) and gives every expert a slot."""
     experts = request.num_logical_experts
     if experts < 1:
         return f"num_logical_experts must be positive, got {experts}"
     if not request.placement:
         return "the placement has no layers"
-    if len(request.placement[0]) != ep_size:
-        return f"the placement has {len(request.placement[0])} ranks; this worker has ep_size {ep_size}"
-    return placement_error(request.placement, num_layers=len(request.placement), num_experts=experts, num_ranks=ep_size)
+    slots = len(request.placement[0][0]) if request.placement[0] else 0
+    for layer, ranks in enumerate(request.placement):
+        if len(ranks) != ep_size:
+            return f"layer {layer} of the placement has {len(ranks)} ranks; this worker has ep_size {ep_size}"
+        uneven = [rank for rank, held in enumerate(ranks) if len(held) != slots]
+        if uneven or not slots:
+            return f"layer {layer}: every rank must hold the same number of slots ({slots}, as rank 0 of layer 0)"
+        placed = [expert for held in ranks for expert in held]
+        outside = sorted({expert for expert in placed if not 0 <= expert < experts})
+        if outside:
+            return f"layer {layer}: expert ids {outside} are outside 0..{experts - 1}"
+        missing = sorted(set(range(experts)) - set(placed))
+        if missing:
+            return f"layer {layer}: experts {missing} have no slot on any rank"
+    return ""

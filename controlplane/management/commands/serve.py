@@ -23,6 +23,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from controlplane.dev_key import dev_api_key
+from controlplane.policies.tasks import ep_rebalance_tick_task
 from controlplane.supervisor import Child, Supervisor, Timer, child_env, manage_py
 from controlplane.topology.node_agent import reconcile_local, record_exit
 from controlplane.topology.selectors import local_workers_registered
@@ -193,6 +194,7 @@ class Command(BaseCommand):
         timers = [
             Timer("node agent", AGENT_ROUND_S, lambda: reconcile_local(agent, hostname)),
             Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, AutoscalerAfterStart(names)),
+            Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
         ]
         Supervisor(children, timers, on_stop=lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S)).run()
 

@@ -11,7 +11,8 @@ run joins the collectives with an empty pass), and every rank answers with its o
 No rank steps unless one has work.
 
 A rank that dies (its process exits, or a collective fails because a peer did) triggers a resize:
-the survivors meet at a new rendezvous, take a placement that covers every logical expert on them,
+the survivors meet at a new rendezvous, take a placement that covers every logical expert on them
+(workers.eplb over the load counted so far),
 and every request in flight is resubmitted from its prompt plus the tokens already streamed, so a
 greedy stream goes on with the same tokens. The resize is recorded (resized_at, resize_reason).
 """
@@ -45,6 +46,7 @@ from workers.engine.parallel.placement import (
 from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_experts
 from workers.engine.parallel.rank_process import run_rank_process
 from workers.engine.sampling_params import SamplingParams
+from workers.eplb import place_experts
 from workers.protocol import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ class EPEngine:
         self.placement = placement
         self._pending_placement: Placement | None = None
         self.load_window = LoadWindow()
+        # Tokens routed to each logical expert per MoE layer since the start: what a resize places by.
+        self.expert_totals = [[0] * self.num_experts for _ in range(self.num_layers)]
         self._load_collected_at = time.monotonic()
         self.resized_at = 0.0
         self.resize_reason = ""
@@ -271,13 +275,24 @@ class EPEngine:
         if collect:
             self._load_collected_at = time.monotonic()
             # Counts from before a new placement went with its swap; these are all under the new one.
-            self.load_window.add([load, *(r.expert_load for r in reports)], restart=placement is not None)
+            per_rank = [load, *(r.expert_load for r in reports)]
+            self.load_window.add(per_rank, restart=placement is not None)
+            self._add_totals(per_rank)
         if failed or local_error is not None:
             dead = [rank for rank, r in enumerate(self.remotes, start=1) if not r.process.is_alive()]
             if not dead:
                 raise RankFailedError("an EP step failed with every rank alive") from local_error
             self._resize(dead)
         return deltas
+
+    def _add_totals(self, per_rank: list[list[list[int]]]) -> None:
+        """Fold the ranks' per-slot counts into per-expert totals, through the placement in force."""
+        for counts in per_rank:
+            for layer, slot_counts in enumerate(counts):
+                experts = [expert for rank in self.placement[layer] for expert in rank]
+                totals = self.expert_totals[layer]
+                for slot, count in enumerate(slot_counts):
+                    totals[experts[slot]] += count
 
     def _gather(self) -> tuple[list[EPRankReport], bool]:
         """Every live rank's report of the step; and whether any rank failed it or died."""
@@ -415,9 +430,10 @@ class EPEngine:
         survivors = [self.remotes[rank - 1] for rank in old_ranks[1:]]
         size = len(old_ranks)
         slots = max(self.slots_per_rank, slots_for(self.num_experts, size))
-        placement = round_robin_placement(
-            num_layers=self.num_layers, num_experts=self.num_experts, num_ranks=size, slots_per_rank=slots
-        )
+        # The EPLB over the load seen so far (one token more per expert: one never routed to still
+        # needs its slot), so the survivors start balanced; every expert gets at least one slot.
+        loads = [[count + 1 for count in layer] for layer in self.expert_totals]
+        placement = place_experts(loads, gpus=size, slots=size * slots).tolist()
         reason = f"EP ranks {dead} died; the group re-formed with {size} ranks"
         log.warning("%s; resubmitting %d requests", reason, len(self.requests))
         self.local.group.destroy()
