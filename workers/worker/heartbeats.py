@@ -17,6 +17,7 @@ from workers.kvstore.index import IndexUsage
 from workers.protocol import WorkerHeartbeat, WorkerRegistration
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
+from workers.worker.transfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,12 @@ class Heartbeats:
         collector: GarbageCollector | None,
         publisher: zmq.Socket,
         stop: threading.Event,
+        *,
+        transfers: Transfers | None = None,
     ) -> None:
+        """`transfers`: the worker's KV transfers, whose migration counters the heartbeats carry."""
         self.identity = identity
+        self.transfers = transfers
         self.config = config
         self.engine = engine
         self.control = control
@@ -74,6 +79,8 @@ class Heartbeats:
         store_usage = self._read_store_usage()
         collector = self.collector
         identity = self.identity
+        transfers = self.transfers
+        resume = stats.resume
         heartbeat = WorkerHeartbeat(
             worker_id=identity.worker_id,
             role=self.config.role,
@@ -112,6 +119,13 @@ class Heartbeats:
             kv_store_high_watermark=collector.high_watermark if collector else 0.0,
             kv_store_evicted_expired=collector.evicted_expired if collector else 0,
             kv_store_evicted_capacity=collector.evicted_capacity if collector else 0,
+            num_migrated_out=transfers.num_migrated_out if transfers else 0,
+            num_migrations_failed=transfers.num_migrations_failed if transfers else 0,
+            num_migrated_in=transfers.num_migrated_in if transfers else 0,
+            num_resumed=resume.num_resumed if resume else 0,
+            num_recomputed_tokens=resume.num_recomputed_tokens if resume else 0,
+            max_recomputed_tokens=resume.max_recomputed_tokens if resume else 0,
+            resume_seconds_total=resume.seconds_total if resume else 0.0,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 
