@@ -35,10 +35,12 @@ class PoolSerializer(serializers.ModelSerializer):
             *POOL_LIMIT_FIELDS,
             "num_experts",
             "expert_slots_per_rank",
+            "drain_grace_s",
             "created_at",
             "updated_at",
         ]
-        read_only_fields = ["id", "created_at", "updated_at"]
+        # drain_grace_s is edited in the admin; a drain may override it (its grace_s).
+        read_only_fields = ["id", "drain_grace_s", "created_at", "updated_at"]
 
 
 class PoolBoundsSerializer(serializers.ModelSerializer):
