@@ -117,6 +117,11 @@ def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
         "Tokens the worker recomputed for resumed requests (those the KV store did not hold).",
         labels=["worker"],
     )
+    most_recomputed = GaugeMetricFamily(
+        "sluice:failover_max_recomputed_tokens",
+        "The most tokens the worker recomputed for one resumed request.",
+        labels=["worker"],
+    )
     recovery = CounterMetricFamily(
         "sluice:failover_recovery_seconds",
         "Seconds from each resume's arrival at the worker to its first new token, summed.",
@@ -144,6 +149,7 @@ def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
             migrated_in.add_metric([worker], heartbeat.num_migrated_in)
             failovers.add_metric([worker], heartbeat.num_resumed)
             recomputed.add_metric([worker], heartbeat.num_recomputed_tokens)
+            most_recomputed.add_metric([worker], heartbeat.max_recomputed_tokens)
             recovery.add_metric([worker], heartbeat.resume_seconds_total)
     load = GaugeMetricFamily("sluice:pool_load", "Requests running and waiting on the pool's workers.", labels=["pool"])
     for pool, value in sorted(pool_load.items()):
@@ -167,6 +173,7 @@ def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
         migrated_in,
         failovers,
         recomputed,
+        most_recomputed,
         recovery,
         load,
         expert_load,

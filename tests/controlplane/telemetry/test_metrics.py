@@ -106,6 +106,7 @@ def test_decode_workers_report_migrations_failovers_recomputed_tokens_and_recove
         num_migrated_in=6,
         num_resumed=3,
         num_recomputed_tokens=40,
+        max_recomputed_tokens=16,
         resume_seconds_total=1.5,
     )
     prefill = make_heartbeat("p0", role="prefill", pool="prefill")
@@ -117,6 +118,7 @@ def test_decode_workers_report_migrations_failovers_recomputed_tokens_and_recove
     assert running[("sluice:migrated_in_total", (("worker", "d1"),))] == 6
     assert running[("sluice:failovers_total", (("worker", "d1"),))] == 3
     assert running[("sluice:failover_recomputed_tokens_total", (("worker", "d1"),))] == 40
+    assert running[("sluice:failover_max_recomputed_tokens", (("worker", "d1"),))] == 16
     assert running[("sluice:failover_recovery_seconds_total", (("worker", "d1"),))] == 1.5
     assert ("sluice:failovers_total", (("worker", "p0"),)) not in running  # only decode workers move requests
 
