@@ -6,12 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+import redis
 
 from workers.engine import SamplingParams
 from workers.engine.request import PENDING_TOKEN, Request
 from workers.worker.checkpoints import (
     CheckpointError,
     Checkpoints,
+    DirectoryStorage,
+    RedisStorage,
     decode_checkpoint,
     decoding_state,
     encode_checkpoint,
@@ -32,9 +35,17 @@ def request(request_id: str = "r#1", outputs: int = 3) -> Request:
     )
 
 
-@pytest.fixture
-def checkpoints(tmp_path: Path) -> Checkpoints:
-    return Checkpoints(tmp_path / "checkpoints", block_tokens=BLOCK, kv_model_id="tiny:float32")
+@pytest.fixture(params=["directory", "redis"])
+def checkpoints(request, tmp_path: Path):
+    """Checkpoints beside the block files, or in Redis (db 15, a prefix of this test's own)."""
+    if request.param == "directory":
+        yield Checkpoints(DirectoryStorage(tmp_path / "checkpoints"), block_tokens=BLOCK, kv_model_id="tiny:float32")
+        return
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/15")
+    prefix = f"sluice-migrate-test-{os.getpid()}"
+    yield Checkpoints(RedisStorage(client, prefix), block_tokens=BLOCK, kv_model_id="tiny:float32")
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
 
 
 def test_a_checkpoint_holds_the_tokens_seed_and_params_of_its_request(checkpoints):
@@ -82,8 +93,8 @@ def test_a_damaged_checkpoint_is_refused_with_what_is_wrong(damage, message):
 
 def test_a_checkpoint_of_another_request_is_refused(checkpoints):
     checkpoints.save(request("other#1"))
-    data = checkpoints.path("other#1").read_bytes()
-    checkpoints.path("r#1").write_bytes(data)  # under the wrong name
+    data = checkpoints.storage.get(Checkpoints.name("other#1"))
+    checkpoints.storage.put(Checkpoints.name("r#1"), data)  # under the wrong name
 
     with pytest.raises(CheckpointError, match="holds request 'other#1'"):
         checkpoints.read("r#1")

@@ -30,7 +30,7 @@ from workers.protocol import (
     ResumeRequest,
     WorkerHeartbeat,
 )
-from workers.worker.checkpoints import FOLDER, Checkpoints
+from workers.worker.checkpoints import FOLDER, Checkpoints, DirectoryStorage
 
 VOCAB = CONFIG["vocab_size"]
 MODEL = "tiny"
@@ -172,10 +172,10 @@ def test_a_killed_decode_worker_s_streams_resume_on_the_other_from_the_store_rec
 
 def test_a_resume_from_a_corrupt_truncated_or_missing_checkpoint_is_refused_as_checkpoint_invalid(cluster, tmp_path):
     workers, store, _ = cluster
-    checkpoints = Checkpoints(store / FOLDER, block_tokens=BLOCK, kv_model_id="unused")
+    storage = DirectoryStorage(store / FOLDER)
     request = requests(["greedy"])[0]
-    checkpoints.path("corrupt").write_bytes(b"SKVC" + os.urandom(60))
-    checkpoints.path("truncated").write_bytes(b"SK")
+    storage.put(Checkpoints.name("corrupt"), b"SKVC" + os.urandom(60))
+    storage.put(Checkpoints.name("truncated"), b"SK")
     with Dealer(workers["d0"].endpoints[0]) as dealer:
         for checkpoint_id in ("corrupt", "truncated", "missing"):
             dealer.send(ResumeDecodeRequest(request, [1, 2, 3], checkpoint_id))

@@ -1,6 +1,7 @@
-"""Checkpoints of running requests' decoding state (protocol.DecodingState), one file per request in
-a `checkpoints` folder beside the KV store's block files, so that another decode worker sharing the
-store can continue a request whose worker died.
+"""Checkpoints of running requests' decoding state (protocol.DecodingState), kept where the KV store's
+index is, so that another decode worker sharing the store can continue a request whose worker died:
+with the Redis index, in Redis (a key per request beside the index's, expiring after CHECKPOINT_TTL_S);
+otherwise one file per request in a `checkpoints` folder beside the block files.
 
 A decode worker writes a request's checkpoint when it takes the request in and again each time the
 request's tokens fill a store block, and deletes it when the request ends here. Files are written
@@ -18,6 +19,7 @@ import os
 import secrets
 import struct
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 
@@ -33,6 +35,9 @@ SUFFIX = ".ckpt"
 FOLDER = "checkpoints"
 # A checkpoint is a few ints per token: even a full 128K-token context stays well under this.
 MAX_BYTES = 16 << 20
+# A Redis checkpoint outlives its worker this long: a dead worker's requests are resumed within
+# seconds, and one that is never resumed must not stay forever.
+CHECKPOINT_TTL_S = 3600
 
 _FIXED = struct.Struct(f"<4sHI{CHECKSUM_BYTES}s")
 _encode = msgspec.msgpack.Encoder().encode
@@ -83,22 +88,85 @@ def decode_checkpoint(data: bytes, request_id: str) -> DecodingState:
     return state
 
 
-class Checkpoints:
-    def __init__(self, root: Path, *, block_tokens: int, kv_model_id: str) -> None:
+class CheckpointStorage(Protocol):
+    """Where checkpoints' bytes live, by a name derived from the request id."""
+
+    def put(self, name: str, data: bytes) -> None: ...
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def delete(self, name: str) -> None: ...
+
+
+class DirectoryStorage:
+    """One file per checkpoint in `root`, written atomically."""
+
+    def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> Path:
+        return self.root / f"{name}{SUFFIX}"
+
+    def put(self, name: str, data: bytes) -> None:
+        final = self.path(name)
+        temp = final.with_name(f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            temp.write_bytes(data)
+            os.replace(temp, final)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+    def get(self, name: str) -> bytes | None:
+        try:
+            with open(self.path(name), "rb") as f:
+                return f.read(MAX_BYTES + 1)
+        except FileNotFoundError:
+            return None
+
+    def delete(self, name: str) -> None:
+        self.path(name).unlink(missing_ok=True)
+
+
+class RedisStorage:
+    """A key per checkpoint, `<prefix>:ckpt:<name>`, expiring after CHECKPOINT_TTL_S."""
+
+    def __init__(self, client, prefix: str) -> None:
+        self.client = client
+        self.prefix = f"{prefix}:ckpt:"
+
+    def put(self, name: str, data: bytes) -> None:
+        self.client.set(self.prefix + name, data, ex=CHECKPOINT_TTL_S)
+
+    def get(self, name: str) -> bytes | None:
+        return self.client.get(self.prefix + name)
+
+    def delete(self, name: str) -> None:
+        self.client.delete(self.prefix + name)
+
+
+class Checkpoints:
+    def __init__(self, storage: CheckpointStorage, *, block_tokens: int, kv_model_id: str) -> None:
+        self.storage = storage
         self.block_tokens = block_tokens
         self.kv_model_id = kv_model_id
         self._saved_blocks: dict[str, int] = {}  # request id → its tokens' full blocks at its last checkpoint
 
-    def path(self, request_id: str) -> Path:
-        # Hashed: a request id is the gateway's string, never a file name.
-        return self.root / f"{hashlib.sha256(request_id.encode()).hexdigest()[:40]}{SUFFIX}"
+    @staticmethod
+    def name(request_id: str) -> str:
+        # Hashed: a request id is the gateway's string, never a file name or a key of its own.
+        return hashlib.sha256(request_id.encode()).hexdigest()[:40]
 
     def save(self, request: Request) -> None:
         """Checkpoint the request now (when it is taken in)."""
         self._saved_blocks[request.request_id] = request.num_known_tokens // self.block_tokens
-        self._write(request.request_id, encode_checkpoint(decoding_state(request, self.kv_model_id)))
+        data = encode_checkpoint(decoding_state(request, self.kv_model_id))
+        try:
+            self.storage.put(self.name(request.request_id), data)
+        except Exception:
+            # A full disk or an unreachable Redis costs this request its failover, never its stream.
+            log.exception("writing the checkpoint of %s failed", request.request_id)
 
     def save_at_block_boundary(self, request: Request) -> None:
         """Checkpoint the request if its tokens filled another store block since its last checkpoint."""
@@ -108,23 +176,16 @@ class Checkpoints:
 
     def read(self, request_id: str) -> DecodingState:
         try:
-            with open(self.path(request_id), "rb") as f:
-                data = f.read(MAX_BYTES + 1)
-        except FileNotFoundError:
-            raise CheckpointError(f"no checkpoint of {request_id!r}") from None
+            data = self.storage.get(self.name(request_id))
+        except Exception as error:
+            raise CheckpointError(f"reading the checkpoint of {request_id!r} failed: {error}") from None
+        if data is None:
+            raise CheckpointError(f"no checkpoint of {request_id!r}")
         return decode_checkpoint(data, request_id)
 
     def delete(self, request_id: str) -> None:
         self._saved_blocks.pop(request_id, None)
-        self.path(request_id).unlink(missing_ok=True)
-
-    def _write(self, request_id: str, data: bytes) -> None:
-        final = self.path(request_id)
-        temp = final.with_name(f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            temp.write_bytes(data)
-            os.replace(temp, final)
-        except OSError:
-            # A full or failing disk costs this request its failover, never its stream.
-            temp.unlink(missing_ok=True)
-            log.exception("writing the checkpoint of %s failed", request_id)
+            self.storage.delete(self.name(request_id))
+        except Exception:
+            log.warning("deleting the checkpoint of %s failed", request_id, exc_info=True)

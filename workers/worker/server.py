@@ -48,7 +48,7 @@ from workers.protocol import (
 from workers.registry import register_until_acknowledged
 from workers.transfer_link import TransferReceiver, TransferSender
 from workers.worker.checkpoints import FOLDER as CHECKPOINTS_FOLDER
-from workers.worker.checkpoints import Checkpoints
+from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
@@ -372,14 +372,17 @@ class Worker:
 
 
 def _checkpoints(config: WorkerConfig, engine: LLMEngine) -> Checkpoints | None:
-    """A decode worker with a KV store checkpoints its requests beside the store's blocks."""
+    """A decode worker with a KV store checkpoints its requests where the store's index is: in Redis
+    with the Redis index, beside the block files otherwise."""
     if config.role != "decode" or engine.store is None or config.engine.kv_store is None:
         return None
-    return Checkpoints(
-        Path(config.engine.kv_store) / CHECKPOINTS_FOLDER,
-        block_tokens=engine.store.block_tokens,
-        kv_model_id=engine.kv_model_id,
+    index = engine.store.store.index
+    storage = (
+        DirectoryStorage(Path(config.engine.kv_store) / CHECKPOINTS_FOLDER)
+        if config.engine.kv_store_index == "memory"
+        else RedisStorage(index.client, index.prefix)  # a workers.kvstore.redis_index.RedisIndex
     )
+    return Checkpoints(storage, block_tokens=engine.store.block_tokens, kv_model_id=engine.kv_model_id)
 
 
 def failure_error(request_id: str, failure: RequestFailure) -> GenerateError:
