@@ -11,10 +11,17 @@ Deadlines (workers.prefill_deadlines) follow the request's predicted prefill tim
 waits for the KV as long as the prefill and the transfer are predicted to take, with margins, and
 the stream waits that long for the decode worker's first output once the prefill's is out.
 
+Moves. A draining decode worker, once its grace period is over, offers the request ("migrate"): it
+moves, KV and decoding state, to another decode worker (_Path.migrate). A decode worker that goes
+away or fails once it has streamed, and a migration that fails, are recovered from without a rerun:
+another decode worker resumes the request from the checkpoint of the last one that streamed it and
+the KV store, continuing after the tokens the client has (_Path.recover). A resume refused for its
+checkpoint ("checkpoint_invalid") falls back to a rerun, as follows.
+
 Failures. A worker that refuses as draining, a transfer that fails (the prefill worker could not
 send, the decode worker could not assemble or admit it, or no decode output came within the
-transfer deadline), and a worker that goes away (its heartbeats stop, or it reports it failed) end
-the attempt, and the request runs again from the start, on other workers than the one that failed
+transfer deadline), and a worker that goes away (its heartbeats stop, or it reports it failed)
+before the decode worker streamed end the attempt, and the request runs again from the start, on other workers than the one that failed
 (or whole on one worker when no other prefill or decode worker is left). Outputs the client already has
 are skipped: the retry recomputes them and checks that it produced the same tokens, which a greedy
 or seeded request always does. An unseeded sampled request that has already streamed tokens cannot
@@ -74,8 +81,10 @@ RESUMING = "resuming"  # the phase between a resume's request and its first outp
 MOVE_TIMEOUT_S = 30.0
 # Migrations and resumes of one attempt; past this, the request is rerun.
 MAX_RECOVERIES = 3
-# Failures of the decode worker that a resume from its checkpoint recovers from.
+# Failures of the decode worker that a resume from its checkpoint recovers from; and refusals of a
+# resume that another decode worker may not give.
 RECOVERABLE_KINDS = ("worker_failed", "transfer_failed")
+RESUME_REFUSALS = ("overloaded", "draining")
 
 
 class _Retry(Exception):
@@ -362,6 +371,8 @@ class _Path:
         self.decode_id = self.decode_side = ""
         self.moving_from: WorkerLink | None = None
         self.moving_from_id = self.moving_from_side = ""
+        # The id the request was last checkpointed under: by the decode worker that last streamed it.
+        self.checkpoint_id = ""
         self.prefill_side_open = True
         self.num_decodes = 0
         self.num_recoveries = 0
@@ -398,8 +409,9 @@ class _Path:
 
     def can_recover(self, item: WorkerUnavailableError | GenerateError) -> bool:
         """Whether the current decode worker's failure is one a resume recovers from."""
-        recoverable = isinstance(item, WorkerUnavailableError) or item.kind in RECOVERABLE_KINDS
-        return recoverable and self.phase in (DECODE, MOVING)
+        if isinstance(item, WorkerUnavailableError) or item.kind in RECOVERABLE_KINDS:
+            return self.phase in (DECODE, MOVING, RESUMING)
+        return self.phase == RESUMING and item.kind in RESUME_REFUSALS
 
     async def migrate(self) -> None:
         """The decode worker offers the request: move it, KV and all, to another decode worker."""
@@ -419,7 +431,6 @@ class _Path:
         """Resume the request on another decode worker from the checkpoint of the one that had it."""
         self.num_recoveries += 1
         failed = [link for link in (self.decode, self.moving_from) if link is not None]
-        checkpoint_id = self.moving_from_id if self.moving_from is not None else self.decode_id
         if self.num_recoveries > MAX_RECOVERIES:
             raise _Retry(f"{reason} (after {MAX_RECOVERIES} migrations and resumes)", self.decode)
         target = self._choose_decode(exclude=set(failed))
@@ -433,10 +444,12 @@ class _Path:
         self.place_decode(target, new_id)
         self.phase = RESUMING
         resumed = msgspec.structs.replace(self.request, request_id=new_id)
-        await self.client.send(target, ResumeDecodeRequest(resumed, list(self.stream.delivered), checkpoint_id))
+        await self.client.send(target, ResumeDecodeRequest(resumed, list(self.stream.delivered), self.checkpoint_id))
 
     def settle(self) -> None:
-        """The current decode worker sent its first output: the worker before it is done with the request."""
+        """The current decode worker sent its first output: it has checkpointed the request, and the
+        worker before it is done with it."""
+        self.checkpoint_id = self.decode_id
         if self.prefill_side_open:
             self.prefill_side_open = False
             prefill = next(link for link, _, sink in self.sinks if sink.side == PREFILL)
