@@ -21,11 +21,12 @@ checkpoint ("checkpoint_invalid") falls back to a rerun, as follows.
 Failures. A worker that refuses as draining, a transfer that fails (the prefill worker could not
 send, the decode worker could not assemble or admit it, or no decode output came within the
 transfer deadline), and a worker that goes away (its heartbeats stop, or it reports it failed)
-before the decode worker streamed end the attempt, and the request runs again from the start, on other workers than the one that failed
-(or whole on one worker when no other prefill or decode worker is left). Outputs the client already has
-are skipped: the retry recomputes them and checks that it produced the same tokens, which a greedy
-or seeded request always does. An unseeded sampled request that has already streamed tokens cannot
-be continued that way: its stream fails with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
+before the decode worker streamed end the attempt, and the request runs again from the start, on
+other workers than the one that failed (or whole on one worker when no other prefill or decode
+worker is left). Outputs the client already has are skipped: the retry recomputes them and checks
+that it produced the same tokens, which a greedy or seeded request always does. An unseeded sampled
+request that has already streamed tokens cannot be continued that way (its seed, drawn by the
+engine, is in the checkpoint only): its stream fails with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
 A worker that went away may have been brought down by this very request, so that failure is retried
 once, and not at all for a request that was in flight on a failed worker before
 (workers.crash_suspects): it fails "worker_failed" instead of taking the next worker down too.
