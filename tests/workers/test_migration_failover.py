@@ -63,12 +63,17 @@ def cluster(tmp_path_factory):
     directory = tmp_path_factory.mktemp("mf")
     store = directory / "store"
     shared = ["--kv-store", str(store), "--kv-block-tokens", str(BLOCK)]
-    workers = {"m": start_worker(directory, "m", "--role", "mixed", model=MODEL)}
-    for name, role in {"p": "prefill", "d0": "decode", "d1": "decode"}.items():
-        gc = [] if name == "p" else ["--kv-gc-interval", "0"]
+
+    def start(name: str, role: str = "decode"):
+        gc = [] if role == "prefill" else ["--kv-gc-interval", "0"]
         workers[name] = start_worker(directory, name, *role_options(directory, name, role), *shared, *gc, model=MODEL)
-    reference_client = asyncio.run(_reference(workers["m"].endpoints))
-    yield workers, store, reference_client
+
+    workers = {"m": start_worker(directory, "m", "--role", "mixed", model=MODEL)}
+    start("p", "prefill")
+    start("d0")
+    start("d1")
+    reference = asyncio.run(_reference(workers["m"].endpoints))
+    yield workers, store, reference, start
     for worker in workers.values():
         worker.stop()
 
@@ -108,7 +113,7 @@ async def _stream(client, request: GenerateRequest, tokens: list[int]) -> str:
 
 
 def test_a_drain_with_grace_migrates_every_stream_to_the_other_decode_worker_with_nothing_recomputed(cluster):
-    workers, _, reference = cluster
+    workers, _, reference, _ = cluster
 
     async def go():
         client = await connected_client(*(workers[n].endpoints for n in ("p", "d0", "d1")), heartbeat_timeout_s=2.0)
@@ -140,7 +145,7 @@ def test_a_drain_with_grace_migrates_every_stream_to_the_other_decode_worker_wit
 
 
 def test_a_killed_decode_worker_s_streams_resume_on_the_other_from_the_store_recomputing_at_most_a_block(cluster):
-    workers, store, reference = cluster
+    workers, store, reference, _ = cluster
     # The previous test drained d0: it takes requests again, and this one kills d1.
     with Dealer(workers["d0"].endpoints[0]) as dealer:
         dealer.send(ResumeRequest("resume-1"))
@@ -171,7 +176,7 @@ def test_a_killed_decode_worker_s_streams_resume_on_the_other_from_the_store_rec
 
 
 def test_a_resume_from_a_corrupt_truncated_or_missing_checkpoint_is_refused_as_checkpoint_invalid(cluster, tmp_path):
-    workers, store, _ = cluster
+    workers, store, _, _ = cluster
     storage = DirectoryStorage(store / FOLDER)
     request = requests(["greedy"])[0]
     storage.put(Checkpoints.name("corrupt"), b"SKVC" + os.urandom(60))
@@ -182,3 +187,32 @@ def test_a_resume_from_a_corrupt_truncated_or_missing_checkpoint_is_refused_as_c
             reply = dealer.receive()
             assert isinstance(reply, GenerateError) and reply.kind == "checkpoint_invalid", reply
             assert checkpoint_id in reply.message
+
+
+def test_streams_whose_checkpoints_are_corrupt_fall_back_to_a_rerun_and_finish_with_the_same_tokens(cluster):
+    workers, store, reference, start = cluster
+    start("d1")  # killed by the test before
+
+    async def go():
+        client = await connected_client(*(workers[n].endpoints for n in ("p", "d0", "d1")), heartbeat_timeout_s=1.0)
+        try:
+            batch = [r for r in requests(KINDS) if r.params.temperature == 0]
+            tokens = {r.request_id: [] for r in batch}
+            streams = [asyncio.create_task(_stream(client, r, tokens[r.request_id])) for r in batch]
+            await _started(tokens, 2 * BLOCK)
+            victim = max(("d0", "d1"), key=lambda name: beat(client, name).num_running)
+            assert beat(client, victim).num_running >= 1
+            resumed_before = beat(client, "d1" if victim == "d0" else "d0").num_resumed
+            os.kill(workers[victim].process.pid, signal.SIGKILL)
+            for path in (store / FOLDER).iterdir():  # the dead worker's checkpoints among them
+                path.write_bytes(b"SKVC" + os.urandom(40))
+            reasons = await asyncio.gather(*streams)
+            return reasons, tokens, resumed_before, beat(client, "d1" if victim == "d0" else "d0")
+        finally:
+            await client.close()
+
+    reasons, tokens, resumed_before, survivor = run(go())
+    assert reasons == ["length"] * len(tokens)
+    for request_id, got in tokens.items():
+        assert got == reference[request_id], request_id
+    assert survivor.num_resumed == resumed_before  # every resume was refused: the streams were rerun
