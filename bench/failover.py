@@ -179,8 +179,17 @@ async def migration(cluster: Cluster, prompt: list[int], before: int, tag: str) 
     }
 
 
+def token_range(model: str) -> range:
+    """Token ids to draw prompts from: SmolLM2's ordinary ones, or a config file's whole vocabulary
+    (a random-weight model built from a config, e.g. on a machine without the weights)."""
+    if model.endswith(".json"):
+        return range(json.loads(Path(model).read_text())["vocab_size"])
+    return range(100, 40000)
+
+
 async def measure(args) -> dict:
     rng = random.Random(0)
+    ids = token_range(args.model)
     lengths = [128, 512] if args.quick else [512, 2048, 8000]
     results = []
     with tempfile.TemporaryDirectory(prefix="sluice-failover-") as directory:
@@ -190,12 +199,12 @@ async def measure(args) -> dict:
         try:
             await cluster.connect()
             for length in lengths:
-                prompt = [rng.randrange(100, 40000) for _ in range(length)]
+                prompt = [rng.choice(ids) for _ in range(length)]
                 row = {"prompt_tokens": length, "tokens_before": args.tokens_before}
                 row |= await failover(cluster, prompt, args.tokens_before, str(length))
                 row["rerun_s"] = round(await rerun(cluster, prompt, args.tokens_before, str(length)), 4)
                 row["recovery_over_rerun"] = round(row["recovery_s"] / row["rerun_s"], 3)
-                other = [rng.randrange(100, 40000) for _ in range(length)]
+                other = [rng.choice(ids) for _ in range(length)]
                 row |= await migration(cluster, other, args.tokens_before, str(length))
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr)
