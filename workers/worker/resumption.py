@@ -50,6 +50,7 @@ class Resumption:
         self.send = send
         self.compile_constraint = compile_constraint
         self.checkpoints = checkpoints
+        self.moved: list[str] = []  # requests migrated away, whose checkpoints stay until the worker stops
 
     def took_in(self, request_id: str) -> None:
         """A request arrived here (from prefill, or migrated): its first checkpoint."""
@@ -68,10 +69,17 @@ class Resumption:
             else:
                 self.checkpoints.save_at_block_boundary(request)
 
-    def forget(self, request_id: str) -> None:
-        """The request left this worker another way (migrated): its checkpoint goes."""
+    def moved_away(self, request_id: str) -> None:
+        """The request migrated to another decode worker. Its checkpoint here stays until this worker
+        stops: should the new worker refuse it after the KV left, the request is resumed from it."""
+        self.moved.append(request_id)
+
+    def close(self) -> None:
+        """The worker stops: the checkpoints of the requests that migrated away go."""
         if self.checkpoints is not None:
-            self.checkpoints.delete(request_id)
+            for request_id in self.moved:
+                self.checkpoints.delete(request_id)
+        self.moved.clear()
 
     def on_resume_decode(self, peer: bytes, message: ResumeDecodeRequest) -> None:
         request = message.request

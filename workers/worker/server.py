@@ -131,7 +131,7 @@ class Worker:
             receiver=receiver,
             sender=sender,
             continued=self.resumption.took_in,
-            migrated=self.resumption.forget,
+            migrated=self.resumption.moved_away,
         )
         self.migration = Migration(
             engine=engine, control=self.control, transfers=self.transfers, owners=self.owners, send=self._send
@@ -364,6 +364,7 @@ class Worker:
         for request_id in [*self.owners, *self.transfers.sending, *self.transfers.expected, *self.migration.offered]:
             self._abort(request_id)
         self.transfers.close()
+        self.resumption.close()
         self.router.close(linger=CLOSE_LINGER_MS)
         self.heartbeats.join()
         if self.registration_thread is not None:
