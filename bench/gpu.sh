@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # On the accelerator machine (no network): install the wheels carried in .whl/, run the GPU tests,
-# time decode attention per keys-per-split, profile decode steps, the engine throughput table against
-# HF, and fit the cost model (prefill and decode steps). Writes JSON and logs to $OUT (or ./bench-out).
+# time decode attention per keys-per-split and the fused MoE layer against the per-expert loop,
+# profile decode steps, the engine throughput table against HF, and fit the cost model (prefill and
+# decode steps). Writes JSON and logs to $OUT (or ./bench-out).
 #
 # Wheels to carry in .whl/ (the machine's image lacks them; see the device tool's README for how):
 #   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any)
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
-# STEPS (default "tests attention profile throughput fit") picks what runs.
+# STEPS (default "tests attention moe profile throughput fit") picks what runs.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention profile throughput fit}
+steps=${STEPS:-tests attention moe profile throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -26,6 +27,9 @@ if has tests; then
 fi
 if has attention; then
   python3 -m bench.decode_attention | tee "$out/decode_attention_h200.json"
+fi
+if has moe; then
+  python3 -m bench.moe_layer | tee "$out/moe_layer_h200.json"
 fi
 if has profile; then
   for batch in 1 64 256; do

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -152,8 +153,41 @@ CELERY_BROKER_URL = os.environ.get("SLUICE_CELERY_BROKER_URL") or "memory://loca
 CELERY_TASK_ACKS_LATE = True  # a worker that dies mid-task leaves it queued for another
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
+# How often the EPLB tick looks for MoE pools whose rebalancing interval has passed: the `serve`
+# supervisor's timer in the embedded default, Celery beat with a broker.
+SLUICE_EP_REBALANCE_TICK_S = float(os.environ.get("SLUICE_EP_REBALANCE_TICK_S", 30))
+CELERY_BEAT_SCHEDULE = {
+    "ep-rebalance-tick": {
+        "task": "controlplane.policies.tasks.ep_rebalance_tick_task",
+        "schedule": SLUICE_EP_REBALANCE_TICK_S,
+    }
+}
 # How long a drain may take before the task gives up and records control_failed.
 SLUICE_DRAIN_TIMEOUT_S = float(os.environ.get("SLUICE_DRAIN_TIMEOUT_S", 600))
+
+# Node agents (README, "Elastic pools"): `celery -A controlplane worker -Q node.<SLUICE_NODE_NAME>
+# --pool=solo` on every host starts and stops its workers. An instance still starting after
+# SLUICE_INSTANCE_START_TIMEOUT_S fails (no agent took the start, or the worker never registered),
+# and an unconsumed start task expires then.
+SLUICE_NODE_NAME = os.environ.get("SLUICE_NODE_NAME") or socket.gethostname()
+SLUICE_INSTANCE_START_TIMEOUT_S = float(os.environ.get("SLUICE_INSTANCE_START_TIMEOUT_S", 120))
+# Where the agent's workers bind their ipc:// sockets, where they register, and the flags this host
+# gives them (device, KV cache size, KV store...: `python -m workers.worker --help`).
+SLUICE_NODE_RUNTIME_DIR = os.environ.get("SLUICE_NODE_RUNTIME_DIR", str(VAR_DIR / "node"))
+SLUICE_REGISTRY_ENDPOINT = os.environ.get("SLUICE_REGISTRY_ENDPOINT", f"ipc://{VAR_DIR / 'registry'}")
+SLUICE_NODE_WORKER_OPTIONS = os.environ.get("SLUICE_NODE_WORKER_OPTIONS", "")
+# Seconds a stopped worker gets to exit after its shutdown request, then again after SIGTERM.
+SLUICE_NODE_STOP_GRACE_S = float(os.environ.get("SLUICE_NODE_STOP_GRACE_S", 10))
+# The autoscaler's tick (Celery beat with a broker, serve's supervisor without), and the minutes of
+# telemetry it reads the prefill demand from.
+SLUICE_AUTOSCALE_INTERVAL_S = float(os.environ.get("SLUICE_AUTOSCALE_INTERVAL_S", 15))
+SLUICE_AUTOSCALE_LOOKBACK_MINUTES = int(os.environ.get("SLUICE_AUTOSCALE_LOOKBACK_MINUTES", 5))
+CELERY_BEAT_SCHEDULE = {
+    "autoscale-tick": {
+        "task": "controlplane.topology.tasks.autoscale_tick_task",
+        "schedule": SLUICE_AUTOSCALE_INTERVAL_S,
+    }
+}
 
 LOGGING = {
     "version": 1,
@@ -222,6 +256,9 @@ SLUICE_MODELS = [name.strip() for name in _models.split(",") if name.strip()]
 # Engine workers to send requests to; `manage.py serve` sets this for the workers it starts. None
 # configured means every generation answers 503 and /healthz says so.
 SLUICE_WORKER_ENDPOINTS = _worker_endpoints(os.environ.get("SLUICE_WORKER_ENDPOINTS", ""))
+# Seconds between the gateway's looks at the topology for workers registered after it started (0: it
+# routes to SLUICE_WORKER_ENDPOINTS only; `serve` sets 2, so the workers its node agent adds serve).
+SLUICE_WORKER_DISCOVERY_INTERVAL_S = float(os.environ.get("SLUICE_WORKER_DISCOVERY_INTERVAL_S", 0))
 # The global KV store's index when the workers share one (a redis:// URL; `serve` sets it): the
 # gateway reads each prompt's hit length from it to weigh its prefill work. Empty: no index.
 SLUICE_KV_STORE_INDEX = os.environ.get("SLUICE_KV_STORE_INDEX", "")

@@ -1,4 +1,5 @@
-"""The embedded deployment's process supervisor: one gateway and N engine workers on this machine.
+"""The embedded deployment's process supervisor: one gateway and N engine workers on this machine,
+and timers for the periodic work (`serve` runs the autoscaler and the local node agent on them).
 
 Children die with the supervisor (PR_SET_PDEATHSIG), a child that exits unexpectedly is logged
 and restarted with a growing delay, and SIGINT/SIGTERM stop everything: SIGTERM to each child,
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,25 @@ class Child:
         log.info("started %s (pid %d)", self.name, self.process.pid)
 
 
+@dataclass
+class Timer:
+    """Periodic work of the supervisor's own (the autoscaler's tick, the local node agent's round).
+    The first run is one interval after the start; one that raises is logged and runs again later."""
+
+    name: str
+    interval_s: float
+    run: Callable[[], object]
+    due_at: float = 0.0
+
+
 class Supervisor:
-    def __init__(self, children: Sequence[Child]) -> None:
+    def __init__(
+        self, children: Sequence[Child], timers: Sequence[Timer] = (), on_stop: Callable[[], object] = lambda: None
+    ) -> None:
+        """`on_stop` runs once the children were signalled to stop (e.g. a node agent ending its workers)."""
         self.children = list(children)
+        self.timers = list(timers)
+        self.on_stop = on_stop
         self.stopping = False
 
     def run(self) -> int:
@@ -62,10 +79,23 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._request_stop)
         for child in self.children:
             child.start()
+        for timer in self.timers:
+            timer.due_at = time.monotonic() + timer.interval_s
         while not self.stopping:
             self._tend(time.monotonic())
+            self._run_timers(time.monotonic())
             time.sleep(0.2)
         return self._stop_all()
+
+    def _run_timers(self, now: float) -> None:
+        for timer in self.timers:
+            if now < timer.due_at:
+                continue
+            timer.due_at = now + timer.interval_s
+            try:
+                timer.run()
+            except Exception:
+                log.exception("%s failed", timer.name)
 
     def _request_stop(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -97,6 +127,10 @@ class Supervisor:
         running = [c.process for c in self.children if c.process is not None and c.process.poll() is None]
         for process in running:
             process.send_signal(signal.SIGTERM)
+        try:
+            self.on_stop()
+        except Exception:
+            log.exception("stopping failed")
         deadline = time.monotonic() + GRACE_PERIOD
         for process in running:
             try:

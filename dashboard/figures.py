@@ -141,24 +141,46 @@ def kv_store_figure(kv_store: dict | None) -> go.Figure:
 
 
 def scaling_timeline(events: Sequence) -> go.Figure:
-    title = "Scaling events"
+    """ScalingEvents over time, one row per pool, one trace per action; the hover text says who acted
+    and why, with the autoscaler's rule and its main figures."""
+    title = "Scaling timeline"
     if not events:
         return _empty_figure(title, "no scaling events in this period")
     figure = _layout(go.Figure(), title, "pool")
-    figure.add_trace(
-        go.Scatter(
-            x=[event.created_at for event in events],
-            y=[event.pool.name if event.pool else "-" for event in events],
-            mode="markers",
-            marker={"size": 12},
-            text=[f"{event.action} by {event.actor_label}: {event.reason}" for event in events],
-            hoverinfo="text+x",
+    by_action: dict[str, list] = {}
+    for event in events:
+        by_action.setdefault(event.action, []).append(event)
+    for action, group in by_action.items():
+        figure.add_trace(
+            go.Scatter(
+                name=action,
+                x=[event.created_at for event in group],
+                y=[event.pool.name if event.pool else "-" for event in group],
+                mode="markers",
+                marker={"size": 12},
+                text=[scaling_event_text(event) for event in group],
+                hoverinfo="text+x",
+            )
         )
-    )
     return figure
 
 
+def scaling_event_text(event) -> str:
+    text = f"{event.action} by {event.actor_label}: {event.reason}"
+    if event.before.get("target_instances") is not None and "target_instances" in event.after:
+        text += f"<br>target {event.before['target_instances']} → {event.after['target_instances']}"
+    why = event.why or {}
+    if why.get("rule"):
+        inputs = why.get("inputs", {})
+        figures = [f"rule {why['rule']}", f"wanted {why.get('wanted')}"]
+        figures += [f"{name} {inputs[name]}" for name in ("utilization", "quota_use_after") if name in inputs]
+        figures += [f"{name} {demand['mean']:.1f}" for name, demand in inputs.get("demands", {}).items()]
+        text += "<br>" + ", ".join(figures)
+    return text
+
+
 def expert_heatmaps(expert_load: dict[str, list[list[float]]]) -> list:
+    """One heatmap per MoE pool: tokens per [layer][physical slot] over the telemetry window."""
     if not expert_load:
         return [html.P(DENSE_MODEL, id="expert-load-empty")]
     return [
@@ -166,8 +188,8 @@ def expert_heatmaps(expert_load: dict[str, list[list[float]]]) -> list:
             figure=_layout(
                 go.Figure(go.Heatmap(z=loads, colorscale="Viridis", colorbar={"title": "load"})),
                 f"Expert load: pool {pool}",
-                "rank",
-            ).update_xaxes(title="expert slot")
+                "MoE layer",
+            ).update_xaxes(title="expert slot (rank x slots per rank + slot)")
         )
         for pool, loads in sorted(expert_load.items())
     ]

@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from workers.crash_suspects import CrashSuspects
 from workers.entrypoint.router import Router, cost_model_from_environment, fitted_cost_model_from_environment
+from workers.expert_loads import ExpertLoadCounts
 from workers.kvstore.index import BlockIndex
 from workers.prefill_deadlines import DeadlineModel
 from workers.protocol import (
@@ -147,6 +148,9 @@ class EngineClient:
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        # Heartbeats count expert loads since the previous one, so every one is summed here, not
+        # only the latest kept; the telemetry collector takes the sums.
+        self.expert_loads = ExpertLoadCounts()
         self._links: list[WorkerLink] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._encoder = msgspec.msgpack.Encoder()
@@ -316,6 +320,7 @@ class EngineClient:
                 link.fail_streams(f"worker {link.request_endpoint} restarted")
             link.heartbeat = heartbeat
             link.heartbeat_received_at = time.monotonic()
+            self.expert_loads.add(heartbeat)
 
     async def _watch_heartbeats(self) -> None:
         while True:

@@ -234,6 +234,9 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     kv_store_high_watermark: float = 0.0
     kv_store_evicted_expired: int = 0
     kv_store_evicted_capacity: int = 0
+    # MoE workers: tokens routed to each physical expert slot since the previous heartbeat,
+    # expert_load[layer][rank * slots_per_rank + slot]; empty for dense models.
+    expert_load: list[list[int]] = []
     # Fault tolerance since the worker started: requests it handed to another decode worker (and
     # those sends that failed), requests it took in that way, requests it resumed from a dead
     # worker's checkpoint; tokens it recomputed for resumed requests (in total, and the most for
@@ -283,7 +286,7 @@ class ApplyEPLayoutRequest(msgspec.Struct, tag="control.apply_ep_layout", frozen
     command_id: str
     version: int
     num_logical_experts: int
-    placement: list[list[int]]  # placement[rank][slot] = logical expert id
+    placement: list[list[list[int]]]  # placement[layer][rank][slot] = logical expert id
 
 
 class StatusRequest(msgspec.Struct, tag="control.status", frozen=True, forbid_unknown_fields=True):

@@ -3,7 +3,12 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import SimpleRouter
 
 from controlplane.api.errors import UnknownPathView
-from controlplane.api.policies.views import EPLayoutViewSet, TrafficClassViewSet, TTLPolicyViewSet
+from controlplane.api.policies.views import (
+    EPLayoutViewSet,
+    EPRebalancePolicyViewSet,
+    TrafficClassViewSet,
+    TTLPolicyViewSet,
+)
 from controlplane.api.tenants.views import ApiKeyViewSet, TenantUsageViewSet, TenantViewSet
 from controlplane.api.topology.views import (
     ClusterViewSet,
@@ -22,6 +27,7 @@ router.register("scaling-events", ScalingEventViewSet, basename="scalingevent")
 router.register("traffic-classes", TrafficClassViewSet, basename="trafficclass")
 router.register("ttl-policies", TTLPolicyViewSet, basename="ttlpolicy")
 router.register("ep-layouts", EPLayoutViewSet, basename="eplayout")
+router.register("ep-rebalance-policies", EPRebalancePolicyViewSet, basename="eprebalancepolicy")
 router.register("tenants", TenantViewSet, basename="tenant")
 router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("usage", TenantUsageViewSet, basename="tenantusage")

@@ -4,6 +4,7 @@ import asyncio
 
 from django.conf import settings
 
+from controlplane.gateway.worker_discovery import follow_registered_workers
 from workers.engine_client import EngineClient
 from workers.kvstore.index import BlockIndex
 from workers.kvstore.store import open_index
@@ -15,6 +16,7 @@ FIRST_HEARTBEAT_WAIT_S = 1.0
 # The client is bound to the loop that made it (its sockets and tasks live there). A server has one
 # loop; code that runs several loops one after another (tests, async_to_sync) gets one per loop.
 _current: tuple[asyncio.AbstractEventLoop, asyncio.Task[EngineClient]] | None = None
+_discovery: asyncio.Task | None = None  # the current client's, when SLUICE_WORKER_DISCOVERY_INTERVAL_S > 0
 
 
 def _store_index() -> BlockIndex | None:
@@ -28,6 +30,13 @@ async def _started_client() -> EngineClient:
     for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
         client.add_worker(request_endpoint, heartbeat_endpoint)
     await client.start()
+    if settings.SLUICE_WORKER_DISCOVERY_INTERVAL_S > 0:
+        global _discovery
+        known = set(settings.SLUICE_WORKER_ENDPOINTS)
+        _discovery = asyncio.create_task(
+            follow_registered_workers(client, known, settings.SLUICE_WORKER_DISCOVERY_INTERVAL_S),
+            name="worker-discovery",
+        )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + FIRST_HEARTBEAT_WAIT_S
     while settings.SLUICE_WORKER_ENDPOINTS and not client.healthy_workers() and loop.time() < deadline:
@@ -54,5 +63,10 @@ async def close_engine_client() -> None:
     if _current is None or _current[0] is not asyncio.get_running_loop():
         return
     task, _current = _current[1], None
+    global _discovery
+    if _discovery is not None:
+        _discovery.cancel()
+        await asyncio.gather(_discovery, return_exceptions=True)
+        _discovery = None
     if _usable(task):
         await (await task).close()

@@ -5,6 +5,7 @@ become errors in the protocol's shape."""
 import functools
 from collections.abc import Awaitable, Callable
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
@@ -21,6 +22,7 @@ from controlplane.gateway.usage import UsageCount, record_usage
 from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
 from controlplane.telemetry.windows import RequestSample
+from controlplane.topology.selectors import pool_scaling_summary
 from recipe.api import list_models
 
 # Proxies must pass events on as they come.
@@ -129,4 +131,5 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     """Prometheus metrics. Unauthenticated like /healthz: it is for a scraper on the operator network
     (keep it off the public listener there); it holds counts and latencies, no tenant or prompt data."""
     workers = (await engine_client()).healthy_workers()
-    return HttpResponse(exposition(workers), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    pools = await sync_to_async(pool_scaling_summary)()
+    return HttpResponse(exposition(workers, pools), content_type=CONTENT_TYPE_PLAIN_0_0_4)

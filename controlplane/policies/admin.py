@@ -4,7 +4,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from controlplane.common.errors import ConflictError, DomainValidationError
-from controlplane.policies.models import EPLayout, TrafficClass, TTLPolicy
+from controlplane.policies.models import EPLayout, EPRebalancePolicy, TrafficClass, TTLPolicy
 from controlplane.policies.services import ep_layout_activate, ep_layout_check, ep_layout_create, ttl_policy_set
 
 
@@ -68,7 +68,8 @@ class EPLayoutAdmin(admin.ModelAdmin):
 
     def get_fields(self, request: HttpRequest, obj: EPLayout | None = None) -> list[str]:
         fields = ["pool", "num_logical_experts", "placement"]
-        return fields if obj is None else [*fields, "version", "is_active", "activated_at", "created_by_label"]
+        details = ["version", "is_active", "activated_at", "created_by_label", "rationale"]
+        return fields if obj is None else [*fields, *details]
 
     def has_change_permission(self, request: HttpRequest, obj: EPLayout | None = None) -> bool:
         return False
@@ -96,3 +97,13 @@ class EPLayoutAdmin(admin.ModelAdmin):
 
     def has_apply_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("policies.apply_eplayout")
+
+
+@admin.register(EPRebalancePolicy)
+class EPRebalancePolicyAdmin(admin.ModelAdmin):
+    """Per MoE pool: off, propose (activate the proposed layout above) or auto."""
+
+    list_display = ["pool", "mode", "interval_s", "window_s", "target_balance", "last_run_at"]
+    list_filter = ["mode"]
+    fields = ["pool", "mode", "interval_s", "window_s", "target_balance", "min_window_tokens", "last_run_at"]
+    readonly_fields = ["last_run_at"]

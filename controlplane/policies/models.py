@@ -5,6 +5,7 @@ from django.conf import settings
 from django.db import models
 
 from controlplane.topology.models import Pool
+from workers.eplb.placement import DEFAULT_TARGET_BALANCE
 
 DEFAULT_TRAFFIC_CLASS = "chat"
 
@@ -46,17 +47,21 @@ class TTLPolicy(models.Model):
 
 
 class EPLayout(models.Model):
-    """Which logical experts each rank of a pool holds: placement[rank][slot] = logical expert id."""
+    """Which logical experts each rank of a pool holds in each MoE layer:
+    placement[layer][rank][slot] = logical expert id."""
 
     pool = models.ForeignKey(Pool, on_delete=models.PROTECT, related_name="ep_layouts")
     version = models.PositiveIntegerField()
     num_logical_experts = models.PositiveIntegerField()
-    placement = models.JSONField()
+    placement = models.JSONField(help_text="placement[layer][rank][slot] = logical expert id.")
     is_active = models.BooleanField(default=False)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True)
     created_by_label = models.CharField(max_length=200)
     created_at = models.DateTimeField(auto_now_add=True)
     activated_at = models.DateTimeField(null=True, blank=True)
+    # Why this layout, when the EPLB proposed it: the load window, the rule that fired, max/mean
+    # before and after, slots changed. Copied into the ep_layout_applied event when it is activated.
+    rationale = models.JSONField(default=dict, blank=True)
 
     class Meta:
         verbose_name = "EP layout"
@@ -72,3 +77,44 @@ class EPLayout(models.Model):
 
     def __str__(self) -> str:
         return f"{self.pool} v{self.version}{' (active)' if self.is_active else ''}"
+
+
+class EPRebalanceMode(models.TextChoices):
+    OFF = "off"
+    PROPOSE = "propose"  # the EPLB proposes a layout; an admin activates it
+    AUTO = "auto"  # the EPLB activates what it proposes
+
+
+# Placing a layout from a window with fewer tokens than this would follow noise.
+DEFAULT_MIN_WINDOW_TOKENS = 10_000
+
+
+class EPRebalancePolicy(models.Model):
+    """When the EPLB re-places a MoE pool's experts: every interval, from the expert loads of the
+    last window, when the layout in force is worse balanced than the target."""
+
+    pool = models.OneToOneField(Pool, on_delete=models.CASCADE, related_name="ep_rebalance_policy")
+    mode = models.CharField(max_length=10, choices=EPRebalanceMode.choices, default=EPRebalanceMode.OFF)
+    interval_s = models.PositiveIntegerField(default=600, help_text="Seconds between two runs of the EPLB.")
+    window_s = models.PositiveIntegerField(default=600, help_text="Seconds of expert loads each run places from.")
+    target_balance = models.FloatField(
+        default=DEFAULT_TARGET_BALANCE,
+        help_text="Max/mean GPU load (mean over layers) above which the EPLB proposes a layout.",
+    )
+    min_window_tokens = models.PositiveBigIntegerField(
+        default=DEFAULT_MIN_WINDOW_TOKENS, help_text="Fewer routed tokens in the window: no proposal."
+    )
+    last_run_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "EP rebalance policy"
+        verbose_name_plural = "EP rebalance policies"
+        constraints = [
+            models.CheckConstraint(condition=models.Q(interval_s__gte=1), name="eprebalance_interval_positive"),
+            models.CheckConstraint(condition=models.Q(window_s__gte=1), name="eprebalance_window_positive"),
+            models.CheckConstraint(condition=models.Q(target_balance__gte=1.0), name="eprebalance_target_at_least_1"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.pool}: {self.mode} every {self.interval_s} s"

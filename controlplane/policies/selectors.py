@@ -1,6 +1,6 @@
 from django.db.models import Max, OuterRef, QuerySet, Subquery
 
-from controlplane.policies.models import DEFAULT_TRAFFIC_CLASS, EPLayout, TrafficClass, TTLPolicy
+from controlplane.policies.models import DEFAULT_TRAFFIC_CLASS, EPLayout, EPRebalancePolicy, TrafficClass, TTLPolicy
 
 
 def traffic_class_list() -> QuerySet[TrafficClass]:
@@ -37,3 +37,7 @@ def ep_layout_list(*, pool_id: int | None = None) -> QuerySet[EPLayout]:
 
 def ep_layout_active(*, pool_id: int) -> EPLayout | None:
     return EPLayout.objects.filter(pool_id=pool_id, is_active=True).first()
+
+
+def ep_rebalance_policy_list() -> QuerySet[EPRebalancePolicy]:
+    return EPRebalancePolicy.objects.select_related("pool")

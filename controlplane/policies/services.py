@@ -11,7 +11,7 @@ from controlplane.common.actors import actor_label, actor_user
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
 from controlplane.policies import tasks
-from controlplane.policies.models import EPLayout, TrafficClass, TTLPolicy
+from controlplane.policies.models import EPLayout, EPRebalancePolicy, TrafficClass, TTLPolicy
 from controlplane.policies.validation import ep_layout_errors
 from controlplane.topology.models import Pool, ScalingAction
 from controlplane.topology.selectors import pool_live_ranks
@@ -100,14 +100,33 @@ def ep_layout_activate(*, layout: EPLayout, actor: Any, reason: str = "", now: d
     locked.is_active = True
     locked.activated_at = now
     locked.save(update_fields=["is_active", "activated_at"])
+    # An EPLB proposal says why: its load window, the rule that fired, balance and slots changed.
+    why = locked.rationale
     scaling_event_record(
         action=ScalingAction.EP_LAYOUT_APPLIED,
         actor=actor,
         reason=reason,
         pool=pool,
-        before={"version": None if previous is None else previous.version},
-        after={"version": locked.version, "layout_id": locked.pk},
+        before={"version": None if previous is None else previous.version, **why.get("before", {})},
+        after={
+            "version": locked.version,
+            "layout_id": locked.pk,
+            **why.get("after", {}),
+            **({"slots_changed": why["slots_changed"], "why": why} if why else {}),
+        },
         now=now,
     )
     queue_task(tasks.ep_layout_push_task, locked.pk)
     return locked
+
+
+@transaction.atomic
+def ep_rebalance_policy_set(*, pool: Pool, **fields: Any) -> EPRebalancePolicy:
+    """Creates or edits the pool's EP rebalancing policy (mode, interval_s, window_s,
+    target_balance, min_window_tokens); fields left out keep their value (or default)."""
+    policy = EPRebalancePolicy.objects.select_for_update().filter(pool=pool).first() or EPRebalancePolicy(pool=pool)
+    for name, value in fields.items():
+        setattr(policy, name, value)
+    full_clean_or_raise(policy, exclude=["pool"] if policy.pk else None)
+    policy.save()
+    return policy

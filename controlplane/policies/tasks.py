@@ -4,6 +4,7 @@ recorded as a control_failed event of that instance. Tasks take ids and hold no 
 from controlplane.celery import app
 from controlplane.policies import selectors
 from controlplane.policies.models import EPLayout
+from controlplane.topology.models import Pool
 from controlplane.topology.selectors import instances_live
 from controlplane.topology.services import instance_record_control_failure
 from controlplane.topology.tasks import CONTROL_ERRORS, ControlRefusedError, send_checked
@@ -49,3 +50,20 @@ def ep_layout_push_task(layout_id: int) -> None:
             placement=layout.placement,
         ),
     )
+
+
+@app.task
+def ep_rebalance_task(pool_id: int) -> None:
+    # Imported here: the rebalance rules import the services, which import this module.
+    from controlplane.policies.rebalance import ep_rebalance_run
+
+    ep_rebalance_run(pool=Pool.objects.get(pk=pool_id))
+
+
+@app.task
+def ep_rebalance_tick_task() -> None:
+    """Runs the EPLB of every pool that is due (the supervisor's timer or Celery beat calls this)."""
+    from controlplane.policies.rebalance import ep_rebalance_due
+
+    for pool_id in ep_rebalance_due():
+        ep_rebalance_task.delay(pool_id)

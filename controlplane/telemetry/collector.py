@@ -25,10 +25,12 @@ from django.db import connections
 
 from controlplane.gateway.engine import engine_client
 from controlplane.telemetry import live
+from controlplane.telemetry.expert_loads import ExpertLoadWindow
 from controlplane.telemetry.metrics import observe_request
-from controlplane.telemetry.services import rollup_upsert, rollups_delete_before
+from controlplane.telemetry.services import expert_load_rollup_upsert, rollup_upsert, rollups_delete_before
 from controlplane.telemetry.snapshot import build_snapshot, kv_store
 from controlplane.telemetry.windows import MinuteTotals, RequestSample, RequestWindow, minute_start
+from workers.expert_loads import SlotLoads
 from workers.protocol import WorkerHeartbeat
 
 log = logging.getLogger(__name__)
@@ -38,10 +40,19 @@ TICK_S = 1.0
 PRUNE_EVERY_S = 3600.0
 
 Heartbeats = Callable[[], Awaitable[list[WorkerHeartbeat]]]
+ExpertLoads = Callable[[], Awaitable[dict[tuple[str, int], SlotLoads]]]
 
 
 async def gateway_heartbeats() -> list[WorkerHeartbeat]:
     return (await engine_client()).healthy_workers()
+
+
+async def gateway_expert_loads() -> dict[tuple[str, int], SlotLoads]:
+    return (await engine_client()).expert_loads.take()
+
+
+async def _none() -> dict[tuple[str, int], SlotLoads]:
+    return {}
 
 
 class TelemetryCollector:
@@ -49,12 +60,16 @@ class TelemetryCollector:
         self,
         heartbeats: Heartbeats = gateway_heartbeats,
         *,
+        expert_loads: ExpertLoads | None = None,
         clock: Callable[[], float] = time.time,
         window_s: float = live.WINDOW_S,
         retention: timedelta | None = None,
     ) -> None:
         """`clock` gives epoch seconds: minutes are wall-clock minutes."""
         self._heartbeats = heartbeats
+        # The gateway's engine client sums expert loads from the heartbeats it reads; a collector fed
+        # other heartbeats (a test's) has none unless given a source.
+        self._expert_loads = expert_loads or (gateway_expert_loads if heartbeats is gateway_heartbeats else _none)
         self._clock = clock
         self._retention = retention or timedelta(days=settings.SLUICE_TELEMETRY_RETENTION_DAYS)
         now = clock()
@@ -62,6 +77,9 @@ class TelemetryCollector:
         self._window = RequestWindow(window_s)
         self._minute = MinuteTotals(minute_start(now))
         self._finished: list[MinuteTotals] = []  # minutes ended and not yet written
+        self._expert_window = ExpertLoadWindow(window_s)
+        # Expert loads of ended minutes not yet written: (minute start, {(pool, layout version): loads}).
+        self._expert_finished: list[tuple[float, dict[tuple[str, int], SlotLoads]]] = []
         self._prune_at = now
 
     def record_request(self, sample: RequestSample) -> None:
@@ -73,8 +91,10 @@ class TelemetryCollector:
     async def tick(self) -> dict:
         """One round: snapshot, broadcast, write the minutes that ended, prune when due; returns the snapshot."""
         workers = await self._heartbeats()
+        expert_loads = await self._expert_loads()
         now = self._clock()
         self._roll(now)
+        self._expert_window.add(now, expert_loads)
         store = kv_store(workers)
         if store is not None:
             self._minute.kv_store_bytes = store["bytes"]
@@ -84,6 +104,7 @@ class TelemetryCollector:
             workers=workers,
             totals=self._window.totals(now),
             elapsed_s=now - self._started_at,
+            expert_load=self._expert_window.by_pool(now),
         )
         live.publish(snapshot)
         await self._broadcast(snapshot)
@@ -105,6 +126,9 @@ class TelemetryCollector:
         start = minute_start(now)
         if start > self._minute.start:
             self._finished.append(self._minute)
+            ended = self._expert_window.end_minute()
+            if ended:
+                self._expert_finished.append((self._minute.start, ended))
             self._minute = MinuteTotals(start, kv_store_bytes=self._minute.kv_store_bytes)
 
     async def _broadcast(self, snapshot: dict) -> None:
@@ -114,6 +138,16 @@ class TelemetryCollector:
             log.warning("broadcasting telemetry failed", exc_info=True)
 
     async def _write_finished(self) -> None:
+        expert_finished, self._expert_finished = self._expert_finished, []
+        for start, by_layout in expert_finished:
+            minute = datetime.fromtimestamp(start, UTC)
+            for (pool, version), loads in by_layout.items():
+                try:
+                    await sync_to_async(_in_tidy_connection)(
+                        expert_load_rollup_upsert, pool=pool, layout_version=version, minute=minute, slot_loads=loads
+                    )
+                except Exception:
+                    log.exception("writing the expert loads of pool %s at %s failed", pool, minute)
         finished, self._finished = self._finished, []
         for minute in finished:
             try:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from controlplane.telemetry import live
 from controlplane.telemetry.snapshot import pool_of
 from controlplane.telemetry.windows import RequestSample
 from workers.protocol import WorkerHeartbeat
@@ -60,22 +61,50 @@ def observe_request(sample: RequestSample) -> None:
 
 
 class _Scrape:
-    """One scrape's collector: the request metrics, then families built from `workers`."""
+    """One scrape's collector: the request metrics, then families built from `workers` and `pools`."""
 
-    def __init__(self, workers: list[WorkerHeartbeat]) -> None:
+    def __init__(
+        self, workers: list[WorkerHeartbeat], pools: list[dict], expert_load: dict[str, list[list[int]]]
+    ) -> None:
         self._workers = workers
+        self._pools = pools
+        self._expert_load = expert_load
 
     def collect(self) -> Iterable[Metric]:
         yield from REQUEST_REGISTRY.collect()
-        yield from heartbeat_families(self._workers)
+        yield from heartbeat_families(self._workers, self._expert_load)
+        yield from pool_families(self._pools)
 
 
-def exposition(workers: list[WorkerHeartbeat]) -> bytes:
-    """The text exposition format; `workers` are the healthy workers' latest heartbeats."""
-    return generate_latest(_Scrape(workers))
+def exposition(workers: list[WorkerHeartbeat], pools: list[dict] = ()) -> bytes:
+    """The text exposition format; `workers` are the healthy workers' latest heartbeats, `pools` the
+    topology's pools as controlplane.topology.selectors.pool_scaling_summary gives them, expert loads
+    the window the collector summed (its latest snapshot)."""
+    return generate_latest(_Scrape(workers, list(pools), live.current_snapshot()["expert_load"]))
 
 
-def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
+def pool_families(pools: list[dict]) -> list[Metric]:
+    """What the autoscaler (or an operator) wants of each pool against what it has."""
+    desired = GaugeMetricFamily(
+        "sluice:pool_desired_instances", "The pool's target instance count (autoscaler or operator).", labels=["pool"]
+    )
+    instances = GaugeMetricFamily(
+        "sluice:pool_instances", "The pool's engine instances by state.", labels=["pool", "state"]
+    )
+    paused = GaugeMetricFamily(
+        "sluice:autoscaler_paused", "1 while the autoscaler leaves the pool alone.", labels=["pool"]
+    )
+    for pool in pools:
+        desired.add_metric([pool["pool"]], pool["target_instances"])
+        paused.add_metric([pool["pool"]], 1.0 if pool["autoscale_paused"] else 0.0)
+        for state, count in sorted(pool["instances"].items()):
+            instances.add_metric([pool["pool"], state], count)
+    return [desired, instances, paused]
+
+
+def heartbeat_families(
+    workers: list[WorkerHeartbeat], expert_load: dict[str, list[list[int]]] | None = None
+) -> list[Metric]:
     labels = ["worker", "pool"]
     running = GaugeMetricFamily("vllm:num_requests_running", "Requests in the worker's running batch.", labels=labels)
     waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued on the worker.", labels=labels)
@@ -154,12 +183,16 @@ def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
     load = GaugeMetricFamily("sluice:pool_load", "Requests running and waiting on the pool's workers.", labels=["pool"])
     for pool, value in sorted(pool_load.items()):
         load.add_metric([pool], value)
-    # Per pool, EP rank and expert slot; no heartbeat reports expert loads yet, so it has no samples.
-    expert_load = GaugeMetricFamily(
+    # Per pool, MoE layer and physical slot (rank * slots_per_rank + slot), over the collector's window.
+    slot_load = GaugeMetricFamily(
         "sluice:expert_load",
-        "Tokens routed to each expert slot lately (MoE pools only).",
-        labels=["pool", "rank", "slot"],
+        "Tokens routed to each expert slot in the telemetry window (MoE pools only).",
+        labels=["pool", "layer", "slot"],
     )
+    for pool, layers in sorted((expert_load or {}).items()):
+        for layer, slots in enumerate(layers):
+            for slot, tokens in enumerate(slots):
+                slot_load.add_metric([pool, str(layer), str(slot)], tokens)
     return [
         running,
         waiting,
@@ -176,5 +209,5 @@ def heartbeat_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
         most_recomputed,
         recovery,
         load,
-        expert_load,
+        slot_load,
     ]

@@ -21,3 +21,22 @@ class TelemetryRollup(models.Model):
 
     def __str__(self) -> str:
         return f"telemetry {self.minute:%Y-%m-%d %H:%M}"
+
+
+class ExpertLoadRollup(models.Model):
+    """Tokens routed to each physical expert slot of a pool in one minute, summed over its workers'
+    heartbeats, under one EP layout version: slot_loads[layer][rank * slots_per_rank + slot]."""
+
+    pool = models.CharField(max_length=100)  # the pool's name, as heartbeats give it
+    layout_version = models.PositiveIntegerField()  # 0: no layout was in force
+    minute = models.DateTimeField()
+    slot_loads = models.JSONField()
+
+    class Meta:
+        ordering = ["minute"]
+        constraints = [
+            models.UniqueConstraint(fields=["pool", "layout_version", "minute"], name="expertload_unique_minute")
+        ]
+
+    def __str__(self) -> str:
+        return f"expert load {self.pool} v{self.layout_version} {self.minute:%Y-%m-%d %H:%M}"

@@ -1,8 +1,8 @@
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from controlplane.telemetry.models import TelemetryRollup
+from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
 
 ROLLUP_FIELDS = (
     "minute",
@@ -27,3 +27,8 @@ def rollup_series(*, minutes: int = 60) -> list[dict]:
         {**row, "cache_hit_rate": row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else None}
         for row in rows
     ]
+
+
+def expert_load_rollups(*, pool: str, since: datetime) -> list[ExpertLoadRollup]:
+    """A pool's expert-load minutes from `since` on, oldest first."""
+    return list(ExpertLoadRollup.objects.filter(pool=pool, minute__gte=since).order_by("minute"))

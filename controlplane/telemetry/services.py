@@ -2,7 +2,7 @@ from datetime import datetime
 
 from django.db import transaction
 
-from controlplane.telemetry.models import TelemetryRollup
+from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
 
 
 @transaction.atomic
@@ -41,4 +41,16 @@ def rollup_upsert(
 def rollups_delete_before(*, cutoff: datetime) -> int:
     """Deletes the rows of minutes that start before `cutoff`; returns how many."""
     deleted, _ = TelemetryRollup.objects.filter(minute__lt=cutoff).delete()
-    return deleted
+    expert_deleted, _ = ExpertLoadRollup.objects.filter(minute__lt=cutoff).delete()
+    return deleted + expert_deleted
+
+
+@transaction.atomic
+def expert_load_rollup_upsert(
+    *, pool: str, layout_version: int, minute: datetime, slot_loads: list[list[int]]
+) -> ExpertLoadRollup:
+    """Writes a pool's expert loads of one minute under one layout, replacing one written before."""
+    rollup, _ = ExpertLoadRollup.objects.update_or_create(
+        pool=pool, layout_version=layout_version, minute=minute, defaults={"slot_loads": slot_loads}
+    )
+    return rollup

@@ -18,10 +18,17 @@ def empty_snapshot(at: datetime, window_s: float) -> dict:
 
 
 def build_snapshot(
-    *, at: datetime, window_s: float, workers: list[WorkerHeartbeat], totals: Totals, elapsed_s: float
+    *,
+    at: datetime,
+    window_s: float,
+    workers: list[WorkerHeartbeat],
+    totals: Totals,
+    elapsed_s: float,
+    expert_load: dict[str, list[list[int]]] | None = None,
 ) -> dict:
     """`totals` are the window's requests; rates divide by `elapsed_s`, the part of the window the
-    collector has been running (a collector started 10 s ago has seen 10 s of traffic, not 60)."""
+    collector has been running (a collector started 10 s ago has seen 10 s of traffic, not 60).
+    `expert_load`: per MoE pool, tokens routed to each [layer][physical slot] in the window."""
     seconds = max(min(elapsed_s, window_s), 1.0)
     return {
         "at": at.isoformat(),
@@ -35,8 +42,7 @@ def build_snapshot(
         "ttft_s": percentiles(totals.ttft_s),
         "itl_s": percentiles(totals.inter_token_s),
         "kv_store": kv_store(workers),
-        # No heartbeat carries expert loads yet; MoE pools will fill this in.
-        "expert_load": {},
+        "expert_load": expert_load or {},
     }
 
 

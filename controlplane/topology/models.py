@@ -55,6 +55,10 @@ class Pool(models.Model):
         help_text="Seconds a draining decode instance keeps streaming before its requests migrate to others.",
     )
     expert_slots_per_rank = models.PositiveIntegerField(default=0)
+    # The autoscaler leaves a paused pool alone; an operator's scale holds against it for a while
+    # (workers.autoscale.PlannerConfig.manual_hold_s) counted from last_manual_scale_at.
+    autoscale_paused = models.BooleanField(default=False)
+    last_manual_scale_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -136,6 +140,11 @@ class EngineInstance(models.Model):
     num_running = models.PositiveIntegerField(default=0)
     num_waiting = models.PositiveIntegerField(default=0)
     kv_usage = models.FloatField(default=0.0, help_text="Fraction of KV pages in use, 0..1.")
+    # The worker's limits, from its heartbeats: what the autoscaler sizes decode pools against.
+    max_num_seqs = models.PositiveIntegerField(default=0)
+    kv_capacity_tokens = models.PositiveBigIntegerField(default=0)
+    # The process id, on its node, of a worker that a node agent started (None: started otherwise).
+    pid = models.PositiveIntegerField(null=True, blank=True)
     # What the worker reports it applied.
     ttl_policy_version = models.IntegerField(default=0)
     ep_layout_version = models.IntegerField(default=0)
@@ -172,6 +181,15 @@ class ScalingAction(models.TextChoices):
     INSTANCE_FAILED_OVER = "instance_failed_over"
     EP_LAYOUT_APPLIED = "ep_layout_applied"
     CONTROL_FAILED = "control_failed"
+    # Node agents: an instance asked of a node, its process started, its process gone.
+    INSTANCE_START_REQUESTED = "instance_start_requested"
+    INSTANCE_STARTED = "instance_started"
+    INSTANCE_EXITED = "instance_exited"
+    # The autoscaler: a pool it kept as it is although its demand asks for a change (rate limit,
+    # quota guard, cool-down...), and operators pausing / resuming it on a pool.
+    AUTOSCALE_HELD = "autoscale_held"
+    AUTOSCALE_PAUSED = "autoscale_paused"
+    AUTOSCALE_RESUMED = "autoscale_resumed"
 
 
 class ImmutableRowError(Exception):
@@ -211,6 +229,8 @@ class ScalingEvent(models.Model):
     reason = models.TextField(blank=True)
     before = models.JSONField(default=dict, blank=True)
     after = models.JSONField(default=dict, blank=True)
+    # An autoscaler decision's inputs and the rule that fired ({"rule": ..., "inputs": {...}}).
+    why = models.JSONField(default=dict, blank=True)
 
     objects = ScalingEventQuerySet.as_manager()
 

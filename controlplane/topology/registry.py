@@ -60,6 +60,8 @@ class TopologyRecorder:
             ttl_policy_version=heartbeat.ttl_policy_version,
             ep_layout_version=heartbeat.ep_layout_version,
             at=timezone.now(),
+            max_num_seqs=heartbeat.max_num_seqs,
+            kv_capacity_tokens=heartbeat.kv_capacity_tokens,
             num_migrated_out=heartbeat.num_migrated_out,
             num_migrations_failed=heartbeat.num_migrations_failed,
         )

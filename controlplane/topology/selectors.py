@@ -1,6 +1,6 @@
 from datetime import datetime
 
-from django.db.models import F, QuerySet, Sum
+from django.db.models import Count, Exists, F, OuterRef, QuerySet, Sum
 
 from controlplane.topology.models import (
     LIVE_STATES,
@@ -14,6 +14,23 @@ from controlplane.topology.models import (
 
 def pool_list() -> QuerySet[Pool]:
     return Pool.objects.select_related("cluster").order_by("cluster__name", "name")
+
+
+def pool_scaling_summary() -> list[dict]:
+    """Each pool's target, autoscaler pause and instances by state (every state, zeros included)."""
+    counts: dict[int, dict[str, int]] = {}
+    rows = EngineInstance.objects.values_list("pool_id", "state").annotate(count=Count("id")).order_by()
+    for pool_id, state, count in rows:
+        counts.setdefault(pool_id, {})[state] = count
+    return [
+        {
+            "pool": str(pool),
+            "target_instances": pool.target_instances,
+            "autoscale_paused": pool.autoscale_paused,
+            "instances": {state: counts.get(pool.pk, {}).get(state, 0) for state in InstanceState.values},
+        }
+        for pool in pool_list()
+    ]
 
 
 def pool_by_name(*, name: str, cluster_name: str | None = None) -> list[Pool]:
@@ -39,6 +56,32 @@ def instances_live(*, pool_id: int | None = None) -> QuerySet[EngineInstance]:
     return instances if pool_id is None else instances.filter(pool_id=pool_id)
 
 
+def pool_serving_count(*, pool_id: int) -> int:
+    """Instances that serve or are about to (starting, ready): what a pool's target counts."""
+    return EngineInstance.objects.filter(
+        pool_id=pool_id, state__in=[InstanceState.STARTING, InstanceState.READY]
+    ).count()
+
+
+def pool_recovering_count(*, pool_id: int, since: datetime) -> int:
+    """Failed instances heard from since `since` whose process no agent saw exit: they went silent
+    (a loaded host) or a supervisor restarts them, and they come back as ready when they do."""
+    exited = ScalingEvent.objects.filter(
+        instance_id=OuterRef("pk"), action=ScalingAction.INSTANCE_EXITED, created_at__gte=OuterRef("registered_at")
+    )
+    return (
+        EngineInstance.objects.filter(pool_id=pool_id, state=InstanceState.FAILED, last_heartbeat_at__gte=since)
+        .exclude(Exists(exited))
+        .count()
+    )
+
+
+def local_workers_registered(*, worker_ids: list[str], since: datetime) -> bool:
+    """Whether every one of these workers registered since `since` (and is ready)."""
+    ready = EngineInstance.objects.filter(worker_id__in=worker_ids, state=InstanceState.READY, registered_at__gte=since)
+    return ready.count() == len(set(worker_ids))
+
+
 def instances_least_loaded_ready(*, pool_id: int) -> QuerySet[EngineInstance]:
     """Ready instances, least loaded first: fewest requests, then least KV in use, then newest."""
     return (
@@ -62,6 +105,31 @@ def pool_scaled_in_window(*, pool_id: int, since: datetime) -> tuple[int, int]:
         added += max(change, 0)
         removed += max(-change, 0)
     return added, removed
+
+
+def pool_last_event(*, pool_id: int, actions: list[str]) -> ScalingEvent | None:
+    return ScalingEvent.objects.filter(pool_id=pool_id, action__in=actions).order_by("-created_at", "-id").first()
+
+
+def nodes_without_agent(*, cluster_id: int) -> list[int]:
+    """Nodes whose latest instance failed before any agent started its process: nothing serves their
+    queue (or could start a worker there). An operator's start on such a node tries it again."""
+    latest: dict[int, tuple] = {}
+    rows = EngineInstance.objects.filter(node__cluster_id=cluster_id).order_by("-id")
+    for node, state, pid, endpoint in rows.values_list("node_id", "state", "pid", "request_endpoint"):
+        latest.setdefault(node, (state, pid, endpoint))
+    return [
+        node
+        for node, (state, pid, endpoint) in latest.items()
+        if state == InstanceState.FAILED and pid is None and not endpoint
+    ]
+
+
+def instances_to_start(*, hostname: str) -> QuerySet[EngineInstance]:
+    """Starting instances placed on the node that no agent has started a process for yet."""
+    return EngineInstance.objects.filter(
+        node__hostname=hostname, state=InstanceState.STARTING, pid__isnull=True
+    ).order_by("id")
 
 
 def scaling_event_list(

@@ -4,7 +4,7 @@ recorded through the services. Tasks take ids and hold no rules."""
 from django.conf import settings
 
 from controlplane.celery import app
-from controlplane.topology import services
+from controlplane.topology import node_agent, services
 from controlplane.topology.models import EngineInstance
 from workers.control_client import (
     ControlRejectedError,
@@ -71,3 +71,21 @@ def instance_resume_task(instance_id: int) -> None:
         send_checked(endpoint, ResumeRequest(command_id=new_command_id()))
     except (*CONTROL_ERRORS, ControlRefusedError) as error:
         _record_failure(instance_id, "resume", error)
+
+
+@app.task
+def node_start_instance_task(instance_id: int) -> None:
+    """On a node's queue (node.<name>): start the instance's worker process here."""
+    node_agent.agent_start(node_agent.node_agent(), instance_id)
+
+
+@app.task
+def node_stop_instance_task(instance_id: int) -> None:
+    """On a node's queue: end the instance's (drained or stopped) worker process here."""
+    node_agent.agent_stop(node_agent.node_agent(), instance_id)
+
+
+@app.task
+def autoscale_tick_task() -> None:
+    """Celery beat's autoscaler tick (the embedded default runs it from serve's supervisor)."""
+    services.autoscale_tick()

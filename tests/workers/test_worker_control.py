@@ -61,7 +61,7 @@ def control(in_flight: list[int] | None = None, **options) -> WorkerControl:
     return WorkerControl("w", ep_size=options.pop("ep_size", 1), num_in_flight=lambda: count[0], **options)
 
 
-def layout(version: int, experts: int, placement: list[list[int]]) -> ApplyEPLayoutRequest:
+def layout(version: int, experts: int, placement: list[list[list[int]]]) -> ApplyEPLayoutRequest:
     return ApplyEPLayoutRequest(new_command_id(), version, experts, placement)
 
 
@@ -121,14 +121,29 @@ def test_a_ttl_policy_goes_to_the_collector_and_a_bad_or_stale_one_changes_nothi
 @pytest.mark.parametrize(
     ("ep_size", "experts", "placement", "message"),
     [
-        (2, 4, [[0, 1, 2], [3, 0]], ""),  # redundant copies of an expert are fine
-        (1, 4, [[0, 1, 2, 2]], "experts [3] have no slot"),
-        (1, 2, [[0, 1, 2]], "outside 0..1"),
-        (1, 2, [[0, -1, 1]], "outside 0..1"),
-        (2, 2, [[0, 1]], "ep_size 2"),
-        (1, 0, [[]], "positive"),
+        (2, 4, [[[0, 1, 2], [3, 0, 0]], [[3, 2, 1], [0, 1, 1]]], ""),  # redundant copies of an expert are fine
+        (1, 4, [[[0, 1, 2, 2]]], "layer 0: experts [3] have no slot"),
+        (1, 4, [[[0, 1, 2, 3]], [[0, 1, 2, 2]]], "layer 1: experts [3] have no slot"),
+        (1, 2, [[[0, 1, 2]]], "outside 0..1"),
+        (1, 2, [[[0, -1, 1]]], "outside 0..1"),
+        (2, 2, [[[0, 1]]], "ep_size 2"),
+        (2, 2, [[[0], [1]], [[0, 1], [1, 0]]], "layer 1: every rank must hold the same number of slots"),
+        (2, 2, [[[0], [1, 0]]], "layer 0: every rank must hold the same number of slots"),
+        (1, 2, [], "no layers"),
+        (1, 0, [[[]]], "positive"),
     ],
-    ids=["valid", "missing-expert", "id-too-large", "negative-id", "wrong-rank-count", "no-experts"],
+    ids=[
+        "valid",
+        "missing-expert",
+        "missing-in-a-later-layer",
+        "id-too-large",
+        "negative-id",
+        "wrong-rank-count",
+        "slots-differ-between-layers",
+        "slots-differ-between-ranks",
+        "no-layers",
+        "no-experts",
+    ],
 )
 def test_ep_layouts_are_checked_against_the_workers_shape(ep_size, experts, placement, message):
     machine = control(collector=None, ep_size=ep_size)
@@ -209,8 +224,8 @@ def test_a_retried_command_is_answered_again_but_acted_on_once(worker):
 def test_an_ep_layout_is_applied_and_reported_and_a_bad_one_refused(worker):
     request_endpoint, heartbeat_endpoint = worker.endpoints
 
-    applied = send_control(request_endpoint, layout(3, 4, [[3, 2, 1, 0]]))
-    refused = send_control(request_endpoint, layout(4, 4, [[0, 1, 2, 2]]))
+    applied = send_control(request_endpoint, layout(3, 4, [[[3, 2, 1, 0]], [[0, 1, 2, 3]]]))
+    refused = send_control(request_endpoint, layout(4, 4, [[[0, 1, 2, 2]], [[0, 1, 2, 3]]]))
 
     assert applied.ok and applied.ep_layout_version == 3
     assert not refused.ok and "[3]" in refused.message and refused.ep_layout_version == 3

@@ -1,5 +1,6 @@
 """Configuration of a model (from its Hugging Face config) and of the engine that serves it."""
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,13 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    # dots.llm1: Qwen3-style attention with DeepSeek-V3's MoE, our model for DeepSeek-V3 routing
+    # until MLA attention is served.
+    "Dots1ForCausalLM": "dots1",
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "dots1")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -27,6 +34,55 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The mixture-of-experts part of a decoder: which layers route, and how."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    # "softmax": top-k of softmax(logits) (Qwen). "grouped_sigmoid": DeepSeek-V3's sigmoid scores,
+    # top-k within the best topk_groups of num_groups groups, chosen with e_score_correction_bias.
+    routing: str
+    norm_topk_prob: bool
+    # Per layer: whether its feed-forward is the routed experts (else the dense MLP).
+    sparse_layers: tuple[bool, ...]
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0  # of the shared expert(s), 0 for none
+    shared_expert_gate: bool = False  # Qwen2-MoE scales the shared expert by sigmoid(gate(x))
+
+    def validate(self) -> None:
+        if self.num_experts < 1 or self.intermediate_size < 1:
+            raise ModelLoadError(
+                f"a MoE model needs at least one expert of positive size, got {self.num_experts} experts "
+                f"of moe_intermediate_size {self.intermediate_size}"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"num_experts_per_tok must be in [1, {self.num_experts}] (the experts), got {self.top_k}"
+            )
+        if self.routing == "grouped_sigmoid":
+            if self.num_groups < 1 or self.num_experts % self.num_groups:
+                raise ModelLoadError(f"n_group ({self.num_groups}) must divide the {self.num_experts} experts")
+            if not 1 <= self.topk_groups <= self.num_groups:
+                raise ModelLoadError(f"topk_group must be in [1, n_group={self.num_groups}], got {self.topk_groups}")
+            per_group = self.num_experts // self.num_groups
+            # A group's score is the sum of its best two experts' scores.
+            if per_group < 2:
+                raise ModelLoadError(f"each of the n_group={self.num_groups} groups needs two experts or more")
+            if self.top_k > self.topk_groups * per_group:
+                raise ModelLoadError(
+                    f"num_experts_per_tok ({self.top_k}) exceeds the {self.topk_groups * per_group} experts "
+                    f"of the topk_group={self.topk_groups} groups a token may use"
+                )
+            if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+                raise ModelLoadError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
+        if self.shared_intermediate_size < 0:
+            raise ModelLoadError(f"the shared expert's size must not be negative, got {self.shared_intermediate_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +108,7 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...]
     dtype: torch.dtype
     initializer_range: float = 0.02
+    moe: MoeConfig | None = None  # None for dense models
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -80,14 +137,17 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; its HF config does not say so.
-                attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-                qk_norm=family == "qwen3",
-                layer_windows=_layer_windows(hf, num_layers),
+                attention_bias=_attention_bias(hf, family),
+                qk_norm=family in ("qwen3", "qwen3_moe", "dots1"),
+                layer_windows=_layer_windows(hf, num_layers, family),
                 dtype=_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
                 initializer_range=float(hf.get("initializer_range", 0.02)),
+                moe=_moe_config(hf, family, num_layers),
             )
         except KeyError as missing:
             raise ModelLoadError(f"model config lacks required field {missing}") from None
+        except (TypeError, ValueError) as malformed:
+            raise ModelLoadError(f"model config has a malformed field: {malformed}") from None
         config.validate()
         return config
 
@@ -101,11 +161,70 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.moe is not None:
+            self.moe.validate()
 
     @property
     def kv_bytes_per_token(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _attention_bias(hf: dict[str, Any], family: str) -> bool:
+    if family == "qwen2":
+        return bool(hf.get("attention_bias", True))  # Qwen2 always has q/k/v biases; its config does not say so
+    if family == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    bias = bool(hf.get("attention_bias", False))
+    if bias and family == "dots1":
+        raise ModelLoadError("dots1 with attention_bias (which also biases o_proj) is not supported")
+    return bias
+
+
+def _moe_config(hf: dict[str, Any], family: str, num_layers: int) -> MoeConfig | None:
+    """The routed-experts settings of a MoE family, None for a dense one; which layers are sparse
+    follows each family's HF definition."""
+    if family not in MOE_FAMILIES:
+        return None
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r} for experts; supported: silu")
+    top_k = int(hf["num_experts_per_tok"])
+    intermediate = int(hf["moe_intermediate_size"])
+    norm_topk_prob = bool(hf.get("norm_topk_prob", False))
+    if family == "dots1":
+        first_sparse = int(hf.get("first_k_dense_replace") or 0)
+        if not 0 <= first_sparse <= num_layers:
+            raise ModelLoadError(f"first_k_dense_replace must be in [0, {num_layers}], got {first_sparse}")
+        return MoeConfig(
+            num_experts=int(hf.get("n_routed_experts") or 0),
+            top_k=top_k,
+            intermediate_size=intermediate,
+            routing="grouped_sigmoid",
+            norm_topk_prob=norm_topk_prob,
+            sparse_layers=tuple(i >= first_sparse for i in range(num_layers)),
+            num_groups=int(hf.get("n_group") or 1),
+            topk_groups=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_intermediate_size=intermediate * int(hf.get("n_shared_experts") or 0),
+        )
+    # Qwen2-MoE's shared expert is always scaled by its sigmoid gate; Qwen3-MoE has none.
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    dense_layers = set(hf.get("mlp_only_layers") or [])
+    step = int(hf.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ModelLoadError(f"decoder_sparse_step must be at least 1, got {step}")
+    if not dense_layers <= set(range(num_layers)):
+        raise ModelLoadError(f"mlp_only_layers {sorted(dense_layers)} name layers outside 0..{num_layers - 1}")
+    return MoeConfig(
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+        top_k=top_k,
+        intermediate_size=intermediate,
+        routing="softmax",
+        norm_topk_prob=norm_topk_prob,
+        sparse_layers=tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers)),
+        shared_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
+    )
 
 
 def _rope_config(hf: dict[str, Any]) -> RopeConfig:
@@ -132,14 +251,20 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _layer_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+def _layer_windows(hf: dict[str, Any], num_layers: int, family: str) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
+    if layer_types is None and family == "dots1" and window is not None:
+        # dots.llm1 windows the layers from max_window_layers on (HF's default is 62).
+        first_sliding = int(hf.get("max_window_layers", 62))
+        layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
     if layer_types is None:
         if window is None or hf.get("use_sliding_window") is False:
             return (None,) * num_layers
-        # Qwen-style configs window the layers from max_window_layers on (HF's default is 28).
-        first_sliding = int(hf.get("max_window_layers", 28)) if "use_sliding_window" in hf else 0
+        # Qwen-style configs window the layers from max_window_layers on (HF's default is 28);
+        # Qwen3-MoE's windows every layer.
+        windows_from = int(hf.get("max_window_layers", 28)) if family != "qwen3_moe" else 0
+        first_sliding = windows_from if "use_sliding_window" in hf else 0
         layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
     if len(layer_types) != num_layers:
         raise ModelLoadError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")

@@ -148,17 +148,25 @@ class WorkerControl:
 
 
 def ep_layout_error(request: ApplyEPLayoutRequest, ep_size: int) -> str:
-    """Why `request` is not a valid layout for `ep_size` ranks, or "" when it is."""
+    """Why `request` is not a valid layout for `ep_size` ranks, or "" when it is: every layer has
+    ep_size ranks of one slot count (the same in every layer) and gives every expert a slot."""
     experts = request.num_logical_experts
     if experts < 1:
         return f"num_logical_experts must be positive, got {experts}"
-    if len(request.placement) != ep_size:
-        return f"the placement has {len(request.placement)} ranks; this worker has ep_size {ep_size}"
-    placed = [expert for rank in request.placement for expert in rank]
-    outside = sorted({expert for expert in placed if not 0 <= expert < experts})
-    if outside:
-        return f"expert ids {outside} are outside 0..{experts - 1}"
-    missing = sorted(set(range(experts)) - set(placed))
-    if missing:
-        return f"experts {missing} have no slot on any rank"
+    if not request.placement:
+        return "the placement has no layers"
+    slots = len(request.placement[0][0]) if request.placement[0] else 0
+    for layer, ranks in enumerate(request.placement):
+        if len(ranks) != ep_size:
+            return f"layer {layer} of the placement has {len(ranks)} ranks; this worker has ep_size {ep_size}"
+        uneven = [rank for rank, held in enumerate(ranks) if len(held) != slots]
+        if uneven or not slots:
+            return f"layer {layer}: every rank must hold the same number of slots ({slots}, as rank 0 of layer 0)"
+        placed = [expert for held in ranks for expert in held]
+        outside = sorted({expert for expert in placed if not 0 <= expert < experts})
+        if outside:
+            return f"layer {layer}: expert ids {outside} are outside 0..{experts - 1}"
+        missing = sorted(set(range(experts)) - set(placed))
+        if missing:
+            return f"layer {layer}: experts {missing} have no slot on any rank"
     return ""

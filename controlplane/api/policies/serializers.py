@@ -1,10 +1,12 @@
 from rest_framework import serializers
 
 from controlplane.api.inputs import SlugRelatedField
-from controlplane.policies.models import EPLayout, TrafficClass, TTLPolicy
+from controlplane.policies.models import EPLayout, EPRebalancePolicy, TrafficClass, TTLPolicy
 
 # Far above any real model (DeepSeek V3 has 256 routed experts); the checks build sets of this size.
 MAX_LOGICAL_EXPERTS = 65536
+# Far above any real model's MoE layers (DeepSeek V3 has 58).
+MAX_LAYERS = 1024
 
 
 class TrafficClassSerializer(serializers.ModelSerializer):
@@ -34,10 +36,17 @@ class TTLPolicyCurrentSerializer(serializers.Serializer):
 
 class EPLayoutSerializer(serializers.ModelSerializer):
     placement = serializers.ListField(
-        child=serializers.ListField(child=serializers.IntegerField(), max_length=MAX_LOGICAL_EXPERTS),
+        child=serializers.ListField(
+            child=serializers.ListField(child=serializers.IntegerField(), max_length=MAX_LOGICAL_EXPERTS),
+            min_length=1,
+            max_length=MAX_LOGICAL_EXPERTS,
+        ),
         min_length=1,
-        max_length=MAX_LOGICAL_EXPERTS,
-        help_text="placement[rank][slot] = logical expert id; every expert needs at least one slot.",
+        max_length=MAX_LAYERS,
+        help_text=(
+            "placement[layer][rank][slot] = logical expert id; every rank holds the same number of slots and "
+            "every layer gives every expert at least one."
+        ),
     )
     num_logical_experts = serializers.IntegerField(min_value=1, max_value=MAX_LOGICAL_EXPERTS)
 
@@ -53,5 +62,26 @@ class EPLayoutSerializer(serializers.ModelSerializer):
             "created_by_label",
             "created_at",
             "activated_at",
+            "rationale",
         ]
-        read_only_fields = ["id", "version", "is_active", "created_by_label", "created_at", "activated_at"]
+        read_only_fields = [
+            "id",
+            "version",
+            "is_active",
+            "created_by_label",
+            "created_at",
+            "activated_at",
+            "rationale",
+        ]
+
+
+class EPRebalancePolicySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = EPRebalancePolicy
+        fields = ["id", "pool", "mode", "interval_s", "window_s", "target_balance", "min_window_tokens", "last_run_at"]
+        read_only_fields = ["id", "last_run_at"]
+        extra_kwargs = {
+            "target_balance": {"min_value": 1.0},
+            "interval_s": {"min_value": 1},
+            "window_s": {"min_value": 1},
+        }

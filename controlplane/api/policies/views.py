@@ -9,6 +9,7 @@ from controlplane.api.inputs import ReasonSerializer, validated
 from controlplane.api.policies.filters import EPLayoutFilter, TTLPolicyFilter
 from controlplane.api.policies.serializers import (
     EPLayoutSerializer,
+    EPRebalancePolicySerializer,
     TrafficClassSerializer,
     TTLPolicyCurrentSerializer,
     TTLPolicySerializer,
@@ -100,3 +101,36 @@ class EPLayoutViewSet(*READ, viewsets.GenericViewSet):
         data = validated(ReasonSerializer, request.data)
         layout = services.ep_layout_activate(layout=self.get_object(), actor=request.user, **data)
         return Response(EPLayoutSerializer(layout).data)
+
+
+class EPRebalancePolicyViewSet(*READ, viewsets.GenericViewSet):
+    """When the EPLB re-places a MoE pool's experts: off, propose (an admin activates the proposed
+    layout through ep-layouts/{id}/activate/) or auto, every interval_s from the last window_s of loads."""
+
+    serializer_class = EPRebalancePolicySerializer
+    filterset_fields = ["pool", "mode"]
+    ordering_fields = ["id", "pool"]
+    ordering = ["pool_id"]
+    action_permissions = {
+        "list": "policies.view_eprebalancepolicy",
+        "retrieve": "policies.view_eprebalancepolicy",
+        "create": "policies.add_eprebalancepolicy",
+        "partial_update": "policies.change_eprebalancepolicy",
+    }
+
+    def get_queryset(self):
+        return selectors.ep_rebalance_policy_list()
+
+    @extend_schema(request=EPRebalancePolicySerializer, responses={201: EPRebalancePolicySerializer})
+    def create(self, request):
+        data = validated(EPRebalancePolicySerializer, request.data)
+        policy = services.ep_rebalance_policy_set(**data)
+        return Response(EPRebalancePolicySerializer(policy).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=EPRebalancePolicySerializer, responses=EPRebalancePolicySerializer)
+    def partial_update(self, request, pk=None):
+        policy = self.get_object()
+        data = validated(EPRebalancePolicySerializer, request.data, partial=True)
+        data.pop("pool", None)  # a policy stays with its pool
+        policy = services.ep_rebalance_policy_set(pool=policy.pool, **data)
+        return Response(EPRebalancePolicySerializer(policy).data)

@@ -36,11 +36,21 @@ class PoolSerializer(serializers.ModelSerializer):
             "num_experts",
             "expert_slots_per_rank",
             "drain_grace_s",
+            "autoscale_paused",
+            "last_manual_scale_at",
             "created_at",
             "updated_at",
         ]
-        # drain_grace_s is edited in the admin; a drain may override it (its grace_s).
-        read_only_fields = ["id", "drain_grace_s", "created_at", "updated_at"]
+        # Pausing the autoscaler is an audited action of its own (POST .../autoscale/); drain_grace_s
+        # is edited in the admin, and a drain may override it (its grace_s).
+        read_only_fields = [
+            "id",
+            "drain_grace_s",
+            "autoscale_paused",
+            "last_manual_scale_at",
+            "created_at",
+            "updated_at",
+        ]
 
 
 class PoolBoundsSerializer(serializers.ModelSerializer):
@@ -54,6 +64,15 @@ class PoolBoundsSerializer(serializers.ModelSerializer):
 class PoolScaleSerializer(ReasonSerializer):
     # The service checks it against the pool's bounds.
     target_instances = serializers.IntegerField(min_value=0)
+
+
+class PoolAutoscaleSerializer(ReasonSerializer):
+    paused = serializers.BooleanField()
+
+
+class PoolStartInstanceSerializer(ReasonSerializer):
+    # The service checks that the node is in the pool's cluster.
+    node = serializers.CharField(max_length=255, help_text="The node's hostname: its agent consumes node.<hostname>.")
 
 
 class EngineInstanceSerializer(serializers.ModelSerializer):
@@ -74,6 +93,9 @@ class EngineInstanceSerializer(serializers.ModelSerializer):
             "num_running",
             "num_waiting",
             "kv_usage",
+            "max_num_seqs",
+            "kv_capacity_tokens",
+            "pid",
             "ttl_policy_version",
             "ep_layout_version",
         ]
@@ -83,5 +105,17 @@ class EngineInstanceSerializer(serializers.ModelSerializer):
 class ScalingEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = ScalingEvent
-        fields = ["id", "created_at", "actor", "actor_label", "action", "pool", "instance", "reason", "before", "after"]
+        fields = [
+            "id",
+            "created_at",
+            "actor",
+            "actor_label",
+            "action",
+            "pool",
+            "instance",
+            "reason",
+            "before",
+            "after",
+            "why",
+        ]
         read_only_fields = fields

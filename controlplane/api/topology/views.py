@@ -11,9 +11,11 @@ from controlplane.api.topology.serializers import (
     ClusterSerializer,
     EngineInstanceSerializer,
     NodeSerializer,
+    PoolAutoscaleSerializer,
     PoolBoundsSerializer,
     PoolScaleSerializer,
     PoolSerializer,
+    PoolStartInstanceSerializer,
     ScalingEventSerializer,
 )
 from controlplane.topology import selectors, services
@@ -75,6 +77,8 @@ class PoolViewSet(*READ, viewsets.GenericViewSet):
         "create": "topology.add_pool",
         "partial_update": "topology.change_pool",
         "scale": "topology.scale_pool",
+        "autoscale": "topology.scale_pool",
+        "start_instance": "topology.scale_pool",
     }
     error_responses = {"scale": {"409": "The pool's scale-up or scale-down limit for the window is reached."}}
 
@@ -104,6 +108,31 @@ class PoolViewSet(*READ, viewsets.GenericViewSet):
         data = validated(PoolScaleSerializer, request.data)
         pool = services.pool_scale(pool=self.get_object(), actor=request.user, **data)
         return Response(PoolSerializer(pool).data)
+
+    @extend_schema(
+        request=PoolAutoscaleSerializer,
+        responses=PoolSerializer,
+        description="Pauses or resumes the autoscaler on this pool (a paused pool is left as it is). Audited.",
+    )
+    @action(detail=True, methods=["post"])
+    def autoscale(self, request, pk=None):
+        data = validated(PoolAutoscaleSerializer, request.data)
+        pool = services.pool_autoscale_pause(pool=self.get_object(), actor=request.user, **data)
+        return Response(PoolSerializer(pool).data)
+
+    @extend_schema(
+        request=PoolStartInstanceSerializer,
+        responses={201: EngineInstanceSerializer},
+        description="Starts one more instance of the pool on a node: its node agent starts the worker, which "
+        "becomes ready when it registers (or failed, with the reason, when no agent takes the start in time).",
+    )
+    @action(detail=True, methods=["post"], url_path="start-instance")
+    def start_instance(self, request, pk=None):
+        data = validated(PoolStartInstanceSerializer, request.data)
+        instance = services.instance_start(
+            pool=self.get_object(), node_hostname=data["node"], actor=request.user, reason=data["reason"]
+        )
+        return Response(EngineInstanceSerializer(instance).data, status=status.HTTP_201_CREATED)
 
 
 class EngineInstanceViewSet(*READ, viewsets.GenericViewSet):

@@ -1,7 +1,9 @@
 """`python manage.py serve`: the whole stack on this machine (gateway + engine workers), supervised.
 
 Workers: one prefill and one decode worker by default (`--prefill N --decode M` for more), or
-`--workers K` mixed workers (prefill and decode in one process) instead.
+`--workers K` mixed workers (prefill and decode in one process) instead. They are each pool's lower
+bound: the autoscaler (on the supervisor's timer) and operators add workers up to a pool's max, started
+by the local node agent, also on the supervisor's timer.
 
 The KV store: every worker uses it, decode workers persisting the blocks they complete and
 checkpointing their requests beside them, so a decode worker that dies has its requests resumed on
@@ -19,13 +21,18 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
 
 from controlplane.dev_key import dev_api_key
-from controlplane.supervisor import Child, Supervisor, child_env, manage_py
-from controlplane.topology.services import topology_ensure_local
+from controlplane.policies.tasks import ep_rebalance_tick_task
+from controlplane.supervisor import Child, Supervisor, Timer, child_env, manage_py
+from controlplane.topology.node_agent import reconcile_local, record_exit
+from controlplane.topology.selectors import local_workers_registered
+from controlplane.topology.services import autoscale_tick, topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
 from workers.entrypoint.router import STEP_BUDGET_S
+from workers.node_agent import NodeAgent
 
 # uvicorn's handling of the gateway's connections (README, "Request limits"): each request head has a
 # deadline (SLUICE_HEADER_READ_TIMEOUT_S, in the protocol class), an idle keep-alive connection is
@@ -36,6 +43,12 @@ GATEWAY_HTTP_OPTIONS = (
     "--timeout-keep-alive=5",
     "--h11-max-incomplete-event-size=16384",
 )
+
+
+# How often the local node agent looks for instances to start or end and reaps its workers, and how
+# often the gateway looks for the workers it adds.
+AGENT_ROUND_S = 1.0
+WORKER_DISCOVERY_INTERVAL_S = 2.0
 
 
 class Command(BaseCommand):
@@ -88,7 +101,8 @@ class Command(BaseCommand):
         # Workers register here; the registry keeps their EngineInstance rows current.
         registry_endpoint = f"ipc://{runtime}/registry"
         pools = [(role, role, roles.count(role)) for role in dict.fromkeys(roles)]
-        topology_ensure_local(hostname=socket.gethostname(), model=model, pools=pools)
+        hostname = socket.gethostname()
+        topology_ensure_local(hostname=hostname, model=model, pools=pools)
         names = [_worker_name(role, roles[:index].count(role)) for index, role in enumerate(roles)]
         endpoints = [(f"ipc://{runtime}/{name}.requests", f"ipc://{runtime}/{name}.heartbeats") for name in names]
         children = [
@@ -134,6 +148,8 @@ class Command(BaseCommand):
                     # The gateway reads a shared index for hit lengths; a process-local one is the worker's alone.
                     SLUICE_KV_STORE_INDEX=kv_store_index if shared_index and engine.kv_store else "",
                     SLUICE_COST_MODEL=str(engine.cost_model or ""),
+                    # Workers the local node agent adds register later: the gateway follows them.
+                    SLUICE_WORKER_DISCOVERY_INTERVAL_S=str(WORKER_DISCOVERY_INTERVAL_S),
                 ),
             )
         )
@@ -152,7 +168,45 @@ class Command(BaseCommand):
             "Ctrl-C stops everything.\n\n"
         )
         self.stdout.flush()
-        Supervisor(children).run()
+        # The local node's agent: the workers the autoscaler (or an operator) adds beyond these. Added
+        # prefill workers go without a process-local store, which only the first may use.
+        added_engine = {
+            "decode": decode_engine,
+            "prefill": engine if shared_index else replace(engine, kv_store=None),
+            "mixed": engine if shared_index else replace(engine, kv_store=None),
+        }
+        agent = NodeAgent(
+            runtime_dir=runtime,
+            registry_endpoint=registry_endpoint,
+            worker_options=lambda role: [*added_engine[role].to_argv(), "--kv-gc-interval=0"],
+            on_exit=record_exit,
+            env=child_env(),
+        )
+        timers = [
+            Timer("node agent", AGENT_ROUND_S, lambda: reconcile_local(agent, hostname)),
+            Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, AutoscalerAfterStart(names)),
+            Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
+        ]
+        Supervisor(children, timers, on_stop=lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S)).run()
+
+
+class AutoscalerAfterStart:
+    """The autoscaler's tick, from once serve's own workers registered (until then the pools look empty
+    and it would start more of them), or once a start may take no longer."""
+
+    def __init__(self, worker_ids: list[str]) -> None:
+        self.worker_ids = worker_ids
+        self.started_at = timezone.now()
+        self.waiting = True
+
+    def __call__(self) -> None:
+        if self.waiting:
+            waited = (timezone.now() - self.started_at).total_seconds()
+            registered = local_workers_registered(worker_ids=self.worker_ids, since=self.started_at)
+            if not registered and waited < settings.SLUICE_INSTANCE_START_TIMEOUT_S:
+                return
+            self.waiting = False
+        autoscale_tick()
 
 
 def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) -> list[str]:

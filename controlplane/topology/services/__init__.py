@@ -2,10 +2,25 @@
 
 Every state change of a pool or an instance writes its ScalingEvent in the same transaction, and the
 control message it implies is queued with transaction.on_commit, so a rolled-back change sends nothing.
-One module per domain: events, pools, instances.
+One module per domain: events, pools, instances, agents (node agents' starts and exits), autoscale.
 """
 
-from controlplane.topology.services.events import queue_task, scaling_event_record
+from controlplane.topology.services.agents import (
+    instance_claim_start,
+    instance_record_exit,
+    instance_record_start_failure,
+    instance_record_started,
+    instance_start,
+    instances_fail_unstarted,
+)
+from controlplane.topology.services.autoscale import (
+    TickReport,
+    autoscale_tick,
+    pool_autoscale,
+    pool_autoscale_pause,
+    pool_reconcile,
+)
+from controlplane.topology.services.events import node_queue, queue_node_task, queue_task, scaling_event_record
 from controlplane.topology.services.instances import (
     instance_drain,
     instance_mark_drained,
@@ -30,6 +45,19 @@ from controlplane.topology.services.pools import (
 
 __all__ = [
     "LOCAL_CLUSTER",
+    "TickReport",
+    "autoscale_tick",
+    "instance_claim_start",
+    "instance_record_exit",
+    "instance_record_start_failure",
+    "instance_record_started",
+    "instance_start",
+    "instances_fail_unstarted",
+    "node_queue",
+    "pool_autoscale",
+    "pool_autoscale_pause",
+    "pool_reconcile",
+    "queue_node_task",
     "cluster_create",
     "instance_drain",
     "instance_mark_drained",

@@ -4,6 +4,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -24,6 +25,25 @@ def queue_task(task: Any, *args: Any) -> None:
     transaction.on_commit(partial(task.delay, *args), robust=True)
 
 
+def node_queue(hostname: str) -> str:
+    """The Celery queue the agent of a node consumes."""
+    return f"node.{hostname}"
+
+
+def queue_node_task(task: Any, queue: str, *args: Any) -> None:
+    """Queues a node agent's task on its node's queue once the current transaction commits; it expires
+    unconsumed after SLUICE_INSTANCE_START_TIMEOUT_S, when the instance is failed for want of an agent.
+
+    Without a broker (the embedded default) nothing is queued: an eager task would run in whichever
+    process asked (the gateway, the registry), which must not own workers. There the local agent runs
+    in `serve`'s supervisor and finds the same work in the database (controlplane.topology.node_agent).
+    """
+    if task.app.conf.task_always_eager:
+        return
+    send = partial(task.apply_async, args=args, queue=queue, expires=settings.SLUICE_INSTANCE_START_TIMEOUT_S)
+    transaction.on_commit(send, robust=True)
+
+
 @transaction.atomic
 def scaling_event_record(
     *,
@@ -34,6 +54,7 @@ def scaling_event_record(
     instance: EngineInstance | None = None,
     before: dict | None = None,
     after: dict | None = None,
+    why: dict | None = None,
     now: datetime | None = None,
 ) -> ScalingEvent:
     return ScalingEvent.objects.create(
@@ -46,4 +67,5 @@ def scaling_event_record(
         reason=reason,
         before=before or {},
         after=after or {},
+        why=why or {},
     )

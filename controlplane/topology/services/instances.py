@@ -20,7 +20,7 @@ from controlplane.topology.models import (
     ScalingAction,
     ScalingEvent,
 )
-from controlplane.topology.services.events import queue_task, scaling_event_record
+from controlplane.topology.services.events import node_queue, queue_node_task, queue_task, scaling_event_record
 
 # Heartbeats arrive every ~100 ms; the database needs the load a few times a minute, not ten times a second.
 HEARTBEAT_WRITE_INTERVAL = timedelta(seconds=1)
@@ -155,14 +155,17 @@ def instance_register(
         raise DomainValidationError(
             fields={"role": [f"a {role!r} worker cannot join pool {pool.name!r}, whose kind is {pool.kind!r}"]}
         )
-    node, _ = Node.objects.update_or_create(
-        cluster=pool.cluster,
-        hostname=hostname,
-        defaults={"accelerator_kind": accelerator_kind, "num_accelerators": num_accelerators},
-    )
-    fields = {
+    instance = EngineInstance.objects.select_for_update().filter(worker_id=worker_id).first()
+    fields = {}
+    # A node agent placed it: it stays on that agent's node (its queue), whatever the host calls itself.
+    if instance is None or (instance.pid is None and instance.state != InstanceState.STARTING):
+        fields["node"], _ = Node.objects.update_or_create(
+            cluster=pool.cluster,
+            hostname=hostname,
+            defaults={"accelerator_kind": accelerator_kind, "num_accelerators": num_accelerators},
+        )
+    fields |= {
         "pool": pool,
-        "node": node,
         "request_endpoint": request_endpoint,
         "heartbeat_endpoint": heartbeat_endpoint,
         "ep_size": ep_size,
@@ -173,7 +176,6 @@ def instance_register(
         "num_waiting": 0,
         "kv_usage": 0.0,
     }
-    instance = EngineInstance.objects.select_for_update().filter(worker_id=worker_id).first()
     if instance is None:
         from_state = None
         instance = EngineInstance(worker_id=worker_id, state=InstanceState.READY, **fields)
@@ -211,6 +213,8 @@ def instance_record_heartbeat(
     ttl_policy_version: int,
     ep_layout_version: int,
     at: datetime,
+    max_num_seqs: int = 0,
+    kv_capacity_tokens: int = 0,
     num_migrated_out: int = 0,
     num_migrations_failed: int = 0,
 ) -> EngineInstance | None:
@@ -231,6 +235,8 @@ def instance_record_heartbeat(
         "ttl_policy_version": ttl_policy_version,
         "ep_layout_version": ep_layout_version,
         "last_heartbeat_at": at,
+        "max_num_seqs": max(max_num_seqs, 0),
+        "kv_capacity_tokens": max(kv_capacity_tokens, 0),
     }
     comes_back = state == "ready" and instance.state in (InstanceState.STARTING, InstanceState.FAILED)
     if state == "drained" and instance.state == InstanceState.DRAINING:
@@ -296,6 +302,9 @@ def instance_mark_drained(
             after={"state": InstanceState.STOPPED},
             now=now,
         )
+    if instance.pid is not None and instance.node is not None:
+        # A node agent started it, so that agent ends the idle process.
+        queue_node_task(tasks.node_stop_instance_task, node_queue(instance.node.hostname), instance.pk)
     return True
 
 

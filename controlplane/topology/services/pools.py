@@ -114,8 +114,20 @@ def pool_update_bounds(
 
 
 @transaction.atomic
-def pool_scale(*, pool: Pool, target_instances: int, actor: Any, reason: str = "", now: datetime | None = None) -> Pool:
+def pool_scale(
+    *,
+    pool: Pool,
+    target_instances: int,
+    actor: Any,
+    reason: str = "",
+    now: datetime | None = None,
+    manual: bool = True,
+    why: dict | None = None,
+) -> Pool:
     """Sets the pool's desired instance count, within its bounds and its rate limits.
+
+    `manual`: an operator's scale, which the autoscaler then leaves standing for a while; the
+    autoscaler passes False and its decision's `why`.
 
     The rate limit counts the instances added (removed) by pool_scaled events in the last
     scale_window_s, plus this change. Scaling down below the instances that serve or are about to
@@ -152,10 +164,15 @@ def pool_scale(*, pool: Pool, target_instances: int, actor: Any, reason: str = "
         pool=locked,
         before={"target_instances": before},
         after={"target_instances": target_instances},
+        why=why,
         now=now,
     )
     locked.target_instances = target_instances
-    locked.save(update_fields=["target_instances", "updated_at"])
+    fields = ["target_instances", "updated_at"]
+    if manual:
+        locked.last_manual_scale_at = now
+        fields.append("last_manual_scale_at")
+    locked.save(update_fields=fields)
     if change < 0:
         _drain_surplus(pool=locked, actor=actor, reason=reason, now=now)
     return locked
@@ -186,8 +203,8 @@ def _drain_surplus(*, pool: Pool, actor: Any, reason: str, now: datetime) -> Non
 def topology_ensure_local(*, hostname: str, model: str, pools: list[tuple[str, str, int]]) -> list[Pool]:
     """Cluster "local", this host's node and the pools (name, kind, instances), for the embedded `serve`.
 
-    A pool gets `model` and a target of the instances `serve` starts; its upper bound grows to fit
-    them (serve starts what it was asked to), while bounds an operator set otherwise stay.
+    A pool gets `model` and a target and lower bound of the instances `serve` starts (the autoscaler
+    keeps at least those); its upper bound grows to fit them, and an operator's larger one stays.
     """
     cluster, _ = Cluster.objects.get_or_create(name=LOCAL_CLUSTER)
     Node.objects.get_or_create(cluster=cluster, hostname=hostname)
@@ -199,7 +216,8 @@ def topology_ensure_local(*, hostname: str, model: str, pools: list[tuple[str, s
             defaults={
                 "kind": kind,
                 "model": model,
-                "min_instances": 0,
+                # At least what serve starts, so an idle cluster is not scaled below it.
+                "min_instances": instances,
                 "max_instances": max(instances, 1),
                 "target_instances": instances,
             },
@@ -209,7 +227,7 @@ def topology_ensure_local(*, hostname: str, model: str, pools: list[tuple[str, s
                 raise DomainValidationError(fields={"pools": [f"pool {name!r} exists with kind {pool.kind!r}"]})
             pool.model = model
             pool.max_instances = max(pool.max_instances, instances)
-            pool.min_instances = min(pool.min_instances, instances)
+            pool.min_instances = instances
             pool.target_instances = instances
             pool.save(update_fields=["model", "min_instances", "max_instances", "target_instances", "updated_at"])
         result.append(pool)

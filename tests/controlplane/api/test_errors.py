@@ -28,11 +28,11 @@ def test_400_for_a_body_that_is_not_an_object(client_as):
 
 def test_nested_field_errors_are_dotted_paths(client_as, make_pool):
     pool = make_pool(num_experts=2, expert_slots_per_rank=2)
-    body = {"pool": pool.id, "num_logical_experts": 2, "placement": [[0, "x"]]}
+    body = {"pool": pool.id, "num_logical_experts": 2, "placement": [[[0, "x"]]]}
 
     error = assert_error(client_as("admin").post("/api/v1/ep-layouts/", body), 400, "validation_error")
 
-    assert list(error["fields"]) == ["placement.0.1"]
+    assert list(error["fields"]) == ["placement.0.0.1"]
 
 
 def test_401(client_as):

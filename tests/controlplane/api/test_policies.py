@@ -56,7 +56,7 @@ def test_an_invalid_ttl_is_refused_field_by_field_and_nothing_changes(client_as,
 def test_operators_cannot_edit_ttls_or_layouts(client_as, make_pool):
     operator = client_as("operator")
     pool = make_pool(num_experts=2, expert_slots_per_rank=2)
-    body = {"pool": pool.id, "num_logical_experts": 2, "placement": [[0, 1]]}
+    body = {"pool": pool.id, "num_logical_experts": 2, "placement": [[[0, 1]]]}
 
     assert_error(
         operator.post("/api/v1/ttl-policies/", {"traffic_class": "agent", "ttl_seconds": 1}), 403, "permission_denied"
@@ -81,12 +81,14 @@ def moe_pool(make_pool):
 @pytest.mark.parametrize(
     ("num_logical_experts", "placement", "field"),
     [
-        (4, [[0, 1], [1, 2]], "placement"),  # expert 3 has no slot
-        (4, [[0, 1], [2, 4]], "placement"),  # expert 4 does not exist
-        (4, [[0, 1, 2], [3]], "placement"),  # 3 slots on a rank that has 2
-        (4, [[0], [1], [2, 3]], "placement"),  # 3 ranks, the pool has 2
+        (4, [[[0, 1], [2, 3]], [[0, 1], [1, 2]]], "placement"),  # expert 3 has no slot in layer 1
+        (4, [[[0, 1], [2, 4]]], "placement"),  # expert 4 does not exist
+        (4, [[[0, 1, 2], [3, 0, 1]]], "placement"),  # 3 slots on ranks that have 2
+        (4, [[[0, 1], [2, 3]], [[0, 1, 2], [3]]], "placement"),  # ranks of different slot counts
+        (4, [[[0], [1], [2, 3]]], "placement"),  # 3 ranks, the pool has 2
+        (4, [[0, 1], [2, 3]], "placement.0.0"),  # no layer dimension: a rank where a list of slots belongs
         (4, [], "placement"),
-        (3, [[0, 1], [2, 0]], "num_logical_experts"),  # the pool's model has 4
+        (3, [[[0, 1], [2, 0]]], "num_logical_experts"),  # the pool's model has 4
     ],
 )
 def test_an_invalid_ep_layout_is_refused_field_by_field(client_as, moe_pool, num_logical_experts, placement, field):
@@ -103,7 +105,7 @@ def test_a_layout_is_created_inactive_then_activated_and_audited(
 ):
     # given
     admin = client_as("admin")
-    body = {"pool": moe_pool.id, "num_logical_experts": 4, "placement": [[0, 1], [2, 3]]}
+    body = {"pool": moe_pool.id, "num_logical_experts": 4, "placement": [[[0, 1], [2, 3]], [[3, 2], [1, 0]]]}
     created = admin.post("/api/v1/ep-layouts/", body)
     assert created.status_code == 201, created.content
     assert (created.json()["version"], created.json()["is_active"]) == (1, False)

@@ -9,8 +9,9 @@ from controlplane.policies.models import EPLayout
 from controlplane.policies.services import ep_layout_activate, ep_layout_create
 from controlplane.topology.models import ScalingEvent
 
-# 4 experts over 2 ranks of 3 slots: expert 0 is replicated.
-GOOD = [[0, 1, 0], [2, 3]]
+# Two layers of 4 experts over 2 ranks of 3 slots, placement[layer][rank][slot]: two replicas each.
+GOOD = [[[0, 1, 0], [2, 3, 3]], [[3, 2, 1], [0, 0, 1]]]
+OTHER = [[[3, 2, 1], [0, 1, 2]], [[0, 1, 2], [3, 3, 3]]]
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def moe_pool(make_pool, make_instance):
 
 def test_create_gives_the_next_version_inactive(moe_pool):
     first = ep_layout_create(pool=moe_pool, num_logical_experts=4, placement=GOOD, actor=None)
-    second = ep_layout_create(pool=moe_pool, num_logical_experts=4, placement=[[3, 2, 1], [0]], actor=None)
+    second = ep_layout_create(pool=moe_pool, num_logical_experts=4, placement=OTHER, actor=None)
 
     assert (first.version, second.version) == (1, 2)
     assert not first.is_active and not second.is_active
@@ -31,15 +32,20 @@ def test_create_gives_the_next_version_inactive(moe_pool):
 @pytest.mark.parametrize(
     ("num_logical_experts", "placement", "field", "message"),
     [
-        (4, [[0, 1], [2, 2]], "placement", "experts [3] have no slot"),
-        (4, [[0, 1], [2]], "placement", "4 experts do not fit in 3 slots"),
-        (4, [[0, 1, 4], [2, 3]], "placement", "expert ids [4] are outside 0..3"),
-        (4, [[0, -1], [1, 2, 3]], "placement", "expert ids [-1] are outside 0..3"),
-        (4, [[0], [1], [2, 3]], "placement", "3 ranks, but the pool has 2"),
-        (4, [[0, 1, 2, 3], [0]], "placement", "ranks [0] hold more than 3 experts"),
-        (5, [[0, 1, 2], [3, 4]], "num_logical_experts", "must be 4"),
-        (4, [], "placement", "non-empty list"),
-        (4, [[0, "1"], [2, 3]], "placement", "non-empty list"),
+        (4, [[[0, 1], [2, 2]]], "placement", "layer 0: experts [3] have no slot"),
+        (4, [[[0, 1], [2, 3]], [[0, 1], [2, 2]]], "placement", "layer 1: experts [3] have no slot"),
+        (4, [[[0], [1]]], "placement", "4 experts do not fit in 2 slots"),
+        (4, [[[0, 1, 4], [2, 3, 0]]], "placement", "expert ids [4] are outside 0..3"),
+        (4, [[[0, -1], [1, 2]]], "placement", "expert ids [-1] are outside 0..3"),
+        (4, [[[0], [1], [2, 3]]], "placement", "every rank must hold the same number of slots"),
+        (4, [[[0, 1], [2, 3]], [[0, 1], [2, 3], [0, 1]]], "placement", "every layer must have the same number"),
+        (4, [[[0], [1], [2], [3]]], "placement", "4 ranks, but the pool has 2"),
+        (4, [[[0, 1, 2, 3], [0, 1, 2, 3]]], "placement", "ranks hold 4 experts, more than the pool's 3 slots per rank"),
+        (5, [[[0, 1, 2], [3, 4, 0]]], "num_logical_experts", "must be 4"),
+        (4, [], "placement", "non-empty list of layers"),
+        (4, [[]], "placement", "non-empty list of layers"),
+        (4, [[0, 1], [2, 3]], "placement", "placement[layer][rank][slot]"),
+        (4, [[[0, "1"], [2, 3]]], "placement", "non-empty list"),
         (4, "0,1,2,3", "placement", "non-empty list"),
     ],
 )
@@ -55,15 +61,15 @@ def test_invalid_layouts_are_field_errors_and_change_nothing(moe_pool, num_logic
 def test_with_no_live_instance_max_instances_bounds_the_ranks(make_pool):
     pool = make_pool("idle-moe", num_experts=2, expert_slots_per_rank=1, max_instances=2)
 
-    ep_layout_create(pool=pool, num_logical_experts=2, placement=[[0], [1]], actor=None)
+    ep_layout_create(pool=pool, num_logical_experts=2, placement=[[[0], [1]]], actor=None)
     with pytest.raises(DomainValidationError, match="3 ranks, but the pool has 2"):
-        ep_layout_create(pool=pool, num_logical_experts=2, placement=[[0], [1], [0]], actor=None)
+        ep_layout_create(pool=pool, num_logical_experts=2, placement=[[[0], [1], [0]]], actor=None)
 
 
 def test_activate_replaces_the_active_layout_and_pushes_it(moe_pool, django_capture_on_commit_callbacks):
     # given
     first = ep_layout_create(pool=moe_pool, num_logical_experts=4, placement=GOOD, actor=None)
-    second = ep_layout_create(pool=moe_pool, num_logical_experts=4, placement=[[3, 2, 1], [0]], actor=None)
+    second = ep_layout_create(pool=moe_pool, num_logical_experts=4, placement=OTHER, actor=None)
     ep_layout_activate(layout=first, actor=None)
 
     # when

@@ -270,7 +270,7 @@ def test_ensure_local_fits_the_bounds_to_the_instances_serve_starts(db):
 
     [pool] = topology_ensure_local(hostname="laptop", model="m2", pools=[("decode", "decode", 3)])
 
-    assert (pool.model, pool.min_instances, pool.target_instances, pool.max_instances) == ("m2", 0, 3, 3)
+    assert (pool.model, pool.min_instances, pool.target_instances, pool.max_instances) == ("m2", 3, 3, 3)
 
 
 def test_ensure_local_refuses_a_pool_of_another_kind(db):

@@ -133,14 +133,14 @@ def test_ep_layout_push_sends_the_layout_to_the_pools_instances(make_pool, make_
     pool = make_pool("moe", num_experts=2, expert_slots_per_rank=2, max_instances=2)
     with fake_worker() as worker:
         make_instance(pool, request_endpoint=worker.endpoint)
-        layout = ep_layout_create(pool=pool, num_logical_experts=2, placement=[[0, 1]], actor=None)
+        layout = ep_layout_create(pool=pool, num_logical_experts=2, placement=[[[0, 1]], [[1, 0]]], actor=None)
         ep_layout_activate(layout=layout, actor=None)
 
         policy_tasks.ep_layout_push_task(layout.pk)
 
     (request,) = worker.received
     assert isinstance(request, ApplyEPLayoutRequest)
-    assert (request.version, request.num_logical_experts, request.placement) == (1, 2, [[0, 1]])
+    assert (request.version, request.num_logical_experts, request.placement) == (1, 2, [[[0, 1]], [[1, 0]]])
     assert not ScalingEvent.objects.filter(action="control_failed").exists()
 
 

@@ -1,8 +1,12 @@
-"""The Llama / Qwen2 / Qwen3 decoder family over paged KV.
+"""The Llama / Qwen2 / Qwen3 decoder family over paged KV, and its mixture-of-experts kin.
 
-One module serves the three families: Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm of
+One module serves the families: Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm of
 queries and keys; either may window some layers. Projections that read the same input are fused
 (q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
+The MoE families are these decoders whose sparse layers' feed-forward is a routed-experts block
+(layers.moe.SparseMoeBlock): Qwen3-MoE and dots1 (DeepSeek-V3 routing) on Qwen3's attention,
+Qwen2-MoE (with a gated shared expert) on Qwen2's. A checkpoint's per-expert tensors are handed to
+that block's experts module, which stacks them (or, for expert parallelism, keeps those it holds).
 
 Two ways through a layer: the reference (torch ops, bitwise what the CPU tests hold against HF)
 and, with `use_fused_ops(True)` on CUDA, the fused Triton ops (kernels.fused): residual add and
@@ -10,6 +14,7 @@ RMSNorm in one kernel, rotary embedding fused with the KV-cache write, SiLU·mul
 a decode layer is about ten kernels.
 """
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,11 +26,14 @@ from kernels.attention import AttentionBackend, write_kv
 from workers.engine.config import ModelConfig
 from workers.engine.errors import ModelLoadError
 from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
+from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 RotaryAngles = tuple[torch.Tensor, torch.Tensor]
+# A routed expert's projection in an HF checkpoint: layer, expert, gate/up/down.
+EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 class Attention(nn.Module):
@@ -86,11 +94,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         if fused:
@@ -99,13 +107,27 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: dense, or a sparse MoE block where the config routes that layer."""
+    moe = config.moe
+    if moe is None or not moe.sparse_layers[layer]:
+        return MLP(config.hidden_size, config.intermediate_size)
+    shared = MLP(config.hidden_size, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    return SparseMoeBlock(
+        build_router(moe, config.hidden_size),
+        RoutedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size),
+        shared_expert=shared,
+        shared_expert_gate=nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_expert_gate else None,
+    )
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, window: int | None) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, window)
+        self.self_attn = Attention(config, config.layer_windows[layer])
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = feed_forward(config, layer)
 
     def forward(
         self,
@@ -151,7 +173,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, window) for window in config.layer_windows)
+        self.layers = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -203,9 +225,15 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the fused layout; every parameter must be covered."""
-        params = dict(self.named_parameters())
+        # Parameters and persistent buffers (a router's correction bias), sharing their storage.
+        params = self.state_dict()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
+            expert = EXPERT_TENSOR.fullmatch(hf_name)
+            if expert is not None:
+                self._load_expert_weight(hf_name, expert, tensor)
+                loaded.add(hf_name)
+                continue
             target = _map_hf_name(hf_name, self.config)
             if target is None:
                 continue
@@ -226,6 +254,13 @@ class DecoderForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
+    def _load_expert_weight(self, hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:
+        layer, expert, projection = int(match[1]), int(match[2]), match[3]
+        mlp = self.layers[layer].mlp if layer < len(self.layers) else None
+        if not isinstance(mlp, SparseMoeBlock):
+            raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model: layer {layer} is dense")
+        mlp.experts.load_expert_weight(expert, projection, tensor)
+
 
 def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
     """Our parameter name and row offset for an HF tensor name; None for tensors we do not use."""
@@ -236,12 +271,19 @@ def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | 
         return None
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
+    # dots1 names its shared experts in the plural; one fused MLP serves them either way.
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+    shared_size = config.moe.shared_intermediate_size if config.moe is not None else 0
     fused = {
         "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
         "self_attn.k_proj.": ("self_attn.qkv_proj.", q_size),
         "self_attn.v_proj.": ("self_attn.qkv_proj.", q_size + kv_size),
         "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
         "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
+        "mlp.shared_expert.gate_proj.": ("mlp.shared_expert.gate_up_proj.", 0),
+        "mlp.shared_expert.up_proj.": ("mlp.shared_expert.gate_up_proj.", shared_size),
+        # A sparse layer's router (weight and correction bias) is HF's `mlp.gate`.
+        "mlp.gate.": ("mlp.router.", None),
     }
     for part, (replacement, offset) in fused.items():
         if part in name:
@@ -260,14 +302,28 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
         "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
     ]
     if config.attention_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     for i in range(config.num_layers):
-        names.update(f"model.layers.{i}.{p}" for p in per_layer)
+        sparse = config.moe is not None and config.moe.sparse_layers[i]
+        feed_forward = _expected_moe_names(config) if sparse else dense
+        names.update(f"model.layers.{i}.{p}" for p in per_layer + feed_forward)
+    return names
+
+
+def _expected_moe_names(config: ModelConfig) -> list[str]:
+    moe = config.moe
+    names = ["mlp.gate.weight"]
+    names += [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts) for p in ("gate", "up", "down")]
+    if moe.routing == "grouped_sigmoid":
+        names.append("mlp.gate.e_score_correction_bias")
+    if moe.shared_intermediate_size:
+        shared = "shared_experts" if config.family == "dots1" else "shared_expert"
+        names += [f"mlp.{shared}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if moe.shared_expert_gate:
+        names.append("mlp.shared_expert_gate.weight")
     return names

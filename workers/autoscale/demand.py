@@ -1,0 +1,53 @@
+"""A pool's demand signals for the planner, from what its workers report and the fitted cost model."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workers.autoscale.planner import Demand, PlannerConfig
+from workers.cost_model import PrefillCostModel
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One live worker as its latest heartbeat recorded it (limits 0: not reported yet)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    max_num_seqs: int = 0
+    kv_capacity_tokens: int = 0
+
+
+def prefill_tokens_per_s(model: PrefillCostModel, *, budget_s: float, limit: int) -> float:
+    """Uncached tokens one prefill worker computes per second: the largest chunk that fits a step's
+    time budget over that step's predicted time, with nothing cached before it (cached context makes
+    a chunk dearer, so this is the optimistic end)."""
+    chunk = model.max_chunk(budget_s, 0, limit=limit)
+    return chunk / model.predict(chunk, 0)
+
+
+def prefill_demands(*, uncached_tokens_per_s: Sequence[float], tokens_per_s_per_worker: float) -> dict[str, Demand]:
+    """From the look-back's per-period rates (oldest first); none: no signal."""
+    if not uncached_tokens_per_s:
+        return {}
+    mean = sum(uncached_tokens_per_s) / len(uncached_tokens_per_s)
+    return {
+        "uncached_tokens_per_s": Demand(mean=mean, peak=max(uncached_tokens_per_s), per_worker=tokens_per_s_per_worker)
+    }
+
+
+def decode_demands(workers: Sequence[WorkerLoad], config: PlannerConfig) -> dict[str, Demand]:
+    """Requests in flight against max_num_seqs, and KV tokens in use against KV capacity (only once
+    some worker reported its capacity). One snapshot: mean and peak are the same figure."""
+    if not workers:
+        return {}
+    in_flight = float(sum(w.num_running + w.num_waiting for w in workers))
+    seqs = [w.max_num_seqs for w in workers if w.max_num_seqs > 0]
+    per_worker_seqs = sum(seqs) / len(seqs) if seqs else float(config.default_max_num_seqs)
+    demands = {"requests_in_flight": Demand(mean=in_flight, peak=in_flight, per_worker=per_worker_seqs)}
+    reported = [w for w in workers if w.kv_capacity_tokens > 0]
+    if reported:
+        kv_tokens = sum(w.kv_usage * w.kv_capacity_tokens for w in reported)
+        per_worker_kv = sum(w.kv_capacity_tokens for w in reported) / len(reported)
+        demands["kv_tokens"] = Demand(mean=kv_tokens, peak=kv_tokens, per_worker=per_worker_kv)
+    return demands

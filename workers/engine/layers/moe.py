@@ -1,0 +1,163 @@
+"""A sparse mixture-of-experts feed-forward block: a router picks k experts per token, the routed
+experts run them, and optional shared experts see every token.
+
+The three parts are separate modules so each can be replaced without touching the model code:
+- a router: `forward(hidden [T, H]) -> (topk_ids int64 [T, k] logical expert ids, topk_weights
+  float32 [T, k])`; `SoftmaxTopKRouter` (Qwen2-MoE, Qwen3-MoE) and `GroupedSigmoidRouter`
+  (DeepSeek-V3 routing);
+- the experts: `forward(hidden, topk_ids, topk_weights) -> [T, H]`; `RoutedExperts` holds all E
+  experts of a layer in one process (slot = expert id), an expert-parallel module holds some of them;
+  either loads a checkpoint's per-expert tensors through `load_expert_weight`;
+- the shared expert: a dense MLP called as `(hidden, fused=)`, optionally scaled per token by
+  sigmoid(shared_expert_gate(hidden)) (Qwen2-MoE).
+No part reads a device value on the host, so the block runs inside a captured CUDA graph.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moe import experts as run_experts
+from workers.engine.config import MoeConfig
+from workers.engine.errors import ModelLoadError
+
+EXPERT_PROJECTIONS = ("gate", "up", "down")
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """The k most probable experts under softmax(logits), optionally renormalised to sum to 1."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Logits in the hidden dtype and the softmax in float32, as HF computes them.
+        probs = F.linear(hidden, self.weight).softmax(dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+
+class GroupedSigmoidRouter(nn.Module):
+    """DeepSeek-V3 routing: sigmoid scores; the experts are split into num_groups groups, each
+    scored by the sum of its best two experts, and a token picks its top k among the experts of its
+    best topk_groups groups. e_score_correction_bias (a load-balancing term learnt in training)
+    shifts the scores for these choices only: the weights are the chosen experts' own scores,
+    optionally normalised, times routed_scaling_factor. All in float32."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        num_groups: int,
+        topk_groups: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # A buffer so that it stays float32 when the parameters move to a low-precision dtype.
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.top_k = top_k
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(hidden.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        tokens, num_experts = choice.shape
+        by_group = choice.view(tokens, self.num_groups, num_experts // self.num_groups)
+        group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(self.topk_groups, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = by_group.masked_fill(~allowed[:, :, None], float("-inf")).view(tokens, num_experts)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.routed_scaling_factor
+
+
+def build_router(moe: MoeConfig, hidden_size: int) -> nn.Module:
+    if moe.routing == "softmax":
+        return SoftmaxTopKRouter(hidden_size, moe.num_experts, moe.top_k, norm_topk_prob=moe.norm_topk_prob)
+    if moe.routing == "grouped_sigmoid":
+        return GroupedSigmoidRouter(
+            hidden_size,
+            moe.num_experts,
+            moe.top_k,
+            num_groups=moe.num_groups,
+            topk_groups=moe.topk_groups,
+            norm_topk_prob=moe.norm_topk_prob,
+            routed_scaling_factor=moe.routed_scaling_factor,
+        )
+    raise ModelLoadError(f"unknown MoE routing {moe.routing!r}; known: softmax, grouped_sigmoid")
+
+
+class RoutedExperts(nn.Module):
+    """All E experts of one layer, stacked: w13 [E, 2 * I, H] (gate rows, then up rows), w2 [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return run_experts(hidden, self.w13, self.w2, topk_ids, topk_weights)
+
+    def load_expert_weight(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
+        """Copy one expert's `gate`, `up` or `down` projection (HF's [out, in] layout) into place."""
+        if not 0 <= expert < self.w13.shape[0]:
+            raise ModelLoadError(f"expert {expert} is out of range for a layer of {self.w13.shape[0]} experts")
+        intermediate = self.intermediate_size
+        targets = {
+            "gate": self.w13.data[expert, :intermediate],
+            "up": self.w13.data[expert, intermediate:],
+            "down": self.w2.data[expert],
+        }
+        if projection not in targets:
+            raise ModelLoadError(f"unknown expert projection {projection!r}; known: {EXPERT_PROJECTIONS}")
+        target = targets[projection]
+        if target.shape != tensor.shape:
+            raise ModelLoadError(
+                f"expert {expert}'s {projection} projection has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        router: nn.Module,
+        experts: nn.Module,
+        *,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        self.router = router
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+    def forward(self, hidden: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        """`fused` selects the shared expert's fused SiLU·mul (CUDA), as for a dense MLP."""
+        topk_ids, topk_weights = self.router(hidden)
+        out = self.experts(hidden, topk_ids, topk_weights)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(hidden, fused=fused)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+        return out + shared

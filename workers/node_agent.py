@@ -1,0 +1,180 @@
+"""A node agent's process work: starts engine worker processes on this host, stops them, and notices
+the ones that exit. No Django: the control plane's tasks (or the embedded supervisor) say what to start
+and record what happened through the `on_exit` callback.
+
+Every process started here dies with the agent (PR_SET_PDEATHSIG, set by the worker itself too) and is
+reaped by `reap()`, which the owner calls periodically (or `start_reaper()` does on a thread).
+"""
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.control_client import ControlRejectedError, ControlTimeoutError, new_command_id, send_control
+from workers.protocol import ShutdownRequest
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_ACK_TIMEOUT_S = 5.0
+REAP_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLaunch:
+    """What to start: the control plane's instance and the worker it stands for."""
+
+    instance_id: int
+    worker_id: str
+    pool: str
+    role: str  # "prefill", "decode" or "mixed"
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartedWorker:
+    pid: int
+    request_endpoint: str
+    heartbeat_endpoint: str
+
+
+@dataclass
+class _Held:
+    launch: WorkerLaunch
+    process: subprocess.Popen
+    started: StartedWorker
+    stop_requested: bool = False
+
+
+# on_exit(instance_id, exit code, whether a stop asked for it)
+ExitCallback = Callable[[int, int, bool], object]
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        *,
+        runtime_dir: Path,
+        registry_endpoint: str,
+        worker_options: Callable[[str], Sequence[str]],
+        on_exit: ExitCallback,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        """`worker_options(role)`: the engine and worker flags this host gives a worker of that role
+        (device, KV cache size, KV store...); the agent adds identity, pool, model and endpoints."""
+        self.runtime_dir = runtime_dir
+        self.registry_endpoint = registry_endpoint
+        self.worker_options = worker_options
+        self.on_exit = on_exit
+        self.env = env
+        self.cwd = cwd
+        self._held: dict[int, _Held] = {}
+        self._lock = threading.Lock()
+
+    def holds(self, instance_id: int) -> bool:
+        with self._lock:
+            return instance_id in self._held
+
+    def held_instances(self) -> list[int]:
+        with self._lock:
+            return list(self._held)
+
+    def start(self, launch: WorkerLaunch) -> StartedWorker:
+        """Starts the worker process; it registers itself with the registry under `launch.worker_id`."""
+        self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            if launch.instance_id in self._held:
+                raise ValueError(f"instance {launch.instance_id} already has a process here")
+        base = f"ipc://{self.runtime_dir}/{launch.worker_id}"
+        requests, heartbeats = f"{base}.req", f"{base}.hb"
+        argv = [
+            sys.executable,
+            "-m",
+            "workers.worker",
+            *self.worker_options(launch.role),
+            f"--model={launch.model}",
+            f"--role={launch.role}",
+            f"--pool={launch.pool}",
+            f"--worker-id={launch.worker_id}",
+            f"--request-endpoint={requests}",
+            f"--heartbeat-endpoint={heartbeats}",
+            f"--registry-endpoint={self.registry_endpoint}",
+            *([f"--transfer-endpoint={base}.kv"] if launch.role == "decode" else []),
+        ]
+        process = subprocess.Popen(argv, env=self.env, cwd=self.cwd)
+        started = StartedWorker(pid=process.pid, request_endpoint=requests, heartbeat_endpoint=heartbeats)
+        with self._lock:
+            self._held[launch.instance_id] = _Held(launch, process, started)
+        log.info("started worker %s (pid %d) for pool %s", launch.worker_id, process.pid, launch.pool)
+        return started
+
+    def stop(self, instance_id: int, *, grace_s: float) -> int | None:
+        """Asks the worker to shut down (a ShutdownRequest), then SIGTERM after `grace_s`, then SIGKILL;
+        returns its exit code, or None when no process of that instance is held here."""
+        with self._lock:
+            held = self._held.get(instance_id)
+            if held is None:
+                return None
+            held.stop_requested = True
+        if held.process.poll() is None:
+            try:
+                send_control(
+                    held.started.request_endpoint,
+                    ShutdownRequest(command_id=new_command_id()),
+                    timeout_s=min(SHUTDOWN_ACK_TIMEOUT_S, grace_s),
+                )
+            except (ControlTimeoutError, ControlRejectedError) as error:
+                log.warning("worker %s did not take its shutdown (%s); terminating it", held.launch.worker_id, error)
+        code = _wait_or_kill(held.process, grace_s)
+        self._forget(instance_id, code)
+        return code
+
+    def reap(self) -> list[tuple[int, int]]:
+        """Forgets the processes that exited, reporting each through on_exit; returns (instance, code)."""
+        with self._lock:
+            exited = [(i, h.process.poll()) for i, h in self._held.items() if h.process.poll() is not None]
+        for instance_id, code in exited:
+            self._forget(instance_id, code)
+        return exited
+
+    def stop_all(self, *, grace_s: float) -> None:
+        for instance_id in self.held_instances():
+            self.stop(instance_id, grace_s=grace_s)
+
+    def start_reaper(self, stop: threading.Event, interval_s: float = REAP_INTERVAL_S) -> threading.Thread:
+        def run() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.reap()
+                except Exception:
+                    log.exception("reaping worker processes failed")
+
+        thread = threading.Thread(target=run, name="node-agent-reaper", daemon=True)
+        thread.start()
+        return thread
+
+    def _forget(self, instance_id: int, code: int) -> None:
+        with self._lock:
+            held = self._held.pop(instance_id, None)
+        if held is None:  # the reaper and a stop both saw it exit: reported once
+            return
+        if not held.stop_requested:
+            log.error("worker %s (pid %d) exited with code %d", held.launch.worker_id, held.started.pid, code)
+        self.on_exit(instance_id, code, held.stop_requested)
+
+
+def _wait_or_kill(process: subprocess.Popen, grace_s: float) -> int:
+    try:
+        return process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
