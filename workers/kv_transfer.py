@@ -70,6 +70,7 @@ def encode_handoff(handoff: KVHandoff, *, chunk_layers: int = 1) -> Iterator[lis
         layer_shape=handoff.layer_shape,
         num_layers=num_layers,
         chunk_layers=chunk_layers,
+        migrated=handoff.migrated,
     )
     for first in range(0, num_layers, chunk_layers):
         lead = header if first == 0 else KVTransferChunk(request_id=handoff.request_id, first_layer=first)
@@ -207,4 +208,5 @@ def _handoff(state: _Partial) -> KVHandoff:
         num_kv_heads=heads,
         head_dim=head_dim,
         layers=state.layers,
+        migrated=header.migrated,
     )

@@ -103,6 +103,49 @@ class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fiel
     request_id: str
 
 
+class MigrateRequest(msgspec.Struct, tag="migrate", frozen=True, forbid_unknown_fields=True):
+    """To a draining decode worker that offered a request for migration (its output with finish_reason
+    "migrate"): send its KV and decoding state to `decode_endpoint`, the transfer endpoint of a decode
+    worker told to expect it as `new_request_id`. A failed send ends it with "transfer_failed"."""
+
+    request_id: str
+    new_request_id: str
+    decode_endpoint: str
+
+
+class ResumeDecodeRequest(msgspec.Struct, tag="resume_decode", frozen=True, forbid_unknown_fields=True):
+    """To a decode worker: continue a request whose decode worker died, from its checkpoint and the
+    KV store. `request` is the original (its request_id the new one); `output_token_ids` the tokens
+    the client already has, which the worker does not send again; `checkpoint_id` the request id the
+    dead worker checkpointed it under. A checkpoint that is missing, corrupt or does not match gets
+    "checkpoint_invalid" (the gateway then reruns the request from its prompt)."""
+
+    request: GenerateRequest
+    output_token_ids: list[int]
+    checkpoint_id: str
+
+
+class DecodingState(msgspec.Struct, tag="decoding_state", frozen=True, forbid_unknown_fields=True):
+    """Everything needed to continue a request exactly, checkpointed by its decode worker when it
+    takes the request and at each store block boundary (workers.worker.checkpoints).
+
+    The sampler's random state is the seed: a sampled request's draw depends only on its seed and
+    the number of tokens sampled so far (an unseeded one is given a seed at admission), and penalty
+    counts follow from the token ids. Grammar, stop-string and detokenizer state are rebuilt by
+    replaying `output_token_ids` into a fresh matcher and text, as a prefill-to-decode handoff does.
+    """
+
+    version: int
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams  # seed included
+    cache_namespace: str
+    traffic_class: str
+    num_cached_tokens: int
+    kv_model_id: str
+
+
 class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=True):
     """What one engine step added to one request; the last one carries finish_reason."""
 
@@ -110,7 +153,8 @@ class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=Tr
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprobs] = []
-    # "stop", "length", "abort", or "transfer": a prefill worker's last output, the rest comes from decode.
+    # "stop", "length", "abort", or "transfer": a prefill worker's last output, the rest comes from decode;
+    # "migrate": a draining decode worker offers the request to another (answer: MigrateRequest).
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
@@ -132,7 +176,8 @@ class GenerateError(msgspec.Struct, tag="error", frozen=True):
     - "draining": the worker takes no new requests: it never started this one, so it is safe to
       send it to another worker;
     - "transfer_failed": the request's KV could not be sent or continued from: its decode part
-      never started."""
+      never started (or, for a migration, did not continue);
+    - "checkpoint_invalid": a ResumeDecodeRequest's checkpoint is missing, corrupt or does not match."""
 
     request_id: str
     kind: str
@@ -198,6 +243,17 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # control plane records as the resize.
     ep_resized_at: float = 0.0
     ep_resize_reason: str = ""
+    # Fault tolerance since the worker started: requests it handed to another decode worker (and
+    # those sends that failed), requests it took in that way, requests it resumed from a dead
+    # worker's checkpoint; tokens it recomputed for resumed requests (in total, and the most for
+    # one); seconds from a resume's arrival to its first new token, in total.
+    num_migrated_out: int = 0
+    num_migrations_failed: int = 0
+    num_migrated_in: int = 0
+    num_resumed: int = 0
+    num_recomputed_tokens: int = 0
+    max_recomputed_tokens: int = 0
+    resume_seconds_total: float = 0.0
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a
@@ -206,9 +262,12 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 
 class DrainRequest(msgspec.Struct, tag="control.drain", frozen=True, forbid_unknown_fields=True):
-    """Take no new requests, finish those in flight, then be "drained"."""
+    """Take no new requests, finish those in flight, then be "drained". With `grace_s`, a decode
+    worker streams for that long, then offers every unfinished request for migration to another
+    decode worker (GenerateOutput finish_reason "migrate", answered by a MigrateRequest)."""
 
     command_id: str
+    grace_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 class ResumeRequest(msgspec.Struct, tag="control.resume", frozen=True, forbid_unknown_fields=True):
@@ -283,7 +342,9 @@ class RegistrationAck(msgspec.Struct, tag="register_ack", frozen=True):
     message: str = ""  # why the registry refused it
 
 
-WorkerInbound = GenerateRequest | ExpectTransferRequest | AbortRequest | ControlRequest
+WorkerInbound = (
+    GenerateRequest | ExpectTransferRequest | AbortRequest | MigrateRequest | ResumeDecodeRequest | ControlRequest
+)
 WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 
 
@@ -308,6 +369,8 @@ class KVTransferHeader(msgspec.Struct, tag="kv_header", frozen=True, forbid_unkn
     layer_shape: tuple[int, int, int, int]  # of every layer frame
     num_layers: int
     chunk_layers: int  # layers per message; this one carries layers [0, min(chunk_layers, num_layers))
+    # Sent by a draining decode worker (a migration), not by a prefill worker.
+    migrated: bool = False
 
 
 class KVTransferChunk(msgspec.Struct, tag="kv_chunk", frozen=True, forbid_unknown_fields=True):

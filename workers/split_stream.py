@@ -11,14 +11,22 @@ Deadlines (workers.prefill_deadlines) follow the request's predicted prefill tim
 waits for the KV as long as the prefill and the transfer are predicted to take, with margins, and
 the stream waits that long for the decode worker's first output once the prefill's is out.
 
+Moves. A draining decode worker, once its grace period is over, offers the request ("migrate"): it
+moves, KV and decoding state, to another decode worker (_Path.migrate). A decode worker that goes
+away or fails once it has streamed, and a migration that fails, are recovered from without a rerun:
+another decode worker resumes the request from the checkpoint of the last one that streamed it and
+the KV store, continuing after the tokens the client has (_Path.recover). A resume refused for its
+checkpoint ("checkpoint_invalid") falls back to a rerun, as follows.
+
 Failures. A worker that refuses as draining, a transfer that fails (the prefill worker could not
 send, the decode worker could not assemble or admit it, or no decode output came within the
-transfer deadline), and a worker that goes away (its heartbeats stop, or it reports it failed) end
-the attempt, and the request runs again from the start, on other workers than the one that failed
-(or whole on one worker when no other prefill or decode worker is left). Outputs the client already has
-are skipped: the retry recomputes them and checks that it produced the same tokens, which a greedy
-or seeded request always does. An unseeded sampled request that has already streamed tokens cannot
-be continued that way: its stream fails with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
+transfer deadline), and a worker that goes away (its heartbeats stop, or it reports it failed)
+before the decode worker streamed end the attempt, and the request runs again from the start, on
+other workers than the one that failed (or whole on one worker when no other prefill or decode
+worker is left). Outputs the client already has are skipped: the retry recomputes them and checks
+that it produced the same tokens, which a greedy or seeded request always does. An unseeded sampled
+request that has already streamed tokens cannot be continued that way (its seed, drawn by the
+engine, is in the checkpoint only): its stream fails with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
 A worker that went away may have been brought down by this very request, so that failure is retried
 once, and not at all for a request that was in flight on a failed worker before
 (workers.crash_suspects): it fails "worker_failed" instead of taking the next worker down too.
@@ -46,7 +54,15 @@ from workers.engine_client import (
 )
 from workers.entrypoint.prefix_match import store_hit_tokens
 from workers.entrypoint.router import DecodeLoad, expected_peak
-from workers.protocol import AbortRequest, ExpectTransferRequest, GenerateError, GenerateOutput, GenerateRequest
+from workers.protocol import (
+    AbortRequest,
+    ExpectTransferRequest,
+    GenerateError,
+    GenerateOutput,
+    GenerateRequest,
+    MigrateRequest,
+    ResumeDecodeRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +73,19 @@ CAPACITY_WAIT_S = 10.0
 CAPACITY_POLL_S = 0.05
 PREFILL, DECODE = "prefill", "decode"
 TRANSFER = "transfer"  # the phase between the prefill's last output and the decode's first
+MIGRATE = "migrate"  # a draining decode worker's offer of the request (its last output there)
+MOVING = "moving"  # the phase between a migration's offer and the new decode worker's first output
+RESUMING = "resuming"  # the phase between a resume's request and its first output
+# A migration or resume that produces no output in this long is given up: the migration is resumed
+# by recompute instead, the resume rerun from the prompt. A resume fetches the stored blocks and
+# recomputes at most the last one, behind whatever the worker is running.
+MOVE_TIMEOUT_S = 30.0
+# Migrations and resumes of one attempt; past this, the request is rerun.
+MAX_RECOVERIES = 3
+# Failures of the decode worker that a resume from its checkpoint recovers from; and refusals of a
+# resume that another decode worker may not give.
+RECOVERABLE_KINDS = ("worker_failed", "transfer_failed")
+RESUME_REFUSALS = ("overloaded", "draining")
 
 
 class _Retry(Exception):
@@ -227,7 +256,6 @@ class SplitStream:
         self.num_split_attempts += 1
         request_id = f"{self.request.request_id}#{self.num_split_attempts}"
         client, request = self.client, msgspec.structs.replace(self.request, request_id=request_id)
-        peak = sum(expected_peak(request, decode.heartbeat.max_model_len))
         prompt_tokens = len(request.prompt_token_ids)
         deadlines = client.deadline_model.deadlines(
             prompt_tokens=prompt_tokens,
@@ -237,29 +265,34 @@ class SplitStream:
         )
         queued = max(prompt_tokens - hit, 0)
         prefill.queued_prefill_tokens += queued
-        decode.num_decode_requests += 1
-        decode.reserved_kv_tokens += peak
         queue: asyncio.Queue[tuple[str, StreamItem]] = asyncio.Queue()
-        sinks = {prefill: _Tagged(queue, PREFILL), decode: _Tagged(queue, DECODE)}
-        for link, sink in sinks.items():
-            link.streams[request_id] = sink
-        holding = {prefill, decode}  # workers that may still hold the request: aborted if we leave early
+        path = _Path(self, request, queue, deadlines.transfer_s)
+        path.open(prefill, request_id, PREFILL)
+        path.place_decode(decode, request_id)
         charged = True  # the prefill's predicted compute still counts against the prefill worker
-        phase = PREFILL
+        produced = 0  # tokens this attempt has streamed
         early: collections.deque[GenerateOutput] = collections.deque()  # decode outputs ahead of the prefill's
         try:
             await client.send(decode, ExpectTransferRequest(request_id, request.constraint, deadlines.handoff_s))
             routed = msgspec.structs.replace(request, decode_endpoint=decode.heartbeat.transfer_endpoint)
             await client.send(prefill, routed)
             while True:
-                if early and phase != PREFILL:
-                    side, item = DECODE, early.popleft()
+                if early and path.phase != PREFILL:
+                    side, item = path.decode_side, early.popleft()
                 else:
-                    side, item = await self._next(queue, phase, decode, deadlines.transfer_s)
+                    side, item = await path.next()
+                if side not in (PREFILL, path.decode_side):
+                    # From a decode worker the request moved away from: only its failing to send matters.
+                    if side == path.moving_from_side and isinstance(item, WorkerUnavailableError | GenerateError):
+                        await path.recover(f"the migration from {path.moving_from.request_endpoint} failed: {item}")
+                    continue
                 if isinstance(item, WorkerUnavailableError | GenerateError):
-                    holding.discard(prefill if side == PREFILL else decode)
-                    self._fail(side, item, prefill, decode)
-                if side == DECODE and phase == PREFILL:
+                    if side != PREFILL and produced == len(self.delivered) and path.can_recover(item):
+                        await path.recover(str(item))
+                        continue
+                    path.release(side)
+                    self._fail(PREFILL if side == PREFILL else DECODE, item, prefill, path.decode)
+                if side != PREFILL and path.phase == PREFILL:
                     early.append(item)
                     continue
                 if side == PREFILL:
@@ -268,15 +301,20 @@ class SplitStream:
                         prefill.queued_prefill_tokens -= queued
                         charged = False
                     if item.finish_reason == TRANSFER:
-                        phase = TRANSFER  # the prefill worker may still be sending: it stays in `holding`
+                        path.phase = TRANSFER  # the prefill worker may still be sending: it stays held
                         item = msgspec.structs.replace(item, finish_reason=None)
-                elif phase == TRANSFER:
-                    phase = DECODE
-                    # The prefill worker's part is over: its failing no longer concerns this request.
-                    del prefill.streams[request_id]
-                    holding.discard(prefill)
+                elif item.finish_reason == MIGRATE:
+                    await path.migrate()
+                    if not item.text:
+                        continue
+                    item = msgspec.structs.replace(item, finish_reason=None)
+                elif path.phase != DECODE:
+                    # The decode worker's first output: the prefill worker's part, or a move, is over.
+                    path.phase = DECODE
+                    path.settle()
                 if item.finish_reason is not None:
-                    holding.discard(prefill if side == PREFILL else decode)
+                    path.release(side)
+                produced += len(item.token_ids)
                 yield msgspec.structs.replace(item, request_id=self.request.request_id)
                 if item.finish_reason is not None:
                     return
@@ -284,23 +322,7 @@ class SplitStream:
             if charged:
                 client.router.prefill_done(prefill.request_endpoint, cost)
                 prefill.queued_prefill_tokens -= queued
-            for link, sink in sinks.items():
-                if link.streams.get(request_id) is sink:
-                    del link.streams[request_id]
-            for link in holding:
-                client.send_now(link, AbortRequest(request_id))
-            decode.num_decode_requests -= 1
-            decode.reserved_kv_tokens -= peak
-
-    async def _next(
-        self, queue: asyncio.Queue[tuple[str, StreamItem]], phase: str, decode: WorkerLink, transfer_s: float
-    ) -> tuple[str, StreamItem]:
-        if phase != TRANSFER:
-            return await queue.get()
-        try:
-            return await asyncio.wait_for(queue.get(), transfer_s)
-        except TimeoutError:
-            raise _Retry(f"decode worker {decode.request_endpoint} sent nothing for {transfer_s:g} s") from None
+            path.close()
 
     def _fail(
         self, side: str, item: WorkerUnavailableError | GenerateError, prefill: WorkerLink, decode: WorkerLink
@@ -311,9 +333,175 @@ class SplitStream:
             raise _Retry(str(item), link, crashed=True)
         if item.kind == "overloaded" and side == PREFILL:
             raise _Retry(f"worker {link.request_endpoint}: {item.message}", busy=True)
+        if item.kind == "checkpoint_invalid":
+            raise _Retry(f"worker {link.request_endpoint}: {item.message}; rerunning from the prompt")
         if item.kind == "draining":
             link.mark_draining()
         if item.kind in ("draining", "transfer_failed"):
             failed_decode = decode if side == DECODE or item.kind == "transfer_failed" else None
             raise _Retry(f"worker {link.request_endpoint}: {item.kind}: {item.message}", failed_decode)
         raise RequestRejectedError(item.kind, item.message)
+
+
+class _Path:
+    """The workers one attempt of a split request is on, and how it moves between decode workers.
+
+    It starts on a prefill worker and a decode worker. A draining decode worker's offer ("migrate")
+    moves it to another decode worker chosen by the decode balancer, which takes its KV and decoding
+    state from the draining one (MOVING); a decode worker that dies or fails mid-stream, or a
+    migration that fails, is recovered from by resuming the request on another decode worker from
+    the failed one's checkpoint and the KV store (RESUMING), with the tokens the client already has.
+    Each worker gets the request under an id of its own, and its outputs come tagged with a side
+    of its own ("prefill", "decode0", "decode1", ...), so late messages from a worker the request
+    left are told apart. It tracks which workers may still hold the request (aborted at the end)
+    and the decode load this client charged to the current decode worker.
+    """
+
+    def __init__(
+        self, stream: "SplitStream", request: GenerateRequest, queue: asyncio.Queue, transfer_s: float
+    ) -> None:
+        self.stream = stream
+        self.client = stream.client
+        self.request = request  # under the attempt's id
+        self.queue = queue
+        self.transfer_s = transfer_s
+        self.phase = PREFILL
+        self.sinks: list[tuple[WorkerLink, str, _Tagged]] = []
+        self.holding: dict[WorkerLink, str] = {}  # workers that may still hold the request → its id there
+        self.decode: WorkerLink | None = None
+        self.decode_id = self.decode_side = ""
+        self.moving_from: WorkerLink | None = None
+        self.moving_from_id = self.moving_from_side = ""
+        # The id the request was last checkpointed under: by the decode worker that last streamed it.
+        self.checkpoint_id = ""
+        self.prefill_side_open = True
+        self.num_decodes = 0
+        self.num_recoveries = 0
+        self.peak = 0
+
+    def open(self, link: WorkerLink, request_id: str, side: str) -> None:
+        sink = _Tagged(self.queue, side)
+        link.streams[request_id] = sink
+        self.sinks.append((link, request_id, sink))
+        self.holding[link] = request_id
+
+    def place_decode(self, link: WorkerLink, request_id: str) -> None:
+        """Make `link` the decode worker, charging it the request's peak KV (and uncharging the last)."""
+        self._uncharge()
+        self.decode, self.decode_id, self.decode_side = link, request_id, f"{DECODE}{self.num_decodes}"
+        self.num_decodes += 1
+        self.open(link, request_id, self.decode_side)
+        self.peak = sum(expected_peak(self.request, link.heartbeat.max_model_len))
+        link.num_decode_requests += 1
+        link.reserved_kv_tokens += self.peak
+
+    async def next(self) -> tuple[str, StreamItem]:
+        while True:
+            if self.phase in (PREFILL, DECODE):
+                return await self.queue.get()
+            wait_s = self.transfer_s if self.phase == TRANSFER else MOVE_TIMEOUT_S
+            try:
+                return await asyncio.wait_for(self.queue.get(), wait_s)
+            except TimeoutError:
+                reason = f"decode worker {self.decode.request_endpoint} sent nothing for {wait_s:g} s"
+                if self.phase != MOVING:
+                    raise _Retry(reason) from None
+                await self.recover(reason)
+
+    def can_recover(self, item: WorkerUnavailableError | GenerateError) -> bool:
+        """Whether the current decode worker's failure is one a resume recovers from."""
+        if isinstance(item, WorkerUnavailableError) or item.kind in RECOVERABLE_KINDS:
+            return self.phase in (DECODE, MOVING, RESUMING)
+        return self.phase == RESUMING and item.kind in RESUME_REFUSALS
+
+    async def migrate(self) -> None:
+        """The decode worker offers the request: move it, KV and all, to another decode worker."""
+        source = self.decode
+        source.mark_draining()
+        target = self._choose_decode(exclude={source})
+        if target is None:
+            raise _Retry(f"decode worker {source.request_endpoint} is draining and no other has room", source)
+        self.moving_from, self.moving_from_id, self.moving_from_side = source, self.decode_id, self.decode_side
+        new_id = self._new_id()
+        self.place_decode(target, new_id)
+        self.phase = MOVING
+        await self.client.send(target, ExpectTransferRequest(new_id, self.request.constraint, MOVE_TIMEOUT_S))
+        await self.client.send(source, MigrateRequest(self.moving_from_id, new_id, target.heartbeat.transfer_endpoint))
+
+    async def recover(self, reason: str) -> None:
+        """Resume the request on another decode worker from the checkpoint of the one that had it."""
+        self.num_recoveries += 1
+        failed = [link for link in (self.decode, self.moving_from) if link is not None]
+        if self.num_recoveries > MAX_RECOVERIES:
+            raise _Retry(f"{reason} (after {MAX_RECOVERIES} migrations and resumes)", self.decode)
+        target = self._choose_decode(exclude=set(failed))
+        if target is None:
+            raise _Retry(f"{reason}; no other decode worker has room to resume it", self.decode)
+        log.warning("resuming request %s on %s: %s", self.request.request_id, target.request_endpoint, reason)
+        for link in failed:
+            self._drop(link)
+        self.moving_from = None
+        new_id = self._new_id()
+        self.place_decode(target, new_id)
+        self.phase = RESUMING
+        resumed = msgspec.structs.replace(self.request, request_id=new_id)
+        await self.client.send(target, ResumeDecodeRequest(resumed, list(self.stream.delivered), self.checkpoint_id))
+
+    def settle(self) -> None:
+        """The current decode worker sent its first output: it has checkpointed the request, and the
+        worker before it is done with it."""
+        self.checkpoint_id = self.decode_id
+        if self.prefill_side_open:
+            self.prefill_side_open = False
+            prefill = next(link for link, _, sink in self.sinks if sink.side == PREFILL)
+            self._drop(prefill, abort=False)
+        if self.moving_from is not None:
+            self._drop(self.moving_from, abort=False)
+            self.moving_from = None
+
+    def release(self, side: str) -> None:
+        """The worker on `side` has ended the request (it finished or failed there)."""
+        for link, _, sink in self.sinks:
+            if sink.side == side:
+                self.holding.pop(link, None)
+
+    def close(self) -> None:
+        for link, request_id, sink in self.sinks:
+            if link.streams.get(request_id) is sink:
+                del link.streams[request_id]
+        for link, request_id in self.holding.items():
+            self.client.send_now(link, AbortRequest(request_id))
+        self._uncharge()
+
+    def _drop(self, link: WorkerLink, *, abort: bool = True) -> None:
+        request_id = self.holding.pop(link, None)
+        if abort and request_id is not None:
+            self.client.send_now(link, AbortRequest(request_id))
+        for other, other_id, sink in self.sinks:
+            if other is link and other.streams.get(other_id) is sink:
+                del other.streams[other_id]
+
+    def _uncharge(self) -> None:
+        if self.decode is not None:
+            self.decode.num_decode_requests -= 1
+            self.decode.reserved_kv_tokens -= self.peak
+
+    def _new_id(self) -> str:
+        return f"{self.request.request_id}.{self.num_decodes}"
+
+    def _choose_decode(self, exclude: set[WorkerLink]) -> WorkerLink | None:
+        """The decode worker the balancer picks among the ready ones left, or None."""
+        ready = [
+            link
+            for link in self.client.ready_links()
+            if link.role == DECODE and link not in exclude and link not in self.stream.avoid
+        ]
+        if not ready:
+            return None
+        prompt, output = expected_peak(self.request, min(link.heartbeat.max_model_len for link in ready))
+        loads = [
+            DecodeLoad(link.request_endpoint, link.heartbeat, link.num_decode_requests, link.reserved_kv_tokens)
+            for link in ready
+        ]
+        key = self.client.router.choose_decode(loads, prompt, output)
+        return next((link for link in ready if link.request_endpoint == key), None)

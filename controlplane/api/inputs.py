@@ -14,6 +14,16 @@ class ReasonSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
 
 
+class DrainSerializer(ReasonSerializer):
+    # Longest grace an operator may ask for: an hour, past which a drain is a stop by another name.
+    grace_s = serializers.FloatField(
+        required=False,
+        min_value=0.0,
+        max_value=3600.0,
+        help_text="Seconds a decode worker keeps streaming before its requests migrate (default: the pool's).",
+    )
+
+
 class SlugRelatedField(serializers.SlugRelatedField):
     """Vets the slug the way a CharField does before looking it up: PostgreSQL refuses a query with a
     NUL character in it (a 500), and a lone surrogate cannot even be written back in the error."""

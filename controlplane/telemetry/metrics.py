@@ -130,6 +130,32 @@ def heartbeat_families(
         "Blocks the worker's store GC removed since the worker started, by reason.",
         labels=["worker", "reason"],
     )
+    migrations = CounterMetricFamily(
+        "sluice:migrations",
+        "Requests a draining decode worker handed to others since it started, by outcome.",
+        labels=["worker", "outcome"],
+    )
+    migrated_in = CounterMetricFamily(
+        "sluice:migrated_in", "Requests the decode worker took over from draining ones.", labels=["worker"]
+    )
+    failovers = CounterMetricFamily(
+        "sluice:failovers", "Requests of failed decode workers the worker resumed from checkpoints.", labels=["worker"]
+    )
+    recomputed = CounterMetricFamily(
+        "sluice:failover_recomputed_tokens",
+        "Tokens the worker recomputed for resumed requests (those the KV store did not hold).",
+        labels=["worker"],
+    )
+    most_recomputed = GaugeMetricFamily(
+        "sluice:failover_max_recomputed_tokens",
+        "The most tokens the worker recomputed for one resumed request.",
+        labels=["worker"],
+    )
+    recovery = CounterMetricFamily(
+        "sluice:failover_recovery_seconds",
+        "Seconds from each resume's arrival at the worker to its first new token, summed.",
+        labels=["worker"],
+    )
     pool_load: dict[str, int] = defaultdict(int)
     for heartbeat in workers:
         worker, pool = heartbeat.worker_id, pool_of(heartbeat)
@@ -146,6 +172,14 @@ def heartbeat_families(
             watermark.add_metric([worker, "high"], heartbeat.kv_store_high_watermark)
             evictions.add_metric([worker, "expired"], heartbeat.kv_store_evicted_expired)
             evictions.add_metric([worker, "capacity"], heartbeat.kv_store_evicted_capacity)
+        if heartbeat.role == "decode":
+            migrations.add_metric([worker, "moved"], heartbeat.num_migrated_out)
+            migrations.add_metric([worker, "failed"], heartbeat.num_migrations_failed)
+            migrated_in.add_metric([worker], heartbeat.num_migrated_in)
+            failovers.add_metric([worker], heartbeat.num_resumed)
+            recomputed.add_metric([worker], heartbeat.num_recomputed_tokens)
+            most_recomputed.add_metric([worker], heartbeat.max_recomputed_tokens)
+            recovery.add_metric([worker], heartbeat.resume_seconds_total)
     load = GaugeMetricFamily("sluice:pool_load", "Requests running and waiting on the pool's workers.", labels=["pool"])
     for pool, value in sorted(pool_load.items()):
         load.add_metric([pool], value)
@@ -159,4 +193,21 @@ def heartbeat_families(
         for layer, slots in enumerate(layers):
             for slot, tokens in enumerate(slots):
                 slot_load.add_metric([pool, str(layer), str(slot)], tokens)
-    return [running, waiting, kv_usage, store_bytes, store_blocks, capacity, watermark, evictions, load, slot_load]
+    return [
+        running,
+        waiting,
+        kv_usage,
+        store_bytes,
+        store_blocks,
+        capacity,
+        watermark,
+        evictions,
+        migrations,
+        migrated_in,
+        failovers,
+        recomputed,
+        most_recomputed,
+        recovery,
+        load,
+        slot_load,
+    ]

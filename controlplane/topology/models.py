@@ -3,6 +3,7 @@ and the audit trail of every scaling action."""
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -48,6 +49,11 @@ class Pool(models.Model):
     scale_down_max_per_window = models.PositiveIntegerField(default=2)
     scale_window_s = models.PositiveIntegerField(default=300)
     num_experts = models.PositiveIntegerField(default=0, help_text="Routed experts per MoE layer; 0 = dense model.")
+    drain_grace_s = models.FloatField(
+        default=60.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="Seconds a draining decode instance keeps streaming before its requests migrate to others.",
+    )
     expert_slots_per_rank = models.PositiveIntegerField(default=0)
     # The autoscaler leaves a paused pool alone; an operator's scale holds against it for a while
     # (workers.autoscale.PlannerConfig.manual_hold_s) counted from last_manual_scale_at.
@@ -169,6 +175,10 @@ class ScalingAction(models.TextChoices):
     INSTANCE_STOPPED = "instance_stopped"
     INSTANCE_FAILED = "instance_failed"
     INSTANCE_RESUMED = "instance_resumed"
+    # A drained decode instance handed its unfinished requests to other decode instances.
+    INSTANCE_MIGRATED = "instance_migrated"
+    # A decode instance resumed requests of a failed one from their checkpoints and the KV store.
+    INSTANCE_FAILED_OVER = "instance_failed_over"
     EP_LAYOUT_APPLIED = "ep_layout_applied"
     CONTROL_FAILED = "control_failed"
     # Node agents: an instance asked of a node, its process started, its process gone.

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 class TopologyRecorder:
     def __init__(self, *, heartbeat_timeout_s: float) -> None:
         self.heartbeat_timeout = timedelta(seconds=heartbeat_timeout_s)
+        # Each worker's resumed-request count as last recorded: a rise is a failover to record.
+        self.num_resumed: dict[str, int] = {}
 
     def on_register(self, registration: WorkerRegistration) -> str | None:
         close_old_connections()
@@ -60,7 +62,18 @@ class TopologyRecorder:
             at=timezone.now(),
             max_num_seqs=heartbeat.max_num_seqs,
             kv_capacity_tokens=heartbeat.kv_capacity_tokens,
+            num_migrated_out=heartbeat.num_migrated_out,
+            num_migrations_failed=heartbeat.num_migrations_failed,
         )
+        resumed = heartbeat.num_resumed - self.num_resumed.get(heartbeat.worker_id, 0)
+        if resumed > 0:
+            services.instance_record_failover(
+                worker_id=heartbeat.worker_id,
+                num_resumed=resumed,
+                num_recomputed_tokens=heartbeat.num_recomputed_tokens,
+                max_recomputed_tokens=heartbeat.max_recomputed_tokens,
+            )
+        self.num_resumed[heartbeat.worker_id] = heartbeat.num_resumed
 
     def on_silence(self, worker_id: str) -> None:
         self.fail_silent()

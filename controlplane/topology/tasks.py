@@ -36,10 +36,10 @@ def _record_failure(instance_id: int, command: str, error: Exception) -> None:
 
 
 @app.task
-def instance_drain_task(instance_id: int) -> None:
+def instance_drain_task(instance_id: int, grace_s: float | None = None) -> None:
     endpoint = EngineInstance.objects.values_list("request_endpoint", flat=True).get(pk=instance_id)
     try:
-        ack = send_checked(endpoint, DrainRequest(command_id=new_command_id()))
+        ack = send_checked(endpoint, DrainRequest(command_id=new_command_id(), grace_s=grace_s))
         if ack.state != "drained":
             if app.conf.task_always_eager:
                 # Eager tasks (the embedded default) run inside the API request that asked for the

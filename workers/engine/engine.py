@@ -6,6 +6,7 @@ disaggregation (KV exported by a prefill engine, taken in by a decode engine).
 """
 
 import logging
+import random
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.request import PENDING_TOKEN, FinishReason, Request
+from workers.engine.resumption import ResumeStats, check_resumable, check_suspendable, with_seed
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
@@ -55,6 +57,7 @@ class EngineStats:
     num_preemptions: int
     store: StoreStats | None  # None when the engine has no KV store
     num_pending_transfers: int = 0  # finished prefill-only requests pinning pages until released
+    resume: ResumeStats | None = None  # requests resumed here from a checkpoint; None: none yet
     # (p50, p90) relative error of the cost model's step-time predictions lately; zeros without one.
     cost_model_error: tuple[float, float] = (0.0, 0.0)
 
@@ -122,6 +125,10 @@ class LLMEngine:
         self.store = StoreConnector(store, kv_cache, block_tokens=config.kv_block_tokens) if store is not None else None
         self.requests: dict[str, Request] = {}
         self.max_pending_transfers = max_pending_transfers
+        # Seeds for sampled requests that have none: a request's draws then depend on its seed and
+        # position alone, so another engine can continue it (a handoff, a migration, a resume).
+        self._seeds = random.Random(config.seed)
+        self.resume_stats = ResumeStats()
         self.admission = Admission(
             vocab_size=loaded.config.vocab_size,
             max_model_len=self.max_model_len,
@@ -171,7 +178,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
-            params=params,
+            params=with_seed(params, self._seeds),
             max_tokens=max_tokens,
             hash_extra=namespace_extra(self.kv_model_id, cache_namespace),
             cache_namespace=cache_namespace,
@@ -241,6 +248,67 @@ class LLMEngine:
     def release_transfer(self, request_id: str) -> bool:
         """Unpin a transferred (or abandoned) request's pages; False when none were pinned for it."""
         return self.disaggregation.release(request_id)
+
+    def suspend_for_migration(self, request_id: str) -> RequestDelta | None:
+        """Stop decoding a running request and pin its pages for export_kv, as a finished prefill's:
+        its last delta has finish reason "transfer" and no tokens. None (nothing changed) when the
+        request is not between two decode steps here: waiting, recomputing, or its sampled token
+        not yet read (async scheduling); try again after the next step."""
+        request = self.requests.get(request_id)
+        if request is None or self._in_flight is not None or not check_suspendable(request):
+            return None
+        request.finish(FinishReason.TRANSFER)
+        return self._release(request, self.outputs.delta(request, [], []))
+
+    def add_resumed_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_namespace: str = "",
+        constraint: TokenConstraint | None = None,
+        traffic_class: str = "chat",
+        num_cached_tokens: int = 0,
+        tenant: str = "",
+        tenant_weight: int = 1,
+    ) -> None:
+        """Continue a request another engine decoded (and lost): its tokens so far are given, its KV
+        comes from the KV store for every full block stored and is recomputed for the rest, and its
+        next step samples the token after `output_token_ids`. `params` carries the seed the request
+        was sampled with. Raises as add_request does, and ConstraintError when the constraint fails
+        on the tokens given; nothing is changed then."""
+        max_tokens = self.admission.max_tokens(
+            request_id, prompt_token_ids, params, None, traffic_class, in_use=self._in_use(request_id)
+        )
+        check_resumable(request_id, output_token_ids, params, max_tokens, self.model_config.vocab_size)
+        self.admission.check_room_to_wait()
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            hash_extra=namespace_extra(self.kv_model_id, cache_namespace),
+            cache_namespace=cache_namespace,
+            output_token_ids=list(output_token_ids),
+            constraint=self._isolated(constraint),
+            traffic_class=traffic_class,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
+            # What the client was told about the prompt's cache hits stays what the first worker said.
+            reported_cached_tokens=num_cached_tokens,
+        )
+        if request.constraint is not None:
+            for token in request.output_token_ids:
+                request.constraint.advance(token)
+        self.outputs.add_continued(request)
+        self.resume_stats.start(request)
+        self.requests[request_id] = request
+        if self.store is not None:
+            local_pages, _ = self.block_manager.find_cached_prefix(request)
+            self.store.start_fetch(request, local_hit_tokens=len(local_pages) * self.block_manager.page_size)
+        self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Cancel a request: a delta with finish reason "abort", or None when the engine does not run
@@ -364,6 +432,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             store=self.store.stats() if self.store is not None else None,
             num_pending_transfers=len(self.disaggregation),
+            resume=self.resume_stats,
             cost_model_error=self.prediction_errors.percentiles() if self.prediction_errors else (0.0, 0.0),
         )
 
@@ -371,6 +440,8 @@ class LLMEngine:
         """Append a sampled token to its request (see OutputProcessor.process); release it when
         finished, or fail it alone when processing its token raised."""
         request = self.requests[sampled.request_id]
+        if request.resumed_at:
+            self.resume_stats.first_token(request)
         try:
             delta = self.outputs.process(request, sampled)
         except ConstraintError as error:

@@ -2,8 +2,12 @@
 
 The sampler needs no state of its own here: a seeded row's draw depends only on its seed and the
 number of tokens sampled so far (see sampler), and output_token_ids carries that count, so prefill
-on one engine plus decode on another samples exactly what one engine would. Rows without a seed
-draw from each engine's own generator and cannot continue identically anywhere else.
+on one engine plus decode on another samples exactly what one engine would. A sampled request
+without a seed of its own is given one at admission (engine.resumption.with_seed), so that holds
+for every request.
+
+A draining decode engine hands its running requests to another decode engine the same way (a
+migration): the handoff of a request suspended between two decode steps has the same shape.
 
 The KV travels as one tensor per layer, [2 (key, value), kv_heads, num_computed_tokens, head_dim]:
 token-major, independent of either engine's page size. `PagedLayers` copies a layer out of the
@@ -42,6 +46,8 @@ class KVHandoff:
     head_dim: int
     # Per layer: [2, num_kv_heads, num_computed_tokens, head_dim] of kv_dtype, contiguous, on the CPU.
     layers: Sequence[torch.Tensor]
+    # From a draining decode engine (a migration) rather than a prefill engine.
+    migrated: bool = False
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:

@@ -85,6 +85,12 @@ class Request:
     prompt_logprobs: int | None = None
     # Entry i: prompt token i given the tokens before it (None for the first); filled during prefill.
     prompt_token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # A request resumed here from another engine's checkpoint (LLMEngine.add_resumed_request):
+    # time.monotonic() of the resume until its first new token (0 otherwise), the tokens it had then,
+    # and the cached prompt tokens the first engine reported, which its outputs keep reporting.
+    resumed_at: float = 0.0
+    resumed_tokens: int = 0
+    reported_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

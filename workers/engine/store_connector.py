@@ -107,8 +107,9 @@ class StoreConnector:
         self.num_writes_dropped = 0
 
     def start_fetch(self, request: Request, local_hit_tokens: int) -> None:
-        """Fetch the request's stored prompt blocks past what the local prefix cache holds, if any."""
-        num_blocks = reusable_blocks(len(request.prompt_token_ids), self.block_tokens)
+        """Fetch the request's stored blocks past what the local prefix cache holds, if any: its
+        prompt's, and its output's too for a request resumed with tokens already sampled."""
+        num_blocks = reusable_blocks(request.num_tokens, self.block_tokens)
         keys = self._keys(request, num_blocks)
         hit = self.store.match(keys)
         first = local_hit_tokens // self.block_tokens

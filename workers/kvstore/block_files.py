@@ -150,19 +150,31 @@ class BlockFiles:
         for path in self._files(BLOCK_SUFFIX):
             try:
                 key = bytes.fromhex(path.name[: -len(BLOCK_SUFFIX)])
-                with open(path, "rb") as f:
-                    stat = os.fstat(f.fileno())
-                    fixed = f.read(_FIXED.size)
-                    if len(fixed) < _FIXED.size:
-                        continue
-                    magic, version, meta_len, payload_len, _ = _FIXED.unpack(fixed)
-                    if magic != MAGIC or version != VERSION or _FIXED.size + meta_len + payload_len != stat.st_size:
-                        continue
-                    file_meta = _decode_meta(f.read(meta_len))
-            except (OSError, ValueError, msgspec.DecodeError):
+            except ValueError:
                 continue
-            if file_meta.key == key:
-                yield key, file_meta.meta, stat.st_size, stat.st_mtime
+            found = self._header(path, key)
+            if found is not None:
+                yield key, *found
+
+    def stat(self, key: BlockHash) -> tuple[BlockMeta, int, float] | None:
+        """(meta, file size, mtime) of the block's file if it exists with a sound header, else None
+        (reads the header only, as `scan` does)."""
+        return self._header(self.path(key), key)
+
+    def _header(self, path: Path, key: BlockHash) -> tuple[BlockMeta, int, float] | None:
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                fixed = f.read(_FIXED.size)
+                if len(fixed) < _FIXED.size:
+                    return None
+                magic, version, meta_len, payload_len, _ = _FIXED.unpack(fixed)
+                if magic != MAGIC or version != VERSION or _FIXED.size + meta_len + payload_len != stat.st_size:
+                    return None
+                file_meta = _decode_meta(f.read(meta_len))
+        except (OSError, ValueError, msgspec.DecodeError):
+            return None
+        return (file_meta.meta, stat.st_size, stat.st_mtime) if file_meta.key == key else None
 
     def recover(self, older_than_s: float = 60) -> int:
         """Delete temp files older than `older_than_s`: leftovers of writers killed mid-write. Younger

@@ -21,14 +21,47 @@ INDEX_URL_HELP = "'memory' or 'redis://host:port/db?prefix=...' (rediss:// for T
 
 
 class KVStore:
-    def __init__(self, files: BlockFiles, index: BlockIndex, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        files: BlockFiles,
+        index: BlockIndex,
+        *,
+        clock: Callable[[], float] = time.time,
+        fall_back_to_files: bool = False,
+    ) -> None:
+        """`fall_back_to_files`: the index is this process's alone (in-process) while other processes
+        write to the same directory (the embedded default's workers share one store this way), so a
+        block the index misses is looked for in the directory and, when its file is there, indexed."""
         self.files = files
         self.index = index
         self.clock = clock
+        self.fall_back_to_files = fall_back_to_files
 
     def match(self, keys: Sequence[BlockHash]) -> int:
-        """How many blocks of the chain, from the first, the index holds; reads no data."""
-        return self.index.match_prefix(keys)
+        """How many blocks of the chain, from the first, the index holds (or, falling back to files,
+        the directory); reads no block data."""
+        matched = self.index.match_prefix(keys)
+        if not self.fall_back_to_files:
+            return matched
+        found = []
+        for depth, key in enumerate(keys[matched:], start=matched):
+            header = self.files.stat(key)
+            if header is None:
+                break
+            meta, size, mtime = header
+            found.append(
+                BlockEntry(
+                    key=key,
+                    size=size,
+                    traffic_class=meta.traffic_class,
+                    depth=depth,
+                    created_at=meta.created_at,
+                    last_access=mtime,
+                )
+            )
+        if found:
+            self.index.add(found)
+        return matched + len(found)
 
     def read(self, keys: Sequence[BlockHash]) -> list[memoryview]:
         """The payloads of the chain's blocks in order, up to the first missing or corrupt one."""
@@ -59,7 +92,7 @@ class KVStore:
         return self.index.add([entry]) == 1
 
     def contains(self, key: BlockHash) -> bool:
-        return self.index.match_prefix([key]) == 1
+        return self.match([key]) == 1
 
 
 def open_index(url: str) -> BlockIndex:
@@ -88,8 +121,9 @@ def open_store(directory: Path, index_url: str = "memory", *, fsync: bool = Fals
     """A store on `directory` (created if absent), after clearing temp files left by killed writers.
 
     An in-process index starts empty, so it is rebuilt from the block files, added oldest access
-    first because `MemoryIndex.expired` relies on insertion order. A Redis index outlives processes
-    and is shared, so it is used as it is."""
+    first because `MemoryIndex.expired` relies on insertion order; and since other processes may
+    write blocks to the same directory meanwhile, its misses fall back to the files. A Redis index
+    outlives processes and is shared, so it is used as it is."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files = BlockFiles(directory, fsync=fsync)
@@ -110,4 +144,4 @@ def open_store(directory: Path, index_url: str = "memory", *, fsync: bool = Fals
                 for key, meta, size, mtime in found
             ]
         )
-    return KVStore(files, index)
+    return KVStore(files, index, fall_back_to_files=isinstance(index, MemoryIndex))

@@ -7,6 +7,7 @@ worker calls `handle` for each command and `check_drained` after requests finish
 """
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -51,6 +52,9 @@ class WorkerControl:
         None for a dense engine, which records a valid layout's version and has no experts to move."""
         self.worker_id = worker_id
         self.state = READY
+        # time.monotonic() when a drain's grace period ends and its requests move (workers.worker.
+        # migration); None: a drain waits for them to finish.
+        self.migrate_at: float | None = None
         self.ttl_policy_version = 0
         self.ep_layout_version = 0
         self._ep_size = ep_size
@@ -116,6 +120,8 @@ class WorkerControl:
     def _drain(self, request: DrainRequest) -> str:
         if self.state == READY:
             self.state = DRAINING
+            if request.grace_s is not None:
+                self.migrate_at = time.monotonic() + request.grace_s
             self.check_drained()
         return "" if self.state != STOPPING else "the worker is shutting down"
 
@@ -123,6 +129,7 @@ class WorkerControl:
         if self.state == STOPPING:
             return "the worker is shutting down"
         self.state = READY
+        self.migrate_at = None
         return ""
 
     def _shut_down(self, request: ShutdownRequest) -> str:

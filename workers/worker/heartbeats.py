@@ -18,6 +18,7 @@ from workers.kvstore.index import IndexUsage
 from workers.protocol import WorkerHeartbeat, WorkerRegistration
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
+from workers.worker.transfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,12 @@ class Heartbeats:
         collector: GarbageCollector | None,
         publisher: zmq.Socket,
         stop: threading.Event,
+        *,
+        transfers: Transfers | None = None,
     ) -> None:
+        """`transfers`: the worker's KV transfers, whose migration counters the heartbeats carry."""
         self.identity = identity
+        self.transfers = transfers
         self.config = config
         self.engine = engine
         self.control = control
@@ -77,6 +82,8 @@ class Heartbeats:
         identity = self.identity
         engine = self.engine
         expert_parallel = isinstance(engine, EPEngine)
+        transfers = self.transfers
+        resume = stats.resume
         heartbeat = WorkerHeartbeat(
             worker_id=identity.worker_id,
             role=self.config.role,
@@ -120,6 +127,13 @@ class Heartbeats:
             expert_load=engine.take_expert_load() if expert_parallel else [],
             ep_resized_at=engine.resized_at if expert_parallel else 0.0,
             ep_resize_reason=engine.resize_reason if expert_parallel else "",
+            num_migrated_out=transfers.num_migrated_out if transfers else 0,
+            num_migrations_failed=transfers.num_migrations_failed if transfers else 0,
+            num_migrated_in=transfers.num_migrated_in if transfers else 0,
+            num_resumed=resume.num_resumed if resume else 0,
+            num_recomputed_tokens=resume.num_recomputed_tokens if resume else 0,
+            max_recomputed_tokens=resume.max_recomputed_tokens if resume else 0,
+            resume_seconds_total=resume.seconds_total if resume else 0.0,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -35,7 +36,9 @@ from workers.protocol import (
     GenerateError,
     GenerateOutput,
     GenerateRequest,
+    MigrateRequest,
     OutputConstraintSpec,
+    ResumeDecodeRequest,
     ResumeRequest,
     SetTTLPolicyRequest,
     ShutdownRequest,
@@ -45,9 +48,13 @@ from workers.protocol import (
 )
 from workers.registry import register_until_acknowledged
 from workers.transfer_link import TransferReceiver, TransferSender
+from workers.worker.checkpoints import FOLDER as CHECKPOINTS_FOLDER
+from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
+from workers.worker.migration import Migration
+from workers.worker.resumption import Resumption
 from workers.worker.transfers import Transfers
 
 log = logging.getLogger(__name__)
@@ -86,7 +93,9 @@ class Worker:
             receiver = TransferReceiver(pull, default_timeout_s=config.transfer_timeout_s)
             self.poller.register(pull, zmq.POLLIN)
         sender: TransferSender | None = None
-        if config.role == "prefill":
+        # Prefill workers send every request's KV; decode workers send their requests' when a drain
+        # migrates them.
+        if config.role in ("prefill", "decode"):
             sender = TransferSender(context)
             self.poller.register(sender.results, zmq.POLLIN)
         self.identity = WorkerIdentity(
@@ -108,6 +117,15 @@ class Worker:
             num_in_flight=self._num_in_flight,
             apply_placement=engine.apply_layout if isinstance(engine, EPEngine) else None,
         )
+        self.resumption = Resumption(
+            worker_id=self.worker_id,
+            engine=engine,
+            control=self.control,
+            owners=self.owners,
+            send=self._send,
+            compile_constraint=self._compile_constraint,
+            checkpoints=_checkpoints(config, engine),
+        )
         self.transfers = Transfers(
             worker_id=self.worker_id,
             role=config.role,
@@ -118,12 +136,21 @@ class Worker:
             compile_constraint=self._compile_constraint,
             receiver=receiver,
             sender=sender,
+            continued=self.resumption.took_in,
+            migrated=self.resumption.moved_away,
         )
-        self.heartbeats = Heartbeats(self.identity, config, engine, self.control, collector, publisher, stop)
+        self.migration = Migration(
+            engine=engine, control=self.control, transfers=self.transfers, owners=self.owners, send=self._send
+        )
+        self.heartbeats = Heartbeats(
+            self.identity, config, engine, self.control, collector, publisher, stop, transfers=self.transfers
+        )
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             GenerateRequest: self._on_generate,
             ExpectTransferRequest: self.transfers.on_expect_transfer,
             AbortRequest: self._on_abort,
+            MigrateRequest: self._on_migrate,
+            ResumeDecodeRequest: self._on_resume_decode,
             DrainRequest: self._on_control,
             ResumeRequest: self._on_control,
             ShutdownRequest: self._on_shutdown,
@@ -159,9 +186,13 @@ class Worker:
             if self.router in ready:
                 self._receive()
             self.transfers.poll(ready, MAX_MESSAGES_PER_STEP)
+            if self.control.migrate_at is not None and self.config.role == "decode":
+                self.migration.offer_due()
             if self.engine.has_unfinished():
-                for delta in self._step():
+                deltas = self._step()
+                for delta in deltas:
                     self._send_delta(delta)
+                self.resumption.after_step(deltas)
                 self.control.check_drained()
         self._shut_down()
 
@@ -183,7 +214,7 @@ class Worker:
         log.error("worker %s: the engine failed; failing %d requests", self.worker_id, self._num_in_flight())
         self.stop.set()
         self.heartbeats.join()
-        peers = {**self.owners, **self.transfers.expected_peers(), **self.transfers.sending}
+        peers = {**self.owners, **self.transfers.expected_peers(), **self.transfers.sending, **self.migration.peers()}
         for request_id, peer in peers.items():
             if peer:  # b"": a send aborted by its owner, who wants nothing more
                 self._send(peer, GenerateError(request_id, "worker_failed", reason))
@@ -261,12 +292,22 @@ class Worker:
         self._abort(request.request_id)
         self.control.check_drained()
 
+    def _on_migrate(self, peer: bytes, request: MigrateRequest) -> None:
+        self.migration.on_migrate(peer, request)
+
+    def _on_resume_decode(self, peer: bytes, request: ResumeDecodeRequest) -> None:
+        if self.config.role != "decode":
+            message = f"worker {self.worker_id} is a {self.config.role} worker: it resumes no decoding"
+            self._send(peer, GenerateError(request.request.request_id, "invalid_request", message))
+            return
+        self.resumption.on_resume_decode(peer, request)
+
     def _on_control(self, peer: bytes, request: ControlRequest) -> None:
         self._send(peer, self.control.handle(request))
 
     def _on_shutdown(self, peer: bytes, request: ShutdownRequest) -> None:
         """Abort what is in flight before acknowledging, so the ack confirms nothing is left running."""
-        for request_id in [*self.owners, *self.transfers.expected]:
+        for request_id in [*self.owners, *self.transfers.expected, *self.migration.offered]:
             self._abort(request_id)
         self._on_control(peer, request)
         log.info("worker %s shutting down (command %s)", self.worker_id, request.command_id)
@@ -275,14 +316,14 @@ class Worker:
     def _abort(self, request_id: str) -> None:
         """Stop a request; its owner gets a last output with finish_reason "abort" (a request whose KV
         is being sent has reported its last output: sending stops, and its pages go when it has)."""
-        if self.transfers.abort(request_id):
+        if self.transfers.abort(request_id) or self.migration.forget(request_id):
             return
         delta = self.engine.abort_request(request_id)
         if delta is not None:
             self._send_delta(delta)
 
     def _num_in_flight(self) -> int:
-        return len(self.owners) + self.transfers.num_in_flight
+        return len(self.owners) + self.transfers.num_in_flight + self.migration.num_offered
 
     def _send_delta(self, delta: RequestDelta) -> None:
         owner = self.owners.pop(delta.request_id) if delta.finished else self.owners[delta.request_id]
@@ -330,14 +371,29 @@ class Worker:
     def _shut_down(self) -> None:
         """Abort what is in flight, so that every stream ends with an output rather than a timeout."""
         log.info("worker %s stopping; aborting %d requests", self.worker_id, self._num_in_flight())
-        for request_id in [*self.owners, *self.transfers.sending, *self.transfers.expected]:
+        for request_id in [*self.owners, *self.transfers.sending, *self.transfers.expected, *self.migration.offered]:
             self._abort(request_id)
         self.transfers.close()
+        self.resumption.close()
         self.router.close(linger=CLOSE_LINGER_MS)
         self.heartbeats.join()
         if self.registration_thread is not None:
             self.registration_thread.join()
         self.heartbeats.publisher.close(linger=0)
+
+
+def _checkpoints(config: WorkerConfig, engine: LLMEngine) -> Checkpoints | None:
+    """A decode worker with a KV store checkpoints its requests where the store's index is: in Redis
+    with the Redis index, beside the block files otherwise."""
+    if config.role != "decode" or engine.store is None or config.engine.kv_store is None:
+        return None
+    index = engine.store.store.index
+    storage = (
+        DirectoryStorage(Path(config.engine.kv_store) / CHECKPOINTS_FOLDER)
+        if config.engine.kv_store_index == "memory"
+        else RedisStorage(index.client, index.prefix)  # a workers.kvstore.redis_index.RedisIndex
+    )
+    return Checkpoints(storage, block_tokens=engine.store.block_tokens, kv_model_id=engine.kv_model_id)
 
 
 def failure_error(request_id: str, failure: RequestFailure) -> GenerateError:

@@ -9,6 +9,7 @@ that fails on the tokens the prefill worker sampled fails that request ("invalid
 its transfer: another attempt would fail the same way.
 """
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -44,7 +45,11 @@ class Transfers:
         compile_constraint: Callable[[OutputConstraintSpec], TokenConstraint],
         receiver: TransferReceiver | None,
         sender: TransferSender | None,
+        continued: Callable[[str], None] = lambda request_id: None,
+        migrated: Callable[[str], None] = lambda request_id: None,
     ) -> None:
+        """`continued(request_id)` is called for each request taken in from a transfer, `migrated`
+        for each request this worker handed to another decode worker."""
         self.worker_id = worker_id
         self.role = role
         self.engine = engine
@@ -56,6 +61,12 @@ class Transfers:
         self.sender = sender
         self.decode_endpoints: dict[str, str] = {}  # request id → where its KV goes after prefill
         self.sending: dict[str, bytes] = {}  # request id → owner, while its KV is being sent
+        self.continued = continued
+        self.migrated = migrated
+        self.migrating: set[str] = set()  # of `sending`, the requests a draining decode worker hands on
+        self.num_migrated_out = 0
+        self.num_migrations_failed = 0
+        self.num_migrated_in = 0
 
     @property
     def expected(self) -> list[str]:
@@ -111,6 +122,14 @@ class Transfers:
         self.sending[request_id] = owner
         self.sender.submit(request_id, endpoint, self.engine.export_kv(request_id))
 
+    def start_migration(self, request_id: str, new_request_id: str, endpoint: str, owner: bytes) -> None:
+        """Send a request suspended for migration (LLMEngine.suspend_for_migration), KV and decoding
+        state, to the decode worker at `endpoint`, which expects it as `new_request_id`."""
+        handoff = dataclasses.replace(self.engine.export_kv(request_id), request_id=new_request_id, migrated=True)
+        self.sending[request_id] = owner
+        self.migrating.add(request_id)
+        self.sender.submit(request_id, endpoint, handoff)
+
     def forget(self, request_id: str) -> None:
         """The request ended before its KV was due anywhere."""
         self.decode_endpoints.pop(request_id, None)
@@ -134,6 +153,13 @@ class Transfers:
         for result in results:
             self.engine.release_transfer(result.request_id)
             owner = self.sending.pop(result.request_id, None)
+            if result.request_id in self.migrating:
+                self.migrating.discard(result.request_id)
+                if result.error:
+                    self.num_migrations_failed += 1
+                else:
+                    self.num_migrated_out += 1
+                    self.migrated(result.request_id)
             if result.error and owner is not None:
                 self.send(owner, GenerateError(result.request_id, "transfer_failed", result.error))
         self.control.check_drained()
@@ -162,6 +188,8 @@ class Transfers:
                 return
             else:
                 self.owners[request_id] = peer
+                self.num_migrated_in += received.handoff.migrated
+                self.continued(request_id)
                 return
         log.warning("KV transfer of %s failed: %s", request_id, error)
         self.send(peer, GenerateError(request_id, "transfer_failed", error))

@@ -35,13 +35,22 @@ class PoolSerializer(serializers.ModelSerializer):
             *POOL_LIMIT_FIELDS,
             "num_experts",
             "expert_slots_per_rank",
+            "drain_grace_s",
             "autoscale_paused",
             "last_manual_scale_at",
             "created_at",
             "updated_at",
         ]
-        # Pausing the autoscaler is an audited action of its own (POST .../autoscale/).
-        read_only_fields = ["id", "autoscale_paused", "last_manual_scale_at", "created_at", "updated_at"]
+        # Pausing the autoscaler is an audited action of its own (POST .../autoscale/); drain_grace_s
+        # is edited in the admin, and a drain may override it (its grace_s).
+        read_only_fields = [
+            "id",
+            "drain_grace_s",
+            "autoscale_paused",
+            "last_manual_scale_at",
+            "created_at",
+            "updated_at",
+        ]
 
 
 class PoolBoundsSerializer(serializers.ModelSerializer):

@@ -5,7 +5,7 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from controlplane.api.inputs import ReasonSerializer, validated
+from controlplane.api.inputs import DrainSerializer, ReasonSerializer, validated
 from controlplane.api.topology.filters import EngineInstanceFilter, NodeFilter, PoolFilter, ScalingEventFilter
 from controlplane.api.topology.serializers import (
     ClusterSerializer,
@@ -155,15 +155,19 @@ class EngineInstanceViewSet(*READ, viewsets.GenericViewSet):
     def get_queryset(self):
         return selectors.instance_list()
 
-    def _transition(self, request, service):
-        data = validated(ReasonSerializer, request.data)
+    def _transition(self, request, service, serializer=ReasonSerializer):
+        data = validated(serializer, request.data)
         instance = service(instance=self.get_object(), actor=request.user, **data)
         return Response(EngineInstanceSerializer(instance).data)
 
-    @extend_schema(request=ReasonSerializer, responses=EngineInstanceSerializer, description="ready → draining.")
+    @extend_schema(
+        request=DrainSerializer,
+        responses=EngineInstanceSerializer,
+        description="ready → draining; a decode worker's requests migrate to others after grace_s.",
+    )
     @action(detail=True, methods=["post"])
     def drain(self, request, pk=None):
-        return self._transition(request, services.instance_drain)
+        return self._transition(request, services.instance_drain, DrainSerializer)
 
     @extend_schema(request=ReasonSerializer, responses=EngineInstanceSerializer, description="→ stopped.")
     @action(detail=True, methods=["post"])

@@ -5,11 +5,12 @@ Workers: one prefill and one decode worker by default (`--prefill N --decode M` 
 bound: the autoscaler (on the supervisor's timer) and operators add workers up to a pool's max, started
 by the local node agent, also on the supervisor's timer.
 
-The KV store: with the in-process ("memory") index only one process may use the store, so
-`--workers` must be 1 and `--prefill` 1; decode workers then run without the store (the prefill
-worker stores every prompt's blocks; the blocks decode completes are not stored). With the Redis
-index every worker uses the store, decode workers persisting the blocks they complete, and the
-gateway reads the index to weigh each request's prefill work by its hit length.
+The KV store: every worker uses it, decode workers persisting the blocks they complete and
+checkpointing their requests beside them, so a decode worker that dies has its requests resumed on
+another from the store. With the in-process ("memory") index each worker indexes what it wrote
+and read, and looks for a block it does not know in the shared directory (workers.kvstore.store);
+the first worker's GC evicts the blocks its index knows. With the Redis index the workers share
+one index, and the gateway reads it to weigh each request's prefill work by its hit length.
 """
 
 import argparse
@@ -85,14 +86,6 @@ class Command(BaseCommand):
         if no_kv_store:
             engine = replace(engine, kv_store=None)
         shared_index = kv_store_index != "memory"
-        # Who uses the store: every worker with a shared index; with a process-local one, the only
-        # mixed or prefill worker (decode workers go without).
-        store_users = [role for role in roles if role != "decode"]
-        if not no_kv_store and not shared_index and len(store_users) > 1:
-            raise CommandError(
-                f"{len(store_users)} {store_users[0]} workers share one KV store only through the Redis index: "
-                "pass --kv-store-index redis://127.0.0.1:6379/0 (or --no-kv-store)"
-            )
         # A step-time model fitted on this machine (python -m bench.fit_cost_model) plans prefill steps
         # and routing; without one the gateway routes by a nominal model and steps have no time budget.
         fitted = Path(settings.VAR_DIR) / "cost_model.json"
@@ -100,10 +93,8 @@ class Command(BaseCommand):
             engine = replace(
                 engine, cost_model=str(fitted), step_budget_ms=engine.step_budget_ms or STEP_BUDGET_S * 1000
             )
-        # Decode workers go without a process-local store, and run their steps unbudgeted.
-        decode_engine = replace(
-            engine, kv_store=engine.kv_store if shared_index else None, cost_model=None, step_budget_ms=None
-        )
+        # Decode workers run their steps unbudgeted.
+        decode_engine = replace(engine, cost_model=None, step_budget_ms=None)
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
         resolve_model(model, progress=True)
         runtime = Path(tempfile.mkdtemp(prefix="sluice-"))

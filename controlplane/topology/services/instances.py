@@ -60,18 +60,30 @@ def _request_transition(
 
 @transaction.atomic
 def instance_drain(
-    *, instance: EngineInstance, actor: Any, reason: str = "", now: datetime | None = None
+    *,
+    instance: EngineInstance,
+    actor: Any,
+    reason: str = "",
+    grace_s: float | None = None,
+    now: datetime | None = None,
 ) -> EngineInstance:
-    """ready → draining: the worker finishes what it has and takes nothing new; stopped once drained."""
-    return _request_transition(
-        instance=instance,
-        to_state=InstanceState.DRAINING,
+    """ready → draining: the worker takes nothing new and finishes what it has; a decode worker
+    streams for `grace_s` (default: its pool's drain_grace_s), then migrates its unfinished requests
+    to other decode workers. Stopped once drained."""
+    locked = _locked_instance(instance.pk)
+    grace_s = locked.pool.drain_grace_s if grace_s is None else grace_s
+    from_state = transition_locked(locked, InstanceState.DRAINING)
+    scaling_event_record(
         action=ScalingAction.INSTANCE_DRAIN_REQUESTED,
-        task=tasks.instance_drain_task,
         actor=actor,
         reason=reason,
+        instance=locked,
+        before={"state": from_state},
+        after={"state": InstanceState.DRAINING, "grace_s": grace_s},
         now=now,
     )
+    queue_task(tasks.instance_drain_task, locked.pk, grace_s)
+    return locked
 
 
 @transaction.atomic
@@ -203,11 +215,14 @@ def instance_record_heartbeat(
     at: datetime,
     max_num_seqs: int = 0,
     kv_capacity_tokens: int = 0,
+    num_migrated_out: int = 0,
+    num_migrations_failed: int = 0,
 ) -> EngineInstance | None:
     """Updates an instance's load from its heartbeat; None for a worker that has not registered.
 
-    Worker states: "drained" moves a draining instance to stopped; "ready" brings a starting or
-    failed instance back to ready. Load alone is written at most once per HEARTBEAT_WRITE_INTERVAL.
+    Worker states: "drained" moves a draining instance to stopped (recording the requests it
+    migrated, `num_migrated_out` and `num_migrations_failed`); "ready" brings a starting or failed
+    instance back to ready. Load alone is written at most once per HEARTBEAT_WRITE_INTERVAL.
     """
     instance = EngineInstance.objects.filter(worker_id=worker_id).first()
     if instance is None:
@@ -226,7 +241,9 @@ def instance_record_heartbeat(
     comes_back = state == "ready" and instance.state in (InstanceState.STARTING, InstanceState.FAILED)
     if state == "drained" and instance.state == InstanceState.DRAINING:
         EngineInstance.objects.filter(pk=instance.pk).update(**load)
-        instance_mark_drained(instance_id=instance.pk, now=at)
+        instance_mark_drained(
+            instance_id=instance.pk, now=at, num_migrated=num_migrated_out, num_migrations_failed=num_migrations_failed
+        )
     elif comes_back:
         locked = _locked_instance(instance.pk)
         for name, value in load.items():
@@ -252,8 +269,11 @@ def instance_record_heartbeat(
 
 
 @transaction.atomic
-def instance_mark_drained(*, instance_id: int, now: datetime | None = None) -> bool:
-    """The worker reports it drained: draining → stopped (instance_drained, then instance_stopped).
+def instance_mark_drained(
+    *, instance_id: int, now: datetime | None = None, num_migrated: int = 0, num_migrations_failed: int = 0
+) -> bool:
+    """The worker reports it drained: draining → stopped (instance_migrated when it handed requests
+    to other workers, with the counts; then instance_drained and instance_stopped).
 
     Returns False and changes nothing when the instance is no longer draining (already stopped by
     a heartbeat, or resumed meanwhile), so the drain task and heartbeats can both report it.
@@ -262,6 +282,16 @@ def instance_mark_drained(*, instance_id: int, now: datetime | None = None) -> b
     if instance.state != InstanceState.DRAINING:
         return False
     transition_locked(instance, InstanceState.STOPPED)
+    if num_migrated or num_migrations_failed:
+        scaling_event_record(
+            action=ScalingAction.INSTANCE_MIGRATED,
+            actor=None,
+            reason=f"the grace period ended: {num_migrated} requests moved to other decode workers",
+            instance=instance,
+            before={"state": InstanceState.DRAINING},
+            after={"num_migrated": num_migrated, "num_migrations_failed": num_migrations_failed},
+            now=now,
+        )
     for action in (ScalingAction.INSTANCE_DRAINED, ScalingAction.INSTANCE_STOPPED):
         scaling_event_record(
             action=action,
@@ -276,6 +306,34 @@ def instance_mark_drained(*, instance_id: int, now: datetime | None = None) -> b
         # A node agent started it, so that agent ends the idle process.
         queue_node_task(tasks.node_stop_instance_task, node_queue(instance.node.hostname), instance.pk)
     return True
+
+
+@transaction.atomic
+def instance_record_failover(
+    *,
+    worker_id: str,
+    num_resumed: int,
+    num_recomputed_tokens: int,
+    max_recomputed_tokens: int,
+    now: datetime | None = None,
+) -> ScalingEvent | None:
+    """A decode worker resumed `num_resumed` more requests of failed workers (from their checkpoints
+    and the KV store): an instance_failed_over event on it; None for a worker not registered."""
+    instance = EngineInstance.objects.select_related("pool").filter(worker_id=worker_id).first()
+    if instance is None:
+        return None
+    return scaling_event_record(
+        action=ScalingAction.INSTANCE_FAILED_OVER,
+        actor=None,
+        reason=f"resumed {num_resumed} requests of failed decode workers",
+        instance=instance,
+        after={
+            "num_resumed": num_resumed,
+            "num_recomputed_tokens": num_recomputed_tokens,
+            "max_recomputed_tokens": max_recomputed_tokens,
+        },
+        now=now,
+    )
 
 
 @transaction.atomic

@@ -130,11 +130,35 @@ def test_drain_queues_the_drain_task_once_committed(
     # then
     assert response.status_code == 200, response.content
     assert response.json()["state"] == "draining"
+    # The pool's default grace period goes to the worker.
     assert [(callback.func, callback.args) for callback in callbacks] == [
-        (tasks.instance_drain_task.delay, (instance.id,))
+        (tasks.instance_drain_task.delay, (instance.id, 60.0))
     ]
     event = ScalingEvent.objects.filter(action="instance_drain_requested").get()
     assert (event.instance_id, event.reason, event.actor_label) == (instance.id, "maintenance", "operator-user")
+    assert event.after == {"state": "draining", "grace_s": 60.0}
+
+
+def test_a_drain_s_grace_is_the_request_s_or_the_pool_s_and_a_bad_one_changes_nothing(
+    client_as, make_pool, make_instance, django_capture_on_commit_callbacks
+):
+    pool = make_pool()
+    Pool.objects.filter(pk=pool.pk).update(drain_grace_s=5.0)
+    short, default, refused = make_instance(pool, "d0"), make_instance(pool, "d1"), make_instance(pool, "d2")
+    operator = client_as("operator")
+
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        operator.post(f"/api/v1/instances/{short.id}/drain/", {"grace_s": 2})
+        operator.post(f"/api/v1/instances/{default.id}/drain/", {})
+        negative = operator.post(f"/api/v1/instances/{refused.id}/drain/", {"grace_s": -1})
+        text = operator.post(f"/api/v1/instances/{refused.id}/drain/", {"grace_s": "soon"})
+
+    assert [callback.args for callback in callbacks] == [(short.id, 2.0), (default.id, 5.0)]
+    assert "grace_s" in assert_error(negative, 400, "validation_error")["fields"]
+    assert "grace_s" in assert_error(text, 400, "validation_error")["fields"]
+    refused.refresh_from_db()
+    assert refused.state == "ready"
+    assert not ScalingEvent.objects.filter(instance=refused, action="instance_drain_requested").exists()
 
 
 def test_resume_cancels_a_drain_and_stop_stops(client_as, make_pool, make_instance, django_capture_on_commit_callbacks):

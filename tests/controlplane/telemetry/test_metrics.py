@@ -97,6 +97,32 @@ def test_worker_gauges_follow_the_heartbeats(make_heartbeat):
     assert not any(name.startswith(("vllm:num_requests", "vllm:kv_cache", "sluice:")) for name, _ in stopped)
 
 
+def test_decode_workers_report_migrations_failovers_recomputed_tokens_and_recovery_time(make_heartbeat):
+    drained = make_heartbeat("d0", role="decode", pool="decode", num_migrated_out=6, num_migrations_failed=1)
+    survivor = make_heartbeat(
+        "d1",
+        role="decode",
+        pool="decode",
+        num_migrated_in=6,
+        num_resumed=3,
+        num_recomputed_tokens=40,
+        max_recomputed_tokens=16,
+        resume_seconds_total=1.5,
+    )
+    prefill = make_heartbeat("p0", role="prefill", pool="prefill")
+
+    running = samples(exposition([drained, survivor, prefill]).decode())
+
+    assert running[("sluice:migrations_total", (("outcome", "moved"), ("worker", "d0")))] == 6
+    assert running[("sluice:migrations_total", (("outcome", "failed"), ("worker", "d0")))] == 1
+    assert running[("sluice:migrated_in_total", (("worker", "d1"),))] == 6
+    assert running[("sluice:failovers_total", (("worker", "d1"),))] == 3
+    assert running[("sluice:failover_recomputed_tokens_total", (("worker", "d1"),))] == 40
+    assert running[("sluice:failover_max_recomputed_tokens", (("worker", "d1"),))] == 16
+    assert running[("sluice:failover_recovery_seconds_total", (("worker", "d1"),))] == 1.5
+    assert ("sluice:failovers_total", (("worker", "p0"),)) not in running  # only decode workers move requests
+
+
 def test_expert_load_is_declared_and_empty_for_dense_models(make_heartbeat):
     families = {
         family.name: family for family in text_string_to_metric_families(exposition([make_heartbeat()]).decode())

@@ -1,0 +1,108 @@
+"""A request continued on another engine: suspended between decode steps and handed over with its KV
+(a migration), or resumed from its tokens with the KV store's blocks (a failover). Either way the
+tokens are exactly those of an uninterrupted run, sampled ones included, because every sampled
+request is given a seed at admission; a resume recomputes only what the store does not hold."""
+
+import random
+
+import pytest
+
+from tests.workers.engine.hf_reference import TINY_CONFIGS
+from workers.engine import LLM, InvalidRequestError, SamplingParams
+from workers.engine.engine import LLMEngine
+
+BLOCK = 16
+MAX_TOKENS = 40
+PAGES = 1 << 22
+
+
+def engine(store=None) -> LLMEngine:
+    options = {"seed": 0, "kv_cache_bytes": PAGES}
+    if store is not None:
+        options |= {"kv_store": str(store), "kv_block_tokens": BLOCK}
+    return LLM(TINY_CONFIGS["llama"], **options).engine
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(128) for _ in range(length)]
+
+
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    "unseeded": SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3),
+}
+
+
+def run_until(engine: LLMEngine, count: int) -> list[int]:
+    tokens: list[int] = []
+    while len(tokens) < count:
+        for delta in engine.step():
+            tokens.extend(delta.token_ids)
+    return tokens
+
+
+def finish(engine: LLMEngine) -> list[int]:
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens.extend(delta.token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("kind", ["greedy", "unseeded"])
+def test_a_request_migrated_between_decode_steps_continues_exactly(kind):
+    reference = engine()
+    reference.add_request("r", prompt(21, 1), PARAMS[kind])
+    expected = finish(reference)
+
+    source, target = engine(), engine()
+    source.add_request("r", prompt(21, 1), PARAMS[kind])
+    before = run_until(source, 9)
+    suspended = source.suspend_for_migration("r")
+    assert suspended is not None and suspended.finish_reason == "transfer" and suspended.token_ids == []
+    target.add_prefilled_request(source.export_kv("r").materialized())
+    assert source.release_transfer("r") and not source.has_unfinished()
+
+    assert before + finish(target) == expected
+    assert target.runner.num_computed_tokens == MAX_TOKENS - len(before)  # one new token a step, no recompute
+
+
+@pytest.mark.parametrize("kind", ["greedy", "unseeded"])
+def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recomputing_at_most_a_block(kind, tmp_path):
+    lost = engine(tmp_path)
+    lost.add_request("r", prompt(37, 2), PARAMS[kind])
+    params = lost.requests["r"].params  # with the seed it was given at admission: what its checkpoint carries
+    assert params.seed is not None or kind == "greedy"
+    expected = finish(lost)
+    lost.close()  # its blocks are in the store now
+    delivered = expected[:29]
+
+    survivor = engine(tmp_path)
+    survivor.add_resumed_request("r2", prompt(37, 2), delivered, params)
+    rest = finish(survivor)
+
+    assert delivered + rest == expected
+    stats = survivor.resume_stats
+    assert stats.num_resumed == 1
+    assert 0 < stats.max_recomputed_tokens <= BLOCK
+
+
+def test_a_resume_is_refused_for_tokens_outside_the_vocabulary_a_finished_request_or_an_unseeded_sampler():
+    survivor = engine()
+    with pytest.raises(InvalidRequestError, match="output tokens"):
+        survivor.add_resumed_request("a", [1, 2], [1, 10**6], PARAMS["greedy"])
+    with pytest.raises(InvalidRequestError, match="already has"):
+        survivor.add_resumed_request("b", [1, 2], [3] * MAX_TOKENS, PARAMS["greedy"])
+    with pytest.raises(InvalidRequestError, match="without a seed"):
+        survivor.add_resumed_request("c", [1, 2], [3], PARAMS["unseeded"])
+    assert not survivor.has_unfinished()
+
+
+def test_only_a_request_between_decode_steps_can_be_suspended():
+    source = engine()
+    source.add_request("r", prompt(21, 1), PARAMS["greedy"])
+    assert source.suspend_for_migration("r") is None  # waiting: not yet prefilled
+    assert source.suspend_for_migration("unknown") is None
+    run_until(source, 1)
+    assert source.suspend_for_migration("r") is not None
