@@ -180,6 +180,8 @@ class ScalingAction(models.TextChoices):
     # A decode instance resumed requests of a failed one from their checkpoints and the KV store.
     INSTANCE_FAILED_OVER = "instance_failed_over"
     EP_LAYOUT_APPLIED = "ep_layout_applied"
+    # An expert-parallel instance lost a rank and re-formed its group from the survivors.
+    EP_RESIZED = "ep_resized"
     CONTROL_FAILED = "control_failed"
     # Node agents: an instance asked of a node, its process started, its process gone.
     INSTANCE_START_REQUESTED = "instance_start_requested"

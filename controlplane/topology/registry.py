@@ -26,6 +26,8 @@ class TopologyRecorder:
         self.heartbeat_timeout = timedelta(seconds=heartbeat_timeout_s)
         # Each worker's resumed-request count as last recorded: a rise is a failover to record.
         self.num_resumed: dict[str, int] = {}
+        # Each worker's last EP resize recorded (its time.time()): a later one is a resize to record.
+        self.ep_resized_at: dict[str, float] = {}
 
     def on_register(self, registration: WorkerRegistration) -> str | None:
         close_old_connections()
@@ -74,6 +76,14 @@ class TopologyRecorder:
                 max_recomputed_tokens=heartbeat.max_recomputed_tokens,
             )
         self.num_resumed[heartbeat.worker_id] = heartbeat.num_resumed
+        if heartbeat.ep_resized_at > self.ep_resized_at.get(heartbeat.worker_id, 0.0):
+            services.instance_record_ep_resize(
+                worker_id=heartbeat.worker_id,
+                ep_size=heartbeat.ep_size,
+                resized_at=heartbeat.ep_resized_at,
+                reason=heartbeat.ep_resize_reason,
+            )
+            self.ep_resized_at[heartbeat.worker_id] = heartbeat.ep_resized_at
 
     def on_silence(self, worker_id: str) -> None:
         self.fail_silent()

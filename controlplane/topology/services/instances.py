@@ -337,6 +337,34 @@ def instance_record_failover(
 
 
 @transaction.atomic
+def instance_record_ep_resize(
+    *, worker_id: str, ep_size: int, resized_at: float, reason: str, now: datetime | None = None
+) -> ScalingEvent | None:
+    """An expert-parallel worker re-formed its group with `ep_size` ranks at `resized_at` (its
+    time.time()): the instance's new size and an ep_resized event, once per resize (a restarted
+    registry hears the same resize again); None for a worker not registered or a resize on record."""
+    instance = EngineInstance.objects.select_for_update().filter(worker_id=worker_id).first()
+    if (
+        instance is None
+        or instance.events.filter(action=ScalingAction.EP_RESIZED, after__resized_at=resized_at).exists()
+    ):
+        return None
+    before = {"ep_size": instance.ep_size}
+    instance.ep_size = ep_size
+    instance.save(update_fields=["ep_size"])
+    return scaling_event_record(
+        action=ScalingAction.EP_RESIZED,
+        actor=None,
+        reason=reason or "the EP group re-formed",
+        instance=instance,
+        pool=instance.pool,
+        before=before,
+        after={"ep_size": ep_size, "resized_at": resized_at},
+        now=now,
+    )
+
+
+@transaction.atomic
 def instance_mark_stopped(*, instance_id: int, now: datetime | None = None) -> None:
     """The worker acknowledged its shutdown (the state became stopped when the stop was requested)."""
     instance = _locked_instance(instance_id)

@@ -7,8 +7,10 @@ from django.utils import timezone
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.topology import tasks
 from controlplane.topology.models import ALLOWED_TRANSITIONS, EngineInstance, InstanceState, Node, ScalingEvent
+from controlplane.topology.registry import TopologyRecorder
 from controlplane.topology.services import (
     instance_drain,
+    instance_record_ep_resize,
     instance_record_failover,
     instance_record_heartbeat,
     instance_register,
@@ -17,6 +19,7 @@ from controlplane.topology.services import (
     instances_fail_silent,
     topology_ensure_local,
 )
+from workers.protocol import WorkerHeartbeat
 
 NOW = timezone.now().replace(microsecond=0)
 
@@ -278,3 +281,53 @@ def test_ensure_local_refuses_a_pool_of_another_kind(db):
 
     with pytest.raises(DomainValidationError):
         topology_ensure_local(hostname="laptop", model="m", pools=[("decode", "prefill", 1)])
+
+
+def test_an_ep_resize_is_recorded_once_with_the_new_size(make_instance):
+    instance = make_instance()
+    instance.ep_size = 4
+    instance.save(update_fields=["ep_size"])
+
+    event = instance_record_ep_resize(
+        worker_id=instance.worker_id, ep_size=3, resized_at=1234.5, reason="rank 2 died", now=NOW
+    )
+    again = instance_record_ep_resize(worker_id=instance.worker_id, ep_size=3, resized_at=1234.5, reason="rank 2 died")
+
+    assert event.action == "ep_resized" and event.reason == "rank 2 died"
+    assert (event.before, event.after) == ({"ep_size": 4}, {"ep_size": 3, "resized_at": 1234.5})
+    assert again is None and instance.events.filter(action="ep_resized").count() == 1
+    instance.refresh_from_db()
+    assert instance.ep_size == 3
+    assert instance_record_ep_resize(worker_id="stranger", ep_size=1, resized_at=1.0, reason="") is None
+
+
+# The recorder closes connections the database dropped, which a test transaction cannot survive.
+@pytest.mark.django_db(transaction=True)
+def test_the_registry_records_a_resize_a_worker_heartbeats_once(make_instance):
+    instance = make_instance()
+    recorder = TopologyRecorder(heartbeat_timeout_s=10.0)
+    fields = {
+        "role": "mixed",
+        "model": "tiny",
+        "request_endpoint": instance.request_endpoint,
+        "max_model_len": 256,
+        "num_running": 1,
+        "num_waiting": 0,
+        "kv_usage": 0.0,
+        "num_free_pages": 10,
+        "num_prompt_tokens": 0,
+        "num_cached_prompt_tokens": 0,
+        "num_preemptions": 0,
+        "sent_at": 0.0,
+    }
+
+    recorder.on_heartbeat(WorkerHeartbeat(worker_id=instance.worker_id, ep_size=4, **fields))
+    for _ in range(2):
+        recorder.on_heartbeat(
+            WorkerHeartbeat(
+                worker_id=instance.worker_id, ep_size=3, ep_resized_at=99.0, ep_resize_reason="rank 1 died", **fields
+            )
+        )
+
+    resizes = list(instance.events.filter(action="ep_resized"))
+    assert [(event.after["ep_size"], event.reason) for event in resizes] == [(3, "rank 1 died")]
