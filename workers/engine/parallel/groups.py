@@ -69,6 +69,9 @@ def join_group(
         raise ValueError(f"rank {rank} is outside a group of {size}")
     if (rank == 0) != (rendezvous is not None):
         raise ValueError("rank 0, and only rank 0, hosts the rendezvous")
+    if device.type == "cuda" and device.index is None:
+        # NCCL binds the process to one GPU, and torch.cuda.set_device wants its index.
+        device = torch.device("cuda", torch.cuda.current_device())
     if size == 1 and device.type != "cuda":
         return EPGroup(rank=0, size=1, device=device, process_group=None)
     store = rendezvous.store if rendezvous is not None else dist.TCPStore(HOST, port, size, timeout=GROUP_TIMEOUT)
