@@ -21,8 +21,8 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import connections
 
+from controlplane.common.connections import close_stale_connections
 from controlplane.gateway.engine import engine_client
 from controlplane.telemetry import live
 from controlplane.telemetry.expert_loads import ExpertLoadWindow
@@ -167,17 +167,11 @@ def _in_tidy_connection(work: Callable[..., Any], **kwargs: Any) -> Any:
     """Runs database work the way a request would: the collector is no request, so nothing else
     drops its thread's connection once it is broken or past CONN_MAX_AGE. A connection inside a
     transaction is someone else's (a test's) and is left alone."""
-    _close_stale_connections()
+    close_stale_connections()
     try:
         return work(**kwargs)
     finally:
-        _close_stale_connections()
-
-
-def _close_stale_connections() -> None:
-    for connection in connections.all(initialized_only=True):
-        if not connection.in_atomic_block:
-            connection.close_if_unusable_or_obsolete()
+        close_stale_connections()
 
 
 # The collector runs on the loop that started it, like the gateway's EngineClient (engine.py): a
