@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the accelerator machine (no network): install the wheels carried in .whl/, run the GPU tests,
 # time decode attention per keys-per-split and the fused MoE layer against the per-expert loop, the
-# EP layer's dispatch and combine (one rank, NCCL) against the plain fused op,
+# EP layer's dispatch and combine (one rank, NCCL) against the plain fused op, a KV handoff between
+# two processes on the GPU (through host memory vs CUDA IPC),
 # profile decode steps, the engine throughput table against HF, and fit the cost model (prefill and
 # decode steps). Writes JSON and logs to $OUT (or ./bench-out).
 #
@@ -9,10 +10,10 @@
 #   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any)
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
-# STEPS (default "tests attention moe ep profile throughput fit") picks what runs.
+# STEPS (default "tests attention moe ep handoff profile throughput fit") picks what runs.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention moe ep profile throughput fit}
+steps=${STEPS:-tests attention moe ep handoff profile throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -34,6 +35,9 @@ if has moe; then
 fi
 if has ep; then
   python3 -m bench.ep_layer | tee "$out/ep_layer_h200.json"
+fi
+if has handoff; then
+  python3 -m bench.kv_handoff | tee "$out/kv_handoff_h200.json" || echo "KV HANDOFF BENCHMARK FAILED"
 fi
 if has profile; then
   for batch in 1 64 256; do
