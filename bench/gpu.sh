@@ -7,7 +7,7 @@
 # decode steps). Writes JSON and logs to $OUT (or ./bench-out).
 #
 # Wheels to carry in .whl/ (the machine's image lacks them; see the device tool's README for how):
-#   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any)
+#   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any), pyzmq==27.3.0 (cp312 abi3 manylinux)
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
 # STEPS (default "tests attention moe ep handoff profile throughput fit") picks what runs.
@@ -15,7 +15,7 @@ set -euo pipefail
 out=${OUT:-bench-out}
 steps=${STEPS:-tests attention moe ep handoff profile throughput fit}
 mkdir -p "$out"
-for wheel in msgspec gguf; do
+for wheel in msgspec gguf pyzmq; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

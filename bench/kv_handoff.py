@@ -10,7 +10,7 @@ filled from a seeded generator so the receiver can check every byte it got.
   and ZMQ carries the frames over ipc:// to a `HandoffAssembler`, which rebuilds the handoff; the
   receiver then copies each layer onto its GPU.
 - `cuda_ipc`: the sender shares one staging buffer with the receiver once, at start-up (a CUDA IPC
-  handle, opened once: the first open is timed apart as `cuda_ipc_open_s`); per transfer it copies
+  handle, opened once: `cuda_ipc_setup_s`, which also holds the sender's start-up); per transfer it copies
   the layers into the staging buffer on the device and says so over ZMQ, and the receiver copies
   them out into its own memory, device to device, and acknowledges.
 A transfer's time runs from the sender's start to the receiver holding the last layer on its GPU
@@ -168,7 +168,7 @@ def main() -> None:
             row[f"{mode}_s"] = round(median, 5)
             row[f"{mode}_gb_s"] = round(nbytes / median / 1e9, 2)
             if open_s is not None:
-                row["cuda_ipc_open_s"] = round(open_s, 4)
+                row["cuda_ipc_setup_s"] = round(open_s, 4)
         row["host_over_cuda_ipc"] = round(row["host_s"] / row["cuda_ipc_s"], 2)
         rows.append(row)
     print(
