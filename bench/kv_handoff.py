@@ -106,11 +106,11 @@ def _receive(mode: str, shape, tokens: int, runs: int, address: str, queue) -> l
     pull.bind(address)
     layers, heads, head_dim = shape
     own = torch.empty((layers, 2, heads, tokens, head_dim), dtype=DTYPE, device=device)
-    staging, open_s = None, None
+    staging, setup_s = None, None
     if mode == "cuda_ipc":
         began = time.monotonic()
         staging = queue.get()
-        open_s = time.monotonic() - began
+        setup_s = time.monotonic() - began
     seconds = []
     for run in range(runs):
         pull.send(b"ready")
@@ -133,7 +133,7 @@ def _receive(mode: str, shape, tokens: int, runs: int, address: str, queue) -> l
             raise AssertionError(f"{mode}: run {run} received KV that differs from what was sent")
     pull.close(linger=0)
     context.term()
-    return seconds if open_s is None else [open_s, *seconds]
+    return seconds if setup_s is None else [setup_s, *seconds]
 
 
 def measure(mode: str, shape, tokens: int, runs: int, address: str) -> tuple[list[float], float | None]:
@@ -163,12 +163,12 @@ def main() -> None:
         nbytes = layers * 2 * heads * args.tokens * head_dim * DTYPE.itemsize
         row = {"model_shape": name, "layers": layers, "kv_heads": heads, "head_dim": head_dim, "kv_bytes": nbytes}
         for mode in ("host", "cuda_ipc"):
-            seconds, open_s = measure(mode, shape, args.tokens, args.runs, f"ipc:///tmp/sluice-kv-handoff-{mode}")
+            seconds, setup_s = measure(mode, shape, args.tokens, args.runs, f"ipc:///tmp/sluice-kv-handoff-{mode}")
             median = statistics.median(seconds)
             row[f"{mode}_s"] = round(median, 5)
             row[f"{mode}_gb_s"] = round(nbytes / median / 1e9, 2)
-            if open_s is not None:
-                row["cuda_ipc_setup_s"] = round(open_s, 4)
+            if setup_s is not None:
+                row["cuda_ipc_setup_s"] = round(setup_s, 4)
         row["host_over_cuda_ipc"] = round(row["host_s"] / row["cuda_ipc_s"], 2)
         rows.append(row)
     print(
