@@ -240,3 +240,30 @@ def documentation_problems(compose_path: Path, env_example: Path, readme: Path, 
     for variable in sorted(compose_variables(compose_path) - set(read_env_file(env_example))):
         problems.append(f"docker/.env.example lacks {variable}")
     return problems
+
+
+def endpoint_problems(compose: dict) -> list[str]:
+    """The gateways' SLUICE_WORKER_ENDPOINTS are what the workers advertise (a wildcard bind under the
+    container's hostname, as workers.worker.server.connectable_endpoint writes it), and every
+    --registry-endpoint / SLUICE_REGISTRY_ENDPOINT names the registry's bind the same way."""
+    advertised, registries, problems = set(), set(), []
+    for service in _sluice_services(compose).values():
+        argv, host = service.get("command") or [], service.get("hostname", "")
+        flags = dict(arg.split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+        if "run_worker" in argv:
+            pair = tuple(flags[f"--{kind}-endpoint"].replace("*", host) for kind in ("request", "heartbeat"))
+            advertised.add("|".join(pair))
+        if "run_registry" in argv:
+            registries.add(flags["--endpoint"].replace("*", host))
+    for name, service in _sluice_services(compose).items():
+        env = service.get("environment") or {}
+        flags = dict(arg.split("=", 1) for arg in service.get("command") or [] if arg.startswith("--") and "=" in arg)
+        for pair in filter(None, env.get("SLUICE_WORKER_ENDPOINTS", "").split(",")):
+            if pair not in advertised:
+                problems.append(
+                    f"{name}: SLUICE_WORKER_ENDPOINTS names {pair}, which no worker advertises {advertised}"
+                )
+        for registry in filter(None, [flags.get("--registry-endpoint"), env.get("SLUICE_REGISTRY_ENDPOINT")]):
+            if registry not in registries:
+                problems.append(f"{name}: registers at {registry}, but the registry binds {registries}")
+    return problems

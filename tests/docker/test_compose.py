@@ -84,3 +84,14 @@ def test_a_copy_of_a_missing_folder_is_caught(tmp_path, read):
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text((DOCKER / "Dockerfile").read_text().replace("COPY recipe recipe", "COPY recipes recipes"))
     assert checks.dockerfile_problems(dockerfile, read) == ["Dockerfile: COPY recipes: no such file in the repository"]
+
+
+def test_gateways_and_workers_agree_on_endpoints(compose):
+    assert checks.endpoint_problems(compose) == []
+
+
+def test_a_worker_endpoint_no_worker_advertises_is_caught(compose):
+    broken = copy.deepcopy(compose)
+    broken["services"]["decode-0"]["hostname"] = "decoder-0"
+    problems = checks.endpoint_problems(broken)
+    assert any(p.startswith("gateway-0: SLUICE_WORKER_ENDPOINTS names tcp://decode-0:7100|") for p in problems)
