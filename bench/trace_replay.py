@@ -2,6 +2,12 @@
 
     python -m bench.trace_replay --trace /work/shared/data/mooncake_synthetic_trace.jsonl \\
         --capacity-blocks 2007 --policy best [--block-tokens 512]
+    python -m bench.trace_replay --trace FILE --policies all [--capacity-shares 0.05,0.1] [--cost-blocks 20000]
+
+The second form (comparison mode) replays every named policy and Belady at each share of the trace's
+unique blocks and adds, per policy, the cost of one eviction ranking per block in microseconds over
+`--cost-blocks` entries: in-process `MemoryIndex`, and `RedisIndex` on `--redis-url` (DB 9, a unique
+prefix deleted afterwards), where reading the snapshot dominates.
 
 Each trace line has `timestamp` (ms), `input_length` and `hash_ids`: chained ids of the prompt's
 512-token blocks (equal id = same prefix up to and including that block; the last id may cover a
@@ -38,15 +44,18 @@ import argparse
 import heapq
 import json
 import math
+import random
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from workers.block_hash import BlockHash
-from workers.kvstore.eviction import get_policy
+from workers.kvstore.eviction import POLICIES, get_policy
 from workers.kvstore.gc import GarbageCollector
-from workers.kvstore.index import BlockEntry
+from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
+from workers.kvstore.redis_index import RedisIndex
 from workers.kvstore.ttl import TTLPolicy
 
 TRACE_BLOCK_TOKENS = 512
@@ -186,15 +195,103 @@ def run(trace: Path, capacity_blocks: int, policy: str, block_tokens: int) -> di
     }
 
 
+def run_all(trace: Path, policies: list[str], shares: list[float], block_tokens: int) -> dict[str, object]:
+    """Every policy in `policies` beside Belady at each capacity share of the trace's unique blocks."""
+    for name in policies:
+        get_policy(name)
+    if not shares or not all(0 < share <= 1 for share in shares):
+        raise ValueError(f"--capacity-shares must be fractions in (0, 1], got {shares}")
+    chains = load_chains(trace, block_tokens)
+    unique = len({key for _, keys in chains for key in keys})
+    capacities = []
+    for share in shares:
+        capacity = max(1, round(share * unique))
+        belady = replay_belady(chains, capacity)
+        rates = {name: replay_policy(chains, capacity, name) for name in policies}
+        capacities.append(
+            {
+                "share": share,
+                "capacity_blocks": capacity,
+                "belady_hit_rate": belady,
+                "policies": {
+                    name: {"hit_rate": rate, "ratio_to_belady": rate / belady if belady else None}
+                    for name, rate in rates.items()
+                },
+            }
+        )
+    return {
+        "trace": trace.name,
+        "block_tokens": block_tokens,
+        "requests": len(chains),
+        "unique_blocks": unique,
+        "oracle_hit_rate": replay_oracle(chains),
+        "capacities": capacities,
+    }
+
+
+def policy_cost_us(index: BlockIndex, policy: str, blocks: int) -> float:
+    """Microseconds per block of one eviction ranking over `blocks` entries of `index` (which it
+    fills): the snapshot read from the index plus the policy's ranking, freeing a tenth of them."""
+    rng = random.Random(0)
+    now = 1_000_000.0
+    index.add(
+        [
+            BlockEntry(
+                key=i.to_bytes(16, "little"),
+                size=1,
+                traffic_class="chat",
+                depth=i % 64,
+                created_at=now - rng.uniform(0, 3600),
+                last_access=now - rng.uniform(0, 60),
+                hit_count=rng.randrange(4),
+            )
+            for i in range(blocks)
+        ]
+    )
+    started = time.perf_counter()
+    get_policy(policy).select_victims(index.entries(), blocks // 10, now)
+    return (time.perf_counter() - started) / blocks * 1e6
+
+
+def policy_costs(policies: list[str], blocks: int, redis_url: str) -> dict[str, dict[str, float]]:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    costs = {}
+    for name in policies:
+        prefix = f"bench:trace_replay:{uuid.uuid4().hex}"
+        try:
+            redis_cost = policy_cost_us(RedisIndex(client, prefix), name, blocks)
+        finally:
+            if names := list(client.scan_iter(match=f"{prefix}:*", count=1000)):
+                client.delete(*names)
+        costs[name] = {"memory_index_us": policy_cost_us(MemoryIndex(), name, blocks), "redis_index_us": redis_cost}
+    client.close()
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--capacity-blocks", type=int, required=True, help="store capacity in blocks")
-    parser.add_argument("--policy", required=True, help="eviction policy name: lru, slru, best")
+    parser.add_argument("--capacity-blocks", type=int, help="store capacity in blocks (one policy vs LRU)")
+    parser.add_argument("--policy", help=f"eviction policy name: {', '.join(POLICIES)}")
+    parser.add_argument("--policies", help="comparison mode: comma-separated policy names, or 'all'")
+    parser.add_argument("--capacity-shares", default="0.05,0.1", help="comparison mode: shares of unique blocks")
+    parser.add_argument("--cost-blocks", type=int, default=20000, help="entries to time a ranking over (0: skip)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/9", help="comparison mode: Redis for the cost")
     parser.add_argument("--block-tokens", type=int, default=TRACE_BLOCK_TOKENS, help="divisor or multiple of 512")
     args = parser.parse_args()
     try:
-        result = run(args.trace, args.capacity_blocks, args.policy, args.block_tokens)
+        if args.policies:
+            policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
+            shares = [float(share) for share in args.capacity_shares.split(",")]
+            result = run_all(args.trace, policies, shares, args.block_tokens)
+            if args.cost_blocks > 0:
+                result["cost_per_block"] = policy_costs(policies, args.cost_blocks, args.redis_url)
+        elif args.capacity_blocks is None or args.policy is None:
+            parser.error("give --capacity-blocks and --policy, or --policies")
+        else:
+            result = run(args.trace, args.capacity_blocks, args.policy, args.block_tokens)
     except ValueError as error:
         parser.error(str(error))
     print(json.dumps(result))

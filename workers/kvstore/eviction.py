@@ -49,9 +49,11 @@ class Snapshot:
         self.entries = list(entries)
         count = len(self.entries)
         self.last_access = np.fromiter((entry.last_access for entry in self.entries), np.float64, count)
+        self.created_at = np.fromiter((entry.created_at for entry in self.entries), np.float64, count)
         self.depth = np.fromiter((entry.depth for entry in self.entries), np.int64, count)
         self.hit_count = np.fromiter((entry.hit_count for entry in self.entries), np.int64, count)
         self.size = np.fromiter((entry.size for entry in self.entries), np.int64, count)
+        self.retain_until = np.fromiter((entry.retain_until for entry in self.entries), np.float64, count)
 
     def lru_order(self, *, last: np.ndarray | None = None) -> np.ndarray:
         """Indices least recently accessed first, deepest first among equals; entries flagged in
@@ -59,25 +61,39 @@ class Snapshot:
         keys = (-self.depth, self.last_access) if last is None else (-self.depth, self.last_access, last)
         return np.lexsort(keys)
 
-    def take(self, order: np.ndarray, bytes_to_free: int) -> list[BlockEntry]:
-        """The shortest head of `order` whose sizes reach `bytes_to_free` (all of it if they can't)."""
+    def score_order(self, score: np.ndarray) -> np.ndarray:
+        """Indices lowest `score` first, deepest first among equals."""
+        return np.lexsort((-self.depth, score))
+
+    def take(self, order: np.ndarray, bytes_to_free: int, now: float) -> list[BlockEntry]:
+        """The shortest head of `order` whose sizes reach `bytes_to_free` (all of it if they can't),
+        after moving blocks with a live retention hint (retain_until > now) behind all the others,
+        each group keeping its order."""
         if bytes_to_free <= 0:
             return []
+        order = order[np.argsort(self.retain_until[order] > now, kind="stable")]
         count = int(np.searchsorted(np.cumsum(self.size[order]), bytes_to_free)) + 1
         return [self.entries[i] for i in order[:count]]
 
 
 class EvictionPolicy(ABC):
-    @abstractmethod
     def select_victims(self, entries: Iterable[BlockEntry], bytes_to_free: int, now: float) -> list[BlockEntry]:
         """The entries to remove, in eviction order: the fewest whose sizes reach `bytes_to_free`
-        (every entry when all of them together are smaller)."""
+        (every entry when all of them together are smaller). Blocks with a live retention hint go
+        only after every block without one, whatever the policy."""
+        snapshot = Snapshot(entries)
+        if not snapshot.entries:
+            return []
+        return snapshot.take(self.order(snapshot, bytes_to_free, now), bytes_to_free, now)
+
+    @abstractmethod
+    def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
+        """Indices of the snapshot's entries, first victim first."""
 
 
 class LRUPolicy(EvictionPolicy):
-    def select_victims(self, entries: Iterable[BlockEntry], bytes_to_free: int, now: float) -> list[BlockEntry]:
-        snapshot = Snapshot(entries)
-        return snapshot.take(snapshot.lru_order(), bytes_to_free)
+    def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
+        return snapshot.lru_order()
 
 
 class SegmentedLRUPolicy(EvictionPolicy):
@@ -86,8 +102,7 @@ class SegmentedLRUPolicy(EvictionPolicy):
             raise ValueError(f"protected_share must be in [0, 1), got {protected_share}")
         self.protected_share = protected_share
 
-    def select_victims(self, entries: Iterable[BlockEntry], bytes_to_free: int, now: float) -> list[BlockEntry]:
-        snapshot = Snapshot(entries)
+    def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
         protected = np.flatnonzero(snapshot.hit_count > 0)
         # Most recent first, shallowest first among equals: the order in which protected blocks fill the cap.
         protected = protected[np.lexsort((snapshot.depth[protected], -snapshot.last_access[protected]))]
@@ -96,18 +111,71 @@ class SegmentedLRUPolicy(EvictionPolicy):
         kept[protected[np.cumsum(snapshot.size[protected]) <= budget]] = True
         # Blocks within the cap go last. The rest always covers bytes_to_free, since the cap is a share
         # of what stays, so these fall only when everything must go.
-        return snapshot.take(snapshot.lru_order(last=kept), bytes_to_free)
+        return snapshot.lru_order(last=kept)
+
+
+def _mean_idle(snapshot: Snapshot, now: float) -> float:
+    """The snapshot's mean time since last access: the store's own time scale, so that a policy
+    weighs recency against frequency the same way at any load and capacity."""
+    return max(float(np.mean(now - snapshot.last_access)), 1e-9)
+
+
+class GDSFPolicy(EvictionPolicy):
+    """Greedy-dual-size-frequency with aging, stateless: priority = accesses / size in units of the
+    mean block size, minus idle time in units of the snapshot's mean idle time (the aging that
+    GDSF's inflation value L provides, read from the clock instead of from past evictions)."""
+
+    def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
+        frequency = (snapshot.hit_count + 1) * (float(snapshot.size.mean()) / snapshot.size)
+        return snapshot.score_order(frequency - (now - snapshot.last_access) / _mean_idle(snapshot, now))
+
+
+class LogFrequencyLRUPolicy(EvictionPolicy):
+    """Recency plus log-frequency, leaf first: priority = log2(1 + hit count) minus idle time in units
+    of the snapshot's mean idle time. A chain written together has children no more recent and no
+    more hit than their parents, so with deepest-first ties leaves go before the prefixes they extend."""
+
+    def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
+        score = np.log2(1 + snapshot.hit_count) - (now - snapshot.last_access) / _mean_idle(snapshot, now)
+        return snapshot.score_order(score)
+
+
+class ReuseIntervalPolicy(EvictionPolicy):
+    """`reuse_interval`, an experiment that does not beat `slru` yet: evict the block whose next use
+    is predicted furthest away (an online Belady).
+
+    Prediction from the entry alone: a block hit h times since it was written has a mean interval
+    (last access - created) / h between uses; its next use is expected no sooner than that interval
+    and no sooner than it has already been idle (reuse gaps are heavy tailed: the longer a block sat
+    unused, the longer it is likely to sit), so the predicted distance is max(interval, idle). A
+    never-hit block has no interval of its own; it gets the snapshot's median first-reuse interval
+    (created -> last access of the blocks hit exactly once) added to its idle time, because fewer of
+    the never-hit blocks are ever used again (a request's unique tail, a one-off document) and a
+    new block must prove reuse before it may displace one that has.
+    """
+
+    def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
+        idle = now - snapshot.last_access
+        hits = snapshot.hit_count
+        interval = (snapshot.last_access - snapshot.created_at) / np.maximum(hits, 1)
+        once = hits == 1
+        first_reuse = float(np.median(interval[once])) if once.any() else float(np.mean(idle))
+        distance = np.where(hits > 0, np.maximum(interval, idle), idle + first_reuse)
+        return snapshot.score_order(-distance)
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "slru": SegmentedLRUPolicy,
+    "gdsf": GDSFPolicy,
+    "lru_logfreq": LogFrequencyLRUPolicy,
+    "reuse_interval": ReuseIntervalPolicy,
     "best": SegmentedLRUPolicy,
 }
 
 
 def get_policy(name: str) -> EvictionPolicy:
-    """A new policy with its default settings, by name: "lru", "slru" or "best" (= the best we have)."""
+    """A new policy with its default settings, by name: one of `POLICIES` ("best" = the best we have)."""
     factory = POLICIES.get(name)
     if factory is None:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -29,6 +29,7 @@ class BlockEntry(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
     last_access: float
     hit_count: int = 0
+    retain_until: float = 0.0  # a client's cache hint: evict only after every unhinted block until then
 
 
 class IndexUsage(msgspec.Struct, frozen=True):

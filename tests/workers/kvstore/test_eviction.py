@@ -1,3 +1,4 @@
+import msgspec
 import pytest
 
 from workers.kvstore.eviction import LRUPolicy, SegmentedLRUPolicy, get_policy
@@ -131,3 +132,20 @@ def test_policies_by_name():
     assert isinstance(get_policy("best"), SegmentedLRUPolicy)
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         get_policy("mru")
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "gdsf", "lru_logfreq", "reuse_interval", "best"])
+def test_blocks_with_a_live_retention_hint_go_after_every_other_block(policy):
+    hinted = msgspec.structs.replace(entry("hinted", last_access=1.0), retain_until=100.0)
+    lapsed = msgspec.structs.replace(entry("lapsed", last_access=2.0), retain_until=5.0)
+    entries = [hinted, lapsed, entry("hot", last_access=9.0, hit_count=5)]
+    assert names(get_policy(policy).select_victims(entries, 2, now=10.0)) == ["lapsed", "hot"]
+    assert names(get_policy(policy).select_victims(entries, 3, now=10.0))[-1] == "hinted"
+
+
+def test_gdsf_and_logfreq_trade_idle_time_for_hits():
+    # Mean idle 4 s: a block hit 3 times and idle 6 s outranks a never-hit block idle 2 s.
+    entries = [entry("hit-old", last_access=4.0, hit_count=3), entry("new", last_access=8.0)]
+    assert names(get_policy("gdsf").select_victims(entries, 1, now=10.0)) == ["new"]
+    assert names(get_policy("lru_logfreq").select_victims(entries, 1, now=10.0)) == ["new"]
+    assert names(LRUPolicy().select_victims(entries, 1, now=10.0)) == ["hit-old"]
