@@ -5,7 +5,8 @@ process or on another host than the readers that touch blocks (with the Redis in
 a policy knows must come from what the index records: last access, hit count, depth, size and
 creation time. Policies are picked by name (`get_policy`), e.g. from worker configuration.
 
-Both policies break ties the same way: among blocks last accessed at the same time (typically the
+Both policies evict a block that a client's hint retains (retain_until in the future) only after
+every other block. Both break ties the same way: among blocks last accessed at the same time (typically the
 blocks of one request) the deepest goes first. Under the chained hash a block can only be hit
 together with every block before it, so a chain's tail is worthless once its head is gone, while its
 head still serves every prompt that shares only the head.
@@ -45,19 +46,20 @@ from workers.kvstore.index import BlockEntry
 class Snapshot:
     """An index snapshot as columns, so ranking runs in numpy: a GC pass may see millions of entries."""
 
-    def __init__(self, entries: Iterable[BlockEntry]) -> None:
+    def __init__(self, entries: Iterable[BlockEntry], now: float) -> None:
         self.entries = list(entries)
         count = len(self.entries)
         self.last_access = np.fromiter((entry.last_access for entry in self.entries), np.float64, count)
         self.depth = np.fromiter((entry.depth for entry in self.entries), np.int64, count)
         self.hit_count = np.fromiter((entry.hit_count for entry in self.entries), np.int64, count)
         self.size = np.fromiter((entry.size for entry in self.entries), np.int64, count)
+        self.retained = np.fromiter((entry.retain_until > now for entry in self.entries), bool, count)
 
     def lru_order(self, *, last: np.ndarray | None = None) -> np.ndarray:
         """Indices least recently accessed first, deepest first among equals; entries flagged in
-        `last` come after all the others."""
+        `last` come after all the others, and retained entries after those."""
         keys = (-self.depth, self.last_access) if last is None else (-self.depth, self.last_access, last)
-        return np.lexsort(keys)
+        return np.lexsort((*keys, self.retained))
 
     def take(self, order: np.ndarray, bytes_to_free: int) -> list[BlockEntry]:
         """The shortest head of `order` whose sizes reach `bytes_to_free` (all of it if they can't)."""
@@ -76,7 +78,7 @@ class EvictionPolicy(ABC):
 
 class LRUPolicy(EvictionPolicy):
     def select_victims(self, entries: Iterable[BlockEntry], bytes_to_free: int, now: float) -> list[BlockEntry]:
-        snapshot = Snapshot(entries)
+        snapshot = Snapshot(entries, now)
         return snapshot.take(snapshot.lru_order(), bytes_to_free)
 
 
@@ -87,7 +89,7 @@ class SegmentedLRUPolicy(EvictionPolicy):
         self.protected_share = protected_share
 
     def select_victims(self, entries: Iterable[BlockEntry], bytes_to_free: int, now: float) -> list[BlockEntry]:
-        snapshot = Snapshot(entries)
+        snapshot = Snapshot(entries, now)
         protected = np.flatnonzero(snapshot.hit_count > 0)
         # Most recent first, shallowest first among equals: the order in which protected blocks fill the cap.
         protected = protected[np.lexsort((snapshot.depth[protected], -snapshot.last_access[protected]))]
