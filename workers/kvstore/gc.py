@@ -1,7 +1,8 @@
 """The store's garbage collector: TTL expiry per traffic class, then watermark eviction.
 
 One `collect()` run:
-1. Expiry: per class, blocks last accessed more than `ttl_for(class)` ago, in batches, oldest first.
+1. Expiry: per class, blocks last accessed more than `ttl_for(class)` ago, in batches, oldest first;
+   a block a client's hint retains until later stays (workers.kvstore.index).
 2. Eviction: only when usage is above the high watermark, down to the low watermark, victims chosen
    by the eviction policy from a snapshot of the index. The gap between the two watermarks turns a
    steady trickle of writes into occasional batch evictions instead of one eviction per write.
@@ -86,7 +87,7 @@ class GarbageCollector:
         expired: dict[str, int] = {}
         bytes_freed = 0
         for traffic_class in sorted(self._index.traffic_classes()):
-            removed = self._expire_class(traffic_class, now - ttl.ttl_for(traffic_class))
+            removed = self._expire_class(traffic_class, now - ttl.ttl_for(traffic_class), now)
             if removed:
                 expired[traffic_class] = len(removed)
                 self.evicted_expired += len(removed)
@@ -123,10 +124,10 @@ class GarbageCollector:
                 logger.exception("kv store gc run failed")
             stop.wait(interval_s)
 
-    def _expire_class(self, traffic_class: str, cutoff: float) -> list[BlockEntry]:
+    def _expire_class(self, traffic_class: str, cutoff: float, now: float) -> list[BlockEntry]:
         removed: list[BlockEntry] = []
         while True:
-            batch = self._index.expired(traffic_class, cutoff, self._expire_batch)
+            batch = self._index.expired(traffic_class, cutoff, self._expire_batch, now=now)
             removed += self._remove(batch)
             if len(batch) < self._expire_batch:
                 return removed

@@ -11,8 +11,14 @@ walks the chain and stops at the first absent key.
 Expiry is not stored: a block expires `ttl(traffic_class)` seconds after its last access, with the
 TTL taken from the policy when the GC runs, so an edited policy applies to blocks already stored.
 `expired()` serves that query per class, oldest access first.
+
+A client's cache hint (a prompt_cache_retention, an Anthropic cache_control breakpoint) gives the
+blocks of the prefix it covers a `retain_until`: until then the GC neither expires them nor evicts
+them while it can evict anything else. A later hint only extends it (`retain`); a plain request
+leaves it as it is.
 """
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
@@ -29,7 +35,7 @@ class BlockEntry(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
     last_access: float
     hit_count: int = 0
-    retain_until: float = 0.0  # a client's cache hint: evict only after every unhinted block until then
+    retain_until: float = 0.0  # a client asked to keep it until then (time.time()); 0: no such hint
 
 
 class IndexUsage(msgspec.Struct, frozen=True):
@@ -55,12 +61,17 @@ class BlockIndex(ABC):
         """Record a hit on each present key: last access = now, hit count + 1."""
 
     @abstractmethod
+    def retain(self, keys: Sequence[BlockHash], until: float) -> None:
+        """Keep each present key until at least `until`: retain_until = max(retain_until, until)."""
+
+    @abstractmethod
     def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
         """Delete the present keys; returns the entries removed."""
 
     @abstractmethod
-    def expired(self, traffic_class: str, cutoff: float, limit: int) -> list[BlockEntry]:
-        """Up to `limit` entries of the class last accessed at or before `cutoff`, oldest first."""
+    def expired(self, traffic_class: str, cutoff: float, limit: int, *, now: float = math.inf) -> list[BlockEntry]:
+        """Up to `limit` entries of the class last accessed at or before `cutoff`, oldest first,
+        leaving out those retained past `now` (the GC's clock; by default none are left out)."""
 
     @abstractmethod
     def entries(self) -> Iterator[BlockEntry]:

@@ -5,6 +5,7 @@ GC's expiry query walks only what has expired. Thread-safe: an engine worker's m
 and touches while its store writer adds and its GC removes.
 """
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -55,6 +56,13 @@ class MemoryIndex(BlockIndex):
                 )
                 self._by_access[entry.traffic_class].move_to_end(key)
 
+    def retain(self, keys: Sequence[BlockHash], until: float) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.retain_until < until:
+                    self._entries[key] = msgspec.structs.replace(entry, retain_until=until)
+
     def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
         removed = []
         with self._lock:
@@ -70,14 +78,15 @@ class MemoryIndex(BlockIndex):
                 removed.append(entry)
         return removed
 
-    def expired(self, traffic_class: str, cutoff: float, limit: int) -> list[BlockEntry]:
+    def expired(self, traffic_class: str, cutoff: float, limit: int, *, now: float = math.inf) -> list[BlockEntry]:
         found = []
         with self._lock:
             for key in self._by_access.get(traffic_class, ()):
                 entry = self._entries[key]
                 if entry.last_access > cutoff or len(found) >= limit:
                     break
-                found.append(entry)
+                if entry.retain_until <= now:
+                    found.append(entry)
         return found
 
     def entries(self) -> Iterator[BlockEntry]:

@@ -2,7 +2,7 @@
 
 Layout, every key under `prefix` (tests use a unique prefix and delete it afterwards):
 
-    <prefix>:e:<16-byte key>   hash: size, class, depth, created, last, hits   (one per block)
+    <prefix>:e:<16-byte key>   hash: size, class, depth, created, last, hits, retain   (one per block)
     <prefix>:lru:<class>       sorted set: block key scored by last access     (the expiry query)
     <prefix>:usage             hash: blocks, bytes                             (exact totals)
     <prefix>:classes           hash: class -> number of blocks                 (classes in use)
@@ -19,6 +19,7 @@ which a single Redis (or a primary with replicas) allows; Redis Cluster would ne
 The client must return bytes (redis-py's default, `decode_responses=False`): block keys are raw bytes.
 """
 
+import math
 import re
 from collections.abc import Iterator, Sequence
 
@@ -27,19 +28,19 @@ import redis
 from workers.block_hash import BlockHash
 from workers.kvstore.index import BlockEntry, BlockIndex, IndexUsage
 
-_FIELDS = ("size", "class", "depth", "created", "last", "hits")
+_FIELDS = ("size", "class", "depth", "created", "last", "hits", "retain")
 _SCAN_BATCH = 1000
 
 _ADD = """
 local prefix = ARGV[1]
 local usage, classes = prefix .. ':usage', prefix .. ':classes'
 local added = 0
-for i = 2, #ARGV, 7 do
+for i = 2, #ARGV, 8 do
   local key, size, class, last = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 5]
   local entry = prefix .. ':e:' .. key
   if redis.call('EXISTS', entry) == 0 then
     redis.call('HSET', entry, 'size', size, 'class', class, 'depth', ARGV[i + 3], 'created', ARGV[i + 4],
-               'last', last, 'hits', ARGV[i + 6])
+               'last', last, 'hits', ARGV[i + 6], 'retain', ARGV[i + 7])
     redis.call('ZADD', prefix .. ':lru:' .. class, last, key)
     redis.call('HINCRBY', usage, 'blocks', 1)
     redis.call('HINCRBY', usage, 'bytes', size)
@@ -66,6 +67,19 @@ for i = 3, #ARGV do
 end
 """
 
+_RETAIN = """
+local prefix, retain_until = ARGV[1], ARGV[2]
+for i = 3, #ARGV do
+  local entry = prefix .. ':e:' .. ARGV[i]
+  if redis.call('EXISTS', entry) == 1 then
+    local current = redis.call('HGET', entry, 'retain')
+    if not current or tonumber(retain_until) > tonumber(current) then
+      redis.call('HSET', entry, 'retain', retain_until)
+    end
+  end
+end
+"""
+
 _REMOVE = """
 local prefix = ARGV[1]
 local usage, classes = prefix .. ':usage', prefix .. ':classes'
@@ -73,7 +87,7 @@ local removed = {}
 for i = 2, #ARGV do
   local key = ARGV[i]
   local entry = prefix .. ':e:' .. key
-  local v = redis.call('HMGET', entry, 'size', 'class', 'depth', 'created', 'last', 'hits')
+  local v = redis.call('HMGET', entry, 'size', 'class', 'depth', 'created', 'last', 'hits', 'retain')
   if v[1] then
     redis.call('DEL', entry)
     redis.call('ZREM', prefix .. ':lru:' .. v[2], key)
@@ -82,7 +96,7 @@ for i = 2, #ARGV do
     if redis.call('HINCRBY', classes, v[2], -1) <= 0 then
       redis.call('HDEL', classes, v[2])
     end
-    removed[#removed + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6]}
+    removed[#removed + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6], v[7]}
   end
 end
 return removed
@@ -99,12 +113,24 @@ return #ARGV - 1
 """
 
 _EXPIRED = """
-local prefix = ARGV[1]
-local keys = redis.call('ZRANGEBYSCORE', prefix .. ':lru:' .. ARGV[2], '-inf', ARGV[3], 'LIMIT', 0, ARGV[4])
-local found = {}
-for _, key in ipairs(keys) do
-  local v = redis.call('HMGET', prefix .. ':e:' .. key, 'size', 'class', 'depth', 'created', 'last', 'hits')
-  found[#found + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6]}
+local prefix, lru, cutoff, limit = ARGV[1], ARGV[1] .. ':lru:' .. ARGV[2], ARGV[3], tonumber(ARGV[4])
+local now = ARGV[5] == 'inf' and math.huge or tonumber(ARGV[5])
+local found, offset = {}, 0
+while #found < limit do
+  local keys = redis.call('ZRANGEBYSCORE', lru, '-inf', cutoff, 'LIMIT', offset, limit)
+  for _, key in ipairs(keys) do
+    local v = redis.call('HMGET', prefix .. ':e:' .. key, 'size', 'class', 'depth', 'created', 'last', 'hits', 'retain')
+    if not v[7] or tonumber(v[7]) <= now then
+      found[#found + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6], v[7]}
+      if #found >= limit then
+        return found
+      end
+    end
+  end
+  if #keys < limit then
+    return found
+  end
+  offset = offset + limit
 end
 return found
 """
@@ -121,6 +147,7 @@ class RedisIndex(BlockIndex):
         self._classes_key = f"{prefix}:classes"
         self._add = client.register_script(_ADD)
         self._touch = client.register_script(_TOUCH)
+        self._retain = client.register_script(_RETAIN)
         self._remove = client.register_script(_REMOVE)
         self._match_prefix = client.register_script(_MATCH_PREFIX)
         self._expired = client.register_script(_EXPIRED)
@@ -130,7 +157,16 @@ class RedisIndex(BlockIndex):
             return 0
         args: list[bytes | str | int] = [self.prefix]
         for e in entries:
-            args += [e.key, e.size, e.traffic_class, e.depth, repr(e.created_at), repr(e.last_access), e.hit_count]
+            args += [
+                e.key,
+                e.size,
+                e.traffic_class,
+                e.depth,
+                repr(e.created_at),
+                repr(e.last_access),
+                e.hit_count,
+                repr(e.retain_until),
+            ]
         return int(self._add(args=args))
 
     def get(self, key: BlockHash) -> BlockEntry | None:
@@ -146,15 +182,21 @@ class RedisIndex(BlockIndex):
         if keys:
             self._touch(args=[self.prefix, repr(now), *keys])
 
+    def retain(self, keys: Sequence[BlockHash], until: float) -> None:
+        if keys:
+            self._retain(args=[self.prefix, repr(until), *keys])
+
     def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
         if not keys:
             return []
         return [_entry(row[0], row[1:]) for row in self._remove(args=[self.prefix, *keys])]
 
-    def expired(self, traffic_class: str, cutoff: float, limit: int) -> list[BlockEntry]:
+    def expired(self, traffic_class: str, cutoff: float, limit: int, *, now: float = math.inf) -> list[BlockEntry]:
+        """Retained entries are skipped inside the script, a page of `limit` at a time, so a class
+        whose oldest entries are all retained still yields the expired ones behind them."""
         if limit <= 0:
             return []
-        rows = self._expired(args=[self.prefix, traffic_class, repr(cutoff), limit])
+        rows = self._expired(args=[self.prefix, traffic_class, repr(cutoff), limit, repr(now)])
         return [_entry(row[0], row[1:]) for row in rows]
 
     def entries(self) -> Iterator[BlockEntry]:
@@ -189,7 +231,7 @@ class RedisIndex(BlockIndex):
 
 def _entry(key: bytes, values: Sequence[bytes]) -> BlockEntry:
     """An entry from the hash fields in `_FIELDS` order."""
-    size, traffic_class, depth, created, last, hits = values
+    size, traffic_class, depth, created, last, hits, retain = values
     return BlockEntry(
         key=key,
         size=int(size),
@@ -198,4 +240,6 @@ def _entry(key: bytes, values: Sequence[bytes]) -> BlockEntry:
         created_at=float(created),
         last_access=float(last),
         hit_count=int(hits),
+        # Absent in entries written before retention existed.
+        retain_until=float(retain) if retain is not None else 0.0,
     )

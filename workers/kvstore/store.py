@@ -80,16 +80,34 @@ class KVStore:
                 self.files.touch_access(key, now)
         return payloads
 
-    def write(self, key: BlockHash, payload: bytes | memoryview, *, depth: int, traffic_class: str) -> bool:
-        """Store a block; False if the index holds it already (the payload is then not written)."""
+    def write(
+        self, key: BlockHash, payload: bytes | memoryview, *, depth: int, traffic_class: str, retain_until: float = 0.0
+    ) -> bool:
+        """Store a block; False if the index holds it already (the payload is then not written, and
+        the block held is retained until `retain_until` if that is later than it was)."""
         if self.contains(key):
+            self.retain([key], retain_until)
             return False
         now = self.clock()
         size = self.files.write(key, payload, BlockMeta(traffic_class=traffic_class, depth=depth, created_at=now))
         entry = BlockEntry(
-            key=key, size=size, traffic_class=traffic_class, depth=depth, created_at=now, last_access=now
+            key=key,
+            size=size,
+            traffic_class=traffic_class,
+            depth=depth,
+            created_at=now,
+            last_access=now,
+            retain_until=retain_until,
         )
-        return self.index.add([entry]) == 1
+        if self.index.add([entry]) == 1:
+            return True
+        self.retain([key], retain_until)  # another writer indexed it meanwhile
+        return False
+
+    def retain(self, keys: Sequence[BlockHash], until: float) -> None:
+        """A client's hint: keep these blocks (those present) until at least `until`."""
+        if until > 0 and keys:
+            self.index.retain(keys, until)
 
     def contains(self, key: BlockHash) -> bool:
         return self.match([key]) == 1

@@ -219,3 +219,34 @@ def test_run_forever_collects_until_stopped_and_survives_failures(index, clock):
 def test_run_forever_rejects_a_non_positive_interval(index, clock, deleted):
     with pytest.raises(ValueError, match="interval_s"):
         make_gc(index, clock, deleted).run_forever(threading.Event(), 0)
+
+
+def test_expiry_keeps_a_block_retained_past_now_and_takes_it_once_the_retention_ends(index, clock, deleted):
+    index.add([block("old", at=0.0), block("kept", at=0.0)])
+    index.retain([key("kept")], 8 * DAY_S)
+    gc = make_gc(index, clock, deleted)  # chat: 7 days
+    clock.now = 7 * DAY_S + 1
+
+    assert gc.collect().expired == {"chat": 1}
+    assert deleted.keys == {key("old")}
+
+    clock.now = 8 * DAY_S + 1
+    assert gc.collect().expired == {"chat": 1}
+    assert deleted.keys == {key("old"), key("kept")}
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru"])
+def test_eviction_takes_retained_blocks_only_after_every_other(index, clock, deleted, policy):
+    # The retained blocks are the oldest and shallowest: first in line under LRU otherwise.
+    index.add([block(f"r{i}", at=float(i), depth=i) for i in range(3)])
+    index.add([block(f"b{i}", at=10.0 + i, depth=5) for i in range(7)])
+    index.retain([key(f"r{i}") for i in range(3)], 1000.0)
+    index.touch([key("b6")], now=50.0)
+    clock.now = 100.0
+
+    gc = make_gc(index, clock, deleted, policy=policy, capacity_bytes=100, low_watermark=0.2, high_watermark=0.9)
+    report = gc.collect()
+
+    assert report.usage_after.num_bytes == 20
+    # Every unretained block (b6 too, though hit), then the least recent retained one.
+    assert deleted.keys == {key(f"b{i}") for i in range(7)} | {key("r0")}

@@ -21,9 +21,18 @@ def key(i: int) -> bytes:
     return blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
 
 
-def entry(i: int, *, cls: str = "chat", last: float = 100.0, created: float = 50.0, hits: int = 0) -> BlockEntry:
+def entry(
+    i: int, *, cls: str = "chat", last: float = 100.0, created: float = 50.0, hits: int = 0, retain: float = 0.0
+) -> BlockEntry:
     return BlockEntry(
-        key=key(i), size=1000 + i, traffic_class=cls, depth=i, created_at=created, last_access=last, hit_count=hits
+        key=key(i),
+        size=1000 + i,
+        traffic_class=cls,
+        depth=i,
+        created_at=created,
+        last_access=last,
+        hit_count=hits,
+        retain_until=retain,
     )
 
 
@@ -136,6 +145,34 @@ def test_expired_per_class_with_cutoff_and_limit(index: BlockIndex) -> None:
     assert index.expired("chat", 5.0, 10) == []
     assert index.expired("agent", 100.0, 10) == [entry(10, cls="agent", last=15.0)]
     assert index.expired("batch", 100.0, 10) == []
+
+
+def test_retain_until_is_stored_and_only_ever_extended(index: BlockIndex) -> None:
+    index.add([entry(1, retain=1_700_000_300.25), entry(2)])
+    assert index.get(key(1)) == entry(1, retain=1_700_000_300.25)
+
+    index.retain([key(1), key(2), key(999)], 1_700_003_600.5)
+    assert index.get(key(1)) == entry(1, retain=1_700_003_600.5)
+    assert index.get(key(2)) == entry(2, retain=1_700_003_600.5)
+    index.retain([key(1)], 1_700_000_000.0)  # a shorter hint never shortens a longer one
+    assert index.get(key(1)) == entry(1, retain=1_700_003_600.5)
+    index.touch([key(1)], now=500.0)  # a plain hit leaves the retention as it is
+    assert index.get(key(1)) == entry(1, last=500.0, hits=1, retain=1_700_003_600.5)
+    assert index.remove([key(1)]) == [entry(1, last=500.0, hits=1, retain=1_700_003_600.5)]
+    assert_counters_match_entries(index)
+
+
+def test_expired_leaves_out_entries_retained_past_now(index: BlockIndex) -> None:
+    # The five oldest are retained: more than one page of the limit, so the expired ones behind them
+    # are still found.
+    index.add([entry(i, last=float(i), retain=1000.0) for i in range(5)])
+    index.add([entry(i, last=float(i), retain=10.0 if i == 6 else 0.0) for i in range(5, 9)])
+
+    assert [e.key for e in index.expired("chat", 100.0, 2, now=500.0)] == [key(5), key(6)]
+    assert [e.key for e in index.expired("chat", 100.0, 10, now=500.0)] == [key(5), key(6), key(7), key(8)]
+    assert [e.key for e in index.expired("chat", 7.0, 10, now=5.0)] == [key(5), key(7)]
+    assert len(index.expired("chat", 100.0, 10, now=1000.0)) == 9  # a retention that ended
+    assert len(index.expired("chat", 100.0, 100)) == 9  # without a clock, none is left out
 
 
 def test_entries_and_usage_and_traffic_classes(index: BlockIndex) -> None:

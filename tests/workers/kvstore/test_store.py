@@ -82,3 +82,13 @@ def test_open_store_rebuilds_the_memory_index_after_a_restart(tmp_path: Path) ->
     assert [e.key for e in after.index.expired("agent", float("inf"), 10)] == [key(3), key(1)]
     assert after.match([key(0), key(1), key(2), key(3)]) == 4
     assert after.files.recover(older_than_s=0) == 1  # young temp files survive open_store's recover
+
+
+def test_a_later_hint_extends_the_retention_of_a_block_already_stored(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    assert store.write(key(1), b"x" * 100, depth=0, traffic_class="chat", retain_until=500.0)
+    assert not store.write(key(1), b"x" * 100, depth=0, traffic_class="chat", retain_until=900.0)
+    assert store.index.get(key(1)).retain_until == 900.0
+    assert not store.write(key(1), b"x" * 100, depth=0, traffic_class="chat")  # no hint: unchanged
+    store.retain([key(1), key(2)], 700.0)
+    assert store.index.get(key(1)).retain_until == 900.0
