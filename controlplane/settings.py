@@ -263,6 +263,13 @@ SLUICE_WORKER_DISCOVERY_INTERVAL_S = float(os.environ.get("SLUICE_WORKER_DISCOVE
 # gateway reads each prompt's hit length from it to weigh its prefill work. Empty: no index.
 SLUICE_KV_STORE_INDEX = os.environ.get("SLUICE_KV_STORE_INDEX", "")
 
+# State the gateways share (README, "Rate limits and quotas"): with a redis:// URL every gateway
+# takes each tenant's rate limit from one token bucket in Redis and checks its daily token quota
+# against one counter there; empty (the embedded default, one gateway) keeps both in the process and
+# reads the quota from the usage rows. Keys are under SLUICE_REDIS_PREFIX.
+SLUICE_REDIS_URL = os.environ.get("SLUICE_REDIS_URL", "")
+SLUICE_REDIS_PREFIX = os.environ.get("SLUICE_REDIS_PREFIX", "sluice:gw")
+
 # Bounds on API requests (README, "Request limits"). A body larger than this is refused with 413.
 SLUICE_MAX_BODY_BYTES = int(os.environ.get("SLUICE_MAX_BODY_BYTES", 4 * 1024 * 1024))
 # Django's own cap on request.body would otherwise be 2.5 MiB.

@@ -27,7 +27,7 @@ class Admission:
 async def admit_caller(request: HttpRequest) -> Tenant:
     """The key, then the tenant's rate limit and daily token quota."""
     tenant = await authenticate(request)
-    check_rate_limit(tenant)
+    await check_rate_limit(tenant)
     await check_token_quota(tenant)
     return tenant
 

@@ -1,8 +1,9 @@
 """What each API call used, counted from the engine's outputs and recorded per tenant and day.
 
 Recording is one database write (off the event loop), awaited as the generation ends, before its
-response is complete: the tenant's next request sees it, so a daily quota is exact, and nothing is
-written after a response is over. A request that ends early (client gone, engine error) is recorded
+response is complete: the tenant's next request sees it (in the row, and in the gateways' shared
+quota counter when there is one: quota.py), so a daily quota is exact, and nothing is written after a
+response is over. A request that ends early (client gone, engine error) is recorded
 with what it did use.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
 
+from controlplane.gateway.quota import count_quota_tokens
 from controlplane.tenants.services import tenant_usage_record
 from workers.protocol import GenerateOutput
 
@@ -62,3 +64,5 @@ async def record_usage(tenant_id: int, usage: UsageCount) -> None:
         )
     except Exception:
         log.exception("recording usage of tenant %d failed", tenant_id)
+        return
+    await count_quota_tokens(tenant_id, usage.prompt_tokens + usage.completion_tokens)

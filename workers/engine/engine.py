@@ -368,10 +368,9 @@ class LLMEngine:
         for computed in result.prompt_logprobs:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
         if self.store is not None:
-            for request_id in output.request_ids:
-                request = self.requests.get(request_id)
-                if request is not None:  # not finished since the step was launched
-                    self.store.save_completed_blocks(request)
+            # Requests finished since the step was launched are gone from self.requests.
+            stepped = [self.requests[request_id] for request_id in output.request_ids if request_id in self.requests]
+            self.store.save_completed_blocks(stepped)
         deltas = []
         for sampled in result.sampled:
             request = self.requests.get(sampled.request_id)

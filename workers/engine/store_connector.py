@@ -21,6 +21,7 @@ is free, new blocks are dropped rather than stalling the engine.
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -129,21 +130,28 @@ class StoreConnector:
                     scatter_tokens(cache, pages, torch.cat([block[layer, kind] for block in load.blocks], dim=1))
 
     @torch.inference_mode()
-    def save_completed_blocks(self, request: Request) -> None:
-        """Queue the request's blocks that became full of computed, known tokens and are not stored yet."""
-        full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_tokens
-        if full <= request.num_saved_blocks:
+    def save_completed_blocks(self, requests: Sequence[Request]) -> None:
+        """Queue the requests' blocks that became full of computed, known tokens and are not stored
+        yet. The store is asked about all of them at once: one index round trip per step."""
+        completed = []  # (request, first unsaved block, full blocks, their keys)
+        for request in requests:
+            full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_tokens
+            if full > request.num_saved_blocks:
+                completed.append((request, request.num_saved_blocks, full, self._keys(request, full)))
+        if not completed:
             return
-        keys = self._keys(request, full)
-        for index in range(request.num_saved_blocks, full):
-            if self.store.contains(keys[index]):
-                continue
-            write = self._copy_out(keys[index], index, request) if not self.pending_writes.full() else None
-            if write is None:
-                self.num_writes_dropped += full - index
-                break
-            self.pending_writes.put(write)
-        request.num_saved_blocks = full
+        stored = iter(self.store.contains_many([key for _, first, full, keys in completed for key in keys[first:full]]))
+        for request, first, full, keys in completed:
+            present = [next(stored) for _ in range(first, full)]
+            for index in range(first, full):
+                if present[index - first]:
+                    continue
+                write = self._copy_out(keys[index], index, request) if not self.pending_writes.full() else None
+                if write is None:
+                    self.num_writes_dropped += full - index
+                    break
+                self.pending_writes.put(write)
+            request.num_saved_blocks = full
 
     def _copy_out(self, key: BlockHash, index: int, request: Request) -> _Write | None:
         """The block's KV on its way to the host; None when no staging buffer is free."""

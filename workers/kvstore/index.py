@@ -57,6 +57,10 @@ class BlockIndex(ABC):
         """How many of `keys`, from the first, are present: the hit length in blocks. No side effects."""
 
     @abstractmethod
+    def contains_many(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """Whether each of `keys` is present, in one round trip to a remote index. No side effects."""
+
+    @abstractmethod
     def touch(self, keys: Sequence[BlockHash], now: float) -> None:
         """Record a hit on each present key: last access = now, hit count + 1."""
 

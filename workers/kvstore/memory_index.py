@@ -45,6 +45,10 @@ class MemoryIndex(BlockIndex):
                 return length
         return len(keys)
 
+    def contains_many(self, keys: Sequence[BlockHash]) -> list[bool]:
+        entries = self._entries
+        return [key in entries for key in keys]
+
     def touch(self, keys: Sequence[BlockHash], now: float) -> None:
         with self._lock:
             for key in keys:

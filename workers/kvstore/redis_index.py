@@ -178,6 +178,14 @@ class RedisIndex(BlockIndex):
             return 0
         return int(self._match_prefix(args=[self.prefix, *keys]))
 
+    def contains_many(self, keys: Sequence[BlockHash]) -> list[bool]:
+        if not keys:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._entry_prefix + key)
+        return [bool(found) for found in pipe.execute()]
+
     def touch(self, keys: Sequence[BlockHash], now: float) -> None:
         if keys:
             self._touch(args=[self.prefix, repr(now), *keys])

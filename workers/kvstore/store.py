@@ -110,7 +110,15 @@ class KVStore:
             self.index.retain(keys, until)
 
     def contains(self, key: BlockHash) -> bool:
-        return self.match([key]) == 1
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """Whether each block is stored: one index round trip for all of them (the engine asks once
+        per step), then, falling back to files, a look in the directory for each miss."""
+        present = self.index.contains_many(keys)
+        if self.fall_back_to_files:
+            present = [found or self.match([key]) == 1 for key, found in zip(keys, present)]
+        return present
 
 
 def open_index(url: str) -> BlockIndex:
