@@ -1,18 +1,26 @@
 """Entrypoint prefix match: token ids → hit length for a long stored chain, on the in-process index
 and on the Redis index (the peer: one network round trip), in one run.
 
-    python -m bench.prefix_match [--blocks 1000] [--block-tokens 128] [--repeats 200]
+    python -m bench.prefix_match [--blocks 1000] [--block-tokens 128] [--repeats 200] [--across-namespaces]
 
 Times, per index, the whole call (`store_hit_tokens`: hashing the chain plus walking the index) and
 the index walk alone (`match_prefix` on precomputed keys); medians in milliseconds. Needs Redis on
 127.0.0.1:6379 for the peer (skipped, and said so, when it is down). Prints one JSON object.
+
+`--across-namespaces` (root, `ip netns`): also from another host, a network namespace reaching the
+same Redis over a veth pair and the harness's TCP forwarder (tests/e2e/netns.py), in the same run;
+`across_over_localhost` is that run's medians over the localhost one's.
 """
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import numpy as np
 import redis
@@ -31,6 +39,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1000)
     parser.add_argument("--block-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--redis-url", default=REDIS_URL)
+    parser.add_argument("--redis-only", action="store_true", help="time the Redis index alone")
+    parser.add_argument("--across-namespaces", action="store_true", help="also from another network namespace")
     args = parser.parse_args()
     tokens = np.random.default_rng(0).integers(0, 49152, args.blocks * args.block_tokens + 1, dtype=np.int32)
     extra = namespace_extra("bench-model:float32", "tenant")
@@ -40,19 +51,26 @@ def main() -> None:
         for depth, key in enumerate(keys)
     ]
 
-    results = {"in_process": _measure(MemoryIndex(), entries, tokens, keys, extra, args)}
+    results = {} if args.redis_only else {"in_process": _measure(MemoryIndex(), entries, tokens, keys, extra, args)}
     prefix = f"sluice:bench:{uuid.uuid4().hex}"
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(args.redis_url)
     try:
         client.ping()
     except redis.ConnectionError:
-        results["redis"] = "skipped: Redis is not reachable at " + REDIS_URL
+        results["redis"] = "skipped: Redis is not reachable at " + args.redis_url
     else:
         try:
             results["redis"] = _measure(RedisIndex(client, prefix), entries, tokens, keys, extra, args)
         finally:
             for key in client.scan_iter(f"{prefix}*"):
                 client.delete(key)
+    summary = {}
+    if args.across_namespaces and isinstance(results.get("redis"), dict):
+        results["redis_across_namespaces"] = _across_namespaces(args)
+        summary["across_over_localhost"] = {
+            timing: round(results["redis_across_namespaces"][timing] / results["redis"][timing], 3)
+            for timing in ("token_ids_to_hit", "index_walk_only")
+        }
     print(
         json.dumps(
             {
@@ -61,10 +79,27 @@ def main() -> None:
                 "block_tokens": args.block_tokens,
                 "tokens": len(tokens),
                 "median_ms": results,
+                **summary,
             },
             indent=2,
         )
     )
+
+
+def _across_namespaces(args) -> dict[str, float]:
+    """This benchmark's Redis timings from a process in another network namespace."""
+    # Imported here: only this mode needs the test harness (and root).
+    from tests.e2e.netns import VirtualNetwork
+
+    with VirtualNetwork(["bench-client"]) as network:
+        address, port = network.forward(urlsplit(args.redis_url).port or 6379)
+        command = [sys.executable, "-m", "bench.prefix_match", "--redis-only"]
+        command += [f"--blocks={args.blocks}", f"--block-tokens={args.block_tokens}", f"--repeats={args.repeats}"]
+        command.append(f"--redis-url=redis://{address}:{port}{urlsplit(args.redis_url).path or '/0'}")
+        completed = subprocess.run(
+            network.hosts["bench-client"].argv(command), capture_output=True, text=True, check=True, env=os.environ
+        )
+    return json.loads(completed.stdout)["median_ms"]["redis"]
 
 
 def _measure(index: BlockIndex, entries, tokens, keys, extra: bytes, args) -> dict[str, float]:
