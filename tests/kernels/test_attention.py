@@ -148,14 +148,18 @@ def test_shape_checks_name_the_problem():
         )
 
 
-@pytest.mark.parametrize("backend", TORCH_BACKENDS)
 @pytest.mark.parametrize("window", [None, 37])
-def test_startup_probe_passes_for_every_cpu_backend(backend, window):
-    assert batch_invariant(get_backend(backend), window=window, seed=5)
+def test_startup_probe_passes_for_the_blockwise_backend(window):
+    assert batch_invariant(get_backend("torch_blockwise"), window=window, seed=5)
 
 
-def test_sdpa_is_batch_invariant_on_this_torch():
-    assert sdpa_is_batch_invariant()
+@pytest.mark.parametrize("window", [None, 37])
+def test_sdpa_over_several_key_splits_is_batch_invariant_where_the_probe_says_so(window):
+    # torch's CPU flash kernel is batch-invariant past one key split only where the BLAS under it
+    # gives rows that do not depend on the row count; CI once ran on a CPU where it did not.
+    if not sdpa_is_batch_invariant():
+        pytest.skip("torch's SDPA is not batch-invariant over several key splits on this CPU")
+    assert batch_invariant(get_backend("torch_sdpa"), window=window, seed=5)
 
 
 def test_defaults_per_device():

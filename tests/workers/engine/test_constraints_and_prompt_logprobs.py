@@ -127,9 +127,12 @@ def test_constrained_logprobs_describe_the_raw_model(engine):
     free = run_to_completion(engine)["free"][0].logprobs[0]
     engine.add_request("masked", prompt, params, constraint=FixedSetConstraint({free.top[3][0]}, length=1))
     masked = run_to_completion(engine)["masked"][0].logprobs[0]
-    assert masked.token_id == free.top[3][0]
-    assert masked.rank == 4 and masked.logprob == free.top[3][1]
-    assert masked.top == free.top
+    # The second run reuses the first's cached prefix, so its logits agree only as far as the CPU's
+    # BLAS is batch-invariant (bitwise here, not on every CPU); a masked distribution would be far off.
+    assert masked.token_id == free.top[3][0] and masked.rank == 4
+    assert masked.logprob == pytest.approx(free.top[3][1], abs=1e-5)
+    assert [token for token, _ in masked.top] == [token for token, _ in free.top]
+    assert [logprob for _, logprob in masked.top] == pytest.approx([logprob for _, logprob in free.top], abs=1e-5)
 
 
 def reference_logprobs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
