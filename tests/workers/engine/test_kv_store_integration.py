@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.block_hash import hash_chain, namespace_extra
+from workers.block_hash import hash_chain, namespace_extra, scoped_namespace
 from workers.engine import LLM, SamplingParams
 from workers.engine.errors import InvalidRequestError
 from workers.kvstore.gc import GarbageCollector
@@ -232,3 +232,16 @@ def test_invalid_hints_are_refused_before_the_request_runs(tmp_path, hints, mess
         assert not llm.engine.has_unfinished()
     finally:
         llm.close()
+
+
+def test_a_prompt_cache_key_scopes_hits_within_its_tenant_and_never_reaches_another(tmp_path):
+    tokens = prompt(150, seed=25)
+    run(engine(tmp_path), [tokens], SHORT, cache_namespace=scoped_namespace("tenant-a", "user-1"))
+
+    def cached(namespace: str) -> int:
+        return run(engine(tmp_path), [tokens], SHORT, cache_namespace=namespace)[0].num_cached_tokens
+
+    assert cached(scoped_namespace("tenant-a", "user-1")) == 128
+    assert cached(scoped_namespace("tenant-b", "user-1")) == 0
+    assert cached(scoped_namespace("tenant-a", "user-2")) == 0
+    assert cached("tenant-a") == 0
