@@ -10,6 +10,12 @@ OpenAI (Chat Completions, Responses, and the legacy Completions, which takes the
   blocks. "" is no key.
 - `prompt_cache_retention`: "in_memory" is the default behaviour (blocks live as the TTL policy and
   the GC decide); "24h" retains the whole prompt's blocks for 24 hours.
+- Chat Completions and Responses: `prompt_cache_breakpoint: {"mode": "explicit", "ttl": "30m" |
+  "12h"}` on content parts, whose ttl defaults to `prompt_cache_options.ttl` ("30m"), and
+  `prompt_cache_options: {"mode": "implicit" | "explicit", "ttl": ...}`. As OpenAI does, the latest
+  four breakpoints are written in explicit mode and the latest three in implicit mode (beside OpenAI's
+  own implicit breakpoint, which here is the store's: every block is stored). Each retains the prompt
+  up to the end of its part (placed like Anthropic's).
 
 Anthropic Messages (and count_tokens, which checks them and otherwise ignores them):
 - `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` (ttl defaults to "5m") on tools,
@@ -30,10 +36,15 @@ from recipe.limits import Path, RequestLimits, field_name
 
 OPENAI_RETENTION_S = {"24h": 86400.0}
 OPENAI_RETENTIONS = ("in_memory", "24h")
+OPENAI_BREAKPOINT_TTL_S = {"30m": 1800.0, "12h": 43200.0}
+DEFAULT_OPENAI_TTL = "30m"
+# How many of a request's explicit breakpoints OpenAI writes, the latest ones, by prompt_cache_options.mode.
+OPENAI_WRITTEN_BREAKPOINTS = {"implicit": 3, "explicit": 4}
+# Where each API keeps the content parts that may carry a breakpoint, and the type of a text part.
+OPENAI_PARTS = {"chat.completions": ("messages", "text"), "responses": ("input", "input_text")}
 ANTHROPIC_TTL_S = {"5m": 300.0, "1h": 3600.0}
 DEFAULT_ANTHROPIC_TTL = "5m"
 MAX_ANTHROPIC_BREAKPOINTS = 4
-CACHE_CONTROL_FIELDS = frozenset({"type", "ttl"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +94,9 @@ class CacheRequest:
 
     breakpoints: tuple[Breakpoint, ...] = ()
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None  # as given (Responses echoes it)
+    # As given: Responses echo them.
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Mapping | None = None
 
 
 def read_cache_request(protocol: str, body: Mapping, limits: RequestLimits) -> CacheRequest:
@@ -103,10 +116,72 @@ def read_cache_request(protocol: str, body: Mapping, limits: RequestLimits) -> C
         raise invalid_request(
             f'`prompt_cache_retention` must be "in_memory" or "24h", got {retention!r}', "prompt_cache_retention"
         )
-    breakpoints = ()
+    mode, default_ttl = _prompt_cache_options(body)
+    breakpoints = []
+    if protocol in OPENAI_PARTS:
+        explicit = _openai_breakpoints(body, *OPENAI_PARTS[protocol], default_ttl)
+        breakpoints += explicit[-OPENAI_WRITTEN_BREAKPOINTS[mode] :]
     if retention in OPENAI_RETENTION_S:
-        breakpoints = (Breakpoint("prompt_cache_retention", retention, OPENAI_RETENTION_S[retention], PromptEnd()),)
-    return CacheRequest(breakpoints=breakpoints, prompt_cache_key=key or None, prompt_cache_retention=retention)
+        breakpoints.append(Breakpoint("prompt_cache_retention", retention, OPENAI_RETENTION_S[retention], PromptEnd()))
+    return CacheRequest(
+        breakpoints=tuple(breakpoints),
+        prompt_cache_key=key or None,
+        prompt_cache_retention=retention,
+        prompt_cache_options=body.get("prompt_cache_options"),
+    )
+
+
+def _prompt_cache_options(body: Mapping) -> tuple[str, str]:
+    """(mode, the default ttl of explicit breakpoints)."""
+    value = body.get("prompt_cache_options")
+    if value is None:
+        return "implicit", DEFAULT_OPENAI_TTL
+    fields = _checked_object(
+        value,
+        ("prompt_cache_options",),
+        {"mode": tuple(OPENAI_WRITTEN_BREAKPOINTS), "ttl": tuple(OPENAI_BREAKPOINT_TTL_S)},
+    )
+    return fields.get("mode") or "implicit", fields.get("ttl") or DEFAULT_OPENAI_TTL
+
+
+def _openai_breakpoints(body: Mapping, items_field: str, text_type: str, default_ttl: str) -> list[Breakpoint]:
+    found = []
+    for index, item in _items(body.get(items_field)):
+        for position, part in _items(item.get("content")):
+            value = part.get("prompt_cache_breakpoint")
+            if value is None:
+                continue
+            path = (items_field, index, "content", position)
+            where = (*path, "prompt_cache_breakpoint")
+            fields = _checked_object(value, where, {"mode": ("explicit",), "ttl": tuple(OPENAI_BREAKPOINT_TTL_S)})
+            if fields.get("mode") is None:
+                mode = field_name((*where, "mode"))
+                raise invalid_request(f'`{mode}` is required: "explicit"', mode)
+            ttl = fields.get("ttl") or default_ttl
+            is_text = part.get("type") == text_type and isinstance(part.get("text"), str)
+            anchor = TextEnd((*path, "text")) if is_text else None
+            found.append(Breakpoint(field_name(where), ttl, OPENAI_BREAKPOINT_TTL_S[ttl], anchor))
+    return found
+
+
+def _checked_object(value: object, path: Path, allowed: Mapping[str, tuple[str, ...]]) -> Mapping:
+    """An object whose fields are among `allowed`, each absent, null or one of its values."""
+    name = field_name(path)
+    if not isinstance(value, Mapping):
+        raise invalid_request(f"`{name}` must be an object", name)
+    for key, field_value in value.items():
+        if key not in allowed:
+            unknown = field_name((*path, key))
+            raise invalid_request(f"`{unknown}`: unknown field; `{name}` takes {_listed(allowed)}", unknown)
+        if field_value is not None and field_value not in allowed[key]:
+            where = field_name((*path, key))
+            raise invalid_request(f"`{where}` must be {_listed(allowed[key], quote=True)}, got {field_value!r}", where)
+    return value
+
+
+def _listed(names: object, *, quote: bool = False) -> str:
+    spelled = [f'"{name}"' if quote else f"`{name}`" for name in names]
+    return " or ".join(spelled) if quote else " and ".join(spelled)
 
 
 def _anthropic_breakpoints(body: Mapping) -> tuple[Breakpoint, ...]:
@@ -186,23 +261,11 @@ def _own_breakpoint(block: Mapping, path: Path, anchor: Anchor) -> list[Breakpoi
 
 
 def _checked_ttl(value: object, path: Path) -> str:
-    name = field_name(path)
-    if not isinstance(value, Mapping):
-        raise invalid_request(f'`{name}` must be an object such as {{"type": "ephemeral", "ttl": "5m"}}', name)
-    for key in value:
-        if key not in CACHE_CONTROL_FIELDS:
-            unknown = field_name((*path, key))
-            raise invalid_request(f"`{unknown}`: unknown field; cache_control takes `type` and `ttl`", unknown)
-    if value.get("type") != "ephemeral":
+    fields = _checked_object(value, path, {"type": ("ephemeral",), "ttl": tuple(ANTHROPIC_TTL_S)})
+    if fields.get("type") is None:
         kind = field_name((*path, "type"))
-        raise invalid_request(f'`{kind}` must be "ephemeral", got {value.get("type")!r}', kind)
-    ttl = value.get("ttl")
-    if ttl is None:
-        return DEFAULT_ANTHROPIC_TTL
-    if ttl not in ANTHROPIC_TTL_S:
-        where = field_name((*path, "ttl"))
-        raise invalid_request(f'`{where}` must be "5m" or "1h", got {ttl!r}', where)
-    return ttl
+        raise invalid_request(f'`{kind}` is required: "ephemeral"', kind)
+    return fields.get("ttl") or DEFAULT_ANTHROPIC_TTL
 
 
 def _check_anthropic_rules(breakpoints: list[Breakpoint]) -> None:

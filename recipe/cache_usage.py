@@ -9,8 +9,9 @@ store did with the prompt:
   up to the prompt, as Anthropic's do. In the body and `message_start` (with the breakdown) and in
   `message_delta` (whose usage has no breakdown).
 - OpenAI Responses: `input_tokens_details.cache_write_tokens` (every prompt token written to the
-  store), and the response echoes `prompt_cache_key` and `prompt_cache_retention`, in the body and
-  each event that carries the response.
+  store) and, for a request with explicit breakpoints, `cache_write_tokens_details: {ttl_30m_tokens,
+  ttl_12h_tokens}` (those written under them, by ttl); the response echoes `prompt_cache_key`,
+  `prompt_cache_retention` and `prompt_cache_options`, in the body and each event that carries it.
 - OpenAI Chat Completions and Completions: `prompt_tokens_details.cache_write_tokens`
   (recipe.codec_response, recipe.completions_response call `chat_usage`).
 """
@@ -22,6 +23,9 @@ from typing import Protocol
 
 from recipe.prepared_request import SseEvent
 from workers.protocol import GenerateOutput
+
+# The lifetimes of OpenAI's explicit breakpoints, which Responses usage breaks its cache writes down by.
+BREAKPOINT_TTLS = ("30m", "12h")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,7 @@ class MessagesUsageReport:
 class ResponsesUsageReport:
     prompt_cache_key: str | None
     prompt_cache_retention: str | None
+    prompt_cache_options: Mapping | None
     events: frozenset[str] = frozenset(
         {"response.created", "response.in_progress", "response.completed", "response.incomplete", "response.failed"}
     )
@@ -89,9 +94,15 @@ class ResponsesUsageReport:
     def body(self, body: dict, cache: PromptCacheUsage) -> None:
         body["prompt_cache_key"] = self.prompt_cache_key
         body["prompt_cache_retention"] = self.prompt_cache_retention
+        body["prompt_cache_options"] = self.prompt_cache_options
         usage = body.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("input_tokens_details"), dict):
-            usage["input_tokens_details"]["cache_write_tokens"] = cache.written_tokens
+            details = usage["input_tokens_details"]
+            details["cache_write_tokens"] = cache.written_tokens
+            if any(ttl in cache.written_by_ttl for ttl in BREAKPOINT_TTLS):
+                details["cache_write_tokens_details"] = {
+                    f"ttl_{ttl}_tokens": cache.written_by_ttl.get(ttl, 0) for ttl in BREAKPOINT_TTLS
+                }
 
 
 def chat_usage(usage: dict, written_tokens: int) -> dict:

@@ -103,7 +103,9 @@ class ConversationResponseFactory:
             if self.namespace_tools:
                 generator = generator.with_namespace_tool_map(self.namespace_tools)
             accumulator = deepseek_recipe.ResponsesResponse(response_id, self.model_name, created, 0, 0)
-            report = ResponsesUsageReport(self.cache.prompt_cache_key, self.cache.prompt_cache_retention)
+            report = ResponsesUsageReport(
+                self.cache.prompt_cache_key, self.cache.prompt_cache_retention, self.cache.prompt_cache_options
+            )
             return SingleChoiceResponse(
                 self.feed, generator=generator, accumulator=accumulator, report=report, cache_ttls=self.cache_ttls
             )

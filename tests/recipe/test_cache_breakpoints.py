@@ -154,3 +154,22 @@ def test_a_string_message_under_a_top_level_breakpoint(models, smollm2_tokenizer
 
     assert prepared.cache_hints[0].retain_s == 300.0
     assert before.endswith("user\nHi there.") and after == "<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    ("protocol", "items_field", "part_type"),
+    [("chat.completions", "messages", "text"), ("responses", "input", "input_text")],
+)
+def test_an_openai_breakpoint_covers_the_prompt_up_to_the_end_of_its_part(
+    models, smollm2_tokenizer, protocol, items_field, part_type
+):
+    parts = [
+        {"type": part_type, "text": "First part.", "prompt_cache_breakpoint": {"mode": "explicit"}},
+        {"type": part_type, "text": "Second part."},
+    ]
+    request = {"model": MODEL, items_field: [{"role": "user", "content": parts}]}
+
+    before, after = split_at_hint(prepare_request(protocol, request, models), smollm2_tokenizer)
+
+    assert before.endswith("user\nFirst part.")
+    assert "Second part." in after and "First part." not in after

@@ -200,3 +200,77 @@ def test_count_tokens_checks_breakpoints_and_counts_the_same(models) -> None:
     with pytest.raises(ApiError) as refused:
         count_tokens({**plain, "cache_control": {"type": "ephemeral", "ttl": "1w"}}, models)
     assert refused.value.status == 400 and refused.value.param == "cache_control.ttl"
+
+
+EXPLICIT = {"mode": "explicit"}
+
+
+def chat_parts(*breakpoints: dict | None) -> list[dict]:
+    """One user message whose text parts carry these prompt_cache_breakpoints (None: none)."""
+    parts = []
+    for index, breakpoint in enumerate(breakpoints):
+        part = {"type": "text", "text": f"Part {index}."}
+        parts.append(part if breakpoint is None else {**part, "prompt_cache_breakpoint": breakpoint})
+    return [{"role": "user", "content": parts}]
+
+
+def parts_of(kind: str, count: int) -> list[dict]:
+    return [{"type": kind, "text": f"Part {index}.", "prompt_cache_breakpoint": EXPLICIT} for index in range(count)]
+
+
+def test_openai_explicit_breakpoints_take_their_ttl_or_the_requests(models) -> None:
+    request = body(
+        "chat.completions",
+        messages=chat_parts(EXPLICIT, {"mode": "explicit", "ttl": "12h"}, None),
+        prompt_cache_options={"ttl": "30m"},
+    )
+
+    prepared = prepare_request("chat.completions", request, models)
+
+    assert [hint.retain_s for hint in prepared.cache_hints] == [1800.0, 43200.0]
+    assert prepared.cache_hints[0].prefix_tokens < prepared.cache_hints[1].prefix_tokens
+
+
+@pytest.mark.parametrize(("mode", "kept"), [(None, 3), ("implicit", 3), ("explicit", 4)])
+def test_openai_writes_the_latest_breakpoints_of_a_request(models, mode, kept) -> None:
+    options = {} if mode is None else {"prompt_cache_options": {"mode": mode}}
+    request = body("responses", input=[{"role": "user", "content": parts_of("input_text", 6)}], **options)
+
+    prepared = prepare_request("responses", request, models)
+
+    # The latest: the last hint covers the most, the last part.
+    explicit = prepare_request("responses", {**request, "prompt_cache_options": {"mode": "explicit"}}, models)
+    assert len(prepared.cache_hints) == kept
+    assert prepared.cache_hints == explicit.cache_hints[-kept:]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"messages": chat_parts("explicit")}, "messages[0].content[0].prompt_cache_breakpoint"),
+        ({"messages": chat_parts({"ttl": "30m"})}, "messages[0].content[0].prompt_cache_breakpoint.mode"),
+        ({"messages": chat_parts({"mode": "implicit"})}, "messages[0].content[0].prompt_cache_breakpoint.mode"),
+        (
+            {"messages": chat_parts({"mode": "explicit", "ttl": "1h"})},
+            "messages[0].content[0].prompt_cache_breakpoint.ttl",
+        ),
+        ({"messages": chat_parts({"mode": "explicit", "x": 1})}, "messages[0].content[0].prompt_cache_breakpoint.x"),
+        ({"prompt_cache_options": "explicit"}, "prompt_cache_options"),
+        ({"prompt_cache_options": {"mode": "manual"}}, "prompt_cache_options.mode"),
+        ({"prompt_cache_options": {"ttl": "1d"}}, "prompt_cache_options.ttl"),
+        ({"prompt_cache_options": {"retention": "24h"}}, "prompt_cache_options.retention"),
+    ],
+    ids=[
+        "breakpoint-not-an-object",
+        "breakpoint-without-mode",
+        "breakpoint-not-explicit",
+        "breakpoint-unknown-ttl",
+        "breakpoint-unknown-field",
+        "options-not-an-object",
+        "options-unknown-mode",
+        "options-unknown-ttl",
+        "options-unknown-field",
+    ],
+)
+def test_invalid_openai_breakpoints_and_options_are_refused_naming_the_field(models, fields, param) -> None:
+    assert refusal("chat.completions", body("chat.completions", **fields), models).param == param

@@ -129,3 +129,23 @@ def test_openai_usage_reports_the_prompt_tokens_written_to_the_cache(models, pro
 
     assert response["usage"]["prompt_tokens_details"] == {"cached_tokens": 128, "cache_write_tokens": 128}
     assert events[-1][1]["usage"] == response["usage"]
+
+
+def test_responses_break_writes_under_explicit_breakpoints_down_by_ttl_and_echo_the_options(models) -> None:
+    parts = [
+        {"type": "input_text", "text": "Rules.", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}},
+        {"type": "input_text", "text": "Question?", "prompt_cache_breakpoint": {"mode": "explicit"}},
+    ]
+    options = {"mode": "explicit", "ttl": "30m"}
+    request = {"model": MODEL, "input": [{"role": "user", "content": parts}], "prompt_cache_options": options}
+
+    _, response = run(
+        prepare_request("responses", request, models), outputs(300, cached=0, stored=256, by_hint=(64, 128))
+    )
+
+    assert response["prompt_cache_options"] == options
+    assert response["usage"]["input_tokens_details"] == {
+        "cached_tokens": 0,
+        "cache_write_tokens": 256,
+        "cache_write_tokens_details": {"ttl_30m_tokens": 128, "ttl_12h_tokens": 64},
+    }

@@ -158,7 +158,8 @@ class StoreConnector:
     @torch.inference_mode()
     def save_completed_blocks(self, requests: Sequence[Request]) -> None:
         """Queue the requests' blocks that became full of computed, known tokens and are not stored
-        yet. The store is asked about all of them at once: one index round trip per step."""
+        yet (those a cache hint covers with their retain_until; stored ones it covers are retained
+        again). The store is asked about all of them at once: one index round trip per step."""
         completed = []  # (request, first unsaved block, full blocks, their keys)
         for request in requests:
             full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_tokens

@@ -189,3 +189,25 @@ def test_the_same_key_in_two_tenants_names_two_namespaces(engine, make_api_key):
     tenants = [Tenant.objects.get(name=name).cache_namespace for name in ("acme", "globex")]
     assert namespaces == [scoped_namespace(tenants[0], "shared"), scoped_namespace(tenants[1], "shared")]
     assert len(set(namespaces) | set(tenants)) == 4
+
+
+def test_openai_explicit_breakpoints_through_the_responses_sdk(engine, make_api_key):
+    content = [
+        {"type": "input_text", "text": "Rules.", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}},
+        {"type": "input_text", "text": "Question?"},
+    ]
+
+    response = openai_call(
+        make_api_key("acme"),
+        lambda client: client.responses.create(
+            model=SMOLLM2,
+            input=[{"role": "user", "content": content}],
+            prompt_cache_options={"mode": "explicit", "ttl": "30m"},
+        ),
+    )
+
+    [request] = engine.requests
+    assert [hint.retain_s for hint in request.cache_hints] == [43200.0]
+    details = response.usage.input_tokens_details.cache_write_tokens_details
+    assert (details.ttl_12h_tokens, details.ttl_30m_tokens) == (64, 0)
+    assert response.prompt_cache_options.mode == "explicit"

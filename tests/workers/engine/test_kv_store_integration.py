@@ -7,13 +7,14 @@ can come from the engine-local prefix cache.
 """
 
 import random
+import threading
 import time
 
 import pytest
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.block_hash import hash_chain, namespace_extra, scoped_namespace
-from workers.engine import LLM, SamplingParams
+from workers.engine import LLM, SamplingParams, store_connector
 from workers.engine.errors import InvalidRequestError
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import open_store
@@ -245,3 +246,34 @@ def test_a_prompt_cache_key_scopes_hits_within_its_tenant_and_never_reaches_anot
     assert cached(scoped_namespace("tenant-b", "user-1")) == 0
     assert cached(scoped_namespace("tenant-a", "user-2")) == 0
     assert cached("tenant-a") == 0
+
+
+def test_hinted_blocks_are_queued_for_the_store_when_the_queue_is_too_long_for_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_connector, "MAX_PENDING_WRITES", 6)
+    monkeypatch.setattr(store_connector, "UNHINTED_WRITES_MAX", 2)
+    llm = engine(tmp_path)
+    store = llm.engine.store.store
+    # A disk that hangs on the first write, so the writer holds that block and the queue fills up.
+    writing, disk_back = threading.Event(), threading.Event()
+    write = store.write
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        disk_back.wait()
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write", slow_write)
+    unhinted, hinted = prompt(150, seed=26), prompt(150, seed=27)
+    try:
+        llm.generate([prompt(40, seed=28)], SHORT)
+        assert writing.wait(timeout=30)
+        llm.generate([unhinted], SHORT)  # 2 of its 4 blocks are queued
+        llm.generate([hinted], SHORT, cache_hints=[HOUR])  # all 4 are
+        disk_back.set()
+    finally:
+        disk_back.set()
+        llm.close()
+
+    assert llm.engine.store.stats().num_writes_dropped == 2
+    assert [store.index.get(key) is not None for key in block_keys(llm.engine, unhinted)] == [True] * 2 + [False] * 2
+    assert [store.index.get(key) is not None for key in block_keys(llm.engine, hinted)] == [True] * 4
