@@ -110,13 +110,14 @@ def _text_positions(
     except ApiError as error:
         log.warning("a request marked for its cache breakpoints did not convert (%s); they keep nothing", error)
         return []
-    unmark = str.maketrans({marker: None for marker in markers})
     positions = []
     for (index, _), marker in zip(texts, markers):
         at = marked.find(marker)
         if at < 0 or marked.find(marker, at + 1) >= 0:
             continue
-        before = marked[:at].translate(unmark)
+        before = marked[:at]
+        for other in markers:
+            before = before.replace(other, "")
         if prompt.text.startswith(before):
             positions.append((index, len(before)))
     return positions

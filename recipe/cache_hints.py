@@ -192,23 +192,23 @@ def _anthropic_breakpoints(body: Mapping) -> tuple[Breakpoint, ...]:
     for index, block in _items(body.get("system")):
         found += _own_breakpoint(block, ("system", index), _text_anchor(block, ("system", index)))
     tool_calls = itertools.count()
-    last_block: tuple[Mapping | None, Path, Anchor] | None = None
+    last_block: tuple[bool, Anchor] | None = None  # (whether it has a cache_control of its own, its anchor)
     for index, message in _items(body.get("messages")):
         content = message.get("content")
         if isinstance(content, str):
-            last_block = (None, ("messages", index, "content"), TextEnd(("messages", index, "content")))
+            last_block = (False, TextEnd(("messages", index, "content")))
         for position, block in _items(content):
             path = ("messages", index, "content", position)
             anchor = _block_anchor(block, path, tool_calls)
             found += _nested_breakpoints(block, path)
             found += _own_breakpoint(block, path, anchor)
-            last_block = (block, path, anchor)
+            last_block = (block.get("cache_control") is not None, anchor)
     top_level = body.get("cache_control")
     if top_level is not None:
         ttl = _checked_ttl(top_level, ("cache_control",))
         # It marks the last block, unless that block has a breakpoint of its own.
-        if last_block is not None and (last_block[0] is None or last_block[0].get("cache_control") is None):
-            found.append(Breakpoint("cache_control", ttl, ANTHROPIC_TTL_S[ttl], last_block[2]))
+        if last_block is not None and not last_block[0]:
+            found.append(Breakpoint("cache_control", ttl, ANTHROPIC_TTL_S[ttl], last_block[1]))
     _check_anthropic_rules(found)
     return tuple(found)
 
