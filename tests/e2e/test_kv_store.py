@@ -69,21 +69,20 @@ def test_second_turn_hits_the_first_survives_a_restart_and_stays_within_its_tena
     finally:
         stop_stack(process)
 
+    assert first.usage.prompt_tokens >= 2 * BLOCK_TOKENS
+    assert second.usage.prompt_tokens_details.cached_tokens >= whole_blocks(first.usage.prompt_tokens)
+    # Tenant B shares nothing with tenant A, so its run is the uncached reference.
+    assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0
+    assert other_tenant.choices[0].message.content == second.choices[0].message.content
     # The breakpoint's blocks are written under it once, then read.
     assert created.usage.cache_creation.ephemeral_1h_input_tokens >= BLOCK_TOKENS
     assert created.usage.cache_creation_input_tokens == created.usage.cache_creation.ephemeral_1h_input_tokens
     assert read.usage.cache_creation_input_tokens == 0
     assert read.usage.cache_read_input_tokens >= created.usage.cache_creation_input_tokens
     # A key opens a scope of its own in the tenant's namespace, which another tenant's key never reaches.
-    assert [each.usage.prompt_tokens_details.cached_tokens for each in keyed][0] == 0
+    assert keyed[0].usage.prompt_tokens_details.cached_tokens == 0
     assert keyed[1].usage.prompt_tokens_details.cached_tokens >= whole_blocks(second.usage.prompt_tokens - 1)
     assert other_tenant_keyed.usage.prompt_tokens_details.cached_tokens == 0
-
-    assert first.usage.prompt_tokens >= 2 * BLOCK_TOKENS
-    assert second.usage.prompt_tokens_details.cached_tokens >= whole_blocks(first.usage.prompt_tokens)
-    # Tenant B shares nothing with tenant A, so its run is the uncached reference.
-    assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0
-    assert other_tenant.choices[0].message.content == second.choices[0].message.content
 
     process, stack = start_stack(tmp_path, database, "tenant-a")
     try:
