@@ -100,7 +100,7 @@ def _text_positions(
         return []
     markers = _unused_characters(prompt.text, len(texts))
     if len(markers) < len(texts):
-        log.warning("the prompt holds nearly every private-use character; its cache breakpoints on text keep nothing")
+        log.info("the prompt holds nearly every private-use character; its cache breakpoints on text keep nothing")
         return []
     marked_body = body
     for (_, anchor), marker in zip(texts, markers):
@@ -108,7 +108,7 @@ def _text_positions(
     try:
         marked = render(marked_body).text
     except ApiError as error:
-        log.warning("a request marked for its cache breakpoints did not convert (%s); they keep nothing", error)
+        log.info("a request marked for its cache breakpoints did not convert (%s); they keep nothing", error)
         return []
     positions = []
     for (index, _), marker in zip(texts, markers):
