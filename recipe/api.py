@@ -51,7 +51,7 @@ def prepare_request(
 
 def count_tokens(body: dict, models: Mapping[str, ServedModel], limits: RequestLimits = RequestLimits()) -> int:
     """Anthropic's /v1/messages/count_tokens: the prompt length of this Messages request."""
-    return count_prompt_tokens("messages", body, _served_model(body, models, "messages.count_tokens", limits))
+    return count_prompt_tokens("messages", body, _served_model(body, models, "messages.count_tokens", limits), limits)
 
 
 def list_models(models: Mapping[str, ServedModel], created: int) -> dict:

@@ -14,6 +14,7 @@ turn keeps the prompt in the distribution the model learned, and the results of 
 share one turn, keeping the user/assistant alternation.
 """
 
+import itertools
 import json
 import weakref
 from dataclasses import dataclass
@@ -42,15 +43,31 @@ Write one block per call; write several blocks to call several functions. Result
 REQUIRED_CALL_NOTE = "\n\nYou must call a function now."
 JSON_OBJECT_NOTE = "Reply with a JSON object only."
 JSON_SCHEMA_NOTE = "Reply with JSON only, matching this JSON schema:\n{schema}"
+SECTION_SEPARATOR = "\n\n"
 
 
 @dataclass(frozen=True, slots=True)
 class PromptText:
     """A prompt and where its control tokens are: each range is a half-open (start, end) span of
-    `text` (str indices) that is one special token; everything else is plain text."""
+    `text` (str indices) that is one special token; everything else is plain text.
+
+    Where each tool's definition and each assistant tool call ends (str indices, in the
+    conversation's order), for cache breakpoints on them (recipe.cache_breakpoints); empty for a
+    prompt rendered by another encoding."""
 
     text: str
     special_ranges: tuple[tuple[int, int], ...]
+    tool_ends: tuple[int, ...] = ()
+    tool_call_ends: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Content:
+    """A turn's content, and where the tool definitions and tool calls in it end (offsets into it)."""
+
+    text: str
+    tool_ends: tuple[int, ...] = ()
+    tool_call_ends: tuple[int, ...] = ()
 
 
 class _PromptWriter:
@@ -58,6 +75,8 @@ class _PromptWriter:
         self._pieces: list[str] = []
         self._length = 0
         self._special_ranges: list[tuple[int, int]] = []
+        self._tool_ends: list[int] = []
+        self._tool_call_ends: list[int] = []
 
     def special(self, token: str) -> None:
         self._special_ranges.append((self._length, self._length + len(token)))
@@ -67,14 +86,23 @@ class _PromptWriter:
         self._pieces.append(text)
         self._length += len(text)
 
-    def turn(self, role: str, content: str) -> None:
+    def open_turn(self, role: str, content: _Content) -> None:
+        """The turn's start and content, leaving it open."""
         self.special(IM_START)
-        self.text(f"{role}\n{content}")
+        start = self._length + len(role) + 1
+        self.text(f"{role}\n{content.text}")
+        self._tool_ends += [start + end for end in content.tool_ends]
+        self._tool_call_ends += [start + end for end in content.tool_call_ends]
+
+    def turn(self, role: str, content: _Content | str) -> None:
+        self.open_turn(role, content if isinstance(content, _Content) else _Content(content))
         self.special(IM_END)
         self.text("\n")
 
     def prompt(self) -> PromptText:
-        return PromptText("".join(self._pieces), tuple(self._special_ranges))
+        return PromptText(
+            "".join(self._pieces), tuple(self._special_ranges), tuple(self._tool_ends), tuple(self._tool_call_ends)
+        )
 
 
 def render_chatml(conversation: deepseek_recipe.Conversation, *, default_system_prompt: str | None) -> PromptText:
@@ -84,7 +112,7 @@ def render_chatml(conversation: deepseek_recipe.Conversation, *, default_system_
     writer = _PromptWriter()
     has_system_message = bool(messages) and messages[0].role == "system"
     leading_system = messages[0].content if has_system_message else default_system_prompt
-    system = _joined(leading_system, _tools_section(conversation), _response_format_note(conversation))
+    system = _system_content(leading_system, _tools_section(conversation), _response_format_note(conversation))
     if system is not None or has_system_message:
         writer.turn("system", system or "")
 
@@ -99,11 +127,10 @@ def render_chatml(conversation: deepseek_recipe.Conversation, *, default_system_
             writer.turn("user", "\n".join(results))
             continue
         if message.role == "assistant" and message.prefix and index == len(messages) - 1:
-            writer.special(IM_START)
-            writer.text(f"assistant\n{_assistant_content(message)}")
+            writer.open_turn("assistant", _assistant_content(message))
             return writer.prompt()
         role = "system" if message.role == "latest_reminder" else message.role
-        content = _assistant_content(message) if message.role == "assistant" else message.content
+        content = _assistant_content(message) if message.role == "assistant" else _Content(message.content)
         writer.turn(role, content)
         index += 1
 
@@ -137,23 +164,37 @@ def _probe_default_system_prompt(tokenizer: Tokenizer) -> str | None:
     return rendered[len(system_start) : end] if end != -1 else None
 
 
-def _joined(*sections: str | None) -> str | None:
-    present = [section for section in sections if section]
-    return "\n\n".join(present) if present else None
+def _system_content(leading: str | None, tools: _Content | None, note: str | None) -> _Content | None:
+    """The sections present, joined by blank lines."""
+    sections = (_Content(leading or ""), tools or _Content(""), _Content(note or ""))
+    present = [section for section in sections if section.text]
+    if not present:
+        return None
+    text, tool_ends, offset = [], [], 0
+    for section in present:
+        text.append(section.text)
+        tool_ends += [offset + end for end in section.tool_ends]
+        offset += len(section.text) + len(SECTION_SEPARATOR)
+    return _Content(SECTION_SEPARATOR.join(text), tool_ends=tuple(tool_ends))
 
 
-def _tools_section(conversation: deepseek_recipe.Conversation) -> str | None:
+def _tools_section(conversation: deepseek_recipe.Conversation) -> _Content | None:
     if not conversation.tools:
         return None
-    schemas = "\n".join(
+    lines = [
         json.dumps(
             {"name": tool.name, "description": tool.description or "", "parameters": tool.parameters or {}},
             ensure_ascii=False,
         )
         for tool in conversation.tools
-    )
-    section = TOOLS_SECTION.format(tools=schemas)
-    return section + REQUIRED_CALL_NOTE if conversation.tool_choice == "required" else section
+    ]
+    section = TOOLS_SECTION.format(tools="\n".join(lines))
+    if conversation.tool_choice == "required":
+        section += REQUIRED_CALL_NOTE
+    # The text before the placeholder has no braces, so formatting leaves its length as it is.
+    first = TOOLS_SECTION.index("{tools}")
+    ends = itertools.accumulate((len(line) + (index > 0) for index, line in enumerate(lines)), initial=first)
+    return _Content(section, tool_ends=tuple(ends)[1:])
 
 
 def _response_format_note(conversation: deepseek_recipe.Conversation) -> str | None:
@@ -165,9 +206,11 @@ def _response_format_note(conversation: deepseek_recipe.Conversation) -> str | N
     return None
 
 
-def _assistant_content(message: deepseek_recipe.Message) -> str:
+def _assistant_content(message: deepseek_recipe.Message) -> _Content:
     calls = [_native_tool_call(call.name, call.arguments) for call in message.tool_calls or []]
-    return "\n".join([message.content, *calls] if message.content else calls)
+    parts = [message.content, *calls] if message.content else calls
+    ends = itertools.accumulate((len(part) + (index > 0) for index, part in enumerate(parts)))
+    return _Content("\n".join(parts), tool_call_ends=tuple(ends)[len(parts) - len(calls) :])
 
 
 def _native_tool_call(name: str, arguments: str) -> str:

@@ -5,14 +5,16 @@ The library renders one choice per processor. For Chat Completions this module m
 one response: each chunk gets its choice's index and the response's `created`; usage leaves the
 finish chunks and, when `stream_options.include_usage` asks for it, comes once at the end in a chunk
 of its own with empty choices (the library would put it on every choice's last chunk); prompt-side
-counts come from choice 0 and completion tokens are summed over the choices.
+counts come from choice 0 and completion tokens are summed over the choices; the prompt tokens
+written to the cache are the most any choice wrote (recipe.cache_usage).
 """
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import deepseek_recipe
 
+from recipe.cache_usage import UsageReport, chat_usage
 from recipe.codec_stream import Accumulator, ChoiceFeed, ChoiceStream, Generator
 from recipe.prepared_request import SseEvent
 from workers.protocol import GenerateOutput
@@ -80,19 +82,28 @@ class ChatCompletionsResponse:
             data.pop("usage", None)
         return SseEvent.of_json(data)  # Chat chunks are unnamed events
 
-    @staticmethod
-    def _usage(bodies: list[dict]) -> dict:
+    def _usage(self, bodies: list[dict]) -> dict:
         usage = dict(bodies[0]["usage"])
         usage["completion_tokens"] = sum(body["usage"]["completion_tokens"] for body in bodies)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return usage
+        # Choices that ran at once may each have found the prompt's blocks written by another.
+        written = max(choice.cache.written_tokens if choice.cache is not None else 0 for choice in self._choices)
+        return chat_usage(usage, written)
 
 
 class SingleChoiceResponse:
-    """Responses and Messages: the library's events and body as they are."""
+    """Responses and Messages: the library's events and body, with the prompt cache in their usage."""
 
-    def __init__(self, feed: ChoiceFeed, *, generator: Generator, accumulator: Accumulator) -> None:
-        self._choice = ChoiceStream(feed, generator, accumulator)
+    def __init__(
+        self,
+        feed: ChoiceFeed,
+        *,
+        generator: Generator,
+        accumulator: Accumulator,
+        report: UsageReport,
+        cache_ttls: Sequence[str],
+    ) -> None:
+        self._choice = ChoiceStream(feed, generator, accumulator, report=report, cache_ttls=cache_ttls)
         self._accumulator_type = type(accumulator)
 
     def push(self, choice: int, output: GenerateOutput) -> list[SseEvent]:

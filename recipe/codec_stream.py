@@ -12,12 +12,13 @@ A choice uses one way from start to end (`ChoiceFeed`).
 """
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import deepseek_recipe
 
+from recipe.cache_usage import PromptCacheUsage, UsageReport, reported
 from recipe.prepared_request import SseEvent
 from recipe.tool_calls import ToolCallAdapter
 from workers.protocol import GenerateOutput
@@ -53,8 +54,22 @@ class ChoiceFeed:
 
 
 class ChoiceStream:
-    def __init__(self, feed: ChoiceFeed, generator: Generator, accumulator: Accumulator) -> None:
+    def __init__(
+        self,
+        feed: ChoiceFeed,
+        generator: Generator,
+        accumulator: Accumulator,
+        *,
+        report: UsageReport | None = None,
+        cache_ttls: Sequence[str] = (),
+    ) -> None:
+        """`report` adds the prompt cache to the protocol's usage; `cache_ttls` name the lifetimes of
+        the request's cache hints, in order (recipe.cache_usage)."""
         self._feed = feed
+        self._report = report
+        self._cache_ttls = cache_ttls
+        # What the prompt did with the cache, from the first output on.
+        self.cache: PromptCacheUsage | None = None
         self._processor = deepseek_recipe.StreamProcessor(generator, feed.parsing_options, feed.codec_tokenizer)
         self._accumulator = accumulator
         self._accumulator_type = type(accumulator)
@@ -77,6 +92,7 @@ class ChoiceStream:
         events: list[Event] = []
         if not self._started:
             self._started = True
+            self.cache = PromptCacheUsage.of(output, self._cache_ttls)
             usage = deepseek_recipe.PromptUsage(
                 prompt_tokens=output.num_prompt_tokens, prompt_cache_hit_tokens=output.num_cached_tokens
             )
@@ -92,12 +108,16 @@ class ChoiceStream:
             events += self._processor.finish()
         serialized = []
         for event in events:
-            serialized.append(SseEvent(self._accumulator_type.sse_event_name(event), event.to_json()))
+            rendered = SseEvent(self._accumulator_type.sse_event_name(event), event.to_json())
+            serialized.append(reported(rendered, self._report, self.cache))
             self._accumulator.accumulate(event)
         return serialized
 
     def body(self) -> dict:
-        return json.loads(self._accumulator.to_json())
+        body = json.loads(self._accumulator.to_json())
+        if self._report is not None and self.cache is not None:
+            self._report.body(body, self.cache)
+        return body
 
     def _push(self, chunk: deepseek_recipe.InferenceChunk) -> list[Event]:
         # A stop sequence finishes the processor early; what the engine sent after it is moot.

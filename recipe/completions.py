@@ -9,6 +9,7 @@ leave out of the text, as OpenAI does for this API.
 from collections.abc import Mapping
 
 from recipe import request_fields
+from recipe.cache_hints import read_cache_request
 from recipe.completions_response import CompletionsResponse
 from recipe.errors import invalid_request
 from recipe.limits import RequestLimits
@@ -16,6 +17,7 @@ from recipe.prepared_request import PreparedRequest, ResponseBuilder
 from recipe.served_model import ServedModel
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import SamplingParams
+from workers.protocol import CacheHint
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this API
 MAX_LOGPROBS = 5
@@ -31,6 +33,7 @@ def prepare_completion(body: Mapping, model: ServedModel, limits: RequestLimits)
         raise invalid_request("`best_of` is not supported; use `n`", "best_of")
 
     n = request_fields.choices(body, limits.max_choices)
+    cache = read_cache_request("completions", body, limits)
     stream = request_fields.boolean(body, "stream", default=False)
     include_usage = request_fields.include_usage(body, stream=stream)
     echo = request_fields.boolean(body, "echo", default=False)
@@ -65,6 +68,9 @@ def prepare_completion(body: Mapping, model: ServedModel, limits: RequestLimits)
         traffic_class="chat",
         params=params,
         response_factory=new_response,
+        # OpenAI's hints here are about the whole prompt ("24h" retention).
+        cache_hints=tuple(CacheHint(len(prompt_token_ids), breakpoint.retain_s) for breakpoint in cache.breakpoints),
+        prompt_cache_key=cache.prompt_cache_key,
     )
 
 

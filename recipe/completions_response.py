@@ -13,6 +13,7 @@ tokens spell the text.
 import codecs
 from dataclasses import dataclass, field
 
+from recipe.cache_usage import chat_usage
 from recipe.prepared_request import SseEvent
 from recipe.tokenizer import Tokenizer
 from workers.engine.logprobs import TokenLogprobs
@@ -54,6 +55,7 @@ class _Choice:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    stored_tokens: int = 0
     # Offsets count characters: token bytes go through a UTF-8 decoder, so a character split over
     # tokens advances the offset where it completes.
     offset: int = 0
@@ -92,6 +94,7 @@ class CompletionsResponse:
             state.started = True
             state.prompt_tokens = output.num_prompt_tokens
             state.cached_tokens = output.num_cached_tokens
+            state.stored_tokens = output.num_stored_tokens
             if self._echo_text is not None:
                 text = self._echo_text + text
                 if self._logprobs:
@@ -141,12 +144,13 @@ class CompletionsResponse:
     def _usage(self) -> dict:
         first = self._choices[0]
         completion_tokens = sum(state.completion_tokens for state in self._choices)
-        return {
+        usage = {
             "prompt_tokens": first.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": first.prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
         }
+        return chat_usage(usage, max(state.stored_tokens for state in self._choices))
 
     def _add_prompt_logprobs(
         self, state: _Choice, delta: _Logprobs, prompt_logprobs: list[TokenLogprobs | None]

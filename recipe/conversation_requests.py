@@ -19,11 +19,14 @@ from typing import Literal
 import deepseek_recipe
 
 from recipe import request_fields
+from recipe.cache_breakpoints import PlacedHints, place_breakpoints
+from recipe.cache_hints import CacheRequest, read_cache_request
+from recipe.chatml import PromptText
 from recipe.conversation_responses import ConversationResponseFactory, choice_feed
 from recipe.errors import ApiError, invalid_request
 from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest
-from recipe.prompt_encoding import encode_conversation
+from recipe.prompt_encoding import encode_conversation, render_prompt
 from recipe.served_model import ServedModel
 from workers.engine.errors import InvalidRequestError
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -62,6 +65,7 @@ def prepare_conversation_request(
 ) -> PreparedRequest:
     # Fields read here are checked before the library sees the body, so that errors name them.
     n = request_fields.choices(body, limits.max_choices) if protocol == "chat.completions" else 1
+    cache = read_cache_request(protocol, body, limits)
     stream = request_fields.boolean(body, "stream", default=False)
     include_usage = request_fields.include_usage(body, stream=stream) if protocol == "chat.completions" else False
     _check_token_counts(protocol, body, model)
@@ -76,6 +80,7 @@ def prepare_conversation_request(
         max_tokens = converted.resolve_max_tokens(len(prompt_token_ids), model.max_model_len)
     except deepseek_recipe.ConversionError as error:
         raise invalid_request(str(error), MAX_TOKENS_FIELDS[protocol]) from None
+    placed = _placed_hints(protocol, body, cache, conversation, prompt_token_ids, model)
 
     responses = ConversationResponseFactory(
         protocol=protocol,
@@ -86,6 +91,8 @@ def prepare_conversation_request(
         include_usage=include_usage,
         responses_echo=responses_echo,
         namespace_tools=namespace_tools,
+        cache=cache,
+        cache_ttls=placed.ttls,
     )
     return PreparedRequest(
         protocol=protocol,
@@ -98,14 +105,47 @@ def prepare_conversation_request(
         traffic_class="agent" if conversation.tools else "chat",
         params=_sampling_params(sampling_fields, converted, max_tokens),
         response_factory=responses.new_response,
+        cache_hints=placed.hints,
+        prompt_cache_key=cache.prompt_cache_key,
     )
 
 
-def count_prompt_tokens(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> int:
-    """The prompt length this request would have (Anthropic's count_tokens, which takes no max_tokens)."""
+def count_prompt_tokens(
+    protocol: ConversationProtocol, body: Mapping, model: ServedModel, limits: RequestLimits
+) -> int:
+    """The prompt length this request would have (Anthropic's count_tokens, which takes no max_tokens);
+    its cache hints are checked, and count for nothing."""
+    read_cache_request(protocol, body, limits)
     converted = _converted(protocol, _library_request(protocol, body), model.name)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     return len(_encoded(conversation, model, protocol))
+
+
+def _placed_hints(
+    protocol: ConversationProtocol,
+    body: Mapping,
+    cache: CacheRequest,
+    conversation: deepseek_recipe.Conversation,
+    prompt_token_ids: list[int],
+    model: ServedModel,
+) -> PlacedHints:
+    if not cache.breakpoints:
+        return PlacedHints()
+    return place_breakpoints(
+        cache.breakpoints,
+        body=body,
+        prompt=render_prompt(conversation, model),
+        conversation=conversation,
+        token_ids=prompt_token_ids,
+        tokenizer=model.tokenizer,
+        render=lambda marked: _rendered(protocol, marked, model),
+    )
+
+
+def _rendered(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> PromptText:
+    """The prompt text `body` renders to (a request marked for its cache breakpoints)."""
+    converted = _converted(protocol, _library_request(protocol, body), model.name)
+    return render_prompt(_with_anthropic_any_as_required(protocol, body, converted.conversation), model)
 
 
 def _check_token_counts(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> None:

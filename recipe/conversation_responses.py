@@ -13,6 +13,8 @@ from typing import Literal
 
 import deepseek_recipe
 
+from recipe.cache_hints import CacheRequest
+from recipe.cache_usage import MessagesUsageReport, ResponsesUsageReport
 from recipe.codec_response import ChatCompletionsResponse, SingleChoiceResponse
 from recipe.codec_stream import ChoiceFeed
 from recipe.prepared_request import ResponseBuilder
@@ -78,6 +80,8 @@ class ConversationResponseFactory:
     include_usage: bool
     responses_echo: deepseek_recipe.ResponsesEcho | None
     namespace_tools: dict[str, tuple[str, str]]
+    cache: CacheRequest
+    cache_ttls: tuple[str, ...]  # the API's name of each engine cache hint's lifetime, in order
 
     def new_response(self, response_id: str, created: int) -> ResponseBuilder:
         if self.protocol == "chat.completions":
@@ -99,7 +103,18 @@ class ConversationResponseFactory:
             if self.namespace_tools:
                 generator = generator.with_namespace_tool_map(self.namespace_tools)
             accumulator = deepseek_recipe.ResponsesResponse(response_id, self.model_name, created, 0, 0)
-            return SingleChoiceResponse(self.feed, generator=generator, accumulator=accumulator)
+            report = ResponsesUsageReport(
+                self.cache.prompt_cache_key, self.cache.prompt_cache_retention, self.cache.prompt_cache_options
+            )
+            return SingleChoiceResponse(
+                self.feed, generator=generator, accumulator=accumulator, report=report, cache_ttls=self.cache_ttls
+            )
         generator = deepseek_recipe.MessagesRequest.chunk_generator(self.converted, response_id, self.model_name)
         accumulator = deepseek_recipe.MessagesResponse(response_id, self.model_name, created, 0, 0)
-        return SingleChoiceResponse(self.feed, generator=generator, accumulator=accumulator)
+        return SingleChoiceResponse(
+            self.feed,
+            generator=generator,
+            accumulator=accumulator,
+            report=MessagesUsageReport(),
+            cache_ttls=self.cache_ttls,
+        )

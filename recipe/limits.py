@@ -40,6 +40,7 @@ class RequestLimits:
     max_stop_sequence_chars: int = 256  # the engine holds back this much text to match a stop sequence
     max_logit_bias: int = 1024  # entries of logit_bias, each applied at every step
     max_choices: int = 16  # n: each choice is an engine request
+    max_prompt_cache_key_chars: int = 64  # OpenAI's prompt_cache_key (recipe.cache_hints)
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -10,7 +10,7 @@ from typing import Literal
 import msgspec
 
 from workers.engine.sampling_params import SamplingParams
-from workers.protocol import GenerateOutput, OutputConstraintSpec
+from workers.protocol import CacheHint, GenerateOutput, OutputConstraintSpec
 
 ApiProtocol = Literal["chat.completions", "completions", "responses", "messages"]
 
@@ -55,6 +55,10 @@ class PreparedRequest:
     traffic_class: str
     params: SamplingParams = field(repr=False)  # every choice's params, before the per-choice seed
     response_factory: Callable[[str, int], ResponseBuilder] = field(repr=False)
+    # The client's cache hints (recipe.cache_hints): prefixes for the KV store to keep, and the key
+    # that scopes the cache within the tenant's namespace.
+    cache_hints: tuple[CacheHint, ...] = ()
+    prompt_cache_key: str | None = None
 
     def sampling_params(self, choice: int) -> SamplingParams:
         """A seeded request gets seed + choice, so its choices differ but each is reproducible."""

@@ -11,8 +11,10 @@ common shape (one long document or tool result), so it is not worth its complexi
 """
 
 import weakref
+from collections.abc import Sequence
 
 import deepseek_recipe
+import numpy as np
 
 from recipe.chatml import PromptText, default_system_prompt, render_chatml
 from recipe.served_model import ServedModel
@@ -23,8 +25,15 @@ def encode_conversation(conversation: deepseek_recipe.Conversation, model: Serve
     if model.family == "deepseek_v41":
         encoding = deepseek_recipe.DeepseekV41Encoding().with_tokenizer(model.codec_tokenizer)
         return encoding.encode(conversation)
-    prompt = render_chatml(conversation, default_system_prompt=default_system_prompt(model.tokenizer))
-    return encode_prompt_text(prompt, model.tokenizer)
+    return encode_prompt_text(render_prompt(conversation, model), model.tokenizer)
+
+
+def render_prompt(conversation: deepseek_recipe.Conversation, model: ServedModel) -> PromptText:
+    """The prompt's text and control-token spans, before encoding."""
+    if model.family == "deepseek_v41":
+        rendered = deepseek_recipe.DeepseekV41Encoding().render_conversation(conversation)
+        return PromptText(rendered.prompt, tuple(rendered.special_ranges))
+    return render_chatml(conversation, default_system_prompt=default_system_prompt(model.tokenizer))
 
 
 def encode_prompt_text(prompt: PromptText, tokenizer: Tokenizer) -> list[int]:
@@ -48,6 +57,35 @@ def _encode_plain(text: str, tokenizer: Tokenizer) -> list[int]:
     # [BOS] when the tokenizer is configured to add it to every encode; a prompt spells its BOS as a span.
     automatic_prefix = tokenizer.encode("")
     return tokenizer.encode(text, allow_special=False)[len(automatic_prefix) :]
+
+
+def tokens_before(
+    token_ids: Sequence[int], tokenizer: Tokenizer, text: str, positions: Sequence[int]
+) -> list[int] | None:
+    """For each position of `text` (a str index), how many of the tokens that encode it lie wholly
+    before it; None when the tokens do not spell `text` (every token stands for exact bytes, so
+    they do for the prompts encoded here). A token that straddles a position is not counted."""
+    lengths = _token_lengths(tokenizer)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size and not (0 <= ids.min() and ids.max() < len(lengths)):
+        return None
+    ends = np.cumsum(lengths[ids])
+    if (int(ends[-1]) if ends.size else 0) != len(text.encode("utf-8")):
+        return None
+    offsets = [len(text[:position].encode("utf-8")) for position in positions]
+    return [int(count) for count in np.searchsorted(ends, offsets, side="right")]
+
+
+_token_lengths_by_tokenizer: "weakref.WeakKeyDictionary[Tokenizer, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def _token_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """Bytes each token id stands for."""
+    if tokenizer not in _token_lengths_by_tokenizer:
+        _token_lengths_by_tokenizer[tokenizer] = np.array(
+            [len(tokenizer.token_bytes(token_id)) for token_id in range(tokenizer.vocab_size)], dtype=np.int64
+        )
+    return _token_lengths_by_tokenizer[tokenizer]
 
 
 _special_ids_by_tokenizer: "weakref.WeakKeyDictionary[Tokenizer, dict[str, int]]" = weakref.WeakKeyDictionary()

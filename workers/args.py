@@ -12,6 +12,7 @@ Torch-free, so the control plane can parse and check engine settings without loa
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 from collections.abc import Mapping
@@ -86,6 +87,14 @@ class EngineArgs:
     kv_store: str | os.PathLike | None = _setting(None, help="directory of the global KV block store", none="no store")
     kv_store_index: str = _setting("memory", help='index of the KV store: "memory" or redis://host:port/db')
     kv_block_tokens: int = _setting(128, help="tokens per block of the KV store (a multiple of --page-size)")
+    kv_store_max_retained_tokens: int = _setting(
+        32768,
+        help="leading prompt tokens one request's cache hints (cache_control, prompt_cache_retention) may keep "
+        "in the KV store; 0 ignores hints",
+    )
+    kv_store_max_retention_s: float = _setting(
+        86400.0, help="seconds a cache hint may keep blocks at most (24 h: OpenAI's longest); 0 ignores hints"
+    )
     # A path from the command line; from Python, the fitted model itself will do.
     cost_model: str | os.PathLike | PrefillCostModel | None = _setting(
         None, help="fitted step-time model JSON (python -m bench.fit_cost_model)", none="none"
@@ -128,6 +137,10 @@ class EngineArgs:
         )
         if self.step_budget_ms is not None and not (self.cost_model and self.step_budget_ms > 0):
             raise ValueError(f"step_budget_ms needs a cost_model and must be positive, got {self.step_budget_ms}")
+        if self.kv_store_max_retained_tokens < 0:
+            raise ValueError(f"kv_store_max_retained_tokens must be >= 0, got {self.kv_store_max_retained_tokens}")
+        if not (math.isfinite(self.kv_store_max_retention_s) and self.kv_store_max_retention_s >= 0):
+            raise ValueError(f"kv_store_max_retention_s must be >= 0 and finite, got {self.kv_store_max_retention_s}")
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "EngineArgs":

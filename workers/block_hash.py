@@ -73,3 +73,14 @@ def reusable_blocks(num_tokens: int, block_size: int) -> int:
 def namespace_extra(model_id: str, cache_namespace: str = "") -> bytes:
     """The `extra` that separates models and tenants' cache namespaces."""
     return f"{model_id}\x00{cache_namespace}".encode()
+
+
+def scoped_namespace(cache_namespace: str, prompt_cache_key: str | None) -> str:
+    """A tenant's cache namespace narrowed by a client's prompt_cache_key (recipe.cache_hints):
+    requests with the same key share cached prefixes, and no others do. The key enters as a digest
+    after a NUL, which no tenant's namespace holds (PostgreSQL text cannot), so no key spells another
+    tenant's namespace or a key of its own."""
+    if not prompt_cache_key:
+        return cache_namespace
+    digest = blake2b(prompt_cache_key.encode(), digest_size=DIGEST_BYTES).hexdigest()
+    return f"{cache_namespace}\x00key:{digest}"

@@ -65,6 +65,22 @@ class OutputConstraintSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     limits: GrammarLimits = GrammarLimits()
 
 
+# Cache hints one request may carry: Anthropic allows 4 breakpoints, OpenAI 4 explicit ones besides
+# the request's own retention.
+MAX_CACHE_HINTS = 8
+
+
+class CacheHint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A client's ask to keep a prefix of its prompt in the global KV store (an Anthropic
+    cache_control breakpoint, an OpenAI prompt_cache_retention of "24h"): the store's full blocks
+    within the prompt's first `prefix_tokens` tokens are retained for `retain_s` seconds from this
+    request on (workers.kvstore.hints), as far as the worker's caps allow. The GC neither expires a
+    retained block nor evicts it while it can evict anything else (workers.kvstore.index)."""
+
+    prefix_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    retain_s: Annotated[float, msgspec.Meta(gt=0)]
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -83,6 +99,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     # waiting). Requests without a tenant ("") share one.
     tenant: str = ""
     tenant_weight: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # What the client asked the KV store to keep. Only the worker that computes the prompt (mixed or
+    # prefill) applies them: a decode worker stores blocks with output tokens in them, which no hint
+    # covers.
+    cache_hints: Annotated[tuple[CacheHint, ...], msgspec.Meta(max_length=MAX_CACHE_HINTS)] = ()
 
 
 class ExpectTransferRequest(msgspec.Struct, tag="expect_transfer", frozen=True, forbid_unknown_fields=True):
@@ -162,6 +182,12 @@ class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=Tr
     # Sent once, with the first output, when the request asked for prompt logprobs: entry i is the
     # logprob of prompt token i given the tokens before it (None for the first token).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Prompt tokens this request wrote to the KV store (whole blocks; not those it found there), and
+    # of those, the ones kept under each of its cache_hints (a block several hints cover counts for
+    # the one that keeps it longest). Known from the first output on, sent by the worker that computed
+    # the prompt; a decode worker's outputs leave them out.
+    num_stored_tokens: int = 0
+    stored_tokens_by_hint: tuple[int, ...] = ()
 
 
 class GenerateError(msgspec.Struct, tag="error", frozen=True):

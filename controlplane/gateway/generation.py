@@ -91,6 +91,7 @@ class Generation:
                 traffic_class=prepared.traffic_class,
                 tenant=tenant,
                 tenant_weight=tenant_weight,
+                cache_hints=prepared.cache_hints,
             )
             for choice in range(prepared.n)
         ]

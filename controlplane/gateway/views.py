@@ -24,6 +24,7 @@ from controlplane.telemetry.metrics import exposition
 from controlplane.telemetry.windows import RequestSample
 from controlplane.topology.selectors import pool_scaling_summary
 from recipe.api import list_models
+from workers.block_hash import scoped_namespace
 
 # Proxies must pass events on as they come.
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -65,7 +66,7 @@ async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
             await engine_client(),
             prepared,
             protocol=protocol,
-            cache_namespace=admission.tenant.prefix_cache_namespace,
+            cache_namespace=scoped_namespace(admission.tenant.prefix_cache_namespace, prepared.prompt_cache_key),
             hold=admission.hold,
             tenant=fair_share,
             tenant_weight=weight,

@@ -1,6 +1,8 @@
 """The global KV store through the API, on the real stack and model: a conversation's second turn
 reuses the first turn's prefix, the reuse survives a restart of the whole stack, its output equals
-an uncached run, and one tenant's prompts never hit in another tenant's namespace."""
+an uncached run, and one tenant's prompts never hit in another tenant's namespace; a cache_control
+breakpoint is reported as cache creation, then as a read; a prompt_cache_key scopes hits within its
+tenant."""
 
 import dataclasses
 
@@ -20,8 +22,28 @@ def turn1_messages() -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour of the sky."}]
 
 
-def chat(stack, messages: list[dict]):
-    return stack.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+def chat(stack, messages: list[dict], **fields):
+    return stack.openai().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, **fields
+    )
+
+
+def hinted_message(stack):
+    """A system prompt under a 1h breakpoint, which no other request of the test sends."""
+    system = [
+        {
+            "type": "text",
+            "text": SYSTEM.replace("Rule", "Guideline"),
+            "cache_control": {"type": "ephemeral", "ttl": "1h"},
+        }
+    ]
+    return stack.anthropic().messages.create(
+        model=MODEL,
+        system=system,
+        max_tokens=4,
+        messages=[{"role": "user", "content": "Hello."}],
+        extra_body={"temperature": 0},
+    )
 
 
 def whole_blocks(tokens: int) -> int:
@@ -41,6 +63,9 @@ def test_second_turn_hits_the_first_survives_a_restart_and_stays_within_its_tena
         ]
         second = chat(stack, turn2)
         other_tenant = chat(dataclasses.replace(stack, api_key=key_b), turn2)
+        created, read = hinted_message(stack), hinted_message(stack)
+        keyed = [chat(stack, turn2, prompt_cache_key="user-1") for _ in range(2)]
+        other_tenant_keyed = chat(dataclasses.replace(stack, api_key=key_b), turn2, prompt_cache_key="user-1")
     finally:
         stop_stack(process)
 
@@ -49,6 +74,15 @@ def test_second_turn_hits_the_first_survives_a_restart_and_stays_within_its_tena
     # Tenant B shares nothing with tenant A, so its run is the uncached reference.
     assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0
     assert other_tenant.choices[0].message.content == second.choices[0].message.content
+    # The breakpoint's blocks are written under it once, then read.
+    assert created.usage.cache_creation.ephemeral_1h_input_tokens >= BLOCK_TOKENS
+    assert created.usage.cache_creation_input_tokens == created.usage.cache_creation.ephemeral_1h_input_tokens
+    assert read.usage.cache_creation_input_tokens == 0
+    assert read.usage.cache_read_input_tokens >= created.usage.cache_creation_input_tokens
+    # A key opens a scope of its own in the tenant's namespace, which another tenant's key never reaches.
+    assert keyed[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert keyed[1].usage.prompt_tokens_details.cached_tokens >= whole_blocks(second.usage.prompt_tokens - 1)
+    assert other_tenant_keyed.usage.prompt_tokens_details.cached_tokens == 0
 
     process, stack = start_stack(tmp_path, database, "tenant-a")
     try:

@@ -102,7 +102,7 @@ def test_a_non_stream_response(models, respond) -> None:
     assert body["usage"]["prompt_tokens"] == 40
     assert body["usage"]["completion_tokens"] == completion_tokens
     assert body["usage"]["total_tokens"] == 40 + completion_tokens
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16, "cache_write_tokens": 0}
 
 
 def test_a_stream_matches_the_non_stream_response(models, respond) -> None:
@@ -129,7 +129,7 @@ def test_include_usage_adds_a_final_usage_chunk(models, respond) -> None:
 
     stream = chunks(events)
     assert stream[-1]["choices"] == [] and stream[-1]["usage"] == body["usage"]
-    assert stream[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert stream[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 16, "cache_write_tokens": 0}
     assert all(chunk["usage"] is None for chunk in stream[:-1])
 
 

@@ -79,7 +79,10 @@ def test_a_completed_response(models, respond) -> None:
     assert body["object"] == "response" and body["status"] == "completed" and body["id"] == "resp_test"
     [item] = body["output"]
     assert item["type"] == "message" and item["content"][0]["text"] == "Hello!"
-    assert body["usage"]["input_tokens"] == 40 and body["usage"]["input_tokens_details"] == {"cached_tokens": 16}
+    assert body["usage"]["input_tokens"] == 40 and body["usage"]["input_tokens_details"] == {
+        "cached_tokens": 16,
+        "cache_write_tokens": 0,
+    }
     assert body["usage"]["output_tokens"] == len(models[MODEL].tokenizer.encode("Hello!")) + 1
 
 

@@ -121,3 +121,24 @@ def test_a_dsml_tool_call_and_logprobs_from_tokens(model: ServedModel) -> None:
     assert choice["finish_reason"] == "tool_calls"
     assert "".join(entry["token"] for entry in choice["logprobs"]["content"]) == "Sure."
     assert body["usage"]["completion_tokens"] == len(model.tokenizer.encode(generated, allow_special=True)) + 1
+
+
+def test_cache_breakpoints_on_text_are_placed_and_those_on_tools_keep_nothing(model: ServedModel) -> None:
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    body = {
+        "model": "deepseek-like",
+        "max_tokens": 8,
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}, "cache_control": hour}],
+        "system": [{"type": "text", "text": "Be terse.", "cache_control": hour}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather?", "cache_control": hour}]}],
+    }
+
+    prepared = prepare_request("messages", body, {"deepseek-like": model})
+
+    ids = prepared.prompt_token_ids
+    prefixes = [
+        model.tokenizer.decode(ids[: hint.prefix_tokens], skip_special_tokens=False) for hint in prepared.cache_hints
+    ]
+    assert len(prefixes) == 2  # the DeepSeek encoding does not say where a tool's definition ends
+    assert prefixes[0].endswith("Be terse.") and prefixes[1].endswith("Weather?")
+    assert model.tokenizer.decode(ids, skip_special_tokens=False).startswith(prefixes[1])

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from workers.block_hash import ROOT_HASH, hash_block, hash_chain, namespace_extra
+from workers.block_hash import ROOT_HASH, hash_block, hash_chain, namespace_extra, scoped_namespace
 
 
 def test_chain_equals_block_by_block_hashing():
@@ -42,3 +42,12 @@ def test_max_blocks_and_numpy_input():
 def test_rejects_bad_block_size():
     with pytest.raises(ValueError, match="block_size"):
         hash_chain([1, 2], 0)
+
+
+def test_a_prompt_cache_key_narrows_a_namespace_and_no_key_leaves_it() -> None:
+    assert scoped_namespace("tenant-a", None) == scoped_namespace("tenant-a", "") == "tenant-a"
+    keyed = scoped_namespace("tenant-a", "user-1")
+    assert keyed == scoped_namespace("tenant-a", "user-1")
+    assert len({keyed, scoped_namespace("tenant-a", "user-2"), scoped_namespace("tenant-b", "user-1")}) == 3
+    # A key that spells another namespace stays inside its own tenant's.
+    assert scoped_namespace("tenant-a", "tenant-b").startswith("tenant-a\x00")

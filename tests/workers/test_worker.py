@@ -30,7 +30,14 @@ from tests.workers.worker_process import (
 )
 from workers.engine import LLM, SamplingParams
 from workers.engine_client import RequestRejectedError
-from workers.protocol import GenerateError, GenerateOutput, GenerateRequest, OutputConstraintSpec, WorkerOutbound
+from workers.protocol import (
+    CacheHint,
+    GenerateError,
+    GenerateOutput,
+    GenerateRequest,
+    OutputConstraintSpec,
+    WorkerOutbound,
+)
 
 VOCAB = CONFIG["vocab_size"]
 
@@ -138,8 +145,26 @@ VALID = msgspec.to_builtins(GenerateRequest("ok", [1, 2, 3], greedy(2)))
             "temperature",
         ),
         ([msgspec.msgpack.encode(VALID), b"extra frame"], "", "frame"),
+        (
+            [
+                msgspec.msgpack.encode(
+                    {**VALID, "request_id": "hint", "cache_hints": [{"prefix_tokens": 0, "retain_s": 300.0}]}
+                )
+            ],
+            "hint",
+            "cache_hints[0].prefix_tokens",
+        ),
+        (
+            [
+                msgspec.msgpack.encode(
+                    {**VALID, "request_id": "hints", "cache_hints": [{"prefix_tokens": 1, "retain_s": 300.0}] * 9}
+                )
+            ],
+            "hints",
+            "cache_hints",
+        ),
     ],
-    ids=["garbage", "unknown-tag", "wrong-type", "unknown-field", "bad-params", "two-frames"],
+    ids=["garbage", "unknown-tag", "wrong-type", "unknown-field", "bad-params", "two-frames", "bad-hint", "many-hints"],
 )
 def test_malformed_frames_are_answered_and_the_worker_keeps_serving(worker, frames, request_id, message):
     reply = raw_exchange(worker, frames)
@@ -172,6 +197,22 @@ def test_invalid_requests_are_rejected(worker, prompt, params, message):
 
     error = asyncio.run(run())
     assert error.kind == "invalid_request" and message in error.message
+
+
+def test_a_cache_hint_past_the_prompt_is_rejected(worker):
+    request = GenerateRequest("hinted", [1, 2, 3], greedy(2), cache_hints=(CacheHint(prefix_tokens=4, retain_s=300),))
+
+    async def run():
+        client = await connected_client(worker.endpoints)
+        try:
+            with pytest.raises(RequestRejectedError) as rejected:
+                await collect(client, request)
+            return rejected.value
+        finally:
+            await client.close()
+
+    error = asyncio.run(run())
+    assert error.kind == "invalid_request" and "a cache hint covers 1 to 3 tokens" in error.message
 
 
 def test_a_constraint_needs_a_tokenizer(worker):

@@ -5,10 +5,14 @@ Nothing here changes state: a refused request leaves the engine as it was. Inval
 the request can never run here; EngineOverloadedError means not now (the caller may try elsewhere).
 """
 
+import math
+from collections.abc import Sequence
+
 from workers.engine.block_manager import BlockManager
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.engine.sched.scheduler import Scheduler
+from workers.protocol import MAX_CACHE_HINTS, CacheHint
 
 MAX_TRAFFIC_CLASS_CHARS = 64
 # Prefill-only requests alive at once, computing or finished and pinning their pages until
@@ -113,3 +117,18 @@ class Admission:
             raise EngineOverloadedError(
                 f"{num_pending} prefill-only requests are computing or awaiting transfer (max_pending_transfers)"
             )
+
+
+def check_cache_hints(hints: Sequence[CacheHint], prompt_length: int) -> None:
+    """A request's cache hints name prefixes of its prompt to keep, for a while (workers.kvstore.hints)."""
+    if len(hints) > MAX_CACHE_HINTS:
+        raise InvalidRequestError(f"a request carries at most {MAX_CACHE_HINTS} cache hints, got {len(hints)}")
+    for hint in hints:
+        if not isinstance(hint, CacheHint):
+            raise InvalidRequestError(f"cache hints must be CacheHints, got {type(hint).__name__}")
+        if not 1 <= hint.prefix_tokens <= prompt_length:
+            raise InvalidRequestError(
+                f"a cache hint covers 1 to {prompt_length} tokens (the prompt's), got {hint.prefix_tokens}"
+            )
+        if not (math.isfinite(hint.retain_s) and hint.retain_s > 0):
+            raise InvalidRequestError(f"a cache hint retains for a positive number of seconds, got {hint.retain_s}")

@@ -57,6 +57,8 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_block_tokens=args.kv_block_tokens,
+        kv_store_max_retained_tokens=args.kv_store_max_retained_tokens,
+        kv_store_max_retention_s=args.kv_store_max_retention_s,
         seed=args.seed,
         max_waiting=args.max_waiting,
         cost_model=_cost_model(args.cost_model),

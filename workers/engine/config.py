@@ -299,6 +299,9 @@ class EngineConfig:
     enable_prefix_caching: bool = default("enable_prefix_caching")
     # Tokens per block of the global KV store (when the engine has one); a multiple of page_size.
     kv_block_tokens: int = default("kv_block_tokens")
+    # What a request's cache hints may keep in the store at most (workers.kvstore.hints).
+    kv_store_max_retained_tokens: int = default("kv_store_max_retained_tokens")
+    kv_store_max_retention_s: float = default("kv_store_max_retention_s")
     seed: int = default("seed")
     # Requests allowed to wait for admission; past it add_request refuses (None: unbounded).
     max_waiting: int | None = default("max_waiting")

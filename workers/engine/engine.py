@@ -8,6 +8,7 @@ disaggregation (KV exported by a prefill engine, taken in by a decode engine).
 import logging
 import random
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 from kernels.attention import default_backend
 from workers.block_hash import namespace_extra
 from workers.cost_model import PredictionErrorTracker
-from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission
+from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.constraints import ConstraintError, IsolatedConstraint, TokenConstraint
@@ -36,7 +37,9 @@ from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.store_connector import StoreConnector, StoreStats
+from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
+from workers.protocol import CacheHint
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +125,16 @@ class LLMEngine:
             max_model_len=loaded.max_model_len,
             enforce_eager=config.enforce_eager,
         )
-        self.store = StoreConnector(store, kv_cache, block_tokens=config.kv_block_tokens) if store is not None else None
+        self.store = (
+            StoreConnector(
+                store,
+                kv_cache,
+                block_tokens=config.kv_block_tokens,
+                retention_caps=RetentionCaps(config.kv_store_max_retained_tokens, config.kv_store_max_retention_s),
+            )
+            if store is not None
+            else None
+        )
         self.requests: dict[str, Request] = {}
         self.max_pending_transfers = max_pending_transfers
         # Seeds for sampled requests that have none: a request's draws then depend on its seed and
@@ -156,6 +168,7 @@ class LLMEngine:
         prefill_only: bool = False,
         tenant: str = "",
         tenant_weight: int = 1,
+        cache_hints: Sequence[CacheHint] = (),
     ) -> None:
         """Admit a request, or raise InvalidRequestError naming the problem, or EngineOverloadedError
         when max_waiting requests already wait (either way nothing is changed).
@@ -166,11 +179,13 @@ class LLMEngine:
         `traffic_class` sets how long the KV store keeps the blocks this request writes;
         `prefill_only` ends the request after its first token with finish reason "transfer" (unless
         that token already finished it: stop or length) and pins its KV for export_kv;
-        `tenant` and `tenant_weight` (at least 1) place it in the waiting queue by its tenant's fair share.
+        `tenant` and `tenant_weight` (at least 1) place it in the waiting queue by its tenant's fair share;
+        `cache_hints` ask the KV store to keep prefixes of the prompt (workers.kvstore.hints).
         """
         max_tokens = self.admission.max_tokens(
             request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=self._in_use(request_id)
         )
+        check_cache_hints(cache_hints, len(prompt_token_ids))
         self.admission.check_room_to_wait()
         if prefill_only:
             pending = len(self.disaggregation) + sum(1 for r in self.requests.values() if r.prefill_only)
@@ -188,6 +203,8 @@ class LLMEngine:
             traffic_class=traffic_class,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            retention=self.store.plan_retention(cache_hints) if self.store is not None else (),
+            stored_tokens_by_hint=(0,) * len(cache_hints),
         )
         self.requests[request_id] = request
         self.outputs.add(request)

@@ -13,6 +13,7 @@ from workers.engine.errors import InvalidRequestError
 from workers.engine.model_loader import ModelSource
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.protocol import CacheHint
 
 Prompt = str | list[int]
 
@@ -54,8 +55,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_namespace: str = "",
+        cache_hints: Sequence[CacheHint] = (),
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Invalid input raises before any work starts."""
+        """One RequestOutput per prompt, in order. Invalid input raises before any work starts.
+        `cache_hints` apply to every prompt (workers.protocol.CacheHint)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -78,6 +81,7 @@ class LLM:
                         token_ids,
                         msgspec.structs.replace(params, n=1, seed=seed),
                         cache_namespace=cache_namespace,
+                        cache_hints=cache_hints,
                     )
                     completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
                     if self.tokenizer is not None:
@@ -102,7 +106,11 @@ class LLM:
                 if delta.finished:
                     completion.finish_reason = delta.finish_reason
                     completion.stop_reason = delta.stop_reason
-                by_id[delta.request_id.rsplit("-", 1)[0]].num_cached_tokens = delta.num_cached_tokens
+                result = by_id[delta.request_id.rsplit("-", 1)[0]]
+                result.num_cached_tokens = delta.num_cached_tokens
+                if completion.index == 0:
+                    result.num_stored_tokens = delta.num_stored_tokens
+                    result.stored_tokens_by_hint = delta.stored_tokens_by_hint
         return results
 
     def close(self) -> None:

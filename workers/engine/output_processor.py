@@ -107,4 +107,6 @@ class OutputProcessor:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            num_stored_tokens=request.num_stored_prompt_tokens,
+            stored_tokens_by_hint=request.stored_tokens_by_hint,
         )

@@ -34,6 +34,9 @@ class RequestDelta:
     # given the tokens before it (None for the first); None otherwise.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     failure: RequestFailure | None = None  # with finish_reason "error": why
+    # Prompt tokens the request wrote to the KV store, and of those, under each of its cache hints.
+    num_stored_tokens: int = 0
+    stored_tokens_by_hint: tuple[int, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -58,6 +61,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # Prompt tokens the first completion wrote to the KV store, and of those, under each cache hint.
+    num_stored_tokens: int = 0
+    stored_tokens_by_hint: tuple[int, ...] = ()
 
     @property
     def finished(self) -> bool:

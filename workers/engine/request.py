@@ -9,6 +9,7 @@ from workers.block_hash import BlockHash
 from workers.engine.constraints import TokenConstraint
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.sampling_params import SamplingParams
+from workers.kvstore.hints import BlockRetention
 
 # The value an output token holds while it is sampled on the device but not yet read back (async
 # scheduling): the next step's input takes the real id from the device.
@@ -76,6 +77,12 @@ class Request:
     store_keys: list[BlockHash] = field(default_factory=list)
     # Blocks from the start that are in the store or queued for it; they survive preemption.
     num_saved_blocks: int = 0
+    # How the store keeps the leading blocks the client's cache hints cover (workers.kvstore.hints),
+    # planned at admission; what this request wrote to the store of its prompt, in tokens, and of
+    # that, under each hint (reported in its outputs).
+    retention: tuple[BlockRetention, ...] = ()
+    num_stored_prompt_tokens: int = 0
+    stored_tokens_by_hint: tuple[int, ...] = ()
     # Store blocks being fetched for the prompt (a Future of store_connector.LoadedBlocks); the
     # request is admitted once it is done.
     store_fetch: "Future[Any] | None" = None

@@ -16,6 +16,13 @@ a writer thread, off the critical path. On a GPU the copy goes into one of a few
 buffers without waiting for the device (the writer waits for the copy's event), so storing blocks
 does not stall the overlap of host and device. When the writer falls behind, or no staging buffer
 is free, new blocks are dropped rather than stalling the engine.
+
+Cache hints (workers.kvstore.hints): the leading blocks a request's hints cover are written with a
+`retain_until`, and those already stored (a hit, or written by an earlier request) are retained
+again from now, as a cache entry is refreshed when it is used. Retaining goes through the writer
+thread too, so a remote index costs the step no round trip. Hinted blocks have a share of the write
+queue of their own: other blocks are dropped once the queue is `UNHINTED_WRITES_MAX` long, hinted ones
+only when it is full.
 """
 
 import logging
@@ -32,12 +39,17 @@ from workers.block_hash import ROOT_HASH, BlockHash, hash_chain, reusable_blocks
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
+from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
 from workers.kvstore.store import KVStore
+from workers.protocol import CacheHint
 
 log = logging.getLogger(__name__)
 
 # Blocks waiting for the writer thread; past this, new blocks are not stored (counted as dropped).
 MAX_PENDING_WRITES = 256
+# Blocks no cache hint covers are dropped once this many writes wait: the rest of the queue is for
+# hinted blocks.
+UNHINTED_WRITES_MAX = 192
 # Pinned host buffers that blocks are copied into from a GPU's pages: writes in flight on a GPU.
 STAGING_BLOCKS = 16
 READER_THREADS = 2
@@ -78,13 +90,23 @@ class _Write:
     traffic_class: str
     block: torch.Tensor
     copied: "torch.cuda.Event | None"
+    retain_until: float  # a cache hint's (time.time()), 0 without one
+
+
+@dataclass(frozen=True, slots=True)
+class _Retain:
+    """Stored blocks for the writer thread to retain until a time (time.time())."""
+
+    keys: list[BlockHash]
+    until: float
 
 
 class StoreConnector:
-    def __init__(self, store: KVStore, kv_cache: KVCache, *, block_tokens: int) -> None:
+    def __init__(self, store: KVStore, kv_cache: KVCache, *, block_tokens: int, retention_caps: RetentionCaps) -> None:
         self.store = store
         self.kv_cache = kv_cache
         self.block_tokens = block_tokens
+        self.retention_caps = retention_caps
         self.pages_per_block = block_tokens // kv_cache.page_size
         key_cache, _ = kv_cache.layers[0]
         num_kv_heads, _, _, head_dim = key_cache.shape
@@ -92,7 +114,7 @@ class StoreConnector:
         self.dtype = key_cache.dtype
         self.block_bytes = int(np.prod(self.block_shape)) * key_cache.element_size()
         self.readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-read")
-        self.pending_writes: queue.Queue[_Write | None] = queue.Queue(MAX_PENDING_WRITES)
+        self.pending_writes: queue.Queue[_Write | _Retain | None] = queue.Queue(MAX_PENDING_WRITES)
         self.device = key_cache.device
         # Free pinned staging buffers (GPU caches only: a CPU cache's blocks are plain copies).
         self.staging: queue.SimpleQueue[torch.Tensor] | None = None
@@ -118,6 +140,10 @@ class StoreConnector:
             return
         request.store_fetch = self.readers.submit(self._fetch, keys[first:hit], first * self.pages_per_block)
 
+    def plan_retention(self, hints: Sequence[CacheHint]) -> tuple[BlockRetention, ...]:
+        """How a request with these hints keeps its leading blocks, within this worker's caps."""
+        return plan_retention(hints, self.block_tokens, self.retention_caps)
+
     @torch.inference_mode()
     def copy_in(self, loads: list[KVLoad]) -> None:
         page_size = self.kv_cache.page_size
@@ -132,7 +158,8 @@ class StoreConnector:
     @torch.inference_mode()
     def save_completed_blocks(self, requests: Sequence[Request]) -> None:
         """Queue the requests' blocks that became full of computed, known tokens and are not stored
-        yet. The store is asked about all of them at once: one index round trip per step."""
+        yet (those a cache hint covers with their retain_until; stored ones it covers are retained
+        again). The store is asked about all of them at once: one index round trip per step."""
         completed = []  # (request, first unsaved block, full blocks, their keys)
         for request in requests:
             full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_tokens
@@ -141,24 +168,49 @@ class StoreConnector:
         if not completed:
             return
         stored = iter(self.store.contains_many([key for _, first, full, keys in completed for key in keys[first:full]]))
+        now = self.store.clock()
         for request, first, full, keys in completed:
             present = [next(stored) for _ in range(first, full)]
+            retained: dict[float, list[BlockHash]] = {}  # stored blocks a hint covers, by retain_until
             for index in range(first, full):
+                kept = request.retention[index] if index < len(request.retention) else None
+                retain_until = now + kept.seconds if kept is not None else 0.0
                 if present[index - first]:
+                    if kept is not None:
+                        retained.setdefault(retain_until, []).append(keys[index])
                     continue
-                write = self._copy_out(keys[index], index, request) if not self.pending_writes.full() else None
+                room = MAX_PENDING_WRITES if kept is not None else UNHINTED_WRITES_MAX
+                write = self._copy_out(keys[index], index, request, retain_until) if self._queued() < room else None
                 if write is None:
                     self.num_writes_dropped += full - index
                     break
                 self.pending_writes.put(write)
+                self._count_stored(request, index, kept)
+            for until, retained_keys in retained.items():
+                if self._queued() < MAX_PENDING_WRITES:
+                    self.pending_writes.put(_Retain(retained_keys, until))
             request.num_saved_blocks = full
 
-    def _copy_out(self, key: BlockHash, index: int, request: Request) -> _Write | None:
+    def _queued(self) -> int:
+        return self.pending_writes.qsize()
+
+    def _count_stored(self, request: Request, index: int, kept: BlockRetention | None) -> None:
+        """A prompt block queued for the store counts for the request's usage (and its hint's)."""
+        if (index + 1) * self.block_tokens > len(request.prompt_token_ids):
+            return
+        request.num_stored_prompt_tokens += self.block_tokens
+        if kept is not None:
+            by_hint = list(request.stored_tokens_by_hint)
+            by_hint[kept.hint] += self.block_tokens
+            request.stored_tokens_by_hint = tuple(by_hint)
+
+    def _copy_out(self, key: BlockHash, index: int, request: Request, retain_until: float) -> _Write | None:
         """The block's KV on its way to the host; None when no staging buffer is free."""
         pages = request.pages[index * self.pages_per_block : (index + 1) * self.pages_per_block]
         block = self._gather(pages)
         if self.staging is None:
-            return _Write(key, index, request.traffic_class, block.to("cpu", copy=True).contiguous(), None)
+            host_block = block.to("cpu", copy=True).contiguous()
+            return _Write(key, index, request.traffic_class, host_block, None, retain_until)
         try:
             buffer = self.staging.get_nowait()
         except queue.Empty:
@@ -166,7 +218,7 @@ class StoreConnector:
         buffer.copy_(block, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _Write(key, index, request.traffic_class, buffer, copied)
+        return _Write(key, index, request.traffic_class, buffer, copied, retain_until)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -221,16 +273,29 @@ class StoreConnector:
         return LoadedBlocks(first_page=first_page, num_pages=len(blocks) * self.pages_per_block, blocks=blocks)
 
     def _write_blocks(self) -> None:
-        while (write := self.pending_writes.get()) is not None:
-            if write.copied is not None:
-                write.copied.synchronize()
+        while (item := self.pending_writes.get()) is not None:
+            if isinstance(item, _Retain):
+                self._retain(item)
+                continue
+            if item.copied is not None:
+                item.copied.synchronize()
             try:
-                data = write.block.view(-1).view(torch.uint8).numpy().data
-                if self.store.write(write.key, data, depth=write.depth, traffic_class=write.traffic_class):
+                data = item.block.view(-1).view(torch.uint8).numpy().data
+                written = self.store.write(
+                    item.key, data, depth=item.depth, traffic_class=item.traffic_class, retain_until=item.retain_until
+                )
+                if written:
                     self.num_blocks_written += 1
             except OSError:
                 # A full or failing disk costs future hits, never the request.
                 log.exception("writing a KV block to the store failed")
             finally:
-                if write.copied is not None:
-                    self.staging.put(write.block)
+                if item.copied is not None:
+                    self.staging.put(item.block)
+
+    def _retain(self, item: _Retain) -> None:
+        try:
+            self.store.retain(item.keys, item.until)
+        except Exception:
+            # An unreachable index costs the hint, never the request.
+            log.exception("retaining KV blocks in the store failed")

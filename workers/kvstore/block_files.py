@@ -51,6 +51,9 @@ class BlockMeta(msgspec.Struct, frozen=True, kw_only=True):
     traffic_class: str
     depth: int
     created_at: float
+    # A cache hint's retain_until when the block was written (later hints extend it in the index
+    # only): an index rebuilt from the files, or one that finds the block in the directory, keeps it.
+    retain_until: float = 0.0
 
 
 class _FileMeta(msgspec.Struct, frozen=True):

@@ -57,6 +57,7 @@ class KVStore:
                     depth=depth,
                     created_at=meta.created_at,
                     last_access=mtime,
+                    retain_until=meta.retain_until,
                 )
             )
         if found:
@@ -89,7 +90,8 @@ class KVStore:
             self.retain([key], retain_until)
             return False
         now = self.clock()
-        size = self.files.write(key, payload, BlockMeta(traffic_class=traffic_class, depth=depth, created_at=now))
+        meta = BlockMeta(traffic_class=traffic_class, depth=depth, created_at=now, retain_until=retain_until)
+        size = self.files.write(key, payload, meta)
         entry = BlockEntry(
             key=key,
             size=size,
@@ -166,6 +168,7 @@ def open_store(directory: Path, index_url: str = "memory", *, fsync: bool = Fals
                     depth=meta.depth,
                     created_at=meta.created_at,
                     last_access=mtime,
+                    retain_until=meta.retain_until,
                 )
                 for key, meta, size, mtime in found
             ]

@@ -270,6 +270,7 @@ class Worker:
                 prefill_only=bool(request.decode_endpoint),
                 tenant=request.tenant,
                 tenant_weight=request.tenant_weight,
+                cache_hints=request.cache_hints,
             )
         except InvalidRequestError as error:
             self._send(peer, GenerateError(request.request_id, "invalid_request", str(error)))
@@ -341,6 +342,8 @@ class Worker:
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             prompt_logprobs=delta.prompt_logprobs,
+            num_stored_tokens=delta.num_stored_tokens,
+            stored_tokens_by_hint=delta.stored_tokens_by_hint,
         )
         self._send(owner, output)
         if delta.finish_reason == FinishReason.TRANSFER:

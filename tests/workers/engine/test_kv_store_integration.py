@@ -1,17 +1,25 @@
 """The engine with the global KV store: prompts fetch their stored prefix instead of recomputing it,
-and the blocks an engine completes (prompt and output) are stored for the next engine that asks.
+and the blocks an engine completes (prompt and output) are stored for the next engine that asks;
+cache hints retain the prefixes they cover, through a GC pass, and outputs report what was stored.
 
 Tiny random-weight models; each "restart" is a new engine on the same store directory, so nothing
 can come from the engine-local prefix cache.
 """
 
 import random
+import threading
+import time
 
 import pytest
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.engine import LLM, SamplingParams
+from workers.block_hash import hash_chain, namespace_extra, scoped_namespace
+from workers.engine import LLM, SamplingParams, store_connector
+from workers.engine.errors import InvalidRequestError
+from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import open_store
+from workers.kvstore.ttl import TTLPolicy
+from workers.protocol import CacheHint
 
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]  # windowed and full layers, q/k norm
 BLOCK = 32  # store block: two engine pages of 16
@@ -129,3 +137,143 @@ def test_sampled_requests_and_many_at_once_fetch_and_match_the_uncached_outputs(
 def test_a_block_size_that_is_not_a_multiple_of_the_page_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="multiple of page_size"):
         engine(tmp_path, kv_block_tokens=24)
+
+
+SHORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # 152 tokens: 4 whole prompt blocks
+HOUR = CacheHint(prefix_tokens=150, retain_s=3600)
+
+
+def block_keys(store, tokens: list[int]) -> list[bytes]:
+    """The store keys of a prompt's whole blocks, as an engine without a cache namespace names them."""
+    return hash_chain(tokens, BLOCK, namespace_extra(store.kv_model_id))
+
+
+@pytest.mark.parametrize(("hint_older", "survivor"), [(False, "newer"), (True, "older")], ids=["lru", "hinted"])
+def test_a_hinted_prefix_survives_gc_pressure_that_evicts_an_unhinted_one(tmp_path, hint_older, survivor):
+    prompts = {"older": prompt(150, seed=20), "newer": prompt(150, seed=21)}
+    llm = engine(tmp_path)
+    try:
+        llm.generate([prompts["older"]], SHORT, cache_hints=[HOUR] if hint_older else [])
+        llm.generate([prompts["newer"]], SHORT)
+    finally:
+        llm.close()
+    store = llm.engine.store.store
+    usage = store.index.usage()
+    assert usage.num_blocks == 8
+
+    # Over the high watermark; the low one leaves room for four of the eight blocks. Without a hint,
+    # LRU evicts the older prompt's blocks.
+    report = GarbageCollector(
+        store.index,
+        TTLPolicy(),
+        "lru",
+        capacity_bytes=usage.num_bytes,
+        low_watermark=0.5,
+        delete_data=store.files.delete,
+    ).collect()
+
+    victim = "older" if survivor == "newer" else "newer"
+    kept, evicted = block_keys(llm.engine, prompts[survivor]), block_keys(llm.engine, prompts[victim])
+    assert report.evicted == 4
+    assert [store.index.get(key) is None for key in kept + evicted] == [False] * 4 + [True] * 4
+    assert all(store.index.get(key).retain_until > time.time() + 3000 for key in kept) == hint_older
+    again = run(engine(tmp_path), [prompts[survivor], prompts[victim]], SHORT)
+    assert [result.num_cached_tokens for result in again] == [128, 0]
+
+
+def test_usage_counts_the_prompt_tokens_stored_under_each_hint_and_a_hit_renews_them(tmp_path):
+    tokens = prompt(150, seed=22)
+    hints = [CacheHint(prefix_tokens=70, retain_s=3600), CacheHint(prefix_tokens=150, retain_s=300)]
+
+    first = run(engine(tmp_path), [tokens], SHORT, cache_hints=hints)[0]
+    stored_until = {entry.depth: entry.retain_until for entry in open_store(tmp_path).index.entries()}
+    reader = engine(tmp_path)
+    second = run(reader, [tokens], SHORT, cache_hints=hints)[0]
+
+    assert (first.num_cached_tokens, first.num_stored_tokens, first.stored_tokens_by_hint) == (0, 128, (64, 64))
+    assert (second.num_cached_tokens, second.num_stored_tokens, second.stored_tokens_by_hint) == (128, 0, (0, 0))
+    renewed = {entry.depth: entry.retain_until for entry in reader.engine.store.store.index.entries()}
+    assert [round(renewed[depth] - stored_until[depth]) >= 0 for depth in range(4)] == [True] * 4
+    assert [round(renewed[depth] - time.time()) for depth in range(4)] == [3600, 3600, 300, 300]
+
+
+def test_an_unhinted_request_stores_its_prompt_and_reports_it(tmp_path):
+    result = run(engine(tmp_path), [prompt(150, seed=23)], SHORT)[0]
+
+    assert (result.num_stored_tokens, result.stored_tokens_by_hint) == (128, ())
+    assert all(entry.retain_until == 0 for entry in open_store(tmp_path).index.entries())
+
+
+def test_the_workers_caps_bound_what_hints_retain(tmp_path):
+    tokens = prompt(150, seed=24)
+    capped = engine(tmp_path, kv_store_max_retained_tokens=64, kv_store_max_retention_s=600)
+
+    result = run(capped, [tokens], SHORT, cache_hints=[CacheHint(prefix_tokens=150, retain_s=86400)])[0]
+
+    until = {entry.depth: entry.retain_until for entry in open_store(tmp_path).index.entries()}
+    assert [round(until[depth] - time.time()) for depth in (0, 1)] == [600, 600]
+    assert [until[depth] for depth in (2, 3)] == [0.0, 0.0]
+    assert (result.num_stored_tokens, result.stored_tokens_by_hint) == (128, (64,))
+
+
+@pytest.mark.parametrize(
+    ("hints", "message"),
+    [
+        ([CacheHint(prefix_tokens=151, retain_s=300)], "covers 1 to 150 tokens"),
+        ([CacheHint(prefix_tokens=10, retain_s=float("inf"))], "positive number of seconds"),
+        ([CacheHint(prefix_tokens=10, retain_s=300)] * 9, "at most 8 cache hints"),
+    ],
+    ids=["past-the-prompt", "forever", "too-many"],
+)
+def test_invalid_hints_are_refused_before_the_request_runs(tmp_path, hints, message):
+    llm = engine(tmp_path)
+    try:
+        with pytest.raises(InvalidRequestError, match=message):
+            llm.generate([prompt(150)], SHORT, cache_hints=hints)
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.close()
+
+
+def test_a_prompt_cache_key_scopes_hits_within_its_tenant_and_never_reaches_another(tmp_path):
+    tokens = prompt(150, seed=25)
+    run(engine(tmp_path), [tokens], SHORT, cache_namespace=scoped_namespace("tenant-a", "user-1"))
+
+    def cached(namespace: str) -> int:
+        return run(engine(tmp_path), [tokens], SHORT, cache_namespace=namespace)[0].num_cached_tokens
+
+    assert cached(scoped_namespace("tenant-a", "user-1")) == 128
+    assert cached(scoped_namespace("tenant-b", "user-1")) == 0
+    assert cached(scoped_namespace("tenant-a", "user-2")) == 0
+    assert cached("tenant-a") == 0
+
+
+def test_hinted_blocks_are_queued_for_the_store_when_the_queue_is_too_long_for_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_connector, "MAX_PENDING_WRITES", 6)
+    monkeypatch.setattr(store_connector, "UNHINTED_WRITES_MAX", 2)
+    llm = engine(tmp_path)
+    store = llm.engine.store.store
+    # A disk that hangs on the first write, so the writer holds that block and the queue fills up.
+    writing, disk_back = threading.Event(), threading.Event()
+    write = store.write
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        disk_back.wait()
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write", slow_write)
+    unhinted, hinted = prompt(150, seed=26), prompt(150, seed=27)
+    try:
+        llm.generate([prompt(40, seed=28)], SHORT)
+        assert writing.wait(timeout=30)
+        llm.generate([unhinted], SHORT)  # 2 of its 4 blocks are queued
+        llm.generate([hinted], SHORT, cache_hints=[HOUR])  # all 4 are
+        disk_back.set()
+    finally:
+        disk_back.set()
+        llm.close()
+
+    assert llm.engine.store.stats().num_writes_dropped == 2
+    assert [store.index.get(key) is not None for key in block_keys(llm.engine, unhinted)] == [True] * 2 + [False] * 2
+    assert [store.index.get(key) is not None for key in block_keys(llm.engine, hinted)] == [True] * 4

@@ -92,3 +92,17 @@ def test_a_later_hint_extends_the_retention_of_a_block_already_stored(tmp_path: 
     assert not store.write(key(1), b"x" * 100, depth=0, traffic_class="chat")  # no hint: unchanged
     store.retain([key(1), key(2)], 700.0)
     assert store.index.get(key(1)).retain_until == 900.0
+
+
+def test_the_hint_a_block_was_written_under_outlives_the_in_process_index(tmp_path: Path) -> None:
+    writer = open_store(tmp_path)
+    writer.write(key(1), b"x" * 100, depth=0, traffic_class="chat", retain_until=500.0)
+    writer.write(key(2), b"y" * 100, depth=1, traffic_class="chat")
+    # Another process's index, which finds the blocks in the directory.
+    other = KVStore(BlockFiles(tmp_path), MemoryIndex(), fall_back_to_files=True)
+
+    rebuilt = open_store(tmp_path)
+    other.match([key(1), key(2)])
+
+    assert [rebuilt.index.get(k).retain_until for k in (key(1), key(2))] == [500.0, 0.0]
+    assert [other.index.get(k).retain_until for k in (key(1), key(2))] == [500.0, 0.0]

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import multiprocessing
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -28,6 +29,7 @@ import msgspec
 import torch
 
 from workers.args import EngineArgs
+from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import EngineStats
@@ -47,7 +49,7 @@ from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_exp
 from workers.engine.parallel.rank_process import run_rank_process
 from workers.engine.sampling_params import SamplingParams
 from workers.eplb import place_experts
-from workers.protocol import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, GenerateRequest
+from workers.protocol import CacheHint, EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +176,7 @@ class EPEngine:
         prefill_only: bool = False,
         tenant: str = "",
         tenant_weight: int = 1,
+        cache_hints: Sequence[CacheHint] = (),
     ) -> None:
         """LLMEngine.add_request's checks and errors; the request goes to the least loaded rank."""
         if prefill_only:
@@ -182,6 +185,7 @@ class EPEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         engine = self.local.engine
         engine.admission.max_tokens(request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=False)
+        check_cache_hints(cache_hints, len(prompt_token_ids))
         request = GenerateRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -191,6 +195,7 @@ class EPEngine:
             traffic_class=traffic_class,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            cache_hints=tuple(cache_hints),
         )
         rank = 0 if constraint is not None else self._least_loaded()
         self._check_room(rank)
@@ -371,6 +376,7 @@ class EPEngine:
                 traffic_class=request.traffic_class,
                 tenant=request.tenant,
                 tenant_weight=request.tenant_weight,
+                cache_hints=request.cache_hints,
             )
         else:
             self.remotes[entry.rank - 1].commands.append(request)

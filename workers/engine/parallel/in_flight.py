@@ -66,6 +66,8 @@ def report_deltas(report: EPRankReport, *, has_tokenizer: bool) -> list[RequestD
             num_cached_tokens=o.num_cached_tokens,
             prompt_logprobs=o.prompt_logprobs,
             failure=failures.get(o.request_id),
+            num_stored_tokens=o.num_stored_tokens,
+            stored_tokens_by_hint=o.stored_tokens_by_hint,
         )
         for o in report.outputs
     ]

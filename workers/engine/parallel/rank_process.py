@@ -103,6 +103,7 @@ def admit(rank: RankEngine, request: GenerateRequest) -> GenerateError | None:
             traffic_class=request.traffic_class,
             tenant=request.tenant,
             tenant_weight=request.tenant_weight,
+            cache_hints=request.cache_hints,
         )
     except InvalidRequestError as error:
         return GenerateError(request.request_id, "invalid_request", str(error))
@@ -147,4 +148,6 @@ def output_of(delta: RequestDelta) -> GenerateOutput:
         num_prompt_tokens=delta.num_prompt_tokens,
         num_cached_tokens=delta.num_cached_tokens,
         prompt_logprobs=delta.prompt_logprobs,
+        num_stored_tokens=delta.num_stored_tokens,
+        stored_tokens_by_hint=delta.stored_tokens_by_hint,
     )
