@@ -286,8 +286,9 @@ class StoreConnector:
                 )
                 if written:
                     self.num_blocks_written += 1
-            except OSError:
-                # A full or failing disk costs future hits, never the request.
+            except Exception:
+                # A full or failing disk, or an unreachable index, costs future hits, never the request
+                # (nor the writer thread, which later blocks still need).
                 log.exception("writing a KV block to the store failed")
             finally:
                 if item.copied is not None:
