@@ -20,9 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from django.conf import settings
+from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from controlplane.common.migrated import MIGRATE, pending_migrations
 from controlplane.dev_key import dev_api_key
 from controlplane.policies.tasks import ep_rebalance_tick_task
 from controlplane.supervisor import Child, Supervisor, Timer, child_env, manage_py
@@ -82,6 +84,7 @@ class Command(BaseCommand):
             engine = EngineArgs.from_namespace(argparse.Namespace(**options))
         except ValueError as error:
             raise CommandError(str(error)) from None
+        self._migrate()
         model, device, kv_store_index = engine.model, engine.device, engine.kv_store_index
         if no_kv_store:
             engine = replace(engine, kv_store=None)
@@ -188,6 +191,14 @@ class Command(BaseCommand):
             Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
         ]
         Supervisor(children, timers, on_stop=lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S)).run()
+
+    def _migrate(self) -> None:
+        """The embedded default sets its database up itself: a fresh SQLite file under var/ or an empty
+        PostgreSQL gets its tables before anything starts (`make run` has migrated already)."""
+        pending = pending_migrations()
+        if pending:
+            self.stdout.write(f"Applying {pending} database migrations ({MIGRATE})")
+            call_command("migrate", interactive=False, verbosity=0)
 
 
 class AutoscalerAfterStart:
