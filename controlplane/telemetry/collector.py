@@ -7,12 +7,16 @@ minute's rollup; once an hour it deletes rollups past the retention. Database wo
 (sync_to_async), never on the event loop.
 
 It lives in the gateway because that is where requests are measured and heartbeats already arrive.
-Several gateways each collect their own share: their snapshots differ, and their rollups of one
-minute overwrite each other (the last written wins).
+Several gateways each collect their own share: their live snapshots differ, and each writes its own
+rollup row of a minute under its collector id, which the selectors merge (counts and latency
+histograms add up), so the dashboard's minutes count every gateway's requests.
 """
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -64,8 +68,11 @@ class TelemetryCollector:
         clock: Callable[[], float] = time.time,
         window_s: float = live.WINDOW_S,
         retention: timedelta | None = None,
+        collector_id: str | None = None,
     ) -> None:
-        """`clock` gives epoch seconds: minutes are wall-clock minutes."""
+        """`clock` gives epoch seconds: minutes are wall-clock minutes. `collector_id` names this
+        collector's rollup rows (default: host, process and a random part, unique to this process)."""
+        self.collector_id = collector_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._heartbeats = heartbeats
         # The gateway's engine client sums expert loads from the heartbeats it reads; a collector fed
         # other heartbeats (a test's) has none unless given a source.
@@ -150,10 +157,11 @@ class TelemetryCollector:
                     log.exception("writing the expert loads of pool %s at %s failed", pool, minute)
         finished, self._finished = self._finished, []
         for minute in finished:
+            fields = minute.rollup_fields(self.collector_id)
             try:
-                await sync_to_async(_in_tidy_connection)(rollup_upsert, **minute.rollup_fields())
+                await sync_to_async(_in_tidy_connection)(rollup_upsert, **fields)
             except Exception:
-                log.exception("writing the telemetry rollup of %s failed", minute.rollup_fields()["minute"])
+                log.exception("writing the telemetry rollup of %s failed", fields["minute"])
 
     async def _prune(self, now: float) -> None:
         cutoff = datetime.fromtimestamp(now, UTC) - self._retention

@@ -2,6 +2,7 @@ from datetime import datetime
 
 from django.db import transaction
 
+from controlplane.telemetry.latency_histogram import Histogram
 from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
 
 
@@ -9,28 +10,27 @@ from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
 def rollup_upsert(
     *,
     minute: datetime,
+    collector: str,
     requests: int,
     prompt_tokens: int,
     cached_tokens: int,
     generation_tokens: int,
-    ttft_p50_s: float | None,
-    ttft_p99_s: float | None,
-    itl_p50_s: float | None,
-    itl_p99_s: float | None,
+    ttft_histogram: Histogram,
+    itl_histogram: Histogram,
     kv_store_bytes: int | None,
 ) -> TelemetryRollup:
-    """Writes the minute's row, replacing one written before (a retried write is harmless)."""
+    """Writes the collector's row of the minute, replacing one it wrote before (a retried write is
+    harmless); other collectors' rows of the minute stay, to be merged by the selectors."""
     rollup, _ = TelemetryRollup.objects.update_or_create(
         minute=minute,
+        collector=collector,
         defaults={
             "requests": requests,
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
             "generation_tokens": generation_tokens,
-            "ttft_p50_s": ttft_p50_s,
-            "ttft_p99_s": ttft_p99_s,
-            "itl_p50_s": itl_p50_s,
-            "itl_p99_s": itl_p99_s,
+            "ttft_histogram": ttft_histogram,
+            "itl_histogram": itl_histogram,
             "kv_store_bytes": kv_store_bytes,
         },
     )
