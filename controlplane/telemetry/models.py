@@ -43,3 +43,35 @@ class ExpertLoadRollup(models.Model):
 
     def __str__(self) -> str:
         return f"expert load {self.pool} v{self.layout_version} {self.minute:%Y-%m-%d %H:%M}"
+
+
+class KVStoreGC(models.Model):
+    """The latest report of one KV store GC process (manage.py run_kv_gc), rewritten after each of its
+    runs: the store's size, its capacity and watermarks, and what the GC removed since it started. The
+    dashboard and /metrics show it beside the workers' heartbeats (a worker that runs the GC itself
+    reports the same in its heartbeats)."""
+
+    gc_id = models.CharField(max_length=200, unique=True)
+    hostname = models.CharField(max_length=255)
+    store = models.CharField(max_length=1000)  # the block directory
+    index_kind = models.CharField(max_length=20)  # "memory" or "redis"
+    eviction_policy = models.CharField(max_length=50)
+    capacity_bytes = models.PositiveBigIntegerField()
+    low_watermark = models.FloatField()
+    high_watermark = models.FloatField()
+    interval_s = models.FloatField()
+    num_blocks = models.PositiveBigIntegerField()
+    num_bytes = models.PositiveBigIntegerField()
+    evicted_expired = models.PositiveBigIntegerField()  # blocks removed for age since the process started
+    evicted_capacity = models.PositiveBigIntegerField()  # blocks removed by the eviction policy
+    bytes_freed = models.PositiveBigIntegerField()
+    checkpoints_removed = models.PositiveBigIntegerField()  # checkpoint files no request could resume from
+    started_at = models.DateTimeField()
+    reported_at = models.DateTimeField()
+
+    class Meta:
+        verbose_name = "KV store GC"
+        ordering = ["gc_id"]
+
+    def __str__(self) -> str:
+        return f"{self.gc_id} of {self.store}"

@@ -5,9 +5,12 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from controlplane.telemetry import latency_histogram
-from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
+from controlplane.telemetry.models import ExpertLoadRollup, KVStoreGC, TelemetryRollup
 
 COUNT_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens")
+# A store GC that missed this many of its runs' reports is taken for stopped.
+GC_MISSED_REPORTS = 3
+GC_REPORT_SLACK_S = 5.0
 
 
 def rollup_series(*, minutes: int = 60) -> list[dict]:
@@ -54,3 +57,14 @@ def _merged(minute: datetime, parts: list[TelemetryRollup]) -> dict:
 def expert_load_rollups(*, pool: str, since: datetime) -> list[ExpertLoadRollup]:
     """A pool's expert-load minutes from `since` on, oldest first."""
     return list(ExpertLoadRollup.objects.filter(pool=pool, minute__gte=since).order_by("minute"))
+
+
+def kv_store_gcs_reporting(*, now: datetime | None = None) -> list[KVStoreGC]:
+    """The store GC processes whose last report is recent (within a few of their intervals): those
+    running now. A stopped one's counters disappear from /metrics as a stopped worker's do."""
+    now = now or timezone.now()
+    return [
+        gc
+        for gc in KVStoreGC.objects.all()
+        if (now - gc.reported_at).total_seconds() <= GC_MISSED_REPORTS * gc.interval_s + GC_REPORT_SLACK_S
+    ]

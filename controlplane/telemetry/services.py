@@ -1,9 +1,11 @@
-from datetime import datetime
+from datetime import UTC, datetime
 
+import msgspec
 from django.db import transaction
 
 from controlplane.telemetry.latency_histogram import Histogram
-from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
+from controlplane.telemetry.models import ExpertLoadRollup, KVStoreGC, TelemetryRollup
+from workers.kvstore.gc_process import StoreGCReport
 
 
 @transaction.atomic
@@ -39,10 +41,24 @@ def rollup_upsert(
 
 @transaction.atomic
 def rollups_delete_before(*, cutoff: datetime) -> int:
-    """Deletes the rows of minutes that start before `cutoff`; returns how many."""
+    """Deletes the rows of minutes that start before `cutoff`, and the reports of store GCs silent
+    since then; returns how many."""
     deleted, _ = TelemetryRollup.objects.filter(minute__lt=cutoff).delete()
     expert_deleted, _ = ExpertLoadRollup.objects.filter(minute__lt=cutoff).delete()
-    return deleted + expert_deleted
+    gc_deleted, _ = KVStoreGC.objects.filter(reported_at__lt=cutoff).delete()
+    return deleted + expert_deleted + gc_deleted
+
+
+@transaction.atomic
+def kv_store_gc_record(*, report: StoreGCReport) -> KVStoreGC:
+    """Writes a store GC's report of its latest run over its previous one."""
+    fields = msgspec.structs.asdict(report)
+    gc_id = fields.pop("gc_id")
+    fields.pop("last_run_s")
+    for name in ("started_at", "reported_at"):
+        fields[name] = datetime.fromtimestamp(fields[name], UTC)
+    gc, _ = KVStoreGC.objects.update_or_create(gc_id=gc_id, defaults=fields)
+    return gc
 
 
 @transaction.atomic

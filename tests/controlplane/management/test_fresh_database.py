@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NOT_MIGRATED = re.compile(
     r"CommandError: the database is not set up \(\d+ migrations not applied\): run `python manage.py migrate` first"
 )
