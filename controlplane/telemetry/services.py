@@ -54,7 +54,6 @@ def kv_store_gc_record(*, report: StoreGCReport) -> KVStoreGC:
     """Writes a store GC's report of its latest run over its previous one."""
     fields = msgspec.structs.asdict(report)
     gc_id = fields.pop("gc_id")
-    fields.pop("last_run_s")
     for name in ("started_at", "reported_at"):
         fields[name] = datetime.fromtimestamp(fields[name], UTC)
     gc, _ = KVStoreGC.objects.update_or_create(gc_id=gc_id, defaults=fields)

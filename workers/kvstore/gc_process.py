@@ -105,7 +105,6 @@ class StoreGCReport(msgspec.Struct, frozen=True, kw_only=True):
     evicted_capacity: int
     bytes_freed: int
     checkpoints_removed: int
-    last_run_s: float
 
 
 TTLSource = Callable[[], TTLPolicy]
@@ -155,7 +154,6 @@ class StoreGC:
             stop.wait(self.config.interval_s)
 
     def run_once(self) -> StoreGCReport:
-        started = time.monotonic()
         if isinstance(self.index, DirectoryIndex):
             self.index.reconcile(self.files)
         self._refresh_ttl_policy()
@@ -166,7 +164,7 @@ class StoreGC:
         self.checkpoints_removed += checkpoints
         if gc.expired or gc.evicted or checkpoints:
             log.info("%s", _summary(gc, checkpoints, self.config.capacity_bytes))
-        report = self._report(gc, time.monotonic() - started)
+        report = self._report(gc)
         if self._on_report is not None:
             try:
                 self._on_report(report)
@@ -182,7 +180,7 @@ class StoreGC:
         except Exception:
             log.exception("reading the TTL policy failed; the GC keeps the one it has")
 
-    def _report(self, gc: GCReport, run_s: float) -> StoreGCReport:
+    def _report(self, gc: GCReport) -> StoreGCReport:
         collector = self.collector
         return StoreGCReport(
             gc_id=self.gc_id,
@@ -202,7 +200,6 @@ class StoreGC:
             evicted_capacity=collector.evicted_capacity,
             bytes_freed=self.bytes_freed,
             checkpoints_removed=self.checkpoints_removed,
-            last_run_s=run_s,
         )
 
 

@@ -37,7 +37,6 @@ def report(at: datetime, **fields) -> StoreGCReport:
         "evicted_capacity": 2,
         "bytes_freed": 400,
         "checkpoints_removed": 5,
-        "last_run_s": 0.01,
         **fields,
     }
     return StoreGCReport(**values)
