@@ -7,7 +7,9 @@ exactly. The directory is the truth all the same: reconciling adds block files i
 (written by a process with an index of its own, or left behind by a writer killed between its file
 and its index entry), records reads that went past it (a reader touches the file's mtime on every
 hit, and a block file nobody read has its creation time as mtime: workers.kvstore.block_files), and
-drops entries whose file is gone (a reader deletes a corrupt file).
+drops entries whose file is gone (a reader deletes a corrupt file). What the directory cannot tell:
+how many reads went past the index between two runs (they count as one hit), and cache hints given
+to an index of another process's own.
 
 Entries reconciled in arrive out of order of last access, which MemoryIndex's expiry query relies
 on, so this index finds expired entries by a scan of the class instead (milliseconds per hundred
