@@ -151,6 +151,7 @@ def test_it_expires_evicts_in_the_policy_order_and_removes_stale_checkpoints(sto
         assert gc.stop() == 0
 
 
+@pytest.mark.parametrize("store", ["served"], indirect=True)  # the other ways of sharing: the test above
 def test_lru_evicts_the_least_recent_blocks_whoever_read_them(store: Store) -> None:
     # given a GC process with the LRU policy and room for not quite ten blocks
     capacity = math.ceil(10 * block_file_size() / 0.96)
