@@ -1,5 +1,6 @@
-"""Entrypoint prefix match: token ids → hit length for a long stored chain, on the in-process index
-and on the Redis index (the peer: one network round trip), in one run.
+"""Entrypoint prefix match: token ids → hit length for a long stored chain, on the in-process index,
+on the index the store's GC process serves over ipc (the embedded default's workers and gateway use
+it: one local round trip) and on the Redis index (one network round trip), in one run.
 
     python -m bench.prefix_match [--blocks 1000] [--block-tokens 128] [--repeats 200] [--across-namespaces]
 
@@ -18,8 +19,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -30,6 +33,7 @@ from workers.entrypoint.prefix_match import store_hit_tokens
 from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.redis_index import RedisIndex
+from workers.kvstore.remote_index import RemoteIndex
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -51,7 +55,10 @@ def main() -> None:
         for depth, key in enumerate(keys)
     ]
 
-    results = {} if args.redis_only else {"in_process": _measure(MemoryIndex(), entries, tokens, keys, extra, args)}
+    results = {}
+    if not args.redis_only:
+        results["in_process"] = _measure(MemoryIndex(), entries, tokens, keys, extra, args)
+        results["served"] = _measure_served(entries, tokens, keys, extra, args)
     prefix = f"sluice:bench:{uuid.uuid4().hex}"
     client = redis.Redis.from_url(args.redis_url)
     try:
@@ -100,6 +107,25 @@ def _across_namespaces(args) -> dict[str, float]:
             network.hosts["bench-client"].argv(command), capture_output=True, text=True, check=True, env=os.environ
         )
     return json.loads(completed.stdout)["median_ms"]["redis"]
+
+
+def _measure_served(entries, tokens, keys, extra: bytes, args) -> dict[str, float]:
+    """The index a store GC process (python -m workers.kvstore.gc_process) serves, on an empty store."""
+    with tempfile.TemporaryDirectory(prefix="kvbench-") as runtime:
+        endpoint = f"ipc://{runtime}/index"
+        command = [sys.executable, "-m", "workers.kvstore.gc_process", f"--kv-store={runtime}/store"]
+        command += [f"--serve-index={endpoint}", "--kv-gc-interval=3600"]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while not Path(runtime, "index").exists():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the store's GC process did not serve its index")
+                time.sleep(0.05)
+            return _measure(RemoteIndex(endpoint), entries, tokens, keys, extra, args)
+        finally:
+            process.terminate()
+            process.wait()
 
 
 def _measure(index: BlockIndex, entries, tokens, keys, extra: bytes, args) -> dict[str, float]:

@@ -85,7 +85,11 @@ class EngineArgs:
         None, help='requests allowed to wait; past it requests are refused as "overloaded"', none="unbounded"
     )
     kv_store: str | os.PathLike | None = _setting(None, help="directory of the global KV block store", none="no store")
-    kv_store_index: str = _setting("memory", help='index of the KV store: "memory" or redis://host:port/db')
+    kv_store_index: str = _setting(
+        "memory",
+        help='index of the KV store: "memory" (this process\'s own), redis://host:port/db, or ipc://PATH where the '
+        "store's GC process serves its index (manage.py run_kv_gc --serve-index)",
+    )
     kv_block_tokens: int = _setting(128, help="tokens per block of the KV store (a multiple of --page-size)")
     kv_store_max_retained_tokens: int = _setting(
         32768,

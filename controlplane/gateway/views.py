@@ -21,6 +21,7 @@ from controlplane.gateway.tenant_caps import fair_share_of
 from controlplane.gateway.usage import UsageCount, record_usage
 from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
+from controlplane.telemetry.selectors import kv_store_gcs_reporting
 from controlplane.telemetry.windows import RequestSample
 from controlplane.topology.selectors import pool_scaling_summary
 from recipe.api import list_models
@@ -133,4 +134,5 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     (keep it off the public listener there); it holds counts and latencies, no tenant or prompt data."""
     workers = (await engine_client()).healthy_workers()
     pools = await sync_to_async(pool_scaling_summary)()
-    return HttpResponse(exposition(workers, pools), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    store_gcs = await sync_to_async(kv_store_gcs_reporting)()
+    return HttpResponse(exposition(workers, pools, store_gcs), content_type=CONTENT_TYPE_PLAIN_0_0_4)

@@ -7,12 +7,16 @@ minute's rollup; once an hour it deletes rollups past the retention. Database wo
 (sync_to_async), never on the event loop.
 
 It lives in the gateway because that is where requests are measured and heartbeats already arrive.
-Several gateways each collect their own share: their snapshots differ, and their rollups of one
-minute overwrite each other (the last written wins).
+Several gateways each collect their own share: their live snapshots differ, and each writes its own
+rollup row of a minute under its collector id, which the selectors merge (counts and latency
+histograms add up), so the dashboard's minutes count every gateway's requests.
 """
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -27,6 +31,8 @@ from controlplane.gateway.engine import engine_client
 from controlplane.telemetry import live
 from controlplane.telemetry.expert_loads import ExpertLoadWindow
 from controlplane.telemetry.metrics import observe_request
+from controlplane.telemetry.models import KVStoreGC
+from controlplane.telemetry.selectors import kv_store_gcs_reporting
 from controlplane.telemetry.services import expert_load_rollup_upsert, rollup_upsert, rollups_delete_before
 from controlplane.telemetry.snapshot import build_snapshot, kv_store
 from controlplane.telemetry.windows import MinuteTotals, RequestSample, RequestWindow, minute_start
@@ -41,6 +47,7 @@ PRUNE_EVERY_S = 3600.0
 
 Heartbeats = Callable[[], Awaitable[list[WorkerHeartbeat]]]
 ExpertLoads = Callable[[], Awaitable[dict[tuple[str, int], SlotLoads]]]
+StoreGCs = Callable[[], Awaitable[list[KVStoreGC]]]
 
 
 async def gateway_heartbeats() -> list[WorkerHeartbeat]:
@@ -55,21 +62,32 @@ async def _none() -> dict[tuple[str, int], SlotLoads]:
     return {}
 
 
+async def reporting_store_gcs() -> list[KVStoreGC]:
+    """The KV store GC processes reporting now, from the database."""
+    return await sync_to_async(_in_tidy_connection)(kv_store_gcs_reporting)
+
+
 class TelemetryCollector:
     def __init__(
         self,
         heartbeats: Heartbeats = gateway_heartbeats,
         *,
         expert_loads: ExpertLoads | None = None,
+        store_gcs: StoreGCs = reporting_store_gcs,
         clock: Callable[[], float] = time.time,
         window_s: float = live.WINDOW_S,
         retention: timedelta | None = None,
+        collector_id: str | None = None,
     ) -> None:
-        """`clock` gives epoch seconds: minutes are wall-clock minutes."""
+        """`clock` gives epoch seconds: minutes are wall-clock minutes. `collector_id` names this
+        collector's rollup rows (default: host, process and a random part, unique to this process)."""
+        self.collector_id = collector_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._heartbeats = heartbeats
         # The gateway's engine client sums expert loads from the heartbeats it reads; a collector fed
         # other heartbeats (a test's) has none unless given a source.
         self._expert_loads = expert_loads or (gateway_expert_loads if heartbeats is gateway_heartbeats else _none)
+        self._store_gcs = store_gcs
+        self._store_gc_reports: list[KVStoreGC] = []
         self._clock = clock
         self._retention = retention or timedelta(days=settings.SLUICE_TELEMETRY_RETENTION_DAYS)
         now = clock()
@@ -92,10 +110,15 @@ class TelemetryCollector:
         """One round: snapshot, broadcast, write the minutes that ended, prune when due; returns the snapshot."""
         workers = await self._heartbeats()
         expert_loads = await self._expert_loads()
+        try:
+            self._store_gc_reports = await self._store_gcs()
+        except Exception:
+            log.warning("reading the KV store GCs' reports failed; showing the last ones read", exc_info=True)
+        store_gcs = self._store_gc_reports
         now = self._clock()
         self._roll(now)
         self._expert_window.add(now, expert_loads)
-        store = kv_store(workers)
+        store = kv_store(workers, store_gcs)
         if store is not None:
             self._minute.kv_store_bytes = store["bytes"]
         snapshot = build_snapshot(
@@ -105,6 +128,7 @@ class TelemetryCollector:
             totals=self._window.totals(now),
             elapsed_s=now - self._started_at,
             expert_load=self._expert_window.by_pool(now),
+            store_gcs=store_gcs,
         )
         live.publish(snapshot)
         await self._broadcast(snapshot)
@@ -150,10 +174,11 @@ class TelemetryCollector:
                     log.exception("writing the expert loads of pool %s at %s failed", pool, minute)
         finished, self._finished = self._finished, []
         for minute in finished:
+            fields = minute.rollup_fields(self.collector_id)
             try:
-                await sync_to_async(_in_tidy_connection)(rollup_upsert, **minute.rollup_fields())
+                await sync_to_async(_in_tidy_connection)(rollup_upsert, **fields)
             except Exception:
-                log.exception("writing the telemetry rollup of %s failed", minute.rollup_fields()["minute"])
+                log.exception("writing the telemetry rollup of %s failed", fields["minute"])
 
     async def _prune(self, now: float) -> None:
         cutoff = datetime.fromtimestamp(now, UTC) - self._retention

@@ -2,12 +2,15 @@
 
 Request metrics are measured by the gateway as generations end, so they count every worker's work
 once. Per-worker figures come from the workers' latest heartbeats at scrape time, so a stopped
-worker's series disappear with it. A dedicated registry keeps the process's default collectors and
-anything a library registers globally out of the exposition.
+worker's series disappear with it; the KV store's figures also come from the store's GC process when
+it runs on its own (its latest report, labelled worker=<its gc id>), gone too once it stops
+reporting. A dedicated registry keeps the process's default collectors and anything a library
+registers globally out of the exposition.
 """
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,6 +19,9 @@ from controlplane.telemetry import live
 from controlplane.telemetry.snapshot import pool_of
 from controlplane.telemetry.windows import RequestSample
 from workers.protocol import WorkerHeartbeat
+
+if TYPE_CHECKING:
+    from controlplane.telemetry.models import KVStoreGC
 
 REQUEST_REGISTRY = CollectorRegistry()
 
@@ -64,23 +70,29 @@ class _Scrape:
     """One scrape's collector: the request metrics, then families built from `workers` and `pools`."""
 
     def __init__(
-        self, workers: list[WorkerHeartbeat], pools: list[dict], expert_load: dict[str, list[list[int]]]
+        self,
+        workers: list[WorkerHeartbeat],
+        pools: list[dict],
+        expert_load: dict[str, list[list[int]]],
+        store_gcs: Sequence["KVStoreGC"],
     ) -> None:
         self._workers = workers
         self._pools = pools
         self._expert_load = expert_load
+        self._store_gcs = store_gcs
 
     def collect(self) -> Iterable[Metric]:
         yield from REQUEST_REGISTRY.collect()
-        yield from heartbeat_families(self._workers, self._expert_load)
+        yield from heartbeat_families(self._workers, self._expert_load, self._store_gcs)
         yield from pool_families(self._pools)
 
 
-def exposition(workers: list[WorkerHeartbeat], pools: list[dict] = ()) -> bytes:
+def exposition(workers: list[WorkerHeartbeat], pools: list[dict] = (), store_gcs: Sequence["KVStoreGC"] = ()) -> bytes:
     """The text exposition format; `workers` are the healthy workers' latest heartbeats, `pools` the
-    topology's pools as controlplane.topology.selectors.pool_scaling_summary gives them, expert loads
-    the window the collector summed (its latest snapshot)."""
-    return generate_latest(_Scrape(workers, list(pools), live.current_snapshot()["expert_load"]))
+    topology's pools as controlplane.topology.selectors.pool_scaling_summary gives them, `store_gcs`
+    the KV store GC processes reporting now (selectors.kv_store_gcs_reporting), expert loads the
+    window the collector summed (its latest snapshot)."""
+    return generate_latest(_Scrape(workers, list(pools), live.current_snapshot()["expert_load"], store_gcs))
 
 
 def pool_families(pools: list[dict]) -> list[Metric]:
@@ -103,7 +115,9 @@ def pool_families(pools: list[dict]) -> list[Metric]:
 
 
 def heartbeat_families(
-    workers: list[WorkerHeartbeat], expert_load: dict[str, list[list[int]]] | None = None
+    workers: list[WorkerHeartbeat],
+    expert_load: dict[str, list[list[int]]] | None = None,
+    store_gcs: Sequence["KVStoreGC"] = (),
 ) -> list[Metric]:
     labels = ["worker", "pool"]
     running = GaugeMetricFamily("vllm:num_requests_running", "Requests in the worker's running batch.", labels=labels)
@@ -127,8 +141,13 @@ def heartbeat_families(
     )
     evictions = CounterMetricFamily(
         "sluice:kv_store_gc_evictions",
-        "Blocks the worker's store GC removed since the worker started, by reason.",
+        "Blocks the store GC removed since its process started (a worker's, or the GC's own), by reason.",
         labels=["worker", "reason"],
+    )
+    checkpoints_removed = CounterMetricFamily(
+        "sluice:kv_store_gc_checkpoints_removed",
+        "Checkpoint files the store's GC process deleted since it started: no request could resume from them.",
+        labels=["worker"],
     )
     migrations = CounterMetricFamily(
         "sluice:migrations",
@@ -180,6 +199,15 @@ def heartbeat_families(
             recomputed.add_metric([worker], heartbeat.num_recomputed_tokens)
             most_recomputed.add_metric([worker], heartbeat.max_recomputed_tokens)
             recovery.add_metric([worker], heartbeat.resume_seconds_total)
+    for gc in store_gcs:
+        store_bytes.add_metric([gc.gc_id], gc.num_bytes)
+        store_blocks.add_metric([gc.gc_id], gc.num_blocks)
+        capacity.add_metric([gc.gc_id], gc.capacity_bytes)
+        watermark.add_metric([gc.gc_id, "low"], gc.low_watermark)
+        watermark.add_metric([gc.gc_id, "high"], gc.high_watermark)
+        evictions.add_metric([gc.gc_id, "expired"], gc.evicted_expired)
+        evictions.add_metric([gc.gc_id, "capacity"], gc.evicted_capacity)
+        checkpoints_removed.add_metric([gc.gc_id], gc.checkpoints_removed)
     load = GaugeMetricFamily("sluice:pool_load", "Requests running and waiting on the pool's workers.", labels=["pool"])
     for pool, value in sorted(pool_load.items()):
         load.add_metric([pool], value)
@@ -202,6 +230,7 @@ def heartbeat_families(
         capacity,
         watermark,
         evictions,
+        checkpoints_removed,
         migrations,
         migrated_in,
         failovers,

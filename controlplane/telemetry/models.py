@@ -2,25 +2,28 @@ from django.db import models
 
 
 class TelemetryRollup(models.Model):
-    """What the gateway served in one minute, as its telemetry collector measured it. Latency
-    percentiles are None for a minute without a sample; kv_store_bytes for one without a store."""
+    """What one gateway served in one minute, as its telemetry collector measured it. Several gateways
+    each write their own row of a minute (`collector` names the collector process), and the selectors
+    merge them: counts add up, latency histograms add up bucket by bucket and give the minute's
+    percentiles (controlplane.telemetry.latency_histogram). kv_store_bytes is None for a minute
+    without a store. Rows from before per-gateway rows (collector "") have counts but no latencies."""
 
-    minute = models.DateTimeField(unique=True)  # the minute's start (UTC)
+    minute = models.DateTimeField()  # the minute's start (UTC)
+    collector = models.CharField(max_length=100, default="")  # "<hostname>:<pid>:<random>" of one process
     requests = models.PositiveIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0)
     generation_tokens = models.PositiveBigIntegerField(default=0)
-    ttft_p50_s = models.FloatField(null=True)
-    ttft_p99_s = models.FloatField(null=True)
-    itl_p50_s = models.FloatField(null=True)
-    itl_p99_s = models.FloatField(null=True)
+    ttft_histogram = models.JSONField(default=dict)  # bucket index → requests, time to first token
+    itl_histogram = models.JSONField(default=dict)  # bucket index → gaps between outputs
     kv_store_bytes = models.PositiveBigIntegerField(null=True)
 
     class Meta:
         ordering = ["minute"]
+        constraints = [models.UniqueConstraint(fields=["minute", "collector"], name="telemetryrollup_unique_minute")]
 
     def __str__(self) -> str:
-        return f"telemetry {self.minute:%Y-%m-%d %H:%M}"
+        return f"telemetry {self.minute:%Y-%m-%d %H:%M} ({self.collector or 'before per-gateway rows'})"
 
 
 class ExpertLoadRollup(models.Model):
@@ -40,3 +43,35 @@ class ExpertLoadRollup(models.Model):
 
     def __str__(self) -> str:
         return f"expert load {self.pool} v{self.layout_version} {self.minute:%Y-%m-%d %H:%M}"
+
+
+class KVStoreGC(models.Model):
+    """The latest report of one KV store GC process (manage.py run_kv_gc), rewritten after each of its
+    runs: the store's size, its capacity and watermarks, and what the GC removed since it started. The
+    dashboard and /metrics show it beside the workers' heartbeats (a worker that runs the GC itself
+    reports the same in its heartbeats)."""
+
+    gc_id = models.CharField(max_length=200, unique=True)
+    hostname = models.CharField(max_length=255)
+    store = models.CharField(max_length=1000)  # the block directory
+    index_kind = models.CharField(max_length=20)  # "memory" or "redis"
+    eviction_policy = models.CharField(max_length=50)
+    capacity_bytes = models.PositiveBigIntegerField()
+    low_watermark = models.FloatField()
+    high_watermark = models.FloatField()
+    interval_s = models.FloatField()
+    num_blocks = models.PositiveBigIntegerField()
+    num_bytes = models.PositiveBigIntegerField()
+    evicted_expired = models.PositiveBigIntegerField()  # blocks removed for age since the process started
+    evicted_capacity = models.PositiveBigIntegerField()  # blocks removed by the eviction policy
+    bytes_freed = models.PositiveBigIntegerField()
+    checkpoints_removed = models.PositiveBigIntegerField()  # checkpoint files no request could resume from
+    started_at = models.DateTimeField()
+    reported_at = models.DateTimeField()
+
+    class Meta:
+        verbose_name = "KV store GC"
+        ordering = ["gc_id"]
+
+    def __str__(self) -> str:
+        return f"{self.gc_id} of {self.store}"

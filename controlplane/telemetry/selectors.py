@@ -1,34 +1,70 @@
+from collections import defaultdict
 from datetime import datetime, timedelta
 
+from django.db.models import Sum
 from django.utils import timezone
 
-from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
+from controlplane.telemetry import latency_histogram
+from controlplane.telemetry.models import ExpertLoadRollup, KVStoreGC, TelemetryRollup
 
-ROLLUP_FIELDS = (
-    "minute",
-    "requests",
-    "prompt_tokens",
-    "cached_tokens",
-    "generation_tokens",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "itl_p50_s",
-    "itl_p99_s",
-    "kv_store_bytes",
-)
+COUNT_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens")
+# A store GC that missed this many of its runs' reports is taken for stopped.
+GC_MISSED_REPORTS = 3
+GC_REPORT_SLACK_S = 5.0
 
 
 def rollup_series(*, minutes: int = 60) -> list[dict]:
-    """The rollups of the last `minutes` minutes, oldest first, each with its cache hit rate
-    (cached prompt tokens / prompt tokens; None for a minute without prompt tokens)."""
+    """The last `minutes` minutes, oldest first, each merged from every gateway's row of it: counts
+    summed, TTFT and inter-token latency percentiles (p50, p99) from the summed histograms, the store's
+    size as the largest any gateway saw (they read the same store), and the cache hit rate (cached
+    prompt tokens / prompt tokens; None for a minute without prompt tokens)."""
     since = timezone.now() - timedelta(minutes=minutes)
-    rows = TelemetryRollup.objects.filter(minute__gte=since).order_by("minute").values(*ROLLUP_FIELDS)
-    return [
-        {**row, "cache_hit_rate": row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else None}
-        for row in rows
-    ]
+    rows = TelemetryRollup.objects.filter(minute__gte=since).order_by("minute")
+    by_minute: dict[datetime, list[TelemetryRollup]] = defaultdict(list)
+    for row in rows:
+        by_minute[row.minute].append(row)
+    return [_merged(minute, parts) for minute, parts in by_minute.items()]
+
+
+def rollup_token_totals(*, since: datetime, until: datetime) -> dict[datetime, tuple[int, int]]:
+    """(prompt tokens, cached prompt tokens) of each minute in [since, until) that has rows, summed
+    over every gateway's row of it."""
+    totals = (
+        TelemetryRollup.objects.filter(minute__gte=since, minute__lt=until)
+        .values("minute")
+        .annotate(prompt=Sum("prompt_tokens"), cached=Sum("cached_tokens"))
+    )
+    return {row["minute"]: (row["prompt"], row["cached"]) for row in totals}
+
+
+def _merged(minute: datetime, parts: list[TelemetryRollup]) -> dict:
+    counts = {name: sum(getattr(part, name) for part in parts) for name in COUNT_FIELDS}
+    ttft = latency_histogram.merge(part.ttft_histogram for part in parts)
+    itl = latency_histogram.merge(part.itl_histogram for part in parts)
+    store_sizes = [part.kv_store_bytes for part in parts if part.kv_store_bytes is not None]
+    return {
+        "minute": minute,
+        **counts,
+        "ttft_p50_s": latency_histogram.percentile(ttft, 0.5),
+        "ttft_p99_s": latency_histogram.percentile(ttft, 0.99),
+        "itl_p50_s": latency_histogram.percentile(itl, 0.5),
+        "itl_p99_s": latency_histogram.percentile(itl, 0.99),
+        "kv_store_bytes": max(store_sizes) if store_sizes else None,
+        "cache_hit_rate": counts["cached_tokens"] / counts["prompt_tokens"] if counts["prompt_tokens"] else None,
+    }
 
 
 def expert_load_rollups(*, pool: str, since: datetime) -> list[ExpertLoadRollup]:
     """A pool's expert-load minutes from `since` on, oldest first."""
     return list(ExpertLoadRollup.objects.filter(pool=pool, minute__gte=since).order_by("minute"))
+
+
+def kv_store_gcs_reporting(*, now: datetime | None = None) -> list[KVStoreGC]:
+    """The store GC processes whose last report is recent (within a few of their intervals): those
+    running now. A stopped one's counters disappear from /metrics as a stopped worker's do."""
+    now = now or timezone.now()
+    return [
+        gc
+        for gc in KVStoreGC.objects.all()
+        if (now - gc.reported_at).total_seconds() <= GC_MISSED_REPORTS * gc.interval_s + GC_REPORT_SLACK_S
+    ]

@@ -1,36 +1,38 @@
-from datetime import datetime
+from datetime import UTC, datetime
 
+import msgspec
 from django.db import transaction
 
-from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
+from controlplane.telemetry.latency_histogram import Histogram
+from controlplane.telemetry.models import ExpertLoadRollup, KVStoreGC, TelemetryRollup
+from workers.kvstore.gc_process import StoreGCReport
 
 
 @transaction.atomic
 def rollup_upsert(
     *,
     minute: datetime,
+    collector: str,
     requests: int,
     prompt_tokens: int,
     cached_tokens: int,
     generation_tokens: int,
-    ttft_p50_s: float | None,
-    ttft_p99_s: float | None,
-    itl_p50_s: float | None,
-    itl_p99_s: float | None,
+    ttft_histogram: Histogram,
+    itl_histogram: Histogram,
     kv_store_bytes: int | None,
 ) -> TelemetryRollup:
-    """Writes the minute's row, replacing one written before (a retried write is harmless)."""
+    """Writes the collector's row of the minute, replacing one it wrote before (a retried write is
+    harmless); other collectors' rows of the minute stay, to be merged by the selectors."""
     rollup, _ = TelemetryRollup.objects.update_or_create(
         minute=minute,
+        collector=collector,
         defaults={
             "requests": requests,
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,
             "generation_tokens": generation_tokens,
-            "ttft_p50_s": ttft_p50_s,
-            "ttft_p99_s": ttft_p99_s,
-            "itl_p50_s": itl_p50_s,
-            "itl_p99_s": itl_p99_s,
+            "ttft_histogram": ttft_histogram,
+            "itl_histogram": itl_histogram,
             "kv_store_bytes": kv_store_bytes,
         },
     )
@@ -39,10 +41,23 @@ def rollup_upsert(
 
 @transaction.atomic
 def rollups_delete_before(*, cutoff: datetime) -> int:
-    """Deletes the rows of minutes that start before `cutoff`; returns how many."""
+    """Deletes the rows of minutes that start before `cutoff`, and the reports of store GCs silent
+    since then; returns how many."""
     deleted, _ = TelemetryRollup.objects.filter(minute__lt=cutoff).delete()
     expert_deleted, _ = ExpertLoadRollup.objects.filter(minute__lt=cutoff).delete()
-    return deleted + expert_deleted
+    gc_deleted, _ = KVStoreGC.objects.filter(reported_at__lt=cutoff).delete()
+    return deleted + expert_deleted + gc_deleted
+
+
+@transaction.atomic
+def kv_store_gc_record(*, report: StoreGCReport) -> KVStoreGC:
+    """Writes a store GC's report of its latest run over its previous one."""
+    fields = msgspec.structs.asdict(report)
+    gc_id = fields.pop("gc_id")
+    for name in ("started_at", "reported_at"):
+        fields[name] = datetime.fromtimestamp(fields[name], UTC)
+    gc, _ = KVStoreGC.objects.update_or_create(gc_id=gc_id, defaults=fields)
+    return gc
 
 
 @transaction.atomic

@@ -2,10 +2,15 @@
 request figures, as a JSON-ready dict (its shape is the dashboard's contract)."""
 
 from collections import defaultdict
+from collections.abc import Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from controlplane.telemetry.windows import Totals, percentiles
 from workers.protocol import WorkerHeartbeat
+
+if TYPE_CHECKING:
+    from controlplane.telemetry.models import KVStoreGC
 
 
 def pool_of(heartbeat: WorkerHeartbeat) -> str:
@@ -25,10 +30,12 @@ def build_snapshot(
     totals: Totals,
     elapsed_s: float,
     expert_load: dict[str, list[list[int]]] | None = None,
+    store_gcs: Sequence["KVStoreGC"] = (),
 ) -> dict:
     """`totals` are the window's requests; rates divide by `elapsed_s`, the part of the window the
     collector has been running (a collector started 10 s ago has seen 10 s of traffic, not 60).
-    `expert_load`: per MoE pool, tokens routed to each [layer][physical slot] in the window."""
+    `expert_load`: per MoE pool, tokens routed to each [layer][physical slot] in the window.
+    `store_gcs`: the KV store GC processes reporting now (selectors.kv_store_gcs_reporting)."""
     seconds = max(min(elapsed_s, window_s), 1.0)
     return {
         "at": at.isoformat(),
@@ -41,26 +48,36 @@ def build_snapshot(
         "cache_hit_rate": totals.cache_hit_rate,
         "ttft_s": percentiles(totals.ttft_s),
         "itl_s": percentiles(totals.inter_token_s),
-        "kv_store": kv_store(workers),
+        "kv_store": kv_store(workers, store_gcs),
         "expert_load": expert_load or {},
     }
 
 
-def kv_store(workers: list[WorkerHeartbeat]) -> dict | None:
+def kv_store(workers: list[WorkerHeartbeat], store_gcs: Sequence["KVStoreGC"] = ()) -> dict | None:
     """The global store as the workers see it: usage from any that has one (they share its index),
-    capacity and watermarks from the one that runs its GC. None when no worker has a store."""
+    capacity and watermarks from whatever runs its GC, a worker or a GC process of its own (which also
+    gives the usage when no worker has a store). None when neither is there."""
     with_store = [heartbeat for heartbeat in workers if heartbeat.kv_block_tokens]
-    if not with_store:
+    if not with_store and not store_gcs:
         return None
-    usage = max(with_store, key=lambda heartbeat: heartbeat.sent_at)
     collector = next((heartbeat for heartbeat in with_store if heartbeat.kv_store_capacity_bytes), None)
-    return {
-        "bytes": usage.kv_store_bytes,
-        "blocks": usage.kv_store_blocks,
-        "capacity_bytes": collector.kv_store_capacity_bytes if collector else None,
-        "low_watermark": collector.kv_store_low_watermark if collector else None,
-        "high_watermark": collector.kv_store_high_watermark if collector else None,
-    }
+    gc = store_gcs[0] if store_gcs else None
+    if with_store:
+        usage = max(with_store, key=lambda heartbeat: heartbeat.sent_at)
+        size = {"bytes": usage.kv_store_bytes, "blocks": usage.kv_store_blocks}
+    else:
+        size = {"bytes": gc.num_bytes, "blocks": gc.num_blocks}
+    if collector is not None:
+        limits = (
+            collector.kv_store_capacity_bytes,
+            collector.kv_store_low_watermark,
+            collector.kv_store_high_watermark,
+        )
+    elif gc is not None:
+        limits = (gc.capacity_bytes, gc.low_watermark, gc.high_watermark)
+    else:
+        limits = (None, None, None)
+    return {**size, "capacity_bytes": limits[0], "low_watermark": limits[1], "high_watermark": limits[2]}
 
 
 def _worker(heartbeat: WorkerHeartbeat) -> dict:

@@ -7,8 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-# Requests whose latencies one window or minute keeps at most: the percentiles of a busy minute are
-# then those of its last this-many requests, and the memory stays bounded.
+from controlplane.telemetry import latency_histogram
+from controlplane.telemetry.latency_histogram import Histogram
+
+# Requests whose latencies the live window keeps at most: the percentiles of a busy window are then
+# those of its last this-many requests, and the memory stays bounded.
 MAX_SAMPLES = 10_000
 
 
@@ -86,34 +89,38 @@ def minute_start(at: float) -> float:
 
 @dataclass(slots=True)
 class MinuteTotals:
-    """The minute starting at `start` (epoch seconds): what its rollup row will hold."""
+    """The minute starting at `start` (epoch seconds) as one collector saw it: what its rollup row
+    will hold. Latencies go into fixed-bucket histograms, which rollups of the same minute from other
+    gateways add to (controlplane.telemetry.latency_histogram), so every request of the minute counts."""
 
     start: float
-    totals: Totals = field(default_factory=Totals)
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    ttft_histogram: Histogram = field(default_factory=dict)
+    itl_histogram: Histogram = field(default_factory=dict)
     kv_store_bytes: int | None = None  # the last the heartbeats reported in the minute
 
     def add(self, sample: RequestSample) -> None:
-        if self.totals.requests < MAX_SAMPLES:
-            self.totals.add(sample)
-        else:
-            # Still counted; only its latencies are left out of the percentiles.
-            self.totals.add(
-                RequestSample(None, (), sample.prompt_tokens, sample.cached_tokens, sample.generation_tokens)
-            )
+        self.requests += 1
+        self.prompt_tokens += sample.prompt_tokens
+        self.cached_tokens += sample.cached_tokens
+        self.generation_tokens += sample.generation_tokens
+        if sample.ttft_s is not None:
+            latency_histogram.add(self.ttft_histogram, (sample.ttft_s,))
+        latency_histogram.add(self.itl_histogram, sample.inter_token_s)
 
-    def rollup_fields(self) -> dict:
-        """The keyword arguments of services.rollup_upsert."""
-        ttft = percentiles(self.totals.ttft_s)
-        itl = percentiles(self.totals.inter_token_s)
+    def rollup_fields(self, collector: str) -> dict:
+        """The keyword arguments of services.rollup_upsert, for the collector named `collector`."""
         return {
             "minute": datetime.fromtimestamp(self.start, UTC),
-            "requests": self.totals.requests,
-            "prompt_tokens": self.totals.prompt_tokens,
-            "cached_tokens": self.totals.cached_tokens,
-            "generation_tokens": self.totals.generation_tokens,
-            "ttft_p50_s": ttft["p50"] if ttft else None,
-            "ttft_p99_s": ttft["p99"] if ttft else None,
-            "itl_p50_s": itl["p50"] if itl else None,
-            "itl_p99_s": itl["p99"] if itl else None,
+            "collector": collector,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generation_tokens": self.generation_tokens,
+            "ttft_histogram": self.ttft_histogram,
+            "itl_histogram": self.itl_histogram,
             "kv_store_bytes": self.kv_store_bytes,
         }

@@ -21,6 +21,7 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
 )
 from workers.engine import SamplingParams
+from workers.kvstore.checkpoint_files import FOLDER
 from workers.protocol import (
     ControlAck,
     DrainRequest,
@@ -30,7 +31,7 @@ from workers.protocol import (
     ResumeRequest,
     WorkerHeartbeat,
 )
-from workers.worker.checkpoints import FOLDER, Checkpoints, DirectoryStorage
+from workers.worker.checkpoints import Checkpoints, DirectoryStorage
 
 VOCAB = CONFIG["vocab_size"]
 MODEL = "tiny"

@@ -128,13 +128,19 @@ class StoreConnector:
         self.num_blocks_read = 0
         self.num_blocks_written = 0
         self.num_writes_dropped = 0
+        self.index_failing = False  # the last match or contains_many failed
 
     def start_fetch(self, request: Request, local_hit_tokens: int) -> None:
         """Fetch the request's stored blocks past what the local prefix cache holds, if any: its
         prompt's, and its output's too for a request resumed with tokens already sampled."""
         num_blocks = reusable_blocks(request.num_tokens, self.block_tokens)
         keys = self._keys(request, num_blocks)
-        hit = self.store.match(keys)
+        try:
+            hit = self.store.match(keys)
+        except Exception as error:
+            self._index_failed(error)
+            return
+        self._index_answered()
         first = local_hit_tokens // self.block_tokens
         if hit <= first:
             return
@@ -167,7 +173,14 @@ class StoreConnector:
                 completed.append((request, request.num_saved_blocks, full, self._keys(request, full)))
         if not completed:
             return
-        stored = iter(self.store.contains_many([key for _, first, full, keys in completed for key in keys[first:full]]))
+        try:
+            stored = iter(
+                self.store.contains_many([key for _, first, full, keys in completed for key in keys[first:full]])
+            )
+        except Exception as error:
+            self._index_failed(error)
+            return  # the blocks are looked at again next step
+        self._index_answered()
         now = self.store.clock()
         for request, first, full, keys in completed:
             present = [next(stored) for _ in range(first, full)]
@@ -203,6 +216,18 @@ class StoreConnector:
             by_hint = list(request.stored_tokens_by_hint)
             by_hint[kept.hint] += self.block_tokens
             request.stored_tokens_by_hint = tuple(by_hint)
+
+    def _index_failed(self, error: Exception) -> None:
+        """A shared index that does not answer (its server restarting, Redis down) costs hits and
+        stored blocks, never a request; said once until it answers again."""
+        if not self.index_failing:
+            log.warning("the KV store index failed, going on without it: %s", error)
+        self.index_failing = True
+
+    def _index_answered(self) -> None:
+        if self.index_failing:
+            log.info("the KV store index answers again")
+        self.index_failing = False
 
     def _copy_out(self, key: BlockHash, index: int, request: Request, retain_until: float) -> _Write | None:
         """The block's KV on its way to the host; None when no staging buffer is free."""

@@ -99,6 +99,9 @@ class BlockFiles:
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
+            # The file's mtime is the block's last access (readers touch it): a block nobody read yet
+            # has its creation time there, exactly, so the directory alone tells read blocks apart.
+            os.utime(temp, (meta.created_at, meta.created_at))
             os.replace(temp, final)
         except BaseException:
             temp.unlink(missing_ok=True)
@@ -158,6 +161,17 @@ class BlockFiles:
             found = self._header(path, key)
             if found is not None:
                 yield key, *found
+
+    def listing(self) -> Iterator[tuple[BlockHash, int, float]]:
+        """(key, file size, mtime) of every block file, from the directory alone: one stat per file,
+        no header read (the store's GC lists the whole store each run this way)."""
+        for path in self._files(BLOCK_SUFFIX):
+            try:
+                key = bytes.fromhex(path.name[: -len(BLOCK_SUFFIX)])
+                stat = path.stat()
+            except (ValueError, FileNotFoundError):
+                continue
+            yield key, stat.st_size, stat.st_mtime
 
     def stat(self, key: BlockHash) -> tuple[BlockMeta, int, float] | None:
         """(meta, file size, mtime) of the block's file if it exists with a sound header, else None

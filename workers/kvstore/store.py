@@ -17,7 +17,10 @@ from workers.kvstore.block_files import BlockFiles, BlockMeta
 from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
 
-INDEX_URL_HELP = "'memory' or 'redis://host:port/db?prefix=...' (rediss:// for TLS)"
+INDEX_URL_HELP = (
+    "'memory', 'redis://host:port/db?prefix=...' (rediss:// for TLS) or 'ipc:///path' (the index the store's GC "
+    "process serves: manage.py run_kv_gc --serve-index)"
+)
 
 
 class KVStore:
@@ -124,10 +127,15 @@ class KVStore:
 
 
 def open_index(url: str) -> BlockIndex:
-    """An index backend from its URL: 'memory', or a Redis URL whose `prefix` query parameter (default
-    'sluice:kv') names the keys; the other query parameters go to redis-py."""
+    """An index backend from its URL: 'memory'; a Redis URL whose `prefix` query parameter (default
+    'sluice:kv') names the keys, the other query parameters going to redis-py; or the ipc:// endpoint
+    where the store's GC process serves its index (workers.kvstore.remote_index)."""
     if url == "memory":
         return MemoryIndex()
+    if url.startswith("ipc://"):
+        from workers.kvstore.remote_index import RemoteIndex
+
+        return RemoteIndex(url)
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss"):
         raise ValueError(f"unknown KV index URL {url!r}: expected {INDEX_URL_HELP}")

@@ -1,7 +1,8 @@
 """Checkpoints of running requests' decoding state (protocol.DecodingState), kept where the KV store's
 index is, so that another decode worker sharing the store can continue a request whose worker died:
 with the Redis index, in Redis (a key per request beside the index's, expiring after CHECKPOINT_TTL_S);
-otherwise one file per request in a `checkpoints` folder beside the block files.
+otherwise one file per request in a `checkpoints` folder beside the block files, which the store's
+GC deletes CHECKPOINT_TTL_S after its last write (workers.kvstore.checkpoint_files).
 
 A decode worker writes a request's checkpoint when it takes the request in and again each time the
 request's tokens fill a store block, and deletes it when the request ends here. Files are written
@@ -24,6 +25,7 @@ from typing import Protocol
 import msgspec
 
 from workers.engine.request import Request
+from workers.kvstore.checkpoint_files import CHECKPOINT_TTL_S, SUFFIX
 from workers.protocol import DecodingState
 
 log = logging.getLogger(__name__)
@@ -31,13 +33,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"SKVC"
 VERSION = 1
 CHECKSUM_BYTES = 16
-SUFFIX = ".ckpt"
-FOLDER = "checkpoints"
 # A checkpoint is a few ints per token: even a full 128K-token context stays well under this.
 MAX_BYTES = 16 << 20
-# A Redis checkpoint outlives its worker this long: a dead worker's requests are resumed within
-# seconds, and one that is never resumed must not stay forever.
-CHECKPOINT_TTL_S = 3600
 
 _FIXED = struct.Struct(f"<4sHI{CHECKSUM_BYTES}s")
 _encode = msgspec.msgpack.Encoder().encode

@@ -8,6 +8,7 @@ import msgspec
 
 from workers.args import EngineArgs, add_engine_arguments
 from workers.kvstore.eviction import POLICIES
+from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTERVAL_S, add_gc_arguments
 
 ROLES = ("mixed", "prefill", "decode")
 # Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
@@ -27,9 +28,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     role: str = "mixed"
     heartbeat_interval_s: float = 0.1
     # The GC of the store, run by this worker every kv_gc_interval_s (0: another process runs it).
-    kv_gc_interval_s: float = 10.0
-    kv_store_capacity_bytes: int = 8 << 30
-    kv_eviction_policy: str = "best"
+    kv_gc_interval_s: float = GC_INTERVAL_S
+    kv_store_capacity_bytes: int = CAPACITY_BYTES
+    kv_eviction_policy: str = EVICTION_POLICY
     pool: str = ""  # the pool the control plane scales this worker in
     registry_endpoint: str | None = None  # where to register (a RegistryServer); None: nowhere
     transfer_endpoint: str | None = None  # a decode worker's PULL for KV transfers (bound)
@@ -63,9 +64,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-endpoint", required=True)
     parser.add_argument("--worker-id", default="")
     parser.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds")
-    parser.add_argument("--kv-gc-interval", type=float, default=10.0, help="seconds; 0: no GC in this worker")
-    parser.add_argument("--kv-store-capacity-bytes", type=int, default=8 << 30)
-    parser.add_argument("--kv-eviction-policy", default="best", choices=sorted(POLICIES))
+    add_gc_arguments(
+        parser, interval_help="seconds between runs of the store's GC in this worker; 0: none (run_kv_gc runs it)"
+    )
     parser.add_argument("--pool", default="", help="the pool the control plane scales this worker in")
     parser.add_argument("--registry-endpoint", help="register with the control plane's registry there")
     parser.add_argument("--transfer-endpoint", help="decode workers: bind the PULL for KV transfers here")

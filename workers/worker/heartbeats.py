@@ -61,6 +61,7 @@ class Heartbeats:
         self.stop = stop
         self.encoder = msgspec.msgpack.Encoder()
         self.store_usage = IndexUsage(num_blocks=0, num_bytes=0)  # the last read, kept when a read fails
+        self.store_usage_failing = False
         self.thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
 
     def start(self) -> None:
@@ -138,14 +139,19 @@ class Heartbeats:
         self.publisher.send(self.encoder.encode(heartbeat))
 
     def _read_store_usage(self) -> IndexUsage:
-        """The store index's totals; a shared (Redis) index that fails to answer must not stop the
-        heartbeats, which would make the worker look dead, so the last totals read stand in."""
+        """The store index's totals; a shared index (Redis, or the one the store's GC process serves)
+        that fails to answer must not stop the heartbeats, which would make the worker look dead, so
+        the last totals read stand in. Said once until it answers again, not ten times a second."""
         if self.engine.store is None:
             return self.store_usage
         try:
             self.store_usage = self.engine.store.store.index.usage()
         except Exception:
-            log.warning("reading the KV store index's usage failed", exc_info=True)
+            if not self.store_usage_failing:
+                log.warning("reading the KV store index's usage failed", exc_info=True)
+            self.store_usage_failing = True
+        else:
+            self.store_usage_failing = False
         return self.store_usage
 
 

@@ -26,6 +26,7 @@ from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.request import FinishReason
 from workers.engine.sampling_params import invalid_request_from
+from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
 from workers.kvstore.gc import GarbageCollector
 from workers.protocol import (
     AbortRequest,
@@ -48,7 +49,6 @@ from workers.protocol import (
 )
 from workers.registry import register_until_acknowledged
 from workers.transfer_link import TransferReceiver, TransferSender
-from workers.worker.checkpoints import FOLDER as CHECKPOINTS_FOLDER
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
@@ -392,9 +392,9 @@ def _checkpoints(config: WorkerConfig, engine: LLMEngine) -> Checkpoints | None:
         return None
     index = engine.store.store.index
     storage = (
-        DirectoryStorage(Path(config.engine.kv_store) / CHECKPOINTS_FOLDER)
-        if config.engine.kv_store_index == "memory"
-        else RedisStorage(index.client, index.prefix)  # a workers.kvstore.redis_index.RedisIndex
+        RedisStorage(index.client, index.prefix)  # a workers.kvstore.redis_index.RedisIndex
+        if config.engine.kv_store_index.startswith(("redis://", "rediss://"))
+        else DirectoryStorage(Path(config.engine.kv_store) / CHECKPOINTS_FOLDER)
     )
     return Checkpoints(storage, block_tokens=engine.store.block_tokens, kv_model_id=engine.kv_model_id)
 

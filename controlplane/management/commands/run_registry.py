@@ -8,15 +8,14 @@ failed (the gateway stops routing to it on its own, from the same missing heartb
 import signal
 import threading
 
-from django.core.management.base import BaseCommand
-
+from controlplane.common.migrated import MigratedDatabaseCommand
 from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 
 # The database needs a worker's load a few times a minute, not the ten heartbeats a second it sends.
 HEARTBEAT_REPORT_INTERVAL_S = 1.0
 
 
-class Command(BaseCommand):
+class Command(MigratedDatabaseCommand):
     help = "Record engine workers' registrations and heartbeats in the topology until Ctrl-C."
 
     def add_arguments(self, parser) -> None:

@@ -7,10 +7,12 @@ by the local node agent, also on the supervisor's timer.
 
 The KV store: every worker uses it, decode workers persisting the blocks they complete and
 checkpointing their requests beside them, so a decode worker that dies has its requests resumed on
-another from the store. With the in-process ("memory") index each worker indexes what it wrote
-and read, and looks for a block it does not know in the shared directory (workers.kvstore.store);
-the first worker's GC evicts the blocks its index knows. With the Redis index the workers share
-one index, and the gateway reads it to weigh each request's prefill work by its hit length.
+another from the store. Its GC runs as a process of its own (`run_kv_gc`, supervised like the
+workers, which run none): TTL expiry and the capacity watermark over every block, and stale
+checkpoints. With the in-process ("memory") index that process keeps the store's one index and
+serves it on an ipc socket, which the workers and the gateway use as their index
+(workers.kvstore.gc_process says why); with the Redis index everyone shares that one. Either way the
+gateway reads the index to weigh each request's prefill work by its hit length.
 """
 
 import argparse
@@ -20,9 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from django.conf import settings
+from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from controlplane.common.migrated import MIGRATE, pending_migrations
 from controlplane.dev_key import dev_api_key
 from controlplane.policies.tasks import ep_rebalance_tick_task
 from controlplane.supervisor import Child, Supervisor, Timer, child_env, manage_py
@@ -32,6 +36,8 @@ from controlplane.topology.services import autoscale_tick, topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
 from workers.entrypoint.router import STEP_BUDGET_S
+from workers.kvstore.gc_options import add_gc_arguments
+from workers.kvstore.gc_process import StoreGCConfig
 from workers.node_agent import NodeAgent
 
 # uvicorn's handling of the gateway's connections (README, "Request limits"): each request head has a
@@ -61,6 +67,8 @@ class Command(BaseCommand):
         parser.add_argument("--prefill", type=int, help="prefill workers (default 1)")
         parser.add_argument("--decode", type=int, help="decode workers (default 1)")
         parser.add_argument("--no-kv-store", action="store_true", help="run without the global KV store")
+        # The store's GC process's settings (its runs, capacity, eviction policy).
+        add_gc_arguments(parser, interval_help="seconds between runs of the store's GC (default: %(default)s)")
         # Every engine setting, passed on to the workers.
         add_engine_arguments(
             parser, defaults={"model": settings.SLUICE_MODELS[0], "kv_store": str(Path(settings.VAR_DIR) / "kvstore")}
@@ -75,6 +83,9 @@ class Command(BaseCommand):
         prefill: int | None,
         decode: int | None,
         no_kv_store: bool,
+        kv_gc_interval: float,
+        kv_store_capacity_bytes: int,
+        kv_eviction_policy: str,
         **options,
     ) -> None:
         roles = _worker_roles(workers, prefill, decode)
@@ -85,7 +96,18 @@ class Command(BaseCommand):
         model, device, kv_store_index = engine.model, engine.device, engine.kv_store_index
         if no_kv_store:
             engine = replace(engine, kv_store=None)
-        shared_index = kv_store_index != "memory"
+        if engine.kv_store:
+            try:  # the GC process's settings, checked here rather than in a child that would keep failing
+                StoreGCConfig(
+                    store=str(engine.kv_store),
+                    index=kv_store_index,
+                    interval_s=kv_gc_interval,
+                    capacity_bytes=kv_store_capacity_bytes,
+                    eviction_policy=kv_eviction_policy,
+                )
+            except ValueError as error:
+                raise CommandError(str(error)) from None
+        self._migrate()
         # A step-time model fitted on this machine (python -m bench.fit_cost_model) plans prefill steps
         # and routing; without one the gateway routes by a nominal model and steps have no time budget.
         fitted = Path(settings.VAR_DIR) / "cost_model.json"
@@ -93,11 +115,14 @@ class Command(BaseCommand):
             engine = replace(
                 engine, cost_model=str(fitted), step_budget_ms=engine.step_budget_ms or STEP_BUDGET_S * 1000
             )
-        # Decode workers run their steps unbudgeted.
-        decode_engine = replace(engine, cost_model=None, step_budget_ms=None)
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
         resolve_model(model, progress=True)
         runtime = Path(tempfile.mkdtemp(prefix="sluice-"))
+        if engine.kv_store and kv_store_index == "memory":
+            # The store's GC process serves its index here, in the private runtime directory.
+            engine = replace(engine, kv_store_index=f"ipc://{runtime}/kv-index")
+        # Decode workers run their steps unbudgeted.
+        decode_engine = replace(engine, cost_model=None, step_budget_ms=None)
         # Workers register here; the registry keeps their EngineInstance rows current.
         registry_endpoint = f"ipc://{runtime}/registry"
         pools = [(role, role, roles.count(role)) for role in dict.fromkeys(roles)]
@@ -118,13 +143,33 @@ class Command(BaseCommand):
                     *([f"--transfer-endpoint=ipc://{runtime}/{name}.kv"] if role == "decode" else []),
                     f"--pool={role}",
                     f"--registry-endpoint={registry_endpoint}",
-                    # One GC per store: the first worker runs it.
-                    *([] if index == 0 else ["--kv-gc-interval=0"]),
+                    # One GC per store: its own process, below.
+                    "--kv-gc-interval=0",
                 ),
                 env=child_env(),
             )
-            for index, (name, role, (requests, heartbeats)) in enumerate(zip(names, roles, endpoints))
+            for name, role, (requests, heartbeats) in zip(names, roles, endpoints)
         ]
+        if engine.kv_store:
+            served = kv_store_index == "memory"
+            children.append(
+                Child(
+                    name="kv-gc",
+                    argv=manage_py(
+                        "run_kv_gc",
+                        f"--kv-store={engine.kv_store}",
+                        *(
+                            ["--kv-store-index=memory", f"--serve-index={engine.kv_store_index}"]
+                            if served
+                            else [f"--kv-store-index={kv_store_index}"]
+                        ),
+                        f"--kv-gc-interval={kv_gc_interval}",
+                        f"--kv-store-capacity-bytes={kv_store_capacity_bytes}",
+                        f"--kv-eviction-policy={kv_eviction_policy}",
+                    ),
+                    env=child_env(),
+                )
+            )
         children.append(
             Child(name="registry", argv=manage_py("run_registry", f"--endpoint={registry_endpoint}"), env=child_env())
         )
@@ -145,8 +190,8 @@ class Command(BaseCommand):
                 env=child_env(
                     SLUICE_MODELS=model,
                     SLUICE_WORKER_ENDPOINTS=",".join(f"{r}|{h}" for r, h in endpoints),
-                    # The gateway reads a shared index for hit lengths; a process-local one is the worker's alone.
-                    SLUICE_KV_STORE_INDEX=kv_store_index if shared_index and engine.kv_store else "",
+                    # The gateway reads the store's index for hit lengths.
+                    SLUICE_KV_STORE_INDEX=engine.kv_store_index if engine.kv_store else "",
                     SLUICE_COST_MODEL=str(engine.cost_model or ""),
                     # Workers the local node agent adds register later: the gateway follows them.
                     SLUICE_WORKER_DISCOVERY_INTERVAL_S=str(WORKER_DISCOVERY_INTERVAL_S),
@@ -161,20 +206,15 @@ class Command(BaseCommand):
             f"  control    http://{host}:{port}/admin/ and /api/v1/docs/ "
             "(users: python manage.py createsuperuser)\n"
             f"  cost model {engine.cost_model or 'nominal (fit one: python -m bench.fit_cost_model)'}\n"
-            f"  KV store   {f'{engine.kv_store} (index: {kv_store_index})' if engine.kv_store else 'off'}\n"
+            f"  KV store   {_describe_store(engine.kv_store, kv_store_index)}\n"
             f"  try        curl http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {key}' "
             f"-H 'content-type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'
             "Ctrl-C stops everything.\n\n"
         )
         self.stdout.flush()
-        # The local node's agent: the workers the autoscaler (or an operator) adds beyond these. Added
-        # prefill workers go without a process-local store, which only the first may use.
-        added_engine = {
-            "decode": decode_engine,
-            "prefill": engine if shared_index else replace(engine, kv_store=None),
-            "mixed": engine if shared_index else replace(engine, kv_store=None),
-        }
+        # The local node's agent: the workers the autoscaler (or an operator) adds beyond these.
+        added_engine = {"decode": decode_engine, "prefill": engine, "mixed": engine}
         agent = NodeAgent(
             runtime_dir=runtime,
             registry_endpoint=registry_endpoint,
@@ -188,6 +228,14 @@ class Command(BaseCommand):
             Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
         ]
         Supervisor(children, timers, on_stop=lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S)).run()
+
+    def _migrate(self) -> None:
+        """The embedded default sets its database up itself: a fresh SQLite file under var/ or an empty
+        PostgreSQL gets its tables before anything starts (`make run` has migrated already)."""
+        pending = pending_migrations()
+        if pending:
+            self.stdout.write(f"Applying {pending} database migrations ({MIGRATE})")
+            call_command("migrate", interactive=False, verbosity=0)
 
 
 class AutoscalerAfterStart:
@@ -225,6 +273,13 @@ def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) 
 
 def _worker_name(role: str, index: int) -> str:
     return f"worker-{index}" if role == "mixed" else f"{role}-{index}"
+
+
+def _describe_store(directory: str | None, index: str) -> str:
+    if not directory:
+        return "off"
+    kept_by = "kept and served by its GC process" if index == "memory" else index
+    return f"{directory} (index: {kept_by}; GC: its own process, run_kv_gc)"
 
 
 def _describe(roles: list[str]) -> str:

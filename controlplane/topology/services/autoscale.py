@@ -12,7 +12,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from controlplane.common.errors import ConflictError
-from controlplane.telemetry.models import TelemetryRollup
+from controlplane.telemetry.selectors import rollup_token_totals
 from controlplane.topology import selectors
 from controlplane.topology.models import InstanceState, Node, Pool, PoolKind, ScalingAction
 from controlplane.topology.services.agents import instance_start, instances_fail_unstarted
@@ -149,10 +149,9 @@ def uncached_tokens_per_s(*, now: datetime) -> list[float]:
     minutes = settings.SLUICE_AUTOSCALE_LOOKBACK_MINUTES
     end = now.replace(second=0, microsecond=0)
     start = end - timedelta(minutes=minutes)
-    rollups = TelemetryRollup.objects.filter(minute__gte=start, minute__lt=end)
     uncached = {
         minute: max(prompt - cached, 0)
-        for minute, prompt, cached in rollups.values_list("minute", "prompt_tokens", "cached_tokens")
+        for minute, (prompt, cached) in rollup_token_totals(since=start, until=end).items()
     }
     return [uncached.get(start + timedelta(minutes=i), 0) / 60.0 for i in range(minutes)]
 

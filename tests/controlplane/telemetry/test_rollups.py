@@ -1,5 +1,6 @@
-"""One-minute rollups: written when the minute ends (one row per minute, however often it is
-written), old rows deleted by the retention, and read back oldest first by rollup_series."""
+"""One-minute rollups: written when the minute ends (one row per minute and collector, however often
+it is written), merged across gateways (two collectors writing the same minute: counts and latencies
+of both), old rows deleted by the retention, and read back oldest first by rollup_series."""
 
 from datetime import UTC, datetime, timedelta
 
@@ -8,8 +9,9 @@ from asgiref.sync import async_to_sync
 from django.utils import timezone
 
 from controlplane.telemetry.collector import TelemetryCollector
+from controlplane.telemetry.latency_histogram import histogram
 from controlplane.telemetry.models import TelemetryRollup
-from controlplane.telemetry.selectors import rollup_series
+from controlplane.telemetry.selectors import rollup_series, rollup_token_totals
 from controlplane.telemetry.services import rollup_upsert
 from controlplane.telemetry.windows import RequestSample
 
@@ -26,10 +28,9 @@ def write(minute: datetime, **fields) -> TelemetryRollup:
         "prompt_tokens": 100,
         "cached_tokens": 25,
         "generation_tokens": 10,
-        "ttft_p50_s": None,
-        "ttft_p99_s": None,
-        "itl_p50_s": None,
-        "itl_p99_s": None,
+        "collector": "gateway-a",
+        "ttft_histogram": {},
+        "itl_histogram": {},
         "kv_store_bytes": None,
         **fields,
     }
@@ -52,14 +53,68 @@ def test_a_finished_minute_is_written_once(clock, heartbeats, make_heartbeat):
     async_to_sync(collector.tick)()
 
     rollup = TelemetryRollup.objects.get()
-    assert rollup.minute == minute
+    assert (rollup.minute, rollup.collector) == (minute, collector.collector_id)
     assert (rollup.requests, rollup.prompt_tokens, rollup.cached_tokens, rollup.generation_tokens) == (4, 200, 40, 20)
-    assert (rollup.ttft_p50_s, rollup.ttft_p99_s) == (0.2, 0.4)
-    assert (rollup.itl_p50_s, rollup.itl_p99_s) == (0.01, 0.03)
+    assert rollup.ttft_histogram == histogram([0.1, 0.2, 0.3, 0.4])
+    assert rollup.itl_histogram == histogram([0.01, 0.03] * 4)
     assert rollup.kv_store_bytes == 2048
+    [merged] = rollup_series(minutes=60 * 24 * 365 * 100)
+    assert (merged["ttft_p50_s"], merged["ttft_p99_s"]) == (pytest.approx(0.2, rel=0.05), pytest.approx(0.4, rel=0.05))
+    assert (merged["itl_p50_s"], merged["itl_p99_s"]) == (pytest.approx(0.01, rel=0.05), pytest.approx(0.03, rel=0.05))
 
 
-def test_rewriting_a_minute_replaces_its_row(clock):
+def test_two_collectors_writing_the_same_minute_are_merged(clock, heartbeats, make_heartbeat):
+    # given two gateways' collectors serving the same minute: 90 fast requests on one, 10 slow on the other
+    gateways = [TelemetryCollector(heartbeats, clock=clock), TelemetryCollector(heartbeats, clock=clock)]
+    assert gateways[0].collector_id != gateways[1].collector_id
+    minute = at(clock)
+    heartbeats.workers = [make_heartbeat("w0", kv_block_tokens=64, kv_store_bytes=4096)]
+    for _ in range(90):
+        gateways[0].record_request(RequestSample(0.05, (0.01,), 100, 80, 2, ("stop",)))
+    for _ in range(10):
+        gateways[1].record_request(RequestSample(2.0, (0.5, 0.5), 1000, 0, 3, ("stop",)))
+    clock.now += 30
+    for collector in gateways:
+        async_to_sync(collector.tick)()
+
+    # when the minute ends and both write it
+    clock.now += 40
+    for collector in gateways:
+        async_to_sync(collector.tick)()
+
+    # then the minute counts every request of both, and its percentiles are those of all 100
+    assert TelemetryRollup.objects.filter(minute=minute).count() == 2
+    [merged] = rollup_series(minutes=60 * 24 * 365 * 100)
+    assert merged["minute"] == minute
+    assert (merged["requests"], merged["prompt_tokens"], merged["cached_tokens"]) == (100, 19_000, 7_200)
+    assert merged["generation_tokens"] == 210
+    assert merged["cache_hit_rate"] == pytest.approx(7_200 / 19_000)
+    assert merged["ttft_p50_s"] == pytest.approx(0.05, rel=0.05)
+    assert merged["ttft_p99_s"] == pytest.approx(2.0, rel=0.05)
+    assert merged["itl_p50_s"] == pytest.approx(0.01, rel=0.05)
+    assert merged["itl_p99_s"] == pytest.approx(0.5, rel=0.05)
+    assert merged["kv_store_bytes"] == 4096
+    assert rollup_token_totals(since=minute, until=minute + timedelta(minutes=1)) == {minute: (19_000, 7_200)}
+
+
+def test_the_slowest_request_of_the_minute_counts_whichever_gateway_served_it():
+    # given one slow request among a few, served by another gateway than the fast ones
+    minute = timezone.now().replace(second=0, microsecond=0)
+    write(minute, collector="gateway-a", requests=3, ttft_histogram=histogram([0.1, 0.1, 0.1]))
+    write(minute, collector="gateway-b", requests=1, ttft_histogram=histogram([3.0]), kv_store_bytes=10)
+
+    # when
+    [merged] = rollup_series(minutes=5)
+
+    # then the minute's p99 is the slow one (one in four), its p50 a fast one
+    assert merged["requests"] == 4
+    assert merged["ttft_p99_s"] == pytest.approx(3.0, rel=0.05)
+    assert merged["ttft_p50_s"] == pytest.approx(0.1, rel=0.05)
+    assert merged["itl_p50_s"] is None
+    assert merged["kv_store_bytes"] == 10
+
+
+def test_a_collector_rewriting_its_minute_replaces_its_row(clock):
     minute = at(clock)
     write(minute, requests=1)
     write(minute, requests=7)

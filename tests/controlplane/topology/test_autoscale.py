@@ -56,9 +56,14 @@ def register_starting(now: datetime, **load) -> None:
 
 
 def prompt_minute(minute: datetime, uncached_tokens_per_s: float) -> None:
-    TelemetryRollup.objects.update_or_create(
-        minute=minute, defaults={"prompt_tokens": int(uncached_tokens_per_s * 60) + 600, "cached_tokens": 600}
-    )
+    """The minute's prompts as two gateways' rollup rows, each with half of them: the autoscaler must
+    read the merged minute."""
+    for gateway in ("gateway-a", "gateway-b"):
+        TelemetryRollup.objects.update_or_create(
+            minute=minute,
+            collector=gateway,
+            defaults={"prompt_tokens": int(uncached_tokens_per_s * 30) + 300, "cached_tokens": 300},
+        )
 
 
 def test_a_ramp_of_prefill_demand_scales_up_within_the_limits_then_down_after_the_cool_down(cluster):

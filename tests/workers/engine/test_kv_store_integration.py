@@ -7,16 +7,22 @@ can come from the engine-local prefix cache.
 """
 
 import random
+import shutil
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.block_hash import hash_chain, namespace_extra, scoped_namespace
 from workers.engine import LLM, SamplingParams, store_connector
 from workers.engine.errors import InvalidRequestError
+from workers.kvstore.directory_index import DirectoryIndex
 from workers.kvstore.gc import GarbageCollector
+from workers.kvstore.index_server import IndexServer
 from workers.kvstore.store import open_store
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol import CacheHint
@@ -307,3 +313,34 @@ def test_an_index_that_fails_a_write_costs_that_block_and_later_blocks_are_still
 
     # then: the writer thread lived on and stored the second request's blocks
     assert [store.index.get(key) is not None for key in block_keys(llm.engine, second)] == [True, True]
+
+
+def test_engines_share_the_index_served_by_the_store_gc_and_go_on_without_it(tmp_path, uncached):
+    # given the index the store's GC process would serve, on an ipc endpoint (a thread here)
+    runtime = Path(tempfile.mkdtemp(prefix="kvidx-"))  # ipc paths must be short
+    endpoint = f"ipc://{runtime}/index"
+    tokens = prompt(150, seed=7)
+    served = DirectoryIndex()
+    context = zmq.Context()
+    stop = threading.Event()
+    server = threading.Thread(target=IndexServer(served, endpoint, context).serve, args=(stop,))
+    server.start()
+    try:
+        # when one engine stores a prompt's blocks through it and another asks it
+        run(engine(tmp_path, kv_store_index=endpoint), [tokens])
+        hit = run(engine(tmp_path, kv_store_index=endpoint), [tokens])[0]
+    finally:
+        stop.set()
+        server.join()
+        context.destroy(linger=0)
+
+    # then the second hits what the first stored, and the served index knows every block written
+    assert hit.num_cached_tokens == 128 and hit.token_ids == uncached([tokens])[0]
+    assert served.usage().num_blocks == 5
+
+    # when the server is gone, an engine using it still serves, computing everything (no hit, no crash)
+    alone = engine(tmp_path, kv_store_index=endpoint)
+    missed = run(alone, [tokens])[0]
+    shutil.rmtree(runtime)
+    assert missed.num_cached_tokens == 0 and missed.token_ids == uncached([tokens])[0]
+    assert alone.engine.store.index_failing

@@ -1,19 +1,24 @@
-"""One suite for every BlockIndex backend: MemoryIndex in process, RedisIndex on the real Redis."""
+"""One suite for every BlockIndex backend: MemoryIndex in process, RedisIndex on the real Redis, the
+GC process's DirectoryIndex, and a RemoteIndex talking to an IndexServer over a real ipc socket."""
 
 import multiprocessing
+import shutil
+import tempfile
 import threading
-import uuid
 from collections.abc import Iterator
 from hashlib import blake2b
 
 import pytest
 import redis
+import zmq
 
+from tests.workers.kvstore.conftest import REDIS_URL
+from workers.kvstore.directory_index import DirectoryIndex
 from workers.kvstore.index import BlockEntry, BlockIndex, IndexUsage
+from workers.kvstore.index_server import IndexServer
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.redis_index import RedisIndex
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
+from workers.kvstore.remote_index import RemoteIndex
 
 
 def key(i: int) -> bytes:
@@ -47,19 +52,29 @@ def assert_counters_match_entries(index: BlockIndex) -> None:
 
 
 @pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    client = redis.Redis.from_url(REDIS_URL)
-    prefix = f"test:sluice:kv:{uuid.uuid4().hex}"
-    yield prefix
-    if names := list(client.scan_iter(match=f"{prefix}:*", count=1000)):
-        client.delete(*names)
-    client.close()
+def served_index() -> Iterator[RemoteIndex]:
+    """A RemoteIndex of a MemoryIndex that an IndexServer serves from a thread (ipc paths must be short)."""
+    directory = tempfile.mkdtemp(prefix="kvidx-")
+    context = zmq.Context()
+    stop = threading.Event()
+    server = IndexServer(MemoryIndex(), f"ipc://{directory}/index", context)
+    thread = threading.Thread(target=server.serve, args=(stop,))
+    thread.start()
+    yield RemoteIndex(server.endpoint, context=context)
+    stop.set()
+    thread.join()
+    context.destroy(linger=0)
+    shutil.rmtree(directory)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "directory", "served"])
 def index(request: pytest.FixtureRequest) -> BlockIndex:
     if request.param == "memory":
         return MemoryIndex()
+    if request.param == "directory":
+        return DirectoryIndex()
+    if request.param == "served":
+        return request.getfixturevalue("served_index")
     return RedisIndex(redis.Redis.from_url(REDIS_URL), request.getfixturevalue("redis_prefix"))
 
 

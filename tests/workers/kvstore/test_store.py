@@ -32,7 +32,7 @@ def test_open_index_redis_url() -> None:
 
 @pytest.mark.parametrize("url", ["", "Memory", "memory://", "postgres://127.0.0.1/kv", "127.0.0.1:6379"])
 def test_open_index_rejects_unknown_urls(url: str) -> None:
-    with pytest.raises(ValueError, match="expected 'memory' or 'redis://"):
+    with pytest.raises(ValueError, match="expected 'memory', 'redis://.* or 'ipc://"):
         open_index(url)
 
 

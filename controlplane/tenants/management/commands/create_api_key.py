@@ -1,9 +1,8 @@
-from django.core.management.base import BaseCommand
-
+from controlplane.common.migrated import MigratedDatabaseCommand
 from controlplane.tenants.services import api_key_create, tenant_get_or_create
 
 
-class Command(BaseCommand):
+class Command(MigratedDatabaseCommand):
     help = "Create an API key for a tenant (created if needed). The raw key is printed last and shown only once."
 
     def add_arguments(self, parser) -> None:

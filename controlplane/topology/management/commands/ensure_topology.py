@@ -4,9 +4,10 @@ The pools a deployment's workers register into, and the node its agent starts wo
 once (or updated) before the workers start: a worker whose pool does not exist is refused by the
 registry until it does. The same service `serve` uses for the embedded stack."""
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from controlplane.common.errors import DomainValidationError
+from controlplane.common.migrated import MigratedDatabaseCommand
 from controlplane.topology.models import PoolKind
 from controlplane.topology.services import topology_ensure_local
 
@@ -18,7 +19,7 @@ def _pool(value: str) -> tuple[str, str, int]:
     return kind, kind, int(count)
 
 
-class Command(BaseCommand):
+class Command(MigratedDatabaseCommand):
     help = "Create (or update) the cluster's pools and the node agent's node."
 
     def add_arguments(self, parser) -> None:
