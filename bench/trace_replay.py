@@ -109,7 +109,15 @@ def replay_policy(chains: list[Chain], capacity_blocks: int, policy: str) -> flo
         index.touch(keys[:hit], now)
         index.add(
             [
-                BlockEntry(key=key, size=1, traffic_class="chat", depth=depth, created_at=now, last_access=now)
+                BlockEntry(
+                    key=key,
+                    size=1,
+                    traffic_class="chat",
+                    depth=depth,
+                    created_at=now,
+                    last_access=now,
+                    new_chain=hit == 0,
+                )
                 for depth, key in enumerate(keys[hit:], start=hit)
             ]
         )

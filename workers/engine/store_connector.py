@@ -76,6 +76,7 @@ class _Write:
     key: BlockHash
     depth: int  # the block's index in its chain
     traffic_class: str
+    new_chain: bool  # its request's prompt shared no full block with the store or the prefix cache
     block: torch.Tensor
     copied: "torch.cuda.Event | None"
 
@@ -157,8 +158,9 @@ class StoreConnector:
         """The block's KV on its way to the host; None when no staging buffer is free."""
         pages = request.pages[index * self.pages_per_block : (index + 1) * self.pages_per_block]
         block = self._gather(pages)
+        new_chain = request.num_cached_tokens < self.block_tokens
         if self.staging is None:
-            return _Write(key, index, request.traffic_class, block.to("cpu", copy=True).contiguous(), None)
+            return _Write(key, index, request.traffic_class, new_chain, block.to("cpu", copy=True).contiguous(), None)
         try:
             buffer = self.staging.get_nowait()
         except queue.Empty:
@@ -166,7 +168,7 @@ class StoreConnector:
         buffer.copy_(block, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _Write(key, index, request.traffic_class, buffer, copied)
+        return _Write(key, index, request.traffic_class, new_chain, buffer, copied)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -226,7 +228,10 @@ class StoreConnector:
                 write.copied.synchronize()
             try:
                 data = write.block.view(-1).view(torch.uint8).numpy().data
-                if self.store.write(write.key, data, depth=write.depth, traffic_class=write.traffic_class):
+                stored = self.store.write(
+                    write.key, data, depth=write.depth, traffic_class=write.traffic_class, new_chain=write.new_chain
+                )
+                if stored:
                     self.num_blocks_written += 1
             except OSError:
                 # A full or failing disk costs future hits, never the request.

@@ -34,6 +34,7 @@ after eviction is indistinguishable from a new one, which caps how far frequency
 lists and admission sketches, as in ARC or TinyLFU, need per-key history outside the index).
 """
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
@@ -54,6 +55,8 @@ class Snapshot:
         self.hit_count = np.fromiter((entry.hit_count for entry in self.entries), np.int64, count)
         self.size = np.fromiter((entry.size for entry in self.entries), np.int64, count)
         self.retain_until = np.fromiter((entry.retain_until for entry in self.entries), np.float64, count)
+        self.uses = np.fromiter((entry.uses for entry in self.entries), np.int64, count)
+        self.new_chain = np.fromiter((entry.new_chain for entry in self.entries), np.bool_, count)
 
     def lru_order(self, *, last: np.ndarray | None = None) -> np.ndarray:
         """Indices least recently accessed first, deepest first among equals; entries flagged in
@@ -140,28 +143,39 @@ class LogFrequencyLRUPolicy(EvictionPolicy):
         return snapshot.score_order(score)
 
 
-class ReuseIntervalPolicy(EvictionPolicy):
-    """`reuse_interval`, an experiment that does not beat `slru` yet: evict the block whose next use
-    is predicted furthest away (an online Belady).
+class ProvenReusePolicy(EvictionPolicy):
+    """`proven_reuse` (the default, `best`): recency, with a capped probation for blocks that have not
+    proven reuse and faster aging for blocks of fresh chains. See the module docstring for why.
 
-    Prediction from the entry alone: a block hit h times since it was written has a mean interval
-    (last access - created) / h between uses; its next use is expected no sooner than that interval
-    and no sooner than it has already been idle (reuse gaps are heavy tailed: the longer a block sat
-    unused, the longer it is likely to sit), so the predicted distance is max(interval, idle). A
-    never-hit block has no interval of its own; it gets the snapshot's median first-reuse interval
-    (created -> last access of the blocks hit exactly once) added to its idle time, because fewer of
-    the never-hit blocks are ever used again (a request's unique tail, a one-off document) and a
-    new block must prove reuse before it may displace one that has.
+    - Probation holds blocks used once (written, never hit, not remembered from an earlier stay:
+      `BlockEntry.uses == 1`). It may fill at most `probation_share` of what the store keeps after
+      the eviction; the excess goes first, oldest first.
+    - Everything is then ranked by idle time, oldest first, where a probation block of a fresh chain
+      (`new_chain`: its request found none of its prompt stored) ages `fresh_aging` times as fast.
     """
 
+    def __init__(self, probation_share: float = 0.35, fresh_aging: float = 2.0) -> None:
+        if not 0 < probation_share <= 1:
+            raise ValueError(f"probation_share must be in (0, 1], got {probation_share}")
+        if not (math.isfinite(fresh_aging) and fresh_aging >= 1):
+            raise ValueError(f"fresh_aging must be a finite number >= 1, got {fresh_aging}")
+        self.probation_share = probation_share
+        self.fresh_aging = fresh_aging
+
     def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
-        idle = now - snapshot.last_access
-        hits = snapshot.hit_count
-        interval = (snapshot.last_access - snapshot.created_at) / np.maximum(hits, 1)
-        once = hits == 1
-        first_reuse = float(np.median(interval[once])) if once.any() else float(np.mean(idle))
-        distance = np.where(hits > 0, np.maximum(interval, idle), idle + first_reuse)
-        return snapshot.score_order(-distance)
+        probation = snapshot.uses == 1
+        aging = np.where(probation & snapshot.new_chain, self.fresh_aging, 1.0)
+        order = snapshot.score_order(-(now - snapshot.last_access) * aging)
+        budget = self.probation_share * (int(snapshot.size.sum()) - bytes_to_free)
+        excess = int(snapshot.size[probation].sum()) - budget
+        if excess <= 0:
+            return order
+        in_probation = order[probation[order]]
+        # The fewest probation blocks, in order, whose sizes reach the excess.
+        count = int(np.searchsorted(np.cumsum(snapshot.size[in_probation]), excess)) + 1
+        first = np.zeros(len(snapshot.entries), dtype=bool)
+        first[in_probation[:count]] = True
+        return np.concatenate([in_probation[:count], order[~first[order]]])
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
@@ -169,8 +183,8 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "slru": SegmentedLRUPolicy,
     "gdsf": GDSFPolicy,
     "lru_logfreq": LogFrequencyLRUPolicy,
-    "reuse_interval": ReuseIntervalPolicy,
-    "best": SegmentedLRUPolicy,
+    "proven_reuse": ProvenReusePolicy,
+    "best": ProvenReusePolicy,
 }
 
 

@@ -92,3 +92,13 @@ def test_a_later_hint_extends_the_retention_of_a_block_already_stored(tmp_path: 
     assert not store.write(key(1), b"x" * 100, depth=0, traffic_class="chat")  # no hint: unchanged
     store.retain([key(1), key(2)], 700.0)
     assert store.index.get(key(1)).retain_until == 900.0
+
+
+def test_write_records_whether_the_block_starts_a_new_chain(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    assert store.write(key(1), b"x" * 100, depth=0, traffic_class="chat", new_chain=True)
+    assert store.write(key(2), b"y" * 100, depth=1, traffic_class="chat")
+    assert store.index.get(key(1)).new_chain
+    assert not store.index.get(key(2)).new_chain
+    assert not store.write(key(1), b"x" * 100, depth=0, traffic_class="chat")  # held: the entry stays as it was
+    assert store.index.get(key(1)).new_chain
