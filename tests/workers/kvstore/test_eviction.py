@@ -118,7 +118,13 @@ def replay_hits(policy: str, requests: list[list[str]], capacity: int) -> int:
         index.add(
             [
                 BlockEntry(
-                    key=key, size=1, traffic_class="chat", depth=d, created_at=now[0], last_access=now[0], new_chain=hit == 0
+                    key=key,
+                    size=1,
+                    traffic_class="chat",
+                    depth=d,
+                    created_at=now[0],
+                    last_access=now[0],
+                    new_chain=hit == 0,
                 )
                 for d, key in enumerate(keys[hit:], start=hit)
             ]
