@@ -11,7 +11,9 @@ minus theirs), and how many pairs `best` wins.
 
 The traces vary what the study of reuse (workers.kvstore.eviction) found to matter: the presets
 (chat, agent, docs, api) on two seeds each, plus slow chat (think times of minutes, heavy tailed),
-many weakly shared system prompts with one-off questions under them, and long agent chains.
+many weakly shared system prompts with one-off questions under them, and long agent chains; and two
+seeds of `bench.skewed_trace` (Zipf-popular prefixes, a unique tail per request), the traffic the
+segmented LRU was built for.
 """
 
 import argparse
@@ -20,7 +22,9 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.multiturn_trace import SHAPES, MultiTurnConfig, write_trace
+from bench import multiturn_trace, skewed_trace
+from bench.multiturn_trace import SHAPES, MultiTurnConfig
+from bench.skewed_trace import SkewedTraceConfig
 from bench.trace_replay import TRACE_BLOCK_TOKENS, run_all
 
 CLASSICS = ("lru", "slru", "gdsf", "lru_logfreq")
@@ -30,7 +34,7 @@ PRESETS = {
     for shape in ("chat", "agent", "docs", "api")
     for seed in (0, 1)
 }
-TRACES: dict[str, MultiTurnConfig] = {
+TRACES: dict[str, MultiTurnConfig | SkewedTraceConfig] = {
     **PRESETS,
     "slow-chat-2": replace(SHAPES["chat"], seed=2, sessions=1500, session_rate=1.0, think_s=300.0, think_sigma=2.0),
     "many-prompts-3": replace(
@@ -39,6 +43,8 @@ TRACES: dict[str, MultiTurnConfig] = {
     "long-agent-4": replace(
         SHAPES["agent"], seed=4, continue_prob=0.97, max_turns=100, think_s=10.0, think_sigma=1.8
     ),
+    "skewed-0": SkewedTraceConfig(seed=0),
+    "skewed-1": SkewedTraceConfig(seed=1),
 }  # fmt: skip
 
 
@@ -50,8 +56,14 @@ def compare(names: list[str], policies: list[str], shares: list[float]) -> dict[
     with tempfile.TemporaryDirectory() as directory:
         for name in names:
             path = Path(directory) / f"{name}.jsonl"
-            write_trace(path, TRACES[name])
-            results[name] = {"config": asdict(TRACES[name]), **run_all(path, policies, shares, TRACE_BLOCK_TOKENS)}
+            config = TRACES[name]
+            generator = multiturn_trace if isinstance(config, MultiTurnConfig) else skewed_trace
+            generator.write_trace(path, config)
+            results[name] = {
+                "generator": generator.__name__,
+                "config": asdict(config),
+                **run_all(path, policies, shares, TRACE_BLOCK_TOKENS),
+            }
     return {"traces": results, "summary": summarize(results, policies)}
 
 
