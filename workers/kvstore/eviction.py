@@ -38,8 +38,10 @@ recency plus log-frequency; leaf first by the tie rule).
    0.63 (one-off questions); no difference in agent traces (0.92 vs 0.93), and in the synthetic
    trace, whose prompts come back whole, almost every write is a fresh chain. Such blocks are still
    stored (they may be a conversation's first turn) but at the lowest priority.
-What did not separate reused blocks from the others in these traces, and is not used: depth or
-position in the request, the request's length, the popularity of the prefix a block extends. The
+Not used, having helped no policy tried in these traces: depth or position in the request, the
+popularity of the prefix a block extends, the request's length (in the synthetic trace long
+prompts come back more often, but ranking by length, even with the trace's true rates, gained
+nothing). The
 rest of the gap to Belady is sessions that end or come back after a long pause, which nothing known
 at write time predicts in these traces; where that is all there is (agent traces), `best` is within
 0.004 of the best classic, ahead or behind.
