@@ -14,8 +14,10 @@ The model. Sessions start as a Poisson process. Each session:
 - waits between a turn's arrival and the next: decode time (`decode_s_per_token` x answer tokens)
   plus a think time, log-normal with median `think_s` and log-space spread `think_sigma` (heavy
   tailed: at sigma 1.5, one gap in a hundred is 30x the median).
-`one_off_share` of sessions are single requests carrying a document nobody sends again (a one-off
-summarisation), the traffic an admission policy should not keep.
+`one_off_share` of sessions are single requests nobody sends again: a document to summarise, or, for
+`one_off_shared_share` of them, a question under one of the shared system prompts (an application's
+instructions and tools, as in the Mooncake release's own sample: many requests share a long prefix and
+end in a tail of their own). Their unique tails are the traffic an admission policy should not keep.
 
 Ids are chained as in Mooncake: a full block's id names the whole prefix up to its end, so a
 block is the system prompt's (shared by all its sessions) while it ends inside the system prompt,
@@ -26,7 +28,8 @@ numbered in order of first appearance, lines are `{"timestamp": ms, "input_lengt
 Shapes (presets; every field can be overridden from Python):
 - `chat`: short messages, think times of tens of seconds, five turns on average;
 - `agent`: tool results as long user messages, think times of seconds, long sessions;
-- `docs`: many pasted documents and one-off summarisations, few turns.
+- `docs`: many pasted documents and one-off summarisations, few turns;
+- `api`: mostly one-off questions under long shared application prompts, a few conversations.
 """
 
 import argparse
@@ -63,6 +66,7 @@ class MultiTurnConfig:
     doc_tokens: int = 6000  # median
     doc_sigma: float = 0.8
     one_off_share: float = 0.1
+    one_off_shared_share: float = 0.0  # of one-offs: a shared system prompt and a question, no document
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid setting."""
@@ -78,7 +82,7 @@ class MultiTurnConfig:
             raise ValueError(
                 f"max_system_tokens ({self.max_system_tokens}) must be >= min_system_tokens ({self.min_system_tokens})"
             )
-        for name in ("continue_prob", "doc_share", "one_off_share"):
+        for name in ("continue_prob", "doc_share", "one_off_share", "one_off_shared_share"):
             value = getattr(self, name)
             if not 0 <= value < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
@@ -112,6 +116,18 @@ SHAPES = {
         doc_tokens=9000,
         one_off_share=0.3,
     ),  # fmt: skip
+    "api": MultiTurnConfig(
+        sessions=3000,
+        session_rate=2.0,
+        min_system_tokens=2000,
+        max_system_tokens=12000,
+        system_prompts=20,
+        continue_prob=0.7,
+        doc_share=0.2,
+        one_off_share=0.6,
+        one_off_shared_share=0.8,
+        user_tokens=600,
+    ),  # fmt: skip
 }
 
 
@@ -144,13 +160,15 @@ def generate(config: MultiTurnConfig) -> list[dict[str, object]]:
     requests: list[tuple[float, int, int, list[int]]] = []
     for session, start in enumerate(starts):
         one_off = rng.random() < config.one_off_share
-        if one_off:
+        # Drawn only when asked for, so that shapes without such questions keep their traces.
+        question = one_off and config.one_off_shared_share > 0 and rng.random() < config.one_off_shared_share
+        if one_off and not question:
             shared, shared_tokens = -1, 0
         else:
             shared = int(rng.choice(config.system_prompts, p=weights / weights.sum()))
             shared_tokens = int(system_tokens[shared])
         context = shared_tokens
-        if one_off or rng.random() < config.doc_share:
+        if (one_off and not question) or (not one_off and rng.random() < config.doc_share):
             context += _lognormal(rng, config.doc_tokens, config.doc_sigma)
         now = float(start)
         for turn in range(1 if one_off else config.max_turns):

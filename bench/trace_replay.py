@@ -4,17 +4,23 @@
         --capacity-blocks 2007 --policy best [--block-tokens 512]
     python -m bench.trace_replay --trace FILE --policies all [--capacity-shares 0.05,0.1] [--cost-blocks 20000]
 
+`bench.trace_replay_generated` runs the comparison on generated multi-turn traces.
+
 The second form (comparison mode) replays every named policy and Belady at each share of the trace's
 unique blocks and adds, per policy, the cost of one eviction ranking per block in microseconds over
 `--cost-blocks` entries: in-process `MemoryIndex`, and `RedisIndex` on `--redis-url` (DB 9, a unique
-prefix deleted afterwards), where reading the snapshot dominates.
+prefix deleted afterwards), where reading the snapshot dominates; and the GC's removal per block,
+forgetting the blocks or remembering their uses (`best` needs the latter).
 
 Each trace line has `timestamp` (ms), `input_length` and `hash_ids`: chained ids of the prompt's
 512-token blocks (equal id = same prefix up to and including that block; the last id may cover a
 partial block). Per request, in timestamp order: match the longest run of present blocks from the
-first, touch them, add the request's other full blocks, run the GC. Only metadata moves: the real
-`MemoryIndex`, `GarbageCollector` and policy run with block size 1 and a no-op data deleter, on a fake
-clock that reads the trace's timestamps.
+first, touch them, add the request's other full blocks (marked `new_chain` when nothing matched, as
+the engine marks the blocks of a prompt that shared no full block with a cache), run the GC. Only
+metadata moves: the real `MemoryIndex` (remembering what the GC evicted, as in the store),
+`GarbageCollector` and policy run with block size 1 and a no-op data deleter, on a fake clock that
+reads the trace's timestamps. Every policy and Belady see the same full blocks: a request's last
+partial block is never stored, as the engine stores only full blocks.
 
 Prints one JSON object. Hit rates are token-weighted over full blocks: the sum over requests of
 (leading present blocks x block tokens) over the sum of (full blocks x block tokens).
@@ -109,7 +115,15 @@ def replay_policy(chains: list[Chain], capacity_blocks: int, policy: str) -> flo
         index.touch(keys[:hit], now)
         index.add(
             [
-                BlockEntry(key=key, size=1, traffic_class="chat", depth=depth, created_at=now, last_access=now)
+                BlockEntry(
+                    key=key,
+                    size=1,
+                    traffic_class="chat",
+                    depth=depth,
+                    created_at=now,
+                    last_access=now,
+                    new_chain=hit == 0,
+                )
                 for depth, key in enumerate(keys[hit:], start=hit)
             ]
         )
@@ -229,11 +243,9 @@ def run_all(trace: Path, policies: list[str], shares: list[float], block_tokens:
     }
 
 
-def policy_cost_us(index: BlockIndex, policy: str, blocks: int) -> float:
-    """Microseconds per block of one eviction ranking over `blocks` entries of `index` (which it
-    fills): the snapshot read from the index plus the policy's ranking, freeing a tenth of them."""
+def _fill(index: BlockIndex, blocks: int, now: float) -> None:
+    """`blocks` entries of varied recency, hits, depth, chain kind and earlier stays."""
     rng = random.Random(0)
-    now = 1_000_000.0
     index.add(
         [
             BlockEntry(
@@ -244,30 +256,75 @@ def policy_cost_us(index: BlockIndex, policy: str, blocks: int) -> float:
                 created_at=now - rng.uniform(0, 3600),
                 last_access=now - rng.uniform(0, 60),
                 hit_count=rng.randrange(4),
+                new_chain=rng.random() < 0.3,
+                uses_before=rng.randrange(2),
             )
             for i in range(blocks)
         ]
     )
-    started = time.perf_counter()
-    get_policy(policy).select_victims(index.entries(), blocks // 10, now)
-    return (time.perf_counter() - started) / blocks * 1e6
 
 
-def policy_costs(policies: list[str], blocks: int, redis_url: str) -> dict[str, dict[str, float]]:
+def policy_cost_us(index: BlockIndex, policies: list[str], blocks: int, rounds: int) -> dict[str, float]:
+    """Microseconds per block of one eviction ranking over `blocks` entries of `index` (which it
+    fills), per policy: the snapshot read from the index plus the ranking, freeing a tenth of them.
+    The fastest of `rounds`, policies taking turns, so that load on the machine favours none."""
+    now = 1_000_000.0
+    _fill(index, blocks, now)
+    best = dict.fromkeys(policies, math.inf)
+    for _ in range(rounds):
+        for name in policies:
+            policy = get_policy(name)
+            started = time.perf_counter()
+            policy.select_victims(index.entries(), blocks // 10, now)
+            best[name] = min(best[name], (time.perf_counter() - started) / blocks * 1e6)
+    return best
+
+
+def removal_cost_us(index: BlockIndex, blocks: int, rounds: int) -> dict[str, float]:
+    """Microseconds per block the GC's removal takes, forgetting the blocks and remembering their uses
+    (which `best` relies on), in batches of 100 over `blocks` entries (half each way); the fastest of
+    `rounds`, each on a refilled index."""
+    keys = [i.to_bytes(16, "little") for i in range(blocks)]
+    cost = {"forget": math.inf, "remember": math.inf}
+    for _ in range(rounds):
+        _fill(index, blocks, 1_000_000.0)
+        for remember, part in ((False, keys[: blocks // 2]), (True, keys[blocks // 2 :])):
+            started = time.perf_counter()
+            for start in range(0, len(part), 100):
+                index.remove(part[start : start + 100], remember=remember)
+            name = "remember" if remember else "forget"
+            cost[name] = min(cost[name], (time.perf_counter() - started) / len(part) * 1e6)
+    return cost
+
+
+def policy_costs(policies: list[str], blocks: int, redis_url: str, rounds: int = 5) -> dict[str, object]:
+    """Ranking cost per policy and removal cost, on the in-process index and on Redis (unique key
+    prefixes, deleted afterwards)."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
-    costs = {}
-    for name in policies:
+
+    def on_redis(measure: Callable[[BlockIndex], dict[str, float]]) -> dict[str, float]:
         prefix = f"bench:trace_replay:{uuid.uuid4().hex}"
         try:
-            redis_cost = policy_cost_us(RedisIndex(client, prefix), name, blocks)
+            return measure(RedisIndex(client, prefix))
         finally:
             if names := list(client.scan_iter(match=f"{prefix}:*", count=1000)):
                 client.delete(*names)
-        costs[name] = {"memory_index_us": policy_cost_us(MemoryIndex(), name, blocks), "redis_index_us": redis_cost}
-    client.close()
-    return costs
+
+    try:
+        memory = policy_cost_us(MemoryIndex(), policies, blocks, rounds)
+        shared = on_redis(lambda index: policy_cost_us(index, policies, blocks, rounds))
+        removal = {
+            "memory_index_us": removal_cost_us(MemoryIndex(), blocks, rounds),
+            "redis_index_us": on_redis(lambda index: removal_cost_us(index, blocks, rounds)),
+        }
+    finally:
+        client.close()
+    return {
+        "ranking": {name: {"memory_index_us": memory[name], "redis_index_us": shared[name]} for name in policies},
+        "removal": removal,
+    }
 
 
 def main() -> None:

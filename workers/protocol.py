@@ -507,6 +507,7 @@ class KVIndexRetain(msgspec.Struct, tag="kv_index.retain", frozen=True, forbid_u
 class KVIndexRemove(msgspec.Struct, tag="kv_index.remove", frozen=True, forbid_unknown_fields=True):
     call_id: int
     keys: list[bytes]
+    remember: bool = False  # keep the removed blocks' uses (the GC's evictions; BlockIndex.remove)
 
 
 class KVIndexExpired(msgspec.Struct, tag="kv_index.expired", frozen=True, forbid_unknown_fields=True):

@@ -92,7 +92,7 @@ def test_segmented_lru_beats_lru_at_small_capacity(tmp_path):
     full_blocks = {
         block_id for request in read_trace(path) for block_id in request["hash_ids"][: request["input_length"] // 512]
     }
-    result = run(path, capacity_blocks=len(full_blocks) // 20, policy="best", block_tokens=BLOCK_TOKENS)
+    result = run(path, capacity_blocks=len(full_blocks) // 20, policy="slru", block_tokens=BLOCK_TOKENS)
     assert result["unique_blocks"] == len(full_blocks)
     assert result["hit_rate"] > result["lru_hit_rate"] + 0.03
     assert result["hit_rate"] <= result["belady_hit_rate"] <= result["oracle_hit_rate"]

@@ -88,6 +88,7 @@ class _Write:
     key: BlockHash
     depth: int  # the block's index in its chain
     traffic_class: str
+    new_chain: bool  # its request's prompt shared no full block with the store or the prefix cache
     block: torch.Tensor
     copied: "torch.cuda.Event | None"
     retain_until: float  # a cache hint's (time.time()), 0 without one
@@ -233,9 +234,10 @@ class StoreConnector:
         """The block's KV on its way to the host; None when no staging buffer is free."""
         pages = request.pages[index * self.pages_per_block : (index + 1) * self.pages_per_block]
         block = self._gather(pages)
+        new_chain = request.num_cached_tokens < self.block_tokens
         if self.staging is None:
             host_block = block.to("cpu", copy=True).contiguous()
-            return _Write(key, index, request.traffic_class, host_block, None, retain_until)
+            return _Write(key, index, request.traffic_class, new_chain, host_block, None, retain_until)
         try:
             buffer = self.staging.get_nowait()
         except queue.Empty:
@@ -243,7 +245,7 @@ class StoreConnector:
         buffer.copy_(block, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _Write(key, index, request.traffic_class, buffer, copied, retain_until)
+        return _Write(key, index, request.traffic_class, new_chain, buffer, copied, retain_until)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -307,7 +309,12 @@ class StoreConnector:
             try:
                 data = item.block.view(-1).view(torch.uint8).numpy().data
                 written = self.store.write(
-                    item.key, data, depth=item.depth, traffic_class=item.traffic_class, retain_until=item.retain_until
+                    item.key,
+                    data,
+                    depth=item.depth,
+                    traffic_class=item.traffic_class,
+                    retain_until=item.retain_until,
+                    new_chain=item.new_chain,
                 )
                 if written:
                     self.num_blocks_written += 1

@@ -2,38 +2,59 @@
 
 A policy ranks a snapshot of index entries and holds no state of its own. The GC may run in another
 process or on another host than the readers that touch blocks (with the Redis index), so everything
-a policy knows must come from what the index records: last access, hit count, depth, size and
-creation time. Policies are picked by name (`get_policy`), e.g. from worker configuration.
+a policy knows comes from what the index records: last access, hit count, depth, size, creation
+time, whether the writing request started a fresh chain (`new_chain`), and the uses a block had
+before an earlier eviction (`uses_before`, which the index remembers for a while; see index.py).
+Policies are picked by name (`get_policy`), e.g. from worker configuration. Blocks with a client's
+retention hint go after every other block, whatever the policy (`Snapshot.take`).
 
-Both policies break ties the same way: among blocks last accessed at the same time (typically the
+Every policy breaks ties the same way: among blocks last accessed at the same time (typically the
 blocks of one request) the deepest goes first. Under the chained hash a block can only be hit
 together with every block before it, so a chain's tail is worthless once its head is gone, while its
 head still serves every prompt that shares only the head.
 
-`lru`: least recent last access first. The baseline.
+The classics, kept as peers: `lru` (least recent first, the baseline); `slru` (a segmented LRU: hit
+blocks are protected up to half of what stays); `gdsf` and `lru_logfreq` (frequency with aging,
+recency plus log-frequency; leaf first by the tie rule).
 
-`slru` (also `best`): a segmented LRU whose segments are derived from the hit count.
-- Probation holds blocks never hit since they were written; protected holds blocks hit at least
-  once, LRU-ordered, capped at `protected_share` of what the store keeps after the eviction.
-- Victims come from probation and from protected blocks beyond the cap, least recent first.
-Most written blocks are never read again (a prompt's unique tail, a one-off document); under LRU a
-burst of them flushes everything older, including a system prompt shared by thousands of requests
-or the history of a conversation that is about to send its next turn. Here such a burst only churns
-probation, and blocks that have proven reuse survive it; the cap keeps protected blocks from
-squatting forever once their traffic stops, because the cap is filled by recency. The cap is filled
-most recent and shallowest first, so a chain that straddles it loses its tail, not its head.
-Why the cap is 0.5 rather than the textbook 0.8: a prefix's first reuse comes much later than its
-later ones (in the Mooncake trace, a median 150 s from first to second use, 30 s between uses from
-the fourth on), so probation needs a large share to keep new blocks long enough to see their first
-hit; with a small probation the store degenerates into "whoever was hit first keeps their place".
-Segment membership and order are both read from the index, so any process ranks any snapshot the
-same way.
+`proven_reuse` (also `best`) rests on what distinguishes reused blocks from the others
+(`python -m bench.reuse_study`, on the Mooncake synthetic trace and on traces of
+`bench.multiturn_trace`: chat, agent, documents, one-off questions under shared prompts, seeds):
+1. Recency first. Reuse gaps are heavy tailed and a block's chance of another use falls with its
+   idle time in every trace. Frequency as a bonus lets the many-times-hit blocks of finished long
+   sessions squat: on agent-like traces `gdsf` and `lru_logfreq` fall to 0.15-0.37 of Belady's hit
+   rate where `lru` gets 0.69. Within recency, a block that was used before is a much better bet than
+   a new one: in the synthetic trace a new block has a 0.45 chance of another use (a median 153 s
+   later), a block used twice 0.85 (111 s), and similarly, less sharply, in the generated traces.
+2. But a store forgets what it evicted, and at 5% capacity it evicts most blocks before their first
+   reuse: the synthetic trace's LRU store keeps a block about 21 s, and 60% of what it writes are
+   blocks it had written and evicted before, each taken for new, so no policy that reads only live
+   entries can tell a returning prompt from a one-off (`slru` gains nothing there). The index
+   therefore remembers the uses of evicted blocks (4 per block held, a few dozen bytes each) and
+   gives them back when a block is written again.
+3. Admission. A request that found none of its prompt stored or cached starts a fresh chain (a new
+   conversation, a pasted document, a one-off); its blocks are reused less often than those that
+   extend a stored prefix: under LRU at 5%, 0.57 vs 0.78 (chat), 0.23 vs 0.57 (documents), 0.26 vs
+   0.63 (one-off questions); no difference in agent traces (0.92 vs 0.93), and in the synthetic
+   trace, whose prompts come back whole, almost every write is a fresh chain. Such blocks are still
+   stored (they may be a conversation's first turn) but at the lowest priority.
+Not used, having helped no policy tried in these traces: depth or position in the request, the
+popularity of the prefix a block extends, the request's length (in the synthetic trace long
+prompts come back more often, but ranking by length, even with the trace's true rates, gained
+nothing). The
+rest of the gap to Belady is sessions that end or come back after a long pause, which nothing known
+at write time predicts in these traces; where that is all there is (agent traces), `best` is within
+0.004 of the best classic, ahead or behind.
 
-What no index-only policy can do: remember a block after it is evicted. A block that comes back
-after eviction is indistinguishable from a new one, which caps how far frequency can help (ghost
-lists and admission sketches, as in ARC or TinyLFU, need per-key history outside the index).
+The rule (`ProvenReusePolicy`): blocks used once (`uses == 1`: never hit, not remembered) are on
+probation and may fill at most `probation_share` (0.35) of what stays after the eviction; the
+excess goes first. Then everything by idle time, oldest first, where probation blocks of fresh
+chains age `fresh_aging` (2) times as fast. The constants are not knife-edge: probation shares of
+0.2-0.5 and aging of 2-3 move hit rates by at most 0.02 on the traces studied. Results:
+bench/results/trace_replay_synthetic.json, bench/results/trace_replay_generated.json.
 """
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
@@ -54,6 +75,8 @@ class Snapshot:
         self.hit_count = np.fromiter((entry.hit_count for entry in self.entries), np.int64, count)
         self.size = np.fromiter((entry.size for entry in self.entries), np.int64, count)
         self.retain_until = np.fromiter((entry.retain_until for entry in self.entries), np.float64, count)
+        self.uses = np.fromiter((entry.uses for entry in self.entries), np.int64, count)
+        self.new_chain = np.fromiter((entry.new_chain for entry in self.entries), np.bool_, count)
 
     def lru_order(self, *, last: np.ndarray | None = None) -> np.ndarray:
         """Indices least recently accessed first, deepest first among equals; entries flagged in
@@ -97,6 +120,13 @@ class LRUPolicy(EvictionPolicy):
 
 
 class SegmentedLRUPolicy(EvictionPolicy):
+    """Probation holds blocks never hit since they were written; protected holds blocks hit at least
+    once, LRU-ordered, capped at `protected_share` of what the store keeps after the eviction, filled
+    most recent and shallowest first (a chain that straddles the cap loses its tail, not its head).
+    Victims come from probation and from protected blocks beyond the cap, least recent first. The
+    cap is 0.5 rather than the textbook 0.8 because a prefix's first reuse comes much later than its
+    later ones, so probation needs room to keep new blocks until their first hit."""
+
     def __init__(self, protected_share: float = 0.5) -> None:
         if not 0 <= protected_share < 1:
             raise ValueError(f"protected_share must be in [0, 1), got {protected_share}")
@@ -140,28 +170,39 @@ class LogFrequencyLRUPolicy(EvictionPolicy):
         return snapshot.score_order(score)
 
 
-class ReuseIntervalPolicy(EvictionPolicy):
-    """`reuse_interval`, an experiment that does not beat `slru` yet: evict the block whose next use
-    is predicted furthest away (an online Belady).
+class ProvenReusePolicy(EvictionPolicy):
+    """`proven_reuse` (the default, `best`): recency, with a capped probation for blocks that have not
+    proven reuse and faster aging for blocks of fresh chains. See the module docstring for why.
 
-    Prediction from the entry alone: a block hit h times since it was written has a mean interval
-    (last access - created) / h between uses; its next use is expected no sooner than that interval
-    and no sooner than it has already been idle (reuse gaps are heavy tailed: the longer a block sat
-    unused, the longer it is likely to sit), so the predicted distance is max(interval, idle). A
-    never-hit block has no interval of its own; it gets the snapshot's median first-reuse interval
-    (created -> last access of the blocks hit exactly once) added to its idle time, because fewer of
-    the never-hit blocks are ever used again (a request's unique tail, a one-off document) and a
-    new block must prove reuse before it may displace one that has.
+    - Probation holds blocks used once (written, never hit, not remembered from an earlier stay:
+      `BlockEntry.uses == 1`). It may fill at most `probation_share` of what the store keeps after
+      the eviction; the excess goes first, oldest first.
+    - Everything is then ranked by idle time, oldest first, where a probation block of a fresh chain
+      (`new_chain`: its request found none of its prompt stored) ages `fresh_aging` times as fast.
     """
 
+    def __init__(self, probation_share: float = 0.35, fresh_aging: float = 2.0) -> None:
+        if not 0 < probation_share <= 1:
+            raise ValueError(f"probation_share must be in (0, 1], got {probation_share}")
+        if not (math.isfinite(fresh_aging) and fresh_aging >= 1):
+            raise ValueError(f"fresh_aging must be a finite number >= 1, got {fresh_aging}")
+        self.probation_share = probation_share
+        self.fresh_aging = fresh_aging
+
     def order(self, snapshot: Snapshot, bytes_to_free: int, now: float) -> np.ndarray:
-        idle = now - snapshot.last_access
-        hits = snapshot.hit_count
-        interval = (snapshot.last_access - snapshot.created_at) / np.maximum(hits, 1)
-        once = hits == 1
-        first_reuse = float(np.median(interval[once])) if once.any() else float(np.mean(idle))
-        distance = np.where(hits > 0, np.maximum(interval, idle), idle + first_reuse)
-        return snapshot.score_order(-distance)
+        probation = snapshot.uses == 1
+        aging = np.where(probation & snapshot.new_chain, self.fresh_aging, 1.0)
+        order = snapshot.score_order(-(now - snapshot.last_access) * aging)
+        budget = self.probation_share * (int(snapshot.size.sum()) - bytes_to_free)
+        excess = int(snapshot.size[probation].sum()) - budget
+        if excess <= 0:
+            return order
+        in_probation = order[probation[order]]
+        # The fewest probation blocks, in order, whose sizes reach the excess.
+        count = int(np.searchsorted(np.cumsum(snapshot.size[in_probation]), excess)) + 1
+        first = np.zeros(len(snapshot.entries), dtype=bool)
+        first[in_probation[:count]] = True
+        return np.concatenate([in_probation[:count], order[~first[order]]])
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
@@ -169,8 +210,8 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "slru": SegmentedLRUPolicy,
     "gdsf": GDSFPolicy,
     "lru_logfreq": LogFrequencyLRUPolicy,
-    "reuse_interval": ReuseIntervalPolicy,
-    "best": SegmentedLRUPolicy,
+    "proven_reuse": ProvenReusePolicy,
+    "best": ProvenReusePolicy,
 }
 
 

@@ -4,7 +4,8 @@ One `collect()` run:
 1. Expiry: per class, blocks last accessed more than `ttl_for(class)` ago, in batches, oldest first;
    a block a client's hint retains until later stays (workers.kvstore.index).
 2. Eviction: only when usage is above the high watermark, down to the low watermark, victims chosen
-   by the eviction policy from a snapshot of the index. The gap between the two watermarks turns a
+   by the eviction policy from a snapshot of the index, which remembers their uses (a block written
+   again soon after is known as one used before; workers.kvstore.index). The gap between the two watermarks turns a
    steady trickle of writes into occasional batch evictions instead of one eviction per write.
 
 Removal order is index entry first, then data: a reader that matched the key just before finds no
@@ -97,7 +98,8 @@ class GarbageCollector:
         if usage.num_bytes > self._high_bytes:
             while usage.num_bytes > self._low_bytes:
                 bytes_to_free = math.ceil(usage.num_bytes - self._low_bytes)
-                removed = self._remove(self._policy.select_victims(self._index.entries(), bytes_to_free, now))
+                victims = self._policy.select_victims(self._index.entries(), bytes_to_free, now)
+                removed = self._remove(victims, remember=True)
                 if not removed:
                     break
                 evicted += len(removed)
@@ -132,10 +134,10 @@ class GarbageCollector:
             if len(batch) < self._expire_batch:
                 return removed
 
-    def _remove(self, entries: Sequence[BlockEntry]) -> list[BlockEntry]:
+    def _remove(self, entries: Sequence[BlockEntry], *, remember: bool = False) -> list[BlockEntry]:
         if not entries:
             return []
-        removed = self._index.remove([entry.key for entry in entries])
+        removed = self._index.remove([entry.key for entry in entries], remember=remember)
         if removed:
             self._delete_data([entry.key for entry in removed])
         return removed

@@ -16,6 +16,12 @@ A client's cache hint (a prompt_cache_retention, an Anthropic cache_control brea
 blocks of the prefix it covers a `retain_until`: until then the GC neither expires them nor evicts
 them while it can evict anything else. A later hint only extends it (`retain`); a plain request
 leaves it as it is.
+
+The index also remembers blocks the GC evicted (`remove(..., remember=True)`): how many times each
+was used, for the last `REMEMBERED_PER_BLOCK` x (blocks held) evictions. A block written again while
+remembered gets those uses back as `uses_before`, so the eviction policy can tell a block that was
+used before from one never seen (workers.kvstore.eviction). Remembered blocks are not present: they
+match nothing and count in no usage.
 """
 
 import math
@@ -25,6 +31,10 @@ from collections.abc import Iterator, Sequence
 import msgspec
 
 from workers.block_hash import BlockHash
+
+# Evicted blocks the index remembers, per block it holds: enough to span the several store
+# lifetimes a prefix's next use may take, at a few dozen bytes each (blocks are megabytes).
+REMEMBERED_PER_BLOCK = 4
 
 
 class BlockEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +46,16 @@ class BlockEntry(msgspec.Struct, frozen=True, kw_only=True):
     last_access: float
     hit_count: int = 0
     retain_until: float = 0.0  # a client asked to keep it until then (time.time()); 0: no such hint
+    # The request that wrote it found none of its prompt's blocks stored or cached: a chain that
+    # starts here (a new conversation, a one-off document) rather than one that extends a prefix.
+    new_chain: bool = False
+    # Uses (writes and hits) of this block before the GC last evicted it, as the index remembered them.
+    uses_before: int = 0
+
+    @property
+    def uses(self) -> int:
+        """Every use the index knows of: earlier stays, the write that stored it, and its hits."""
+        return self.uses_before + 1 + self.hit_count
 
 
 class IndexUsage(msgspec.Struct, frozen=True):
@@ -47,7 +67,8 @@ class BlockIndex(ABC):
     @abstractmethod
     def add(self, entries: Sequence[BlockEntry]) -> int:
         """Insert entries whose keys are absent (a present key keeps its entry); returns how many
-        were inserted."""
+        were inserted. An inserted key the index remembers (see `remove`) gets its remembered uses
+        added to `uses_before`, and is forgotten."""
 
     @abstractmethod
     def get(self, key: BlockHash) -> BlockEntry | None: ...
@@ -69,8 +90,10 @@ class BlockIndex(ABC):
         """Keep each present key until at least `until`: retain_until = max(retain_until, until)."""
 
     @abstractmethod
-    def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
-        """Delete the present keys; returns the entries removed."""
+    def remove(self, keys: Sequence[BlockHash], *, remember: bool = False) -> list[BlockEntry]:
+        """Delete the present keys; returns the entries removed. With `remember` (the GC's evictions),
+        keep each removed key's uses, forgetting the oldest remembered beyond `REMEMBERED_PER_BLOCK`
+        per block still held."""
 
     @abstractmethod
     def expired(self, traffic_class: str, cutoff: float, limit: int, *, now: float = math.inf) -> list[BlockEntry]:

@@ -55,7 +55,7 @@ def _handlers(index: BlockIndex) -> dict[type, Callable[[Any], Any]]:
         KVIndexContainsMany: lambda request: index.contains_many(request.keys),
         KVIndexTouch: lambda request: index.touch(request.keys, request.now),
         KVIndexRetain: lambda request: index.retain(request.keys, request.until),
-        KVIndexRemove: lambda request: index.remove(request.keys),
+        KVIndexRemove: lambda request: index.remove(request.keys, remember=request.remember),
         KVIndexExpired: lambda request: index.expired(
             request.traffic_class, request.cutoff, request.limit, now=request.now
         ),

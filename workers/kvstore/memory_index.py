@@ -1,7 +1,8 @@
 """The in-process block index: the embedded default, for a store used by one process.
 
 Entries sit in a dict; per traffic class an OrderedDict keeps them in order of last access, so the
-GC's expiry query walks only what has expired. Thread-safe: an engine worker's main thread matches
+GC's expiry query walks only what has expired; evicted blocks the index remembers sit in another
+OrderedDict, oldest eviction first. Thread-safe: an engine worker's main thread matches
 and touches while its store writer adds and its GC removes.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import msgspec
 
 from workers.block_hash import BlockHash
-from workers.kvstore.index import BlockEntry, BlockIndex, IndexUsage
+from workers.kvstore.index import REMEMBERED_PER_BLOCK, BlockEntry, BlockIndex, IndexUsage
 
 
 class MemoryIndex(BlockIndex):
@@ -22,6 +23,7 @@ class MemoryIndex(BlockIndex):
         self._entries: dict[BlockHash, BlockEntry] = {}
         self._by_access: dict[str, OrderedDict[BlockHash, None]] = {}
         self._num_bytes = 0
+        self._remembered: OrderedDict[BlockHash, int] = OrderedDict()  # evicted key -> its uses
 
     def add(self, entries: Sequence[BlockEntry]) -> int:
         added = 0
@@ -29,6 +31,9 @@ class MemoryIndex(BlockIndex):
             for entry in entries:
                 if entry.key in self._entries:
                     continue
+                uses_before = self._remembered.pop(entry.key, 0)
+                if uses_before:
+                    entry = msgspec.structs.replace(entry, uses_before=entry.uses_before + uses_before)
                 self._entries[entry.key] = entry
                 self._by_access.setdefault(entry.traffic_class, OrderedDict())[entry.key] = None
                 self._num_bytes += entry.size
@@ -67,7 +72,7 @@ class MemoryIndex(BlockIndex):
                 if entry is not None and entry.retain_until < until:
                     self._entries[key] = msgspec.structs.replace(entry, retain_until=until)
 
-    def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
+    def remove(self, keys: Sequence[BlockHash], *, remember: bool = False) -> list[BlockEntry]:
         removed = []
         with self._lock:
             for key in keys:
@@ -80,6 +85,10 @@ class MemoryIndex(BlockIndex):
                     del self._by_access[entry.traffic_class]
                 self._num_bytes -= entry.size
                 removed.append(entry)
+                if remember:
+                    self._remembered[key] = entry.uses
+            while len(self._remembered) > REMEMBERED_PER_BLOCK * len(self._entries):
+                self._remembered.popitem(last=False)
         return removed
 
     def expired(self, traffic_class: str, cutoff: float, limit: int, *, now: float = math.inf) -> list[BlockEntry]:

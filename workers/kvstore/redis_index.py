@@ -2,10 +2,14 @@
 
 Layout, every key under `prefix` (tests use a unique prefix and delete it afterwards):
 
-    <prefix>:e:<16-byte key>   hash: size, class, depth, created, last, hits, retain   (one per block)
+    <prefix>:e:<16-byte key>   hash: size, class, depth, created, last, hits, retain, newchain,
+                               before                                          (one per block)
     <prefix>:lru:<class>       sorted set: block key scored by last access     (the expiry query)
     <prefix>:usage             hash: blocks, bytes                             (exact totals)
     <prefix>:classes           hash: class -> number of blocks                 (classes in use)
+    <prefix>:gone              hash: evicted block key -> its uses             (remembered evictions)
+    <prefix>:gone:order        sorted set: evicted block key scored by eviction number (oldest first)
+    <prefix>:gone:seq          the last eviction number
 
 An entry is a Redis hash rather than msgpack so that a touch can update last access and the hit
 count in place, inside a script, without decoding. Floats travel as Python's repr, which round-trips
@@ -26,21 +30,30 @@ from collections.abc import Iterator, Sequence
 import redis
 
 from workers.block_hash import BlockHash
-from workers.kvstore.index import BlockEntry, BlockIndex, IndexUsage
+from workers.kvstore.index import REMEMBERED_PER_BLOCK, BlockEntry, BlockIndex, IndexUsage
 
-_FIELDS = ("size", "class", "depth", "created", "last", "hits", "retain")
+_FIELDS = ("size", "class", "depth", "created", "last", "hits", "retain", "newchain", "before")
 _SCAN_BATCH = 1000
 
 _ADD = """
 local prefix = ARGV[1]
 local usage, classes = prefix .. ':usage', prefix .. ':classes'
+local gone, gone_order = prefix .. ':gone', prefix .. ':gone:order'
 local added = 0
-for i = 2, #ARGV, 8 do
+for i = 2, #ARGV, 10 do
   local key, size, class, last = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 5]
   local entry = prefix .. ':e:' .. key
   if redis.call('EXISTS', entry) == 0 then
+    local before = tonumber(ARGV[i + 9])
+    local remembered = redis.call('HGET', gone, key)
+    if remembered then
+      before = before + tonumber(remembered)
+      redis.call('HDEL', gone, key)
+      redis.call('ZREM', gone_order, key)
+    end
     redis.call('HSET', entry, 'size', size, 'class', class, 'depth', ARGV[i + 3], 'created', ARGV[i + 4],
-               'last', last, 'hits', ARGV[i + 6], 'retain', ARGV[i + 7])
+               'last', last, 'hits', ARGV[i + 6], 'retain', ARGV[i + 7], 'newchain', ARGV[i + 8],
+               'before', before)
     redis.call('ZADD', prefix .. ':lru:' .. class, last, key)
     redis.call('HINCRBY', usage, 'blocks', 1)
     redis.call('HINCRBY', usage, 'bytes', size)
@@ -81,13 +94,15 @@ end
 """
 
 _REMOVE = """
-local prefix = ARGV[1]
+local prefix, remember, per_block = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
 local usage, classes = prefix .. ':usage', prefix .. ':classes'
+local gone, gone_order = prefix .. ':gone', prefix .. ':gone:order'
 local removed = {}
-for i = 2, #ARGV do
+for i = 4, #ARGV do
   local key = ARGV[i]
   local entry = prefix .. ':e:' .. key
-  local v = redis.call('HMGET', entry, 'size', 'class', 'depth', 'created', 'last', 'hits', 'retain')
+  local v = redis.call('HMGET', entry, 'size', 'class', 'depth', 'created', 'last', 'hits', 'retain', 'newchain',
+                       'before')
   if v[1] then
     redis.call('DEL', entry)
     redis.call('ZREM', prefix .. ':lru:' .. v[2], key)
@@ -96,7 +111,17 @@ for i = 2, #ARGV do
     if redis.call('HINCRBY', classes, v[2], -1) <= 0 then
       redis.call('HDEL', classes, v[2])
     end
-    removed[#removed + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6], v[7]}
+    removed[#removed + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]}
+    if remember then
+      redis.call('HSET', gone, key, tonumber(v[9] or 0) + 1 + tonumber(v[6]))
+      redis.call('ZADD', gone_order, redis.call('INCR', prefix .. ':gone:seq'), key)
+    end
+  end
+end
+local excess = redis.call('ZCARD', gone_order) - per_block * tonumber(redis.call('HGET', usage, 'blocks') or 0)
+if excess > 0 then
+  for _, key in ipairs(redis.call('ZPOPMIN', gone_order, excess)) do
+    redis.call('HDEL', gone, key)
   end
 end
 return removed
@@ -119,9 +144,10 @@ local found, offset = {}, 0
 while #found < limit do
   local keys = redis.call('ZRANGEBYSCORE', lru, '-inf', cutoff, 'LIMIT', offset, limit)
   for _, key in ipairs(keys) do
-    local v = redis.call('HMGET', prefix .. ':e:' .. key, 'size', 'class', 'depth', 'created', 'last', 'hits', 'retain')
+    local v = redis.call('HMGET', prefix .. ':e:' .. key, 'size', 'class', 'depth', 'created', 'last', 'hits', 'retain',
+                         'newchain', 'before')
     if not v[7] or tonumber(v[7]) <= now then
-      found[#found + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6], v[7]}
+      found[#found + 1] = {key, v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]}
       if #found >= limit then
         return found
       end
@@ -166,6 +192,8 @@ class RedisIndex(BlockIndex):
                 repr(e.last_access),
                 e.hit_count,
                 repr(e.retain_until),
+                int(e.new_chain),
+                e.uses_before,
             ]
         return int(self._add(args=args))
 
@@ -194,10 +222,13 @@ class RedisIndex(BlockIndex):
         if keys:
             self._retain(args=[self.prefix, repr(until), *keys])
 
-    def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
+    def remove(self, keys: Sequence[BlockHash], *, remember: bool = False) -> list[BlockEntry]:
+        """One script: the entries go, and with `remember` their uses are kept and the oldest
+        remembered beyond the cap forgotten, atomically with the removal."""
         if not keys:
             return []
-        return [_entry(row[0], row[1:]) for row in self._remove(args=[self.prefix, *keys])]
+        rows = self._remove(args=[self.prefix, int(remember), REMEMBERED_PER_BLOCK, *keys])
+        return [_entry(row[0], row[1:]) for row in rows]
 
     def expired(self, traffic_class: str, cutoff: float, limit: int, *, now: float = math.inf) -> list[BlockEntry]:
         """Retained entries are skipped inside the script, a page of `limit` at a time, so a class
@@ -239,7 +270,7 @@ class RedisIndex(BlockIndex):
 
 def _entry(key: bytes, values: Sequence[bytes]) -> BlockEntry:
     """An entry from the hash fields in `_FIELDS` order."""
-    size, traffic_class, depth, created, last, hits, retain = values
+    size, traffic_class, depth, created, last, hits, retain, new_chain, before = values
     return BlockEntry(
         key=key,
         size=int(size),
@@ -248,6 +279,8 @@ def _entry(key: bytes, values: Sequence[bytes]) -> BlockEntry:
         created_at=float(created),
         last_access=float(last),
         hit_count=int(hits),
-        # Absent in entries written before retention existed.
+        # Absent in entries written before these fields existed.
         retain_until=float(retain) if retain is not None else 0.0,
+        new_chain=new_chain == b"1",
+        uses_before=int(before) if before is not None else 0,
     )

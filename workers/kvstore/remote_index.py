@@ -83,8 +83,8 @@ class RemoteIndex(BlockIndex):
         if keys:
             self._call(KVIndexRetain, None, list(keys), until)
 
-    def remove(self, keys: Sequence[BlockHash]) -> list[BlockEntry]:
-        return self._call(KVIndexRemove, list[BlockEntry], list(keys)) if keys else []
+    def remove(self, keys: Sequence[BlockHash], *, remember: bool = False) -> list[BlockEntry]:
+        return self._call(KVIndexRemove, list[BlockEntry], list(keys), remember) if keys else []
 
     def expired(self, traffic_class: str, cutoff: float, limit: int, *, now: float = math.inf) -> list[BlockEntry]:
         return self._call(KVIndexExpired, list[BlockEntry], traffic_class, cutoff, limit, now)

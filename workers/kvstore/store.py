@@ -85,10 +85,19 @@ class KVStore:
         return payloads
 
     def write(
-        self, key: BlockHash, payload: bytes | memoryview, *, depth: int, traffic_class: str, retain_until: float = 0.0
+        self,
+        key: BlockHash,
+        payload: bytes | memoryview,
+        *,
+        depth: int,
+        traffic_class: str,
+        retain_until: float = 0.0,
+        new_chain: bool = False,
     ) -> bool:
         """Store a block; False if the index holds it already (the payload is then not written, and
-        the block held is retained until `retain_until` if that is later than it was)."""
+        the block held is retained until `retain_until` if that is later than it was). `new_chain`:
+        the request writing it found none of its prompt's blocks stored or cached, which the
+        eviction policy reads as weaker evidence of reuse (workers.kvstore.eviction)."""
         if self.contains(key):
             self.retain([key], retain_until)
             return False
@@ -103,6 +112,7 @@ class KVStore:
             created_at=now,
             last_access=now,
             retain_until=retain_until,
+            new_chain=new_chain,
         )
         if self.index.add([entry]) == 1:
             return True

@@ -82,6 +82,18 @@ def test_decode_stores_the_blocks_it_completes_so_the_next_turn_hits_the_answer_
     assert result.token_ids == uncached([turn2])[0]
 
 
+def test_stored_blocks_say_whether_their_request_started_a_new_chain(tmp_path):
+    first = prompt(70, seed=4)
+    llm = engine(tmp_path)
+    run(llm, [first])
+    assert {e.depth: e.new_chain for e in llm.engine.store.store.index.entries()} == {0: True, 1: True}
+
+    llm = engine(tmp_path)
+    run(llm, [first + prompt(60, seed=5)])  # extends the stored 2 blocks: the new ones continue a chain
+    written = {e.depth: e.new_chain for e in llm.engine.store.store.index.entries() if e.depth >= 2}
+    assert written == {2: False, 3: False}
+
+
 def test_a_corrupt_block_ends_the_hit_there_and_the_rest_is_recomputed(tmp_path, uncached):
     tokens = prompt(150, seed=2)
     run(engine(tmp_path), [tokens])

@@ -1,14 +1,23 @@
 import msgspec
 import pytest
 
-from workers.kvstore.eviction import LRUPolicy, SegmentedLRUPolicy, get_policy
+from workers.kvstore.eviction import LRUPolicy, ProvenReusePolicy, SegmentedLRUPolicy, get_policy
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import BlockEntry
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.ttl import TTLPolicy
 
 
-def entry(name: str, *, last_access: float, depth: int = 0, hit_count: int = 0, size: int = 1) -> BlockEntry:
+def entry(
+    name: str,
+    *,
+    last_access: float,
+    depth: int = 0,
+    hit_count: int = 0,
+    size: int = 1,
+    new_chain: bool = False,
+    uses_before: int = 0,
+) -> BlockEntry:
     return BlockEntry(
         key=name.encode().ljust(16, b"\0"),
         size=size,
@@ -17,6 +26,8 @@ def entry(name: str, *, last_access: float, depth: int = 0, hit_count: int = 0, 
         created_at=0.0,
         last_access=last_access,
         hit_count=hit_count,
+        new_chain=new_chain,
+        uses_before=uses_before,
     )
 
 
@@ -106,7 +117,15 @@ def replay_hits(policy: str, requests: list[list[str]], capacity: int) -> int:
         index.touch(keys[:hit], now[0])
         index.add(
             [
-                BlockEntry(key=key, size=1, traffic_class="chat", depth=d, created_at=now[0], last_access=now[0])
+                BlockEntry(
+                    key=key,
+                    size=1,
+                    traffic_class="chat",
+                    depth=d,
+                    created_at=now[0],
+                    last_access=now[0],
+                    new_chain=hit == 0,
+                )
                 for d, key in enumerate(keys[hit:], start=hit)
             ]
         )
@@ -129,12 +148,15 @@ def test_slru_keeps_a_shared_prefix_through_bursts_of_one_off_prompts_where_lru_
 def test_policies_by_name():
     assert isinstance(get_policy("lru"), LRUPolicy)
     assert isinstance(get_policy("slru"), SegmentedLRUPolicy)
-    assert isinstance(get_policy("best"), SegmentedLRUPolicy)
+    assert isinstance(get_policy("proven_reuse"), ProvenReusePolicy)
+    assert isinstance(get_policy("best"), ProvenReusePolicy)
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         get_policy("mru")
+    with pytest.raises(ValueError, match="unknown eviction policy 'reuse_interval'"):
+        get_policy("reuse_interval")
 
 
-@pytest.mark.parametrize("policy", ["lru", "slru", "gdsf", "lru_logfreq", "reuse_interval", "best"])
+@pytest.mark.parametrize("policy", ["lru", "slru", "gdsf", "lru_logfreq", "proven_reuse", "best"])
 def test_blocks_with_a_live_retention_hint_go_after_every_other_block(policy):
     hinted = msgspec.structs.replace(entry("hinted", last_access=1.0), retain_until=100.0)
     lapsed = msgspec.structs.replace(entry("lapsed", last_access=2.0), retain_until=5.0)
@@ -149,3 +171,82 @@ def test_gdsf_and_logfreq_trade_idle_time_for_hits():
     assert names(get_policy("gdsf").select_victims(entries, 1, now=10.0)) == ["new"]
     assert names(get_policy("lru_logfreq").select_victims(entries, 1, now=10.0)) == ["new"]
     assert names(LRUPolicy().select_victims(entries, 1, now=10.0)) == ["hit-old"]
+
+
+def test_proven_reuse_is_lru_while_probation_is_within_its_share():
+    # 10 blocks, free 2 -> 8 kept, probation share 0.35 -> 2.8: the two never-hit blocks fit.
+    entries = [entry(f"hit-{i}", last_access=float(i), hit_count=1) for i in range(8)]
+    entries += [entry("new-a", last_access=0.5), entry("new-b", last_access=9.0)]
+    victims = ProvenReusePolicy().select_victims(entries, 2, now=10.0)
+    assert names(victims) == ["hit-0", "new-a"]
+    assert names(victims) == names(LRUPolicy().select_victims(entries, 2, now=10.0))
+
+
+def test_proven_reuse_evicts_probation_beyond_its_share_before_older_proven_blocks():
+    entries = [
+        entry("hit-old", last_access=1.0, hit_count=2),
+        entry("remembered-old", last_access=2.0, uses_before=1),  # used before its last eviction
+        entry("hit-mid", last_access=3.0, hit_count=1),
+        entry("hit-new", last_access=9.0, hit_count=1),
+    ]
+    entries += [entry(f"new-{i}", last_access=5.0 + i) for i in range(4)]
+    policy = ProvenReusePolicy(probation_share=0.4)
+    # Free 3 -> 5 kept, probation may hold 2 of them: the 2 oldest of its 4 go, then the oldest of the rest.
+    assert names(policy.select_victims(entries, 3, now=10.0)) == ["new-0", "new-1", "hit-old"]
+    assert names(policy.select_victims(entries, 1, now=10.0)) == ["new-0"]
+    assert names(LRUPolicy().select_victims(entries, 1, now=10.0)) == ["hit-old"]
+    # SLRU knows nothing of earlier stays: the remembered block is on probation there.
+    assert names(SegmentedLRUPolicy().select_victims(entries, 2, now=10.0)) == ["remembered-old", "new-0"]
+
+
+def test_proven_reuse_ages_probation_blocks_of_fresh_chains_faster():
+    # Probation within its share (share 1), so only the aging decides: idle 4 x 2 = 8 > 6.
+    entries = [
+        entry("continuation", last_access=4.0),
+        entry("fresh", last_access=6.0, new_chain=True),
+        entry("fresh-but-hit", last_access=5.0, new_chain=True, hit_count=1),
+        entry("recent", last_access=9.0),
+    ]
+    policy = ProvenReusePolicy(probation_share=1.0, fresh_aging=2.0)
+    assert names(policy.select_victims(entries, 3, now=10.0)) == ["fresh", "continuation", "fresh-but-hit"]
+    assert names(ProvenReusePolicy(probation_share=1.0, fresh_aging=1.0).select_victims(entries, 1, now=10.0)) == [
+        "continuation"
+    ]
+
+
+def test_proven_reuse_takes_a_chains_tail_before_its_head():
+    entries = [entry(f"chain-{d}", last_access=5.0, depth=d, new_chain=True) for d in range(3)]
+    entries.append(entry("hit", last_access=1.0, hit_count=1))
+    assert names(ProvenReusePolicy().select_victims(entries, 2, now=10.0)) == ["chain-2", "chain-1"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"probation_share": 0.0}, "probation_share"),
+        ({"probation_share": 1.5}, "probation_share"),
+        ({"fresh_aging": 0.5}, "fresh_aging"),
+        ({"fresh_aging": float("nan")}, "fresh_aging"),
+        ({"fresh_aging": float("inf")}, "fresh_aging"),
+    ],
+)
+def test_proven_reuse_refuses_out_of_range_settings(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ProvenReusePolicy(**settings)
+
+
+def test_proven_reuse_keeps_a_prompt_that_came_back_after_eviction_where_lru_and_slru_lose_it():
+    # A 3-block document D, then one-off prompts of 3 blocks; the store holds 6. LRU and SLRU evict D
+    # before each of its returns. Under proven_reuse, D's second write is remembered as a return
+    # (uses before its eviction), so it leaves probation and outlives the one-offs to its third use.
+    document = [f"doc-{j}" for j in range(3)]
+    requests = [document]
+    for name in ("a", "b"):
+        requests.append([f"{name}-{j}" for j in range(3)])
+    requests.append(document)
+    for name in ("c", "e"):
+        requests.append([f"{name}-{j}" for j in range(3)])
+    requests.append(document)
+    assert replay_hits("lru", requests, capacity=6) == 0
+    assert replay_hits("slru", requests, capacity=6) == 0
+    assert replay_hits("best", requests, capacity=6) == 3

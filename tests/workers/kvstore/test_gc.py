@@ -137,6 +137,20 @@ def test_above_the_high_watermark_evicts_down_to_the_low_watermark_and_not_below
     assert deleted.calls == [[key("b0"), key("b1")]]  # LRU: the two least recently used
 
 
+def test_the_index_remembers_the_uses_of_evicted_blocks_not_of_expired_ones(index, clock, deleted):
+    index.add([block("old", at=0.0, traffic_class="agent")] + [block(f"b{i}", at=10.0 + i) for i in range(10)])
+    index.touch([key("b0")], now=20.0)  # b1 and b2 are now the least recent
+    clock.now = 3 * DAY_S + 5.0  # "old" expires; the rest is 100 of 100 bytes
+    report = make_gc(index, clock, deleted, capacity_bytes=100).collect()
+    assert report.expired == {"agent": 1}
+    assert deleted.calls[-1] == [key("b1"), key("b2")]
+
+    index.add([block("old", at=clock.now), block("b1", at=clock.now), block("b0", at=clock.now)])
+    assert index.get(key("b1")).uses_before == 1  # written once, evicted, written again
+    assert index.get(key("old")).uses_before == 0
+    assert index.get(key("b0")).hit_count == 1  # still held: the write changed nothing
+
+
 def test_low_watermark_between_block_sizes_keeps_usage_at_or_below_it(index, clock, deleted):
     index.add([block(f"b{i}", at=float(i)) for i in range(10)])
     report = make_gc(index, clock, deleted, capacity_bytes=100, low_watermark=0.75, high_watermark=0.9).collect()

@@ -14,7 +14,7 @@ import zmq
 
 from tests.workers.kvstore.conftest import REDIS_URL
 from workers.kvstore.directory_index import DirectoryIndex
-from workers.kvstore.index import BlockEntry, BlockIndex, IndexUsage
+from workers.kvstore.index import REMEMBERED_PER_BLOCK, BlockEntry, BlockIndex, IndexUsage
 from workers.kvstore.index_server import IndexServer
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.redis_index import RedisIndex
@@ -27,7 +27,15 @@ def key(i: int) -> bytes:
 
 
 def entry(
-    i: int, *, cls: str = "chat", last: float = 100.0, created: float = 50.0, hits: int = 0, retain: float = 0.0
+    i: int,
+    *,
+    cls: str = "chat",
+    last: float = 100.0,
+    created: float = 50.0,
+    hits: int = 0,
+    retain: float = 0.0,
+    new_chain: bool = False,
+    before: int = 0,
 ) -> BlockEntry:
     return BlockEntry(
         key=key(i),
@@ -38,6 +46,8 @@ def entry(
         last_access=last,
         hit_count=hits,
         retain_until=retain,
+        new_chain=new_chain,
+        uses_before=before,
     )
 
 
@@ -102,10 +112,14 @@ def test_add_if_absent_keeps_counters_exact(index: BlockIndex) -> None:
 
 
 def test_get_round_trips_every_field(index: BlockIndex) -> None:
-    stored = entry(7, cls="agent", last=1_700_000_000.123456, created=1_699_999_999.000001, hits=3)
-    index.add([stored])
+    stored = entry(7, cls="agent", last=1_700_000_000.123456, created=1_699_999_999.000001, hits=3, new_chain=True)
+    stored_before = entry(8, before=5)
+    index.add([stored, stored_before])
     assert index.get(key(7)) == stored
-    assert index.get(key(8)) is None
+    assert index.get(key(8)) == stored_before
+    assert index.get(key(9)) is None
+    assert {e.key: e for e in index.entries()} == {key(7): stored, key(8): stored_before}
+    assert index.remove([key(7)]) == [stored]
 
 
 def test_match_prefix_stops_at_the_first_gap(index: BlockIndex) -> None:
@@ -149,6 +163,52 @@ def test_remove_returns_removed_entries_and_keeps_counters_exact(index: BlockInd
     assert index.traffic_classes() == {"chat"}
     assert index.expired("agent", float("inf"), 10) == []
     assert [e.key for e in index.expired("chat", float("inf"), 10)] == [key(1)]
+
+
+def test_an_evicted_block_written_again_gets_its_uses_back(index: BlockIndex) -> None:
+    index.add([entry(1, new_chain=True), entry(2), entry(3, before=2)])
+    index.touch([key(1), key(3)], now=200.0)
+    index.touch([key(1)], now=300.0)
+
+    assert index.remove([key(1), key(3)], remember=True) == [
+        entry(1, last=300.0, hits=2, new_chain=True),
+        entry(3, last=200.0, hits=1, before=2),
+    ]
+    # Remembered blocks are gone: no match, no usage, no entry.
+    assert index.match_prefix([key(1)]) == 0
+    assert index.contains_many([key(1), key(2), key(3)]) == [False, True, False]
+    assert index.usage() == IndexUsage(num_blocks=1, num_bytes=1002)
+    assert_counters_match_entries(index)
+
+    # Written again: each gets the uses of its last stay (write + hits + earlier stays) and a fresh entry.
+    assert index.add([entry(1, last=400.0), entry(3, last=400.0, before=1)]) == 2
+    assert index.get(key(1)) == entry(1, last=400.0, before=3)
+    assert index.get(key(3)) == entry(3, last=400.0, before=1 + 4)
+    # Once restored, forgotten: a second eviction without `remember` leaves nothing to restore.
+    index.remove([key(1)])
+    index.add([entry(1, last=500.0)])
+    assert index.get(key(1)) == entry(1, last=500.0)
+
+
+def test_a_plain_remove_remembers_nothing(index: BlockIndex) -> None:
+    index.add([entry(1), entry(2)])
+    index.touch([key(1)], now=200.0)
+    index.remove([key(1)])
+    index.add([entry(1)])
+    assert index.get(key(1)) == entry(1)
+
+
+def test_the_oldest_remembered_evictions_are_forgotten_beyond_the_cap(index: BlockIndex) -> None:
+    held = 2
+    evicted = REMEMBERED_PER_BLOCK * held + 3
+    index.add([entry(i) for i in range(evicted + held)])
+    for i in range(evicted):  # one at a time: eviction order is remove order
+        index.remove([key(i)], remember=True)
+
+    index.add([entry(i) for i in range(evicted)])
+    restored = [i for i in range(evicted) if index.get(key(i)).uses_before == 1]
+    assert restored == list(range(3, evicted))
+    assert_counters_match_entries(index)
 
 
 def test_expired_per_class_with_cutoff_and_limit(index: BlockIndex) -> None:
@@ -224,6 +284,17 @@ def test_concurrent_adds_from_threads_keep_counters_exact(index: BlockIndex) -> 
     assert sum(added) == unique
     assert index.usage() == IndexUsage(num_blocks=unique, num_bytes=sum(1000 + i for i in range(unique)))
     assert_counters_match_entries(index)
+
+
+def test_redis_entries_written_before_the_newer_fields_read_with_their_defaults(redis_prefix: str) -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    index = RedisIndex(client, redis_prefix)
+    index.add([entry(1, retain=900.0, new_chain=True, before=2), entry(2)])  # 2 stays: room to remember 1
+    client.hdel(f"{redis_prefix}:e:".encode() + key(1), "retain", "newchain", "before")
+    assert index.get(key(1)) == entry(1)
+    assert index.remove([key(1)], remember=True) == [entry(1)]
+    index.add([entry(1)])
+    assert index.get(key(1)) == entry(1, before=1)
 
 
 def test_two_redis_clients_see_each_others_writes(redis_prefix: str) -> None:

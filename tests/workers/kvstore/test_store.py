@@ -106,3 +106,13 @@ def test_the_hint_a_block_was_written_under_outlives_the_in_process_index(tmp_pa
 
     assert [rebuilt.index.get(k).retain_until for k in (key(1), key(2))] == [500.0, 0.0]
     assert [other.index.get(k).retain_until for k in (key(1), key(2))] == [500.0, 0.0]
+
+
+def test_write_records_whether_the_block_starts_a_new_chain(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    assert store.write(key(1), b"x" * 100, depth=0, traffic_class="chat", new_chain=True)
+    assert store.write(key(2), b"y" * 100, depth=1, traffic_class="chat")
+    assert store.index.get(key(1)).new_chain
+    assert not store.index.get(key(2)).new_chain
+    assert not store.write(key(1), b"x" * 100, depth=0, traffic_class="chat")  # held: the entry stays as it was
+    assert store.index.get(key(1)).new_chain

@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
-from bench.trace_replay import load_chains, run
+from bench.trace_replay import load_chains, policy_costs, run
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -135,3 +136,17 @@ def test_cli_rejects_an_unknown_policy(tiny_trace):
     )
     assert completed.returncode == 2
     assert "unknown eviction policy" in completed.stderr
+
+
+def test_policy_costs_time_every_policy_on_both_indexes_and_clean_up_redis():
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/9")
+    before = set(client.scan_iter(match="bench:trace_replay:*", count=1000))
+
+    costs = policy_costs(["lru", "best"], blocks=200, redis_url="redis://127.0.0.1:6379/9", rounds=1)
+
+    assert set(costs["ranking"]) == {"lru", "best"}
+    timings = [cost for policy in costs["ranking"].values() for cost in policy.values()]
+    timings += [cost for backend in costs["removal"].values() for cost in backend.values()]
+    assert len(timings) == 8 and all(0 < cost < float("inf") for cost in timings)
+    assert set(client.scan_iter(match="bench:trace_replay:*", count=1000)) == before
+    client.close()
