@@ -208,7 +208,7 @@ class RegistryServer:
 
     def _register(self, registration: WorkerRegistration, subscriber: zmq.Socket) -> str | None:
         try:
-            curve.uses_curve(registration.heartbeat_endpoint, self._key)
+            curve.check_endpoints([registration.heartbeat_endpoint], self._key)
         except curve.CurveError as error:
             return str(error)
         try:
