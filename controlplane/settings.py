@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from controlplane.database_url import parse_database_url
 from recipe.limits import RequestLimits
+from workers.curve import key_file_from_environment
 from workers.protocol import GrammarLimits
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -178,6 +179,10 @@ SLUICE_REGISTRY_ENDPOINT = os.environ.get("SLUICE_REGISTRY_ENDPOINT", f"ipc://{V
 SLUICE_NODE_WORKER_OPTIONS = os.environ.get("SLUICE_NODE_WORKER_OPTIONS", "")
 # Seconds a stopped worker gets to exit after its shutdown request, then again after SIGTERM.
 SLUICE_NODE_STOP_GRACE_S = float(os.environ.get("SLUICE_NODE_STOP_GRACE_S", 10))
+# The cluster's CURVE key file (README, "Data-plane keys"; workers.curve), read by the processes that
+# speak ZMQ (gateways, the registry, control tasks, node agents, which pass it on to their workers),
+# when they start. Empty: no key, so only ipc:// and loopback tcp:// endpoints are allowed.
+SLUICE_CURVE_KEY_FILE = key_file_from_environment()
 # The autoscaler's tick (Celery beat with a broker, serve's supervisor without), and the minutes of
 # telemetry it reads the prefill demand from.
 SLUICE_AUTOSCALE_INTERVAL_S = float(os.environ.get("SLUICE_AUTOSCALE_INTERVAL_S", 15))

@@ -11,6 +11,7 @@ import uuid
 import msgspec
 import zmq
 
+from workers import curve
 from workers.protocol import ControlAck, ControlRequest, GenerateError, StatusRequest, WorkerOutbound
 
 
@@ -32,11 +33,19 @@ def new_command_id() -> str:
     return uuid.uuid4().hex
 
 
-def send_control(endpoint: str, request: ControlRequest, *, timeout_s: float = 2.0, retries: int = 3) -> ControlAck:
+def send_control(
+    endpoint: str,
+    request: ControlRequest,
+    *,
+    timeout_s: float = 2.0,
+    retries: int = 3,
+    key: curve.CurveKey | None = None,
+) -> ControlAck:
     """Send `request` to the worker whose ROUTER is at `endpoint`; its answer.
 
     Tries `retries` times, waiting `timeout_s` for the answer each time. The answer may say ok=False
-    (the worker understood and refused, e.g. an invalid TTL policy): check `ack.ok`.
+    (the worker understood and refused, e.g. an invalid TTL policy): check `ack.ok`. `key`: the
+    cluster's CURVE key (workers.curve), for a worker on the network.
     """
     if retries < 1:
         raise ValueError(f"retries must be at least 1, got {retries}")
@@ -45,7 +54,7 @@ def send_control(endpoint: str, request: ControlRequest, *, timeout_s: float = 2
     with zmq.Context.instance().socket(zmq.DEALER) as dealer:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        dealer.connect(endpoint)
+        curve.connect(dealer, endpoint, key)
         for _ in range(retries):
             deadline = time.monotonic() + timeout_s
             try:
@@ -71,7 +80,9 @@ def send_control(endpoint: str, request: ControlRequest, *, timeout_s: float = 2
     )
 
 
-def wait_for_state(endpoint: str, state: str, *, timeout_s: float, poll_interval_s: float = 0.5) -> ControlAck:
+def wait_for_state(
+    endpoint: str, state: str, *, timeout_s: float, poll_interval_s: float = 0.5, key: curve.CurveKey | None = None
+) -> ControlAck:
     """Ask the worker for its status until it reports `state` (e.g. "drained"); that answer.
 
     Raises ControlTimeoutError when `timeout_s` passes first, or when the worker stops answering.
@@ -79,7 +90,9 @@ def wait_for_state(endpoint: str, state: str, *, timeout_s: float, poll_interval
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
-        ack = send_control(endpoint, StatusRequest(new_command_id()), timeout_s=max(min(left, 2.0), 0.1), retries=1)
+        ack = send_control(
+            endpoint, StatusRequest(new_command_id()), timeout_s=max(min(left, 2.0), 0.1), retries=1, key=key
+        )
         if ack.state == state:
             return ack
         if time.monotonic() + poll_interval_s > deadline:

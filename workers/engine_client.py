@@ -10,6 +10,8 @@ With ready prefill and decode workers, a request is split between them (workers.
 its outputs still arrive as one stream. Otherwise one worker runs it whole (mixed workers, or a
 pool that lost its other half).
 
+Over the network both sockets are CURVE clients (workers.curve) holding the cluster's key.
+
 A request that fails on its own ends with RequestRejectedError ("invalid_constraint", "internal")
 and the worker goes on; one on a worker that failed as a whole ("worker_failed", or its heartbeats
 stop) ends too, and a split request is tried again at most once (workers.crash_suspects).
@@ -27,6 +29,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from workers import curve
 from workers.crash_suspects import CrashSuspects
 from workers.entrypoint.router import Router, cost_model_from_environment, fitted_cost_model_from_environment
 from workers.expert_loads import ExpertLoadCounts
@@ -134,11 +137,12 @@ class EngineClient:
         store_index: BlockIndex | None = None,
         router: Router | None = None,
         deadline_model: DeadlineModel | None = None,
+        key: curve.CurveKey | None = None,
     ) -> None:
         """`store_index`: the global KV store's index, shared with the workers (Redis), from which a
         request's hit length is read to weigh its prefill work; None: every prompt counts whole.
         `deadline_model`: how long a split request's prefill path may take (default: from the
-        fitted cost model, else the conservative rate)."""
+        fitted cost model, else the conservative rate). `key`: the cluster's CURVE key."""
         self.store_index = store_index
         self.router = router or Router(cost_model_from_environment())
         self.deadline_model = deadline_model or DeadlineModel(
@@ -148,6 +152,7 @@ class EngineClient:
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._key = key
         # Heartbeats count expert loads since the previous one, so every one is summed here, not
         # only the latest kept; the telemetry collector takes the sums.
         self.expert_loads = ExpertLoadCounts()
@@ -158,11 +163,13 @@ class EngineClient:
         self._heartbeat_decoder = msgspec.msgpack.Decoder(WorkerHeartbeat)
 
     def add_worker(self, request_endpoint: str, heartbeat_endpoint: str) -> None:
+        """Follow the worker; curve.CurveError when its endpoints need a key this client lacks."""
+        curve.check_endpoints([request_endpoint, heartbeat_endpoint], self._key)
         dealer = self._context.socket(zmq.DEALER)
-        dealer.connect(request_endpoint)
+        curve.connect(dealer, request_endpoint, self._key)
         subscriber = self._context.socket(zmq.SUB)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-        subscriber.connect(heartbeat_endpoint)
+        curve.connect(subscriber, heartbeat_endpoint, self._key)
         link = WorkerLink(request_endpoint, dealer, subscriber)
         self._links.append(link)
         if self._tasks:  # already started

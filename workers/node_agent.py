@@ -64,15 +64,19 @@ class NodeAgent:
         on_exit: ExitCallback,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        curve_key_file: str = "",
     ) -> None:
         """`worker_options(role)`: the engine and worker flags this host gives a worker of that role
-        (device, KV cache size, KV store...); the agent adds identity, pool, model and endpoints."""
+        (device, KV cache size, KV store...); the agent adds identity, pool, model and endpoints, and
+        `curve_key_file`, the agent's own copy of the cluster's CURVE key (workers.curve), which its
+        workers need to register with a registry on the network."""
         self.runtime_dir = runtime_dir
         self.registry_endpoint = registry_endpoint
         self.worker_options = worker_options
         self.on_exit = on_exit
         self.env = env
         self.cwd = cwd
+        self.curve_key_file = curve_key_file
         self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
 
@@ -105,6 +109,7 @@ class NodeAgent:
             f"--heartbeat-endpoint={heartbeats}",
             f"--registry-endpoint={self.registry_endpoint}",
             *([f"--transfer-endpoint={base}.kv"] if launch.role == "decode" else []),
+            *([f"--curve-key-file={self.curve_key_file}"] if self.curve_key_file else []),
         ]
         process = subprocess.Popen(argv, env=self.env, cwd=self.cwd)
         started = StartedWorker(pid=process.pid, request_endpoint=requests, heartbeat_endpoint=heartbeats)

@@ -4,7 +4,8 @@ it; the registry records workers through callbacks and watches their heartbeats.
 The registry holds no storage of its own: the control plane passes callables that write where it
 keeps the cluster topology (PostgreSQL), so this module needs no Django. Sockets: the registry binds
 a ROUTER (registrations in, RegistrationAcks out) and connects one SUB to every registered worker's
-heartbeat PUB; a worker connects a DEALER to the registry.
+heartbeat PUB; a worker connects a DEALER to the registry. Over the network all of them are CURVE
+(workers.curve): a worker without the cluster's key never gets its registration through.
 """
 
 import logging
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from workers import curve
 from workers.protocol import RegistrationAck, WorkerHeartbeat, WorkerRegistration
 
 log = logging.getLogger(__name__)
@@ -32,10 +34,12 @@ def register_until_acknowledged(
     stop: threading.Event,
     *,
     retry_interval_s: float = REGISTRATION_RETRY_S,
+    key: curve.CurveKey | None = None,
 ) -> bool:
     """Send `registration` to the registry at `endpoint`, again every `retry_interval_s` until it
     answers ok or `stop` is set; returns whether it was acknowledged. Run it on its own thread: the
-    registry may start long after the worker, or refuse it until an operator acts."""
+    registry may start long after the worker, or refuse it until an operator acts. `key`: the
+    cluster's CURVE key (a registry that does not take it never hears from this worker)."""
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(RegistrationAck)
     payload = encoder.encode(registration)
@@ -44,7 +48,7 @@ def register_until_acknowledged(
         # Queue nothing while the registry is away: otherwise every retry would wait in the queue and
         # a registry that comes up later would be flooded with copies.
         dealer.setsockopt(zmq.IMMEDIATE, 1)
-        dealer.connect(endpoint)
+        curve.connect(dealer, endpoint, key)
         next_send = 0.0
         last_refusal = None
         while not stop.is_set():
@@ -92,7 +96,9 @@ class RegistryServer:
     `known` are workers registered before this server started (a restarted registry learns them from
     the control plane's records): they are watched at once, without calling on_register, because
     workers do not register again once acknowledged. on_exit runs on the serving thread as it ends
-    (to release what the callbacks held there, such as a database connection).
+    (to release what the callbacks held there, such as a database connection). `key`: the cluster's
+    CURVE key, for the ROUTER and the heartbeat subscriptions the rule of workers.curve secures; a
+    registration whose heartbeats this registry could not follow without one is refused.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class RegistryServer:
         known: Sequence[WorkerRegistration] = (),
         on_exit: Callable[[], object] = lambda: None,
         context: zmq.Context | None = None,
+        key: curve.CurveKey | None = None,
     ) -> None:
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s must be positive, got {heartbeat_timeout_s}")
@@ -118,6 +125,7 @@ class RegistryServer:
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._report_interval_s = heartbeat_report_interval_s
         self._context = context or zmq.Context.instance()
+        self._key = key
         self._workers: dict[str, _Watched] = {}
         self._known = list(known)
         self._on_exit = on_exit
@@ -151,8 +159,8 @@ class RegistryServer:
             subscriber.setsockopt(zmq.LINGER, 0)
             subscriber.setsockopt(zmq.SUBSCRIBE, b"")
             try:
-                router.bind(self.endpoint)
-            except zmq.ZMQError as error:
+                curve.bind(router, self.endpoint, self._key)
+            except (zmq.ZMQError, curve.CurveError) as error:
                 self._bind_error = error
                 raise
             finally:
@@ -160,7 +168,10 @@ class RegistryServer:
             self.bound_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             log.info("worker registry listening on %s", self.bound_endpoint)
             for registration in self._known:
-                self._watch(registration, subscriber)
+                try:
+                    self._watch(registration, subscriber)
+                except curve.CurveError as error:  # left silent: the sweep fails it
+                    log.error("cannot follow worker %s: %s", registration.worker_id, error)
             poller = zmq.Poller()
             poller.register(router, zmq.POLLIN)
             poller.register(subscriber, zmq.POLLIN)
@@ -197,6 +208,10 @@ class RegistryServer:
 
     def _register(self, registration: WorkerRegistration, subscriber: zmq.Socket) -> str | None:
         try:
+            curve.check_endpoints([registration.heartbeat_endpoint], self._key)
+        except curve.CurveError as error:
+            return str(error)
+        try:
             refusal = self._on_register(registration)
         except Exception as error:
             log.exception("on_register failed for worker %s", registration.worker_id)
@@ -213,7 +228,7 @@ class RegistryServer:
             if previous is not None and not self._watches(previous.registration.heartbeat_endpoint, previous):
                 subscriber.disconnect(previous.registration.heartbeat_endpoint)
             if not self._watches(endpoint, previous):
-                subscriber.connect(endpoint)
+                curve.connect(subscriber, endpoint, self._key)
         # A registration starts a new lifetime (a restart re-registers): silence is counted from it.
         self._workers[registration.worker_id] = _Watched(registration, last_heard=time.monotonic())
         log.info("watching worker %s (%s, heartbeats on %s)", registration.worker_id, registration.pool, endpoint)

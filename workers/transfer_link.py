@@ -7,7 +7,8 @@ worker that is gone blocks, and the send timeout turns that into a failed transf
 messages held forever. The layer frames are copies made as each layer is read (PagedLayers), and
 ZMQ holds a reference to each until it is sent, so the engine may release the pages as soon as the
 thread is done with the handoff. The thread reports each outcome on an inproc socket the worker's
-loop polls; only that loop touches the engine.
+loop polls; only that loop touches the engine. Over the network the PUSH is a CURVE client
+(workers.curve): a decode worker that does not hold the cluster's key never gets the KV.
 
 Receiver: the decode worker's PULL. A transfer is assembled only for a request the gateway said to
 expect (ExpectTransferRequest); an expectation whose KV has not arrived within its timeout (the one
@@ -26,6 +27,7 @@ from itertools import count
 import msgspec
 import zmq
 
+from workers import curve
 from workers.engine.constraints import TokenConstraint
 from workers.engine.kv_handoff import KVHandoff
 from workers.kv_transfer import HandoffAssembler, KVTransferError, encode_handoff
@@ -45,8 +47,17 @@ class SendResult:
 
 
 class TransferSender:
-    def __init__(self, context: zmq.Context, *, chunk_layers: int = 1, send_timeout_ms: int = SEND_TIMEOUT_MS) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        *,
+        chunk_layers: int = 1,
+        send_timeout_ms: int = SEND_TIMEOUT_MS,
+        key: curve.CurveKey | None = None,
+    ) -> None:
+        """`key`: the cluster's CURVE key, for decode endpoints the rule of workers.curve secures."""
         self._context = context
+        self._key = key
         self._chunk_layers = chunk_layers
         self._send_timeout_ms = send_timeout_ms
         self._jobs: queue.SimpleQueue[tuple[str, str, KVHandoff] | None] = queue.SimpleQueue()
@@ -103,10 +114,16 @@ class TransferSender:
     def _send(self, pushes: dict[str, zmq.Socket], endpoint: str, handoff: KVHandoff) -> str:
         push = pushes.get(endpoint)
         if push is None:
-            push = pushes[endpoint] = self._context.socket(zmq.PUSH)
+            push = self._context.socket(zmq.PUSH)
             push.setsockopt(zmq.IMMEDIATE, 1)
             push.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
-            push.connect(endpoint)
+            try:
+                curve.connect(push, endpoint, self._key)
+            except (curve.CurveError, zmq.ZMQError) as error:  # a decode endpoint this worker may not reach
+                push.close(linger=0)
+                log.warning("KV transfer of %s: %s", handoff.request_id, error)
+                return str(error)
+            pushes[endpoint] = push
         try:
             for message in encode_handoff(handoff, chunk_layers=self._chunk_layers):
                 with self._lock:

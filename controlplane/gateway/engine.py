@@ -1,9 +1,12 @@
-"""The gateway process's one EngineClient, made on first use inside the running event loop."""
+"""The gateway process's one EngineClient, made on first use inside the running event loop (the
+lifespan's startup), with the cluster's CURVE key: a bad key file, or a worker on the network without
+one, fails the start."""
 
 import asyncio
 
 from django.conf import settings
 
+from controlplane.common.data_plane import data_plane_key
 from controlplane.gateway.worker_discovery import follow_registered_workers
 from workers.engine_client import EngineClient
 from workers.kvstore.index import BlockIndex
@@ -26,7 +29,7 @@ def _store_index() -> BlockIndex | None:
 
 
 async def _started_client() -> EngineClient:
-    client = EngineClient(store_index=_store_index())
+    client = EngineClient(store_index=_store_index(), key=data_plane_key())
     for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
         client.add_worker(request_endpoint, heartbeat_endpoint)
     await client.start()

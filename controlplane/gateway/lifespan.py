@@ -15,6 +15,7 @@ from controlplane.gateway.engine import close_engine_client, engine_client
 from controlplane.gateway.preparation import close_preparation, start_preparation
 from controlplane.telemetry.collector import close_telemetry_collector, telemetry_collector
 from controlplane.tenants.selectors import api_keys_exist
+from workers.curve import CurveError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ async def lifespan(scope: dict, receive, send) -> None:
         if message["type"] == "lifespan.startup":
             try:
                 await _start()
+            except CurveError as error:  # one line that says what to do; no traceback to read through
+                log.error("gateway startup failed: %s", error)
+                await send({"type": "lifespan.startup.failed", "message": str(error)})
+                return
             except Exception as error:
                 log.exception("gateway startup failed")
                 await send({"type": "lifespan.startup.failed", "message": str(error)})

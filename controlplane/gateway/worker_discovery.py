@@ -10,6 +10,7 @@ from asgiref.sync import sync_to_async
 
 from controlplane.common.connections import close_stale_connections
 from controlplane.topology.models import EngineInstance, InstanceState
+from workers.curve import CurveError
 from workers.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ async def follow_registered_workers(client: EngineClient, known: set[Endpoints],
             log.exception("reading the registered workers failed")
             continue
         for request_endpoint, heartbeat_endpoint in found:
-            log.info("following worker at %s", request_endpoint)
-            client.add_worker(request_endpoint, heartbeat_endpoint)
             known.add((request_endpoint, heartbeat_endpoint))
+            try:
+                client.add_worker(request_endpoint, heartbeat_endpoint)
+            except CurveError as error:  # said once: the endpoint stays known
+                log.error("not following worker at %s: %s", request_endpoint, error)
+                continue
+            log.info("following worker at %s", request_endpoint)

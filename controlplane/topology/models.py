@@ -1,5 +1,5 @@
 """Where engine workers run: clusters, nodes, pools of one kind of worker, the instances in them,
-and the audit trail of every scaling action."""
+the data plane's CURVE keys, and the audit trail of every scaling action."""
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -129,8 +129,10 @@ class EngineInstance(models.Model):
     pool = models.ForeignKey(Pool, on_delete=models.PROTECT, related_name="instances")
     node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="instances")
     worker_id = models.CharField(max_length=200, unique=True)
+    # As other hosts connect to them (a wildcard bind is registered under the worker's advertised host).
     request_endpoint = models.CharField(max_length=500)
     heartbeat_endpoint = models.CharField(max_length=500)
+    transfer_endpoint = models.CharField(max_length=500, blank=True, help_text="A decode worker's KV transfer PULL.")
     state = models.CharField(max_length=10, choices=InstanceState.choices, default=InstanceState.STARTING)
     ep_size = models.PositiveIntegerField(default=1, help_text="Ranks (devices) this instance spans.")
     # time.time() on the worker when its process started: a new value means it restarted.
@@ -165,6 +167,27 @@ class EngineInstance(models.Model):
         return self.worker_id
 
 
+class DataPlaneKey(models.Model):
+    """One version of the cluster's CURVE keypair (workers.curve), which authenticates and encrypts
+    every ZMQ socket on the network. The latest version is the one exported to hosts; a process keeps
+    the version it loaded at start, and processes on different versions cannot talk, so a rotation
+    takes effect as each process restarts with the new key file. A rotation inserts a new version."""
+
+    version = models.PositiveIntegerField(unique=True)
+    public_key = models.CharField(max_length=40)  # Z85
+    # Secret: it leaves the database only as a key file (export_data_plane_key); no API or admin page
+    # shows it.
+    secret_key = models.CharField(max_length=40)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-version"]
+        default_permissions = ()
+
+    def __str__(self) -> str:
+        return f"data-plane key v{self.version} ({self.public_key[:8]}…)"
+
+
 class ScalingAction(models.TextChoices):
     POOL_SCALED = "pool_scaled"
     INSTANCE_REGISTERED = "instance_registered"
@@ -192,6 +215,9 @@ class ScalingAction(models.TextChoices):
     AUTOSCALE_HELD = "autoscale_held"
     AUTOSCALE_PAUSED = "autoscale_paused"
     AUTOSCALE_RESUMED = "autoscale_resumed"
+    # The data plane's CURVE keypair: a new version made, a version written to a host's key file.
+    DATA_PLANE_KEY_CREATED = "data_plane_key_created"
+    DATA_PLANE_KEY_EXPORTED = "data_plane_key_exported"
 
 
 class ImmutableRowError(Exception):

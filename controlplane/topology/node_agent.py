@@ -41,6 +41,7 @@ def node_agent() -> NodeAgent:
                 worker_options=lambda role: options,
                 on_exit=record_exit,
                 cwd=Path(settings.BASE_DIR),
+                curve_key_file=settings.SLUICE_CURVE_KEY_FILE,
             )
             _agent.start_reaper(threading.Event())
         return _agent

@@ -15,6 +15,7 @@ from controlplane.common.errors import DomainValidationError
 from controlplane.policies.tasks import ttl_policy_push_task
 from controlplane.topology import services
 from controlplane.topology.models import EngineInstance, InstanceState
+from workers.curve import CurveKey
 from workers.protocol import WorkerHeartbeat, WorkerRegistration
 from workers.registry import RegistryServer
 
@@ -40,6 +41,7 @@ class TopologyRecorder:
                 hostname=registration.hostname,
                 request_endpoint=registration.request_endpoint,
                 heartbeat_endpoint=registration.heartbeat_endpoint,
+                transfer_endpoint=registration.transfer_endpoint,
                 ep_size=registration.ep_size,
                 num_accelerators=registration.num_accelerators,
                 accelerator_kind=registration.accelerator_kind,
@@ -108,6 +110,7 @@ def known_registrations() -> list[WorkerRegistration]:
             hostname=instance.node.hostname if instance.node else "",
             request_endpoint=instance.request_endpoint,
             heartbeat_endpoint=instance.heartbeat_endpoint,
+            transfer_endpoint=instance.transfer_endpoint,
             ep_size=instance.ep_size,
             started_at=instance.started_at,
         )
@@ -116,10 +119,11 @@ def known_registrations() -> list[WorkerRegistration]:
 
 
 def topology_registry_server(
-    endpoint: str, recorder: TopologyRecorder, *, heartbeat_report_interval_s: float
+    endpoint: str, recorder: TopologyRecorder, *, heartbeat_report_interval_s: float, key: CurveKey | None = None
 ) -> RegistryServer:
     """A RegistryServer that records into the topology through `recorder`, following at once the
-    instances registered before it started, and closing its thread's database connection at the end."""
+    instances registered before it started, and closing its thread's database connection at the end.
+    `key`: the cluster's CURVE key (workers.curve): only workers holding it get through."""
     return RegistryServer(
         endpoint,
         on_register=recorder.on_register,
@@ -129,4 +133,5 @@ def topology_registry_server(
         heartbeat_report_interval_s=heartbeat_report_interval_s,
         known=known_registrations(),
         on_exit=connections.close_all,
+        key=key,
     )

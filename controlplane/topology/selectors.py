@@ -4,6 +4,7 @@ from django.db.models import Count, Exists, F, OuterRef, QuerySet, Sum
 
 from controlplane.topology.models import (
     LIVE_STATES,
+    DataPlaneKey,
     EngineInstance,
     InstanceState,
     Pool,
@@ -149,3 +150,11 @@ def scaling_event_list(
         "created_at__lt": until,
     }
     return events.filter(**{name: value for name, value in filters.items() if value is not None})
+
+
+def data_plane_key_latest() -> DataPlaneKey | None:
+    return DataPlaneKey.objects.order_by("-version").first()
+
+
+def data_plane_key_by_version(version: int) -> DataPlaneKey | None:
+    return DataPlaneKey.objects.filter(version=version).first()

@@ -4,6 +4,7 @@ recorded through the services. Tasks take ids and hold no rules."""
 from django.conf import settings
 
 from controlplane.celery import app
+from controlplane.common.data_plane import data_plane_key
 from controlplane.topology import node_agent, services
 from controlplane.topology.models import EngineInstance
 from workers.control_client import (
@@ -13,9 +14,11 @@ from workers.control_client import (
     send_control,
     wait_for_state,
 )
+from workers.curve import CurveError
 from workers.protocol import ControlAck, ControlRequest, DrainRequest, ResumeRequest, ShutdownRequest
 
-CONTROL_ERRORS = (ControlTimeoutError, ControlRejectedError)
+# CurveError: this process has no key (or a bad one) for a worker on the network.
+CONTROL_ERRORS = (ControlTimeoutError, ControlRejectedError, CurveError)
 
 
 class ControlRefusedError(Exception):
@@ -23,7 +26,7 @@ class ControlRefusedError(Exception):
 
 
 def send_checked(endpoint: str, request: ControlRequest) -> ControlAck:
-    ack = send_control(endpoint, request)
+    ack = send_control(endpoint, request, key=data_plane_key())
     if not ack.ok:
         raise ControlRefusedError(f"worker {ack.worker_id} refused {type(request).__name__}: {ack.message}")
     return ack
@@ -46,7 +49,7 @@ def instance_drain_task(instance_id: int, grace_s: float | None = None) -> None:
                 # drain, which must not wait for streams to finish: the registry records "drained"
                 # from the worker's heartbeats instead.
                 return
-            wait_for_state(endpoint, "drained", timeout_s=settings.SLUICE_DRAIN_TIMEOUT_S)
+            wait_for_state(endpoint, "drained", timeout_s=settings.SLUICE_DRAIN_TIMEOUT_S, key=data_plane_key())
     except (*CONTROL_ERRORS, ControlRefusedError) as error:
         _record_failure(instance_id, "drain", error)
         return

@@ -243,13 +243,14 @@ def documentation_problems(compose_path: Path, env_example: Path, readme: Path, 
 
 
 def endpoint_problems(compose: dict) -> list[str]:
-    """The gateways' SLUICE_WORKER_ENDPOINTS are what the workers advertise (a wildcard bind under the
-    container's hostname, as workers.worker.server.connectable_endpoint writes it), and every
-    --registry-endpoint / SLUICE_REGISTRY_ENDPOINT names the registry's bind the same way."""
+    """The gateways' SLUICE_WORKER_ENDPOINTS are what the workers advertise (a wildcard bind under
+    --advertise-host, else the container's hostname, as workers.worker.server.connectable_endpoint
+    writes it), and every --registry-endpoint / SLUICE_REGISTRY_ENDPOINT names the registry's bind."""
     advertised, registries, problems = set(), set(), []
     for service in _sluice_services(compose).values():
-        argv, host = service.get("command") or [], service.get("hostname", "")
+        argv = service.get("command") or []
         flags = dict(arg.split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
+        host = flags.get("--advertise-host") or service.get("hostname", "")
         if "run_worker" in argv:
             pair = tuple(flags[f"--{kind}-endpoint"].replace("*", host) for kind in ("request", "heartbeat"))
             advertised.add("|".join(pair))
@@ -266,4 +267,54 @@ def endpoint_problems(compose: dict) -> list[str]:
         for registry in filter(None, [flags.get("--registry-endpoint"), env.get("SLUICE_REGISTRY_ENDPOINT")]):
             if registry not in registries:
                 problems.append(f"{name}: registers at {registry}, but the registry binds {registries}")
+    return problems
+
+
+def _speaks_zmq_over_the_network(argv: list[str]) -> bool:
+    """Workers, the registry, gateways and Celery workers (control commands; node agents' workers)."""
+    return bool({"run_worker", "run_registry", "controlplane.asgi:application"} & set(argv)) or argv[:4] == [
+        "celery",
+        "-A",
+        "controlplane",
+        "worker",
+    ]
+
+
+def _mounts(service: dict) -> dict[str, tuple[str, bool]]:
+    """Mount point → (volume, read-only) of the service's volumes."""
+    mounts = {}
+    for volume in service.get("volumes") or []:
+        source, target, *mode = volume.split(":")
+        mounts[target] = (source, mode == ["ro"])
+    return mounts
+
+
+def curve_key_problems(compose: dict) -> list[str]:
+    """Every process that speaks ZMQ over the network is given the cluster's CURVE key file
+    (SLUICE_CURVE_KEY_FILE, workers.curve), in a volume mounted read-only that one one-shot service
+    writes with export_data_plane_key before they start."""
+    services = _sluice_services(compose)
+    writers = {}  # key file → (service, volume)
+    for name, service in services.items():
+        argv = service.get("command") or []
+        if argv[:3] == ["python", "manage.py", "export_data_plane_key"]:
+            directory = str(Path(argv[3]).parent)
+            writers[argv[3]] = (name, _mounts(service).get(directory, ("", False))[0])
+    problems = []
+    for name, service in services.items():
+        if not _speaks_zmq_over_the_network(service.get("command") or []):
+            continue
+        key_file = (service.get("environment") or {}).get("SLUICE_CURVE_KEY_FILE")
+        if not key_file:
+            problems.append(f"{name}: speaks ZMQ over the network without SLUICE_CURVE_KEY_FILE")
+            continue
+        if key_file not in writers:
+            problems.append(f"{name}: SLUICE_CURVE_KEY_FILE {key_file} is written by no export_data_plane_key")
+            continue
+        writer, volume = writers[key_file]
+        if _mounts(service).get(str(Path(key_file).parent)) != (volume, True):
+            problems.append(f"{name}: does not mount {volume} read-only where {key_file} is")
+        condition = (service.get("depends_on") or {}).get(writer, {}).get("condition")
+        if condition != "service_completed_successfully":
+            problems.append(f"{name}: may start before {writer} wrote {key_file}")
     return problems

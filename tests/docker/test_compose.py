@@ -92,6 +92,24 @@ def test_gateways_and_workers_agree_on_endpoints(compose):
 
 def test_a_worker_endpoint_no_worker_advertises_is_caught(compose):
     broken = copy.deepcopy(compose)
-    broken["services"]["decode-0"]["hostname"] = "decoder-0"
+    command = broken["services"]["decode-0"]["command"]
+    command[command.index("--advertise-host=decode-0")] = "--advertise-host=decoder-0"
     problems = checks.endpoint_problems(broken)
     assert any(p.startswith("gateway-0: SLUICE_WORKER_ENDPOINTS names tcp://decode-0:7100|") for p in problems)
+
+
+def test_every_process_on_the_network_gets_the_cluster_key_from_the_one_shot_export(compose):
+    assert checks.curve_key_problems(compose) == []
+
+
+def test_a_process_without_the_key_or_its_volume_is_caught(compose):
+    broken = copy.deepcopy(compose)
+    del broken["services"]["decode-0"]["environment"]["SLUICE_CURVE_KEY_FILE"]
+    broken["services"]["gateway-1"]["volumes"] = broken["services"]["gateway-1"]["volumes"][:2]
+    del broken["services"]["registry"]["depends_on"]["data-plane-key"]
+    problems = checks.curve_key_problems(broken)
+    assert problems == [
+        "registry: may start before data-plane-key wrote /var/lib/sluice/keys/cluster.key",
+        "decode-0: speaks ZMQ over the network without SLUICE_CURVE_KEY_FILE",
+        "gateway-1: does not mount data-plane-key read-only where /var/lib/sluice/keys/cluster.key is",
+    ]

@@ -1,14 +1,19 @@
 """Many hosts, each a network namespace (tests/e2e/netns.py), with the real SmolLM2, through the
-official SDKs: every socket is tcp:// on a host's own address, PostgreSQL and Redis are reached over
-the virtual network, and the KV store's directory is shared (namespaces share the filesystem).
+official SDKs: every socket is tcp:// (workers bind every interface and advertise their host's
+address), authenticated and encrypted with the cluster's CURVE key, which the control plane generated
+and exported; PostgreSQL and Redis are reached over the virtual network, and the KV store's directory
+is shared (namespaces share the filesystem).
 
     control     registry, gateway A      prefill    prefill-0
     decode-a    decode-0                 decode-b   decode-1
     gateway-b   gateway B (finds the workers in the registry's rows only)
+    outsider    nothing of the cluster's, and not its key
 
 Proves: streams come through correctly across hosts; a conversation's second turn is served from
 blocks a worker on another host wrote; a second gateway serves the same cluster; a tenant's rate
-limit holds across both gateways; a decode host's worker killed mid-stream fails over.
+limit holds across both gateways; the outsider gets nothing from a worker's request socket, cannot
+deliver KV to its transfer socket, nor register a worker; a decode host's worker killed mid-stream
+fails over.
 """
 
 import json
@@ -19,20 +24,25 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+import msgspec
 import psycopg
 import pytest
 import redis
+import zmq
 from django.conf import settings
 
 from controlplane.management.commands.serve import GATEWAY_HTTP_OPTIONS
 from tests.e2e import netns
 from tests.e2e.conftest import ADMIN_URL, MODEL, ROOT, Stack, manage, wait_until_ready
+from workers import curve
+from workers.protocol import ExpectTransferRequest, GenerateError, StatusRequest, WorkerHeartbeat
 
 pytestmark = pytest.mark.slow
 
-HOSTS = ["control", "prefill", "decode-a", "decode-b", "gateway-b"]
+HOSTS = ["control", "prefill", "decode-a", "decode-b", "gateway-b", "outsider"]
 WORKERS = {"prefill-0": ("prefill", "prefill"), "decode-0": ("decode-a", "decode"), "decode-1": ("decode-b", "decode")}
 REGISTRY_PORT, GATEWAY_PORT = 7000, 8000
 REQUEST_PORT, HEARTBEAT_PORT, TRANSFER_PORT = 7100, 7101, 7102  # each host has its own ports
@@ -50,6 +60,8 @@ class Cluster:
     workers: dict[str, object]  # worker id → its process
     host_env: dict[str, str]  # manage.py from the test's own namespace (the host's loopback)
     store: str
+    key_file: str  # the cluster's CURVE key, as the control plane exported it
+    log_dir: str
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +90,10 @@ def start_cluster(network: netns.VirtualNetwork, tmp, database: str, redis_prefi
     address = {name: host.address for name, host in network.hosts.items()}
     host_env = dict(os.environ, DATABASE_URL=f"postgres://postgres@127.0.0.1:5432/{database}", PYTHONUNBUFFERED="1")
     manage(host_env, "migrate", "--no-input")
+    # The cluster's key, made by the control plane and exported once: the hosts share this filesystem.
+    key_file = str(tmp / "cluster.key")
+    manage(host_env, "create_data_plane_key")
+    manage(host_env, "export_data_plane_key", key_file)
     api_key = manage(host_env, "create_api_key", "--tenant", "multihost").strip().splitlines()[-1]
     manage(
         host_env,
@@ -99,6 +115,7 @@ def start_cluster(network: netns.VirtualNetwork, tmp, database: str, redis_prefi
             SLUICE_REDIS_URL=redis_url,
             SLUICE_REDIS_PREFIX=f"{redis_prefix}:gw",
             SLUICE_VAR_DIR=str(var),
+            SLUICE_CURVE_KEY_FILE=key_file,
             PYTHONUNBUFFERED="1",
             **extra,
         )
@@ -112,6 +129,7 @@ def start_cluster(network: netns.VirtualNetwork, tmp, database: str, redis_prefi
     for index, (worker_id, (host, role)) in enumerate(WORKERS.items()):
         at = f"tcp://{address[host]}"
         endpoints.append(f"{at}:{REQUEST_PORT}|{at}:{HEARTBEAT_PORT}")
+        # Bound on every interface of the host, registered under its address.
         workers[worker_id] = start(
             host,
             worker_id,
@@ -124,9 +142,11 @@ def start_cluster(network: netns.VirtualNetwork, tmp, database: str, redis_prefi
                 f"--kv-store-index={redis_url}?prefix={redis_prefix}:kv",
                 f"--kv-block-tokens={BLOCK}",
                 f"--worker-id={worker_id}",
-                f"--request-endpoint={at}:{REQUEST_PORT}",
-                f"--heartbeat-endpoint={at}:{HEARTBEAT_PORT}",
-                *([f"--transfer-endpoint={at}:{TRANSFER_PORT}"] if role == "decode" else []),
+                f"--request-endpoint=tcp://*:{REQUEST_PORT}",
+                f"--heartbeat-endpoint=tcp://*:{HEARTBEAT_PORT}",
+                *([f"--transfer-endpoint=tcp://*:{TRANSFER_PORT}"] if role == "decode" else []),
+                f"--advertise-host={address[host]}",
+                f"--curve-key-file={key_file}",
                 f"--pool={role}",
                 f"--registry-endpoint={registry}",
                 # One GC per store: the first worker runs it.
@@ -159,7 +179,7 @@ def start_cluster(network: netns.VirtualNetwork, tmp, database: str, redis_prefi
         gateways[host] = Stack(base_url=f"http://{address[host]}:{GATEWAY_PORT}", api_key=api_key, env=host_env)
         wait_until_ready(gateways[host].base_url, process, timeout=TIMEOUT_S)
         wait_for_workers(gateways[host], len(WORKERS))
-    return Cluster(network, gateways["control"], gateways["gateway-b"], workers, host_env, store)
+    return Cluster(network, gateways["control"], gateways["gateway-b"], workers, host_env, store, key_file, str(tmp))
 
 
 MANAGE = [sys.executable, str(ROOT / "manage.py")]
@@ -179,11 +199,11 @@ def chat(gateway: Stack, messages: list[dict], **options):
     )
 
 
-def registered_instances(cluster: Cluster) -> list[dict]:
+def registered_instances(cluster: Cluster, state: str = "ready") -> list[dict]:
     script = (
         "import json; from controlplane.topology.models import EngineInstance; "
-        "print(json.dumps(list(EngineInstance.objects.filter(state='ready')"
-        ".values('worker_id', 'request_endpoint', 'node__hostname'))))"
+        f"print(json.dumps(list(EngineInstance.objects.filter(state__in={state.split(',')!r})"
+        ".values('worker_id', 'request_endpoint', 'transfer_endpoint', 'node__hostname'))))"
     )
     return json.loads(manage(cluster.host_env, "shell", "-c", script).strip().splitlines()[-1])
 
@@ -200,9 +220,11 @@ def test_workers_register_from_their_hosts_and_both_sdks_stream_across_them(clus
         final = stream.get_final_message()
 
     instances = {i["worker_id"]: i for i in registered_instances(cluster)}
-    for worker_id, (host, _) in WORKERS.items():
+    for worker_id, (host, role) in WORKERS.items():
+        at = f"tcp://{cluster.network.hosts[host].address}"
         assert instances[worker_id]["node__hostname"] == host
-        assert instances[worker_id]["request_endpoint"] == f"tcp://{cluster.network.hosts[host].address}:{REQUEST_PORT}"
+        assert instances[worker_id]["request_endpoint"] == f"{at}:{REQUEST_PORT}"
+        assert instances[worker_id]["transfer_endpoint"] == (f"{at}:{TRANSFER_PORT}" if role == "decode" else "")
     assert whole and streamed == whole
     assert anthropic_text == whole and final.stop_reason in ("end_turn", "max_tokens")
 
@@ -262,6 +284,71 @@ def test_a_tenants_rate_limit_holds_across_both_gateways(cluster):
     assert set(statuses) == {200, 429}, statuses
     # Each gateway alone would allow `rpm`: together they allow it once (plus what refilled meanwhile).
     assert statuses.count(200) <= rpm + refilled, statuses
+
+
+def decode_heartbeat(cluster: Cluster, key: curve.CurveKey) -> WorkerHeartbeat:
+    with zmq.Context() as context, context.socket(zmq.SUB) as subscriber:
+        subscriber.setsockopt(zmq.LINGER, 0)
+        subscriber.subscribe(b"")
+        curve.connect(subscriber, f"tcp://{cluster.network.hosts['decode-a'].address}:{HEARTBEAT_PORT}", key)
+        assert subscriber.poll(TIMEOUT_S * 1000)
+        return msgspec.msgpack.decode(subscriber.recv(), type=WorkerHeartbeat)
+
+
+def test_a_host_without_the_key_gets_no_answer_delivers_no_kv_and_registers_no_worker(cluster):
+    # given the decode worker on decode-a, told (by a member holding the key) to expect KV for the
+    # requests the outsider will name, for longer than the outsider tries
+    key = curve.load_key_file(cluster.key_file)
+    decode = f"tcp://{cluster.network.hosts['decode-a'].address}"
+    registry = f"tcp://{cluster.network.hosts['control'].address}:{REGISTRY_PORT}"
+    ways, probe_seconds = ("plain", "own-keypair", "wrong-key"), 8.0
+    before = decode_heartbeat(cluster, key)
+    with zmq.Context() as context, context.socket(zmq.DEALER) as member:
+        member.setsockopt(zmq.LINGER, 0)
+        curve.connect(member, f"{decode}:{REQUEST_PORT}", key)
+        expectations = [ExpectTransferRequest(f"forged-{way}", timeout_s=probe_seconds + 20) for way in ways]
+        for message in (*expectations, StatusRequest("expecting")):
+            member.send(msgspec.msgpack.encode(message))
+        assert member.poll(TIMEOUT_S * 1000)
+        member.recv()  # the status: the expectations are in place
+
+        # when the outsider tries each way on the worker's request and transfer sockets and the registry
+        probe = cluster.network.start(
+            "outsider",
+            [
+                sys.executable, "-m", "tests.e2e.curve_probe",
+                f"--request-endpoint={decode}:{REQUEST_PORT}",
+                f"--transfer-endpoint={decode}:{TRANSFER_PORT}",
+                f"--register-endpoint={registry}",
+                f"--cluster-public-key={key.public_key.decode()}",
+                "--transfer-request-id=forged",
+                f"--seconds={probe_seconds}",
+            ],
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            log=open(f"{cluster.log_dir}/outsider.log", "w"),
+            cwd=ROOT,
+        )  # fmt: skip
+        assert probe.wait(timeout=TIMEOUT_S) == 0
+        settled = {}
+        while len(settled) < len(ways):
+            assert member.poll(TIMEOUT_S * 1000)
+            reply = msgspec.msgpack.decode(member.recv(), type=GenerateError)
+            settled[reply.request_id] = reply
+    answers = json.loads(Path(cluster.log_dir, "outsider.log").read_text().strip().splitlines()[-1])
+    after = decode_heartbeat(cluster, key)
+    outsider = cluster.network.hosts["outsider"].address
+
+    # then it heard nothing back, the worker never took its request or its KV, and no row is its worker
+    assert answers == {way: {"request": 0, "register": 0} for way in ways}
+    assert after.num_prompt_tokens == before.num_prompt_tokens
+    for way in ways:
+        assert settled[f"forged-{way}"].kind == "transfer_failed"
+        assert "no KV arrived" in settled[f"forged-{way}"].message  # not the malformed KV's error
+    every_state = "starting,ready,draining,stopped,failed"
+    assert not [i for i in registered_instances(cluster, every_state) if i["worker_id"].startswith("outsider")]
+    # The own-keypair way got through the handshake to the ZAP handlers, which refused it.
+    for log in ("decode-0.log", "registry.log"):
+        assert f"refused a CURVE client from {outsider}" in Path(cluster.log_dir, log).read_text()
 
 
 def stream(gateway: Stack, index: int, progress: list[int]) -> tuple[str, str]:

@@ -16,6 +16,8 @@ GATEWAY_MODULES = [
     "workers.engine_client",
     "workers.split_stream",
     "workers.control_client",
+    "workers.curve",
+    "workers.registry",
     "recipe.codec_stream",
     "recipe.codec_response",
     "recipe.completions_response",

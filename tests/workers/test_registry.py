@@ -88,6 +88,18 @@ def test_a_refused_or_malformed_registration_is_answered_not_ok(registry):
     assert not malformed.ok and "pool" in malformed.message
 
 
+def test_a_registry_without_a_key_refuses_a_worker_whose_heartbeats_are_on_the_network(registry):
+    recorder = Recorder()
+    server = registry(recorder)
+
+    refused = exchange(
+        server.bound_endpoint, msgspec.msgpack.encode(registration(heartbeat_endpoint="tcp://10.0.0.9:7101"))
+    )
+
+    assert not refused.ok and "refusing tcp://10.0.0.9:7101 without the cluster's CURVE key" in refused.message
+    assert recorder.registrations == []
+
+
 def test_a_worker_retries_its_registration_until_it_is_accepted(registry):
     recorder = Recorder(refusals=["not yet", "not yet"])
     server = registry(recorder)

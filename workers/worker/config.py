@@ -7,6 +7,7 @@ import argparse
 import msgspec
 
 from workers.args import EngineArgs, add_engine_arguments
+from workers.curve import KEY_FILE_VARIABLE, key_file_from_environment
 from workers.kvstore.eviction import POLICIES
 from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTERVAL_S, add_gc_arguments
 
@@ -35,6 +36,21 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     registry_endpoint: str | None = None  # where to register (a RegistryServer); None: nowhere
     transfer_endpoint: str | None = None  # a decode worker's PULL for KV transfers (bound)
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S
+    # The host name or address peers on other hosts reach this worker at: wildcard binds
+    # ("tcp://*:7100") are advertised under it. "": this host's name.
+    advertise_host: str = ""
+    # The cluster's CURVE key file (workers.curve): "" for none, when every endpoint is ipc:// or
+    # loopback tcp://.
+    curve_key_file: str = ""
+
+    def endpoints(self) -> list[str]:
+        """Every endpoint the worker binds or connects to at start."""
+        return [
+            self.request_endpoint,
+            self.heartbeat_endpoint,
+            *([self.transfer_endpoint] if self.transfer_endpoint else []),
+            *([self.registry_endpoint] if self.registry_endpoint else []),
+        ]
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -76,6 +92,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=TRANSFER_TIMEOUT_S,
         help="seconds a decode worker waits for KV when the expectation names no timeout",
     )
+    parser.add_argument(
+        "--advertise-host",
+        default="",
+        help="the host name or address other hosts reach this worker at: wildcard binds (tcp://*:7100) are "
+        "registered under it (default: this host's name)",
+    )
+    parser.add_argument(
+        "--curve-key-file",
+        default=key_file_from_environment(),
+        help=f"the cluster's CURVE key file (default: ${KEY_FILE_VARIABLE}); every tcp:// socket is then "
+        "authenticated and encrypted, and without it only loopback tcp:// is allowed",
+    )
 
 
 def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
@@ -93,4 +121,6 @@ def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
         registry_endpoint=args.registry_endpoint,
         transfer_endpoint=args.transfer_endpoint,
         transfer_timeout_s=args.transfer_timeout,
+        advertise_host=args.advertise_host,
+        curve_key_file=args.curve_key_file,
     )

@@ -1,5 +1,6 @@
-"""The worker process's entry point: sets its title, dies with its parent, builds the engine and the
-store's GC, serves until told to stop, and reports a crash (exit code 1)."""
+"""The worker process's entry point: sets its title, dies with its parent, loads the cluster's CURVE
+key (a bad key file, or a network endpoint without one, ends it at once with one line), builds the
+engine and the store's GC, serves until told to stop, and reports a crash (exit code 1)."""
 
 import argparse
 import ctypes
@@ -11,6 +12,7 @@ import threading
 
 import zmq
 
+from workers import curve
 from workers.engine.builder import build_engine
 from workers.kvstore.eviction import get_policy
 from workers.kvstore.gc import GarbageCollector
@@ -34,19 +36,32 @@ def run_worker_process(config: WorkerConfig) -> None:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    key = _curve_key(config)
     try:
         engine = build_engine(config.engine)
         store = engine.store.store if engine.store is not None else None
         collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
         context = zmq.Context()
         try:
-            Worker(config, engine, context, stop, collector).serve()
+            Worker(config, engine, context, stop, collector, key=key).serve()
         finally:
             context.destroy(linger=CLOSE_LINGER_MS)
             engine.close()
     except Exception:
         log.exception("worker %s crashed", config.worker_id or os.getpid())
         raise SystemExit(1) from None
+
+
+def _curve_key(config: WorkerConfig) -> curve.CurveKey | None:
+    """The key the worker's sockets use, checked against its endpoints before the model loads."""
+    try:
+        key = curve.load_key_file(config.curve_key_file) if config.curve_key_file else None
+        curve.check_endpoints(config.endpoints(), key)
+    except curve.CurveError as error:
+        raise SystemExit(f"worker {config.worker_id or os.getpid()}: {error}") from None
+    if key is not None:
+        log.info("data plane: CURVE key version %d from %s", key.version, config.curve_key_file)
+    return key
 
 
 def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event) -> GarbageCollector:

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from workers import curve
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
@@ -72,38 +73,42 @@ class Worker:
         context: zmq.Context,
         stop: threading.Event,
         collector: GarbageCollector | None = None,
+        *,
+        key: curve.CurveKey | None = None,
     ) -> None:
+        """`key`: the cluster's CURVE key, for every socket the rule of workers.curve secures."""
         self.config = config
         self.engine = engine
         self.stop = stop
         hostname = socket.gethostname()
+        advertised_host = config.advertise_host or hostname
         self.worker_id = config.worker_id or f"{hostname}-{os.getpid()}"
         self.router = context.socket(zmq.ROUTER)
-        self.router.bind(config.request_endpoint)
+        curve.bind(self.router, config.request_endpoint, key)
         publisher = context.socket(zmq.PUB)
-        publisher.bind(config.heartbeat_endpoint)
+        curve.bind(publisher, config.heartbeat_endpoint, key)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         receiver: TransferReceiver | None = None
         transfer_endpoint = ""
         if config.role == "decode":
             pull = context.socket(zmq.PULL)
-            pull.bind(config.transfer_endpoint)
-            transfer_endpoint = connectable_endpoint(pull, hostname)
+            curve.bind(pull, config.transfer_endpoint, key)
+            transfer_endpoint = connectable_endpoint(pull, advertised_host)
             receiver = TransferReceiver(pull, default_timeout_s=config.transfer_timeout_s)
             self.poller.register(pull, zmq.POLLIN)
         sender: TransferSender | None = None
         # Prefill workers send every request's KV; decode workers send their requests' when a drain
         # migrates them.
         if config.role in ("prefill", "decode"):
-            sender = TransferSender(context)
+            sender = TransferSender(context, key=key)
             self.poller.register(sender.results, zmq.POLLIN)
         self.identity = WorkerIdentity(
             worker_id=self.worker_id,
             hostname=hostname,
             started_at=time.time(),
-            request_endpoint=connectable_endpoint(self.router, hostname),
-            heartbeat_endpoint=connectable_endpoint(publisher, hostname),
+            request_endpoint=connectable_endpoint(self.router, advertised_host),
+            heartbeat_endpoint=connectable_endpoint(publisher, advertised_host),
             transfer_endpoint=transfer_endpoint,
         )
         self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
@@ -162,6 +167,7 @@ class Worker:
             threading.Thread(
                 target=register_until_acknowledged,
                 args=(context, config.registry_endpoint, registration(self.identity, config, engine), stop),
+                kwargs={"key": key},
                 name="registration",
                 daemon=True,
             )
@@ -408,12 +414,13 @@ def failure_error(request_id: str, failure: RequestFailure) -> GenerateError:
     return GenerateError(request_id, "internal", "the worker failed to process this request's output")
 
 
-def connectable_endpoint(bound: zmq.Socket, hostname: str) -> str:
+def connectable_endpoint(bound: zmq.Socket, advertised_host: str) -> str:
     """The endpoint a socket is bound to, as a peer on another host connects to it: a wildcard TCP
-    address names this host instead, and port 0 the port the system chose."""
+    address names `advertised_host` (--advertise-host, else this host's name) instead, and port 0 the
+    port the system chose."""
     endpoint = bound.getsockopt_string(zmq.LAST_ENDPOINT)
     scheme, _, address = endpoint.partition("://")
     host, _, port = address.rpartition(":")
     if scheme == "tcp" and host in ("0.0.0.0", "[::]", "*"):
-        return f"tcp://{hostname}:{port}"
+        return f"tcp://{advertised_host}:{port}"
     return endpoint

@@ -221,6 +221,7 @@ class Command(BaseCommand):
             worker_options=lambda role: [*added_engine[role].to_argv(), "--kv-gc-interval=0"],
             on_exit=record_exit,
             env=child_env(),
+            curve_key_file=settings.SLUICE_CURVE_KEY_FILE,
         )
         timers = [
             Timer("node agent", AGENT_ROUND_S, lambda: reconcile_local(agent, hostname)),

@@ -2,7 +2,8 @@
 
 Every state change of a pool or an instance writes its ScalingEvent in the same transaction, and the
 control message it implies is queued with transaction.on_commit, so a rolled-back change sends nothing.
-One module per domain: events, pools, instances, agents (node agents' starts and exits), autoscale.
+One module per domain: events, pools, instances, agents (node agents' starts and exits), autoscale,
+data_plane_keys (the CURVE keypair's versions and exports).
 """
 
 from controlplane.topology.services.agents import (
@@ -19,6 +20,11 @@ from controlplane.topology.services.autoscale import (
     pool_autoscale,
     pool_autoscale_pause,
     pool_reconcile,
+)
+from controlplane.topology.services.data_plane_keys import (
+    data_plane_key_create,
+    data_plane_key_ensure,
+    data_plane_key_export,
 )
 from controlplane.topology.services.events import node_queue, queue_node_task, queue_task, scaling_event_record
 from controlplane.topology.services.instances import (
@@ -60,6 +66,9 @@ __all__ = [
     "pool_reconcile",
     "queue_node_task",
     "cluster_create",
+    "data_plane_key_create",
+    "data_plane_key_ensure",
+    "data_plane_key_export",
     "instance_drain",
     "instance_mark_drained",
     "instance_mark_stopped",

@@ -1,0 +1,55 @@
+"""A node agent's workers hold the agent's CURVE key: one it starts registers with a registry on tcp://
+that admits only that key."""
+
+import json
+
+import zmq
+
+from tests.waiting import wait_until
+from tests.workers.test_registry import Recorder
+from tests.workers.worker_process import CONFIG, REPO_ROOT, STARTUP_TIMEOUT_S
+from workers import curve
+from workers.node_agent import NodeAgent, WorkerLaunch
+from workers.registry import RegistryServer
+
+
+def test_a_worker_the_agent_starts_registers_over_curve_with_the_agents_key_file(tmp_path):
+    # given the cluster's key file on this host and a registry on tcp:// that holds the key
+    key_file = tmp_path / "cluster.key"
+    curve.write_key_file(key_file, curve.generate_key(1))
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(CONFIG))
+    recorder = Recorder()
+    context = zmq.Context()
+    registry = RegistryServer(
+        "tcp://127.0.0.1:0",
+        on_register=recorder.on_register,
+        on_heartbeat=recorder.heartbeats.append,
+        on_silence=recorder.silences.append,
+        context=context,
+        key=curve.load_key_file(key_file),
+    )
+    registry.start()
+    exits = []
+    agent = NodeAgent(
+        runtime_dir=tmp_path / "run",
+        registry_endpoint=registry.bound_endpoint,
+        worker_options=lambda role: ["--kv-cache-bytes", str(1 << 24)],
+        on_exit=lambda *exit: exits.append(exit),
+        cwd=REPO_ROOT,
+        curve_key_file=str(key_file),
+    )
+    try:
+        # when the agent starts a worker
+        agent.start(WorkerLaunch(1, "agent-worker", "mixed", "mixed", str(model)))
+        wait_until(lambda: recorder.registrations or exits, timeout_s=STARTUP_TIMEOUT_S)
+    finally:
+        agent.stop_all(grace_s=10)
+        registry.stop()
+        context.term()
+
+    # then it registered through the CURVE socket, with its ipc:// endpoints (plain, local)
+    [registration] = recorder.registrations
+    assert registration.worker_id == "agent-worker"
+    assert registration.request_endpoint == f"ipc://{tmp_path}/run/agent-worker.req"
+    assert exits == [(1, 0, True)]
