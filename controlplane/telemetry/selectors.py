@@ -1,8 +1,10 @@
 from datetime import datetime, timedelta
 
+from django.db.models import Max
 from django.utils import timezone
 
-from controlplane.telemetry.models import ExpertLoadRollup, TelemetryRollup
+from controlplane.telemetry.decode_loads import DecodePeak
+from controlplane.telemetry.models import DecodeLoadRollup, ExpertLoadRollup, TelemetryRollup
 
 ROLLUP_FIELDS = (
     "minute",
@@ -32,3 +34,13 @@ def rollup_series(*, minutes: int = 60) -> list[dict]:
 def expert_load_rollups(*, pool: str, since: datetime) -> list[ExpertLoadRollup]:
     """A pool's expert-load minutes from `since` on, oldest first."""
     return list(ExpertLoadRollup.objects.filter(pool=pool, minute__gte=since).order_by("minute"))
+
+
+def decode_load_peak(*, pool: str, since: datetime, until: datetime) -> DecodePeak | None:
+    """A pool's highest decode load over the minutes from `since` up to `until`; None: no row."""
+    peaks = DecodeLoadRollup.objects.filter(pool=pool, minute__gte=since, minute__lt=until).aggregate(
+        requests=Max("peak_requests_in_flight"), kv_tokens=Max("peak_kv_tokens")
+    )
+    if peaks["requests"] is None:
+        return None
+    return DecodePeak(peaks["requests"], peaks["kv_tokens"])
