@@ -69,6 +69,39 @@ def test_a_request_migrated_between_decode_steps_continues_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", ["greedy", "unseeded"])
+def test_a_suspended_request_that_no_engine_takes_decodes_on_where_it_was(kind):
+    reference = engine()
+    reference.add_request("r", prompt(21, 1), PARAMS[kind])
+    expected = finish(reference)
+
+    source = engine()
+    source.add_request("r", prompt(21, 1), PARAMS[kind])
+    source.add_request("other", prompt(30, 3), PARAMS["greedy"])
+    tokens = {"r": [], "other": []}
+    while len(tokens["r"]) < 9:
+        for delta in source.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+    assert source.suspend_for_migration("r") is not None
+    export = source.export_kv("r")  # a transfer that then does not happen
+    computed = source.runner.num_computed_tokens
+    computed_tokens = len(tokens["r"]) + len(tokens["other"])
+
+    assert source.resume_suspended("r")
+    assert not source.resume_suspended("r") and not source.resume_suspended("unknown")
+    with pytest.raises(RuntimeError, match="released"):
+        export.layers[0]
+    while source.has_unfinished():
+        for delta in source.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+
+    assert tokens["r"] == expected
+    assert len(tokens["other"]) == MAX_TOKENS
+    # one new token a step: nothing was recomputed, and every page came back
+    assert source.runner.num_computed_tokens - computed == 2 * MAX_TOKENS - computed_tokens
+    assert source.block_manager.num_free_pages == source.block_manager.num_usable_pages
+
+
+@pytest.mark.parametrize("kind", ["greedy", "unseeded"])
 def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recomputing_at_most_a_block(kind, tmp_path):
     lost = engine(tmp_path)
     lost.add_request("r", prompt(37, 2), PARAMS[kind])
