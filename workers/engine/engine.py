@@ -275,6 +275,14 @@ class LLMEngine:
         self.scheduler.add_running(request)
         return True
 
+    def store_prompt_tail(self, request_id: str) -> None:
+        """Store the KV of the whole pages of the request's partial last prompt block, once, so that
+        an engine resuming it from a checkpoint recomputes only the tokens it generated since its
+        last full block (see store_connector). Nothing without a store, or before that KV exists."""
+        request = self.requests.get(request_id)
+        if self.store is not None and request is not None:
+            self.store.store_prompt_tail(request)
+
     def add_resumed_request(
         self,
         request_id: str,

@@ -76,6 +76,9 @@ class Request:
     store_keys: list[BlockHash] = field(default_factory=list)
     # Blocks from the start that are in the store or queued for it; they survive preemption.
     num_saved_blocks: int = 0
+    # The prompt's partial last block is in the store or queued for it, or needs no storing
+    # (StoreConnector.store_prompt_tail).
+    prompt_tail_stored: bool = False
     # Store blocks being fetched for the prompt (a Future of store_connector.LoadedBlocks); the
     # request is admitted once it is done.
     store_fetch: "Future[Any] | None" = None

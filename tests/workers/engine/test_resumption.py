@@ -16,10 +16,10 @@ MAX_TOKENS = 40
 PAGES = 1 << 22
 
 
-def engine(store=None) -> LLMEngine:
+def engine(store=None, block_tokens: int = BLOCK) -> LLMEngine:
     options = {"seed": 0, "kv_cache_bytes": PAGES}
     if store is not None:
-        options |= {"kv_store": str(store), "kv_block_tokens": BLOCK}
+        options |= {"kv_store": str(store), "kv_block_tokens": block_tokens}
     return LLM(TINY_CONFIGS["llama"], **options).engine
 
 
@@ -119,6 +119,28 @@ def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recom
     stats = survivor.resume_stats
     assert stats.num_resumed == 1
     assert 0 < stats.max_recomputed_tokens <= BLOCK
+
+
+@pytest.mark.parametrize("tail_stored", [True, False])
+def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_generated_since(tail_stored, tmp_path):
+    # a prompt of 150 tokens in blocks of 64: two full blocks, then 22 tokens (one whole page) in the third
+    block = 64
+    lost = engine(tmp_path, block_tokens=block)
+    lost.add_request("r", prompt(150, 4), PARAMS["greedy"])
+    expected = run_until(lost, 1)
+    if tail_stored:
+        lost.store_prompt_tail("r")  # what a decode worker that checkpoints does when it takes a request in
+    expected += finish(lost)
+    lost.close()  # 150 + 40 tokens never fill the third block: only the tail can be fetched of it
+    delivered = expected[:29]
+
+    survivor = engine(tmp_path, block_tokens=block)
+    survivor.add_resumed_request("r2", prompt(150, 4), delivered, PARAMS["greedy"])
+    rest = finish(survivor)
+
+    assert delivered + rest == expected
+    fetched = 2 * block + (16 if tail_stored else 0)
+    assert survivor.resume_stats.max_recomputed_tokens == 150 + len(delivered) - fetched
 
 
 def test_a_resume_is_refused_for_tokens_outside_the_vocabulary_a_finished_request_or_an_unseeded_sampler():
