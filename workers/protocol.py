@@ -134,6 +134,14 @@ class MigrateRequest(msgspec.Struct, tag="migrate", frozen=True, forbid_unknown_
     decode_endpoint: str
 
 
+class DeclineMigrationRequest(msgspec.Struct, tag="decline_migration", frozen=True, forbid_unknown_fields=True):
+    """To a draining decode worker that offered a request for migration: no other decode worker has
+    room for it. The worker decodes it on (the stream continues from where it was) and offers it
+    again a little later."""
+
+    request_id: str
+
+
 class ResumeDecodeRequest(msgspec.Struct, tag="resume_decode", frozen=True, forbid_unknown_fields=True):
     """To a decode worker: continue a request whose decode worker died, from its checkpoint and the
     KV store. `request` is the original (its request_id the new one); `output_token_ids` the tokens
@@ -271,11 +279,13 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     ep_resized_at: float = 0.0
     ep_resize_reason: str = ""
     # Fault tolerance since the worker started: requests it handed to another decode worker (and
-    # those sends that failed), requests it took in that way, requests it resumed from a dead
-    # worker's checkpoint; tokens it recomputed for resumed requests (in total, and the most for
-    # one); seconds from a resume's arrival to its first new token, in total.
+    # those sends that failed, and offers declined for want of room elsewhere), requests it took in
+    # that way, requests it resumed from a dead worker's checkpoint; tokens it recomputed for
+    # resumed requests (in total, and the most for one); seconds from a resume's arrival to its
+    # first new token, in total.
     num_migrated_out: int = 0
     num_migrations_failed: int = 0
+    num_migrations_declined: int = 0
     num_migrated_in: int = 0
     num_resumed: int = 0
     num_recomputed_tokens: int = 0
@@ -370,7 +380,13 @@ class RegistrationAck(msgspec.Struct, tag="register_ack", frozen=True):
 
 
 WorkerInbound = (
-    GenerateRequest | ExpectTransferRequest | AbortRequest | MigrateRequest | ResumeDecodeRequest | ControlRequest
+    GenerateRequest
+    | ExpectTransferRequest
+    | AbortRequest
+    | MigrateRequest
+    | DeclineMigrationRequest
+    | ResumeDecodeRequest
+    | ControlRequest
 )
 WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 

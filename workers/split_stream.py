@@ -12,11 +12,14 @@ waits for the KV as long as the prefill and the transfer are predicted to take, 
 the stream waits that long for the decode worker's first output once the prefill's is out.
 
 Moves. A draining decode worker, once its grace period is over, offers the request ("migrate"): it
-moves, KV and decoding state, to another decode worker (_Path.migrate). A decode worker that goes
-away or fails once it has streamed, and a migration that fails, are recovered from without a rerun:
-another decode worker resumes the request from the checkpoint of the last one that streamed it and
-the KV store, continuing after the tokens the client has (_Path.recover). A resume refused for its
-checkpoint ("checkpoint_invalid") falls back to a rerun, as follows.
+moves, KV and decoding state, to another decode worker (_Path.migrate); when none has room for the
+KV it holds now plus what it is expected to add, the offer is declined and the request decodes on
+where it is (offered again a little later). A decode worker that goes away or fails once it has
+streamed, a migration that fails, and a migration target that refuses the request (full or
+draining, even after its KV was sent) are recovered from without a rerun: another decode worker
+resumes the request from the checkpoint of the last one that streamed it and the KV store,
+continuing after the tokens the client has (_Path.recover). A resume refused for its checkpoint
+("checkpoint_invalid"), or with no decode worker left to take it, falls back to a rerun, as follows.
 
 Failures. A worker that refuses as draining, a transfer that fails (the prefill worker could not
 send, the decode worker could not assemble or admit it, or no decode output came within the
@@ -56,6 +59,7 @@ from workers.entrypoint.prefix_match import store_hit_tokens
 from workers.entrypoint.router import DecodeLoad, expected_peak
 from workers.protocol import (
     AbortRequest,
+    DeclineMigrationRequest,
     ExpectTransferRequest,
     GenerateError,
     GenerateOutput,
@@ -83,9 +87,9 @@ MOVE_TIMEOUT_S = 30.0
 # Migrations and resumes of one attempt; past this, the request is rerun.
 MAX_RECOVERIES = 3
 # Failures of the decode worker that a resume from its checkpoint recovers from; and refusals of a
-# resume that another decode worker may not give.
+# migration or resume that another decode worker may not give.
 RECOVERABLE_KINDS = ("worker_failed", "transfer_failed")
-RESUME_REFUSALS = ("overloaded", "draining")
+MOVE_REFUSALS = ("overloaded", "draining")
 
 
 class _Retry(Exception):
@@ -213,22 +217,24 @@ class SplitStream:
             if not prefills or not decodes:
                 return None
             by_key = {link.request_endpoint: link for link in decodes}
-            prompt, output = expected_peak(request, min(link.heartbeat.max_model_len for link in decodes))
+            kv_tokens, output = expected_peak(
+                request, min(link.heartbeat.max_model_len for link in decodes), len(self.delivered)
+            )
             loads = [
                 DecodeLoad(link.request_endpoint, link.heartbeat, link.num_decode_requests, link.reserved_kv_tokens)
                 for link in decodes
             ]
-            key = router.choose_decode(loads, prompt, output)
+            key = router.choose_decode(loads, kv_tokens, output)
             if key is not None:
                 break
             if time.monotonic() > deadline:
                 raise RequestRejectedError(
-                    "overloaded", f"no decode worker has room for {prompt + output} tokens of KV"
+                    "overloaded", f"no decode worker has room for {kv_tokens + output} tokens of KV"
                 )
             await asyncio.sleep(CAPACITY_POLL_S)
         hit = await self._store_hit_tokens(prefills[0])
         prefill_key, cost = router.choose_prefill(
-            [(link.request_endpoint, link.heartbeat) for link in prefills], prompt, hit
+            [(link.request_endpoint, link.heartbeat) for link in prefills], len(request.prompt_token_ids), hit
         )
         prefill = next(link for link in prefills if link.request_endpoint == prefill_key)
         return prefill, by_key[key], cost, hit
@@ -391,7 +397,7 @@ class _Path:
         self.decode, self.decode_id, self.decode_side = link, request_id, f"{DECODE}{self.num_decodes}"
         self.num_decodes += 1
         self.open(link, request_id, self.decode_side)
-        self.peak = sum(expected_peak(self.request, link.heartbeat.max_model_len))
+        self.peak = sum(expected_peak(self.request, link.heartbeat.max_model_len, len(self.stream.delivered)))
         link.num_decode_requests += 1
         link.reserved_kv_tokens += self.peak
 
@@ -412,15 +418,22 @@ class _Path:
         """Whether the current decode worker's failure is one a resume recovers from."""
         if isinstance(item, WorkerUnavailableError) or item.kind in RECOVERABLE_KINDS:
             return self.phase in (DECODE, MOVING, RESUMING)
-        return self.phase == RESUMING and item.kind in RESUME_REFUSALS
+        return self.phase in (MOVING, RESUMING) and item.kind in MOVE_REFUSALS
 
     async def migrate(self) -> None:
-        """The decode worker offers the request: move it, KV and all, to another decode worker."""
+        """The decode worker offers the request: move it, KV and all, to another decode worker, or,
+        when none has room, decline the offer so that it decodes on where it is."""
         source = self.decode
         source.mark_draining()
         target = self._choose_decode(exclude={source})
         if target is None:
-            raise _Retry(f"decode worker {source.request_endpoint} is draining and no other has room", source)
+            log.info(
+                "request %s stays on draining %s: no other decode worker has room",
+                self.request.request_id,
+                source.request_endpoint,
+            )
+            await self.client.send(source, DeclineMigrationRequest(self.decode_id))
+            return
         self.moving_from, self.moving_from_id, self.moving_from_side = source, self.decode_id, self.decode_side
         new_id = self._new_id()
         self.place_decode(target, new_id)
@@ -498,10 +511,12 @@ class _Path:
         ]
         if not ready:
             return None
-        prompt, output = expected_peak(self.request, min(link.heartbeat.max_model_len for link in ready))
+        kv_tokens, output = expected_peak(
+            self.request, min(link.heartbeat.max_model_len for link in ready), len(self.stream.delivered)
+        )
         loads = [
             DecodeLoad(link.request_endpoint, link.heartbeat, link.num_decode_requests, link.reserved_kv_tokens)
             for link in ready
         ]
-        key = self.client.router.choose_decode(loads, prompt, output)
+        key = self.client.router.choose_decode(loads, kv_tokens, output)
         return next((link for link in ready if link.request_endpoint == key), None)

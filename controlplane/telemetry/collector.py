@@ -10,6 +10,8 @@ It lives in the gateway because that is where requests are measured and heartbea
 Several gateways each collect their own share: their live snapshots differ, and each writes its own
 rollup row of a minute under its collector id, which the selectors merge (counts and latency
 histograms add up), so the dashboard's minutes count every gateway's requests.
+Decode load peaks (decode_loads) come from the heartbeats, which every gateway hears alike, so
+their rows keep the highest any gateway saw.
 """
 
 import asyncio
@@ -29,11 +31,17 @@ from django.conf import settings
 from controlplane.common.connections import close_stale_connections
 from controlplane.gateway.engine import engine_client
 from controlplane.telemetry import live
+from controlplane.telemetry.decode_loads import DecodeLoadPeaks, DecodePeak
 from controlplane.telemetry.expert_loads import ExpertLoadWindow
 from controlplane.telemetry.metrics import observe_request
 from controlplane.telemetry.models import KVStoreGC
 from controlplane.telemetry.selectors import kv_store_gcs_reporting
-from controlplane.telemetry.services import expert_load_rollup_upsert, rollup_upsert, rollups_delete_before
+from controlplane.telemetry.services import (
+    decode_load_rollup_upsert,
+    expert_load_rollup_upsert,
+    rollup_upsert,
+    rollups_delete_before,
+)
 from controlplane.telemetry.snapshot import build_snapshot, kv_store
 from controlplane.telemetry.windows import MinuteTotals, RequestSample, RequestWindow, minute_start
 from workers.expert_loads import SlotLoads
@@ -98,6 +106,8 @@ class TelemetryCollector:
         self._expert_window = ExpertLoadWindow(window_s)
         # Expert loads of ended minutes not yet written: (minute start, {(pool, layout version): loads}).
         self._expert_finished: list[tuple[float, dict[tuple[str, int], SlotLoads]]] = []
+        self._decode_peaks = DecodeLoadPeaks()
+        self._decode_finished: list[tuple[float, dict[str, DecodePeak]]] = []  # (minute start, {pool: peak})
         self._prune_at = now
 
     def record_request(self, sample: RequestSample) -> None:
@@ -118,6 +128,7 @@ class TelemetryCollector:
         now = self._clock()
         self._roll(now)
         self._expert_window.add(now, expert_loads)
+        self._decode_peaks.add(workers)
         store = kv_store(workers, store_gcs)
         if store is not None:
             self._minute.kv_store_bytes = store["bytes"]
@@ -153,6 +164,9 @@ class TelemetryCollector:
             ended = self._expert_window.end_minute()
             if ended:
                 self._expert_finished.append((self._minute.start, ended))
+            decode_peaks = self._decode_peaks.end_minute()
+            if decode_peaks:
+                self._decode_finished.append((self._minute.start, decode_peaks))
             self._minute = MinuteTotals(start, kv_store_bytes=self._minute.kv_store_bytes)
 
     async def _broadcast(self, snapshot: dict) -> None:
@@ -172,6 +186,20 @@ class TelemetryCollector:
                     )
                 except Exception:
                     log.exception("writing the expert loads of pool %s at %s failed", pool, minute)
+        decode_finished, self._decode_finished = self._decode_finished, []
+        for start, by_pool in decode_finished:
+            minute = datetime.fromtimestamp(start, UTC)
+            for pool, peak in by_pool.items():
+                try:
+                    await sync_to_async(_in_tidy_connection)(
+                        decode_load_rollup_upsert,
+                        pool=pool,
+                        minute=minute,
+                        peak_requests_in_flight=peak.requests_in_flight,
+                        peak_kv_tokens=peak.kv_tokens,
+                    )
+                except Exception:
+                    log.exception("writing the decode load of pool %s at %s failed", pool, minute)
         finished, self._finished = self._finished, []
         for minute in finished:
             fields = minute.rollup_fields(self.collector_id)

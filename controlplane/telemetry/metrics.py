@@ -194,6 +194,7 @@ def heartbeat_families(
         if heartbeat.role == "decode":
             migrations.add_metric([worker, "moved"], heartbeat.num_migrated_out)
             migrations.add_metric([worker, "failed"], heartbeat.num_migrations_failed)
+            migrations.add_metric([worker, "declined"], heartbeat.num_migrations_declined)
             migrated_in.add_metric([worker], heartbeat.num_migrated_in)
             failovers.add_metric([worker], heartbeat.num_resumed)
             recomputed.add_metric([worker], heartbeat.num_recomputed_tokens)

@@ -75,3 +75,21 @@ class KVStoreGC(models.Model):
 
     def __str__(self) -> str:
         return f"{self.gc_id} of {self.store}"
+
+
+class DecodeLoadRollup(models.Model):
+    """The most a pool's decode (and mixed) workers held together at any collector tick of one
+    minute: requests in flight (running and waiting) and KV tokens in use. The autoscaler's quota
+    guard reads the look-back's peak from these."""
+
+    pool = models.CharField(max_length=100)  # the pool's name, as heartbeats give it
+    minute = models.DateTimeField()
+    peak_requests_in_flight = models.PositiveIntegerField()
+    peak_kv_tokens = models.PositiveBigIntegerField()
+
+    class Meta:
+        ordering = ["minute"]
+        constraints = [models.UniqueConstraint(fields=["pool", "minute"], name="decodeload_unique_minute")]
+
+    def __str__(self) -> str:
+        return f"decode load {self.pool} {self.minute:%Y-%m-%d %H:%M}"

@@ -1,11 +1,12 @@
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from django.db.models import Sum
+from django.db.models import Max, Sum
 from django.utils import timezone
 
 from controlplane.telemetry import latency_histogram
-from controlplane.telemetry.models import ExpertLoadRollup, KVStoreGC, TelemetryRollup
+from controlplane.telemetry.decode_loads import DecodePeak
+from controlplane.telemetry.models import DecodeLoadRollup, ExpertLoadRollup, KVStoreGC, TelemetryRollup
 
 COUNT_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens")
 # A store GC that missed this many of its runs' reports is taken for stopped.
@@ -68,3 +69,13 @@ def kv_store_gcs_reporting(*, now: datetime | None = None) -> list[KVStoreGC]:
         for gc in KVStoreGC.objects.all()
         if (now - gc.reported_at).total_seconds() <= GC_MISSED_REPORTS * gc.interval_s + GC_REPORT_SLACK_S
     ]
+
+
+def decode_load_peak(*, pool: str, since: datetime, until: datetime) -> DecodePeak | None:
+    """A pool's highest decode load over the minutes from `since` up to `until`; None: no row."""
+    peaks = DecodeLoadRollup.objects.filter(pool=pool, minute__gte=since, minute__lt=until).aggregate(
+        requests=Max("peak_requests_in_flight"), kv_tokens=Max("peak_kv_tokens")
+    )
+    if peaks["requests"] is None:
+        return None
+    return DecodePeak(peaks["requests"], peaks["kv_tokens"])

@@ -4,7 +4,7 @@ import msgspec
 from django.db import transaction
 
 from controlplane.telemetry.latency_histogram import Histogram
-from controlplane.telemetry.models import ExpertLoadRollup, KVStoreGC, TelemetryRollup
+from controlplane.telemetry.models import DecodeLoadRollup, ExpertLoadRollup, KVStoreGC, TelemetryRollup
 from workers.kvstore.gc_process import StoreGCReport
 
 
@@ -46,7 +46,8 @@ def rollups_delete_before(*, cutoff: datetime) -> int:
     deleted, _ = TelemetryRollup.objects.filter(minute__lt=cutoff).delete()
     expert_deleted, _ = ExpertLoadRollup.objects.filter(minute__lt=cutoff).delete()
     gc_deleted, _ = KVStoreGC.objects.filter(reported_at__lt=cutoff).delete()
-    return deleted + expert_deleted + gc_deleted
+    decode_deleted, _ = DecodeLoadRollup.objects.filter(minute__lt=cutoff).delete()
+    return deleted + expert_deleted + gc_deleted + decode_deleted
 
 
 @transaction.atomic
@@ -68,4 +69,22 @@ def expert_load_rollup_upsert(
     rollup, _ = ExpertLoadRollup.objects.update_or_create(
         pool=pool, layout_version=layout_version, minute=minute, defaults={"slot_loads": slot_loads}
     )
+    return rollup
+
+
+@transaction.atomic
+def decode_load_rollup_upsert(
+    *, pool: str, minute: datetime, peak_requests_in_flight: int, peak_kv_tokens: int
+) -> DecodeLoadRollup:
+    """Writes a pool's decode load peaks of one minute, keeping the higher of each figure where a row
+    was written before: every gateway's collector sees the same workers, at ticks of its own."""
+    rollup, created = DecodeLoadRollup.objects.select_for_update().get_or_create(
+        pool=pool,
+        minute=minute,
+        defaults={"peak_requests_in_flight": peak_requests_in_flight, "peak_kv_tokens": peak_kv_tokens},
+    )
+    if not created:
+        rollup.peak_requests_in_flight = max(rollup.peak_requests_in_flight, peak_requests_in_flight)
+        rollup.peak_kv_tokens = max(rollup.peak_kv_tokens, peak_kv_tokens)
+        rollup.save(update_fields=["peak_requests_in_flight", "peak_kv_tokens"])
     return rollup

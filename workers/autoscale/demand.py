@@ -36,18 +36,26 @@ def prefill_demands(*, uncached_tokens_per_s: Sequence[float], tokens_per_s_per_
     }
 
 
-def decode_demands(workers: Sequence[WorkerLoad], config: PlannerConfig) -> dict[str, Demand]:
+def decode_demands(
+    workers: Sequence[WorkerLoad], config: PlannerConfig, *, peak_requests_in_flight: int = 0, peak_kv_tokens: int = 0
+) -> dict[str, Demand]:
     """Requests in flight against max_num_seqs, and KV tokens in use against KV capacity (only once
-    some worker reported its capacity). One snapshot: mean and peak are the same figure."""
+    some worker reported its capacity). The mean is the workers' load now; the peak is the higher
+    of that and the look-back's (`peak_*`: the most the pool held at once in the last minutes), so
+    the quota guard sees a burst that has just passed."""
     if not workers:
         return {}
     in_flight = float(sum(w.num_running + w.num_waiting for w in workers))
     seqs = [w.max_num_seqs for w in workers if w.max_num_seqs > 0]
     per_worker_seqs = sum(seqs) / len(seqs) if seqs else float(config.default_max_num_seqs)
-    demands = {"requests_in_flight": Demand(mean=in_flight, peak=in_flight, per_worker=per_worker_seqs)}
+    demands = {
+        "requests_in_flight": Demand(
+            mean=in_flight, peak=max(in_flight, peak_requests_in_flight), per_worker=per_worker_seqs
+        )
+    }
     reported = [w for w in workers if w.kv_capacity_tokens > 0]
     if reported:
         kv_tokens = sum(w.kv_usage * w.kv_capacity_tokens for w in reported)
         per_worker_kv = sum(w.kv_capacity_tokens for w in reported) / len(reported)
-        demands["kv_tokens"] = Demand(mean=kv_tokens, peak=kv_tokens, per_worker=per_worker_kv)
+        demands["kv_tokens"] = Demand(mean=kv_tokens, peak=max(kv_tokens, peak_kv_tokens), per_worker=per_worker_kv)
     return demands

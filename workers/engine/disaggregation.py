@@ -50,6 +50,15 @@ class Disaggregation:
         self.exports.setdefault(request_id, []).append(layers)
         return export_handoff(request, layers, self.kv_model_id)
 
+    def take_back(self, request_id: str) -> Request | None:
+        """Stop holding a request without freeing its pages (it runs here again); None when not held.
+        Exports read from its pages are closed: they belong to a transfer that will not happen."""
+        request = self.transfers.pop(request_id, None)
+        if request is not None:
+            for layers in self.exports.pop(request_id, []):
+                layers.close()
+        return request
+
     def release(self, request_id: str) -> bool:
         """Unpin a held request's pages; False when none were pinned for it."""
         request = self.transfers.pop(request_id, None)

@@ -29,7 +29,7 @@ from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
-from workers.engine.request import PENDING_TOKEN, FinishReason, Request
+from workers.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.engine.resumption import ResumeStats, check_resumable, check_suspendable, with_seed
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.sampling_params import SamplingParams
@@ -276,6 +276,29 @@ class LLMEngine:
             return None
         request.finish(FinishReason.TRANSFER)
         return self._release(request, self.outputs.delta(request, [], []))
+
+    def resume_suspended(self, request_id: str) -> bool:
+        """Undo suspend_for_migration: the request decodes here again from its pinned pages, as a
+        request continued from a handoff would (no other engine had room for it). False (nothing
+        changed) when the request is not suspended here; an export taken of it is closed."""
+        request = self.disaggregation.take_back(request_id)
+        if request is None:
+            return False
+        request.status = RequestStatus.RUNNING
+        request.finish_reason = request.stop_reason = None
+        request.num_pages_sent = -1  # the runner dropped it: it is described again in full
+        self.outputs.add_continued(request)
+        self.requests[request_id] = request
+        self.scheduler.add_running(request)
+        return True
+
+    def store_prompt_tail(self, request_id: str) -> None:
+        """Store the KV of the whole pages of the request's partial last prompt block, once, so that
+        an engine resuming it from a checkpoint recomputes only the tokens it generated since its
+        last full block (see store_connector). Nothing without a store, or before that KV exists."""
+        request = self.requests.get(request_id)
+        if self.store is not None and request is not None:
+            self.store.store_prompt_tail(request)
 
     def add_resumed_request(
         self,

@@ -83,6 +83,9 @@ class Request:
     retention: tuple[BlockRetention, ...] = ()
     num_stored_prompt_tokens: int = 0
     stored_tokens_by_hint: tuple[int, ...] = ()
+    # The prompt's partial last block is in the store or queued for it, or needs no storing
+    # (StoreConnector.store_prompt_tail).
+    prompt_tail_stored: bool = False
     # Store blocks being fetched for the prompt (a Future of store_connector.LoadedBlocks); the
     # request is admitted once it is done.
     store_fetch: "Future[Any] | None" = None

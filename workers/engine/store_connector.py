@@ -23,6 +23,12 @@ again from now, as a cache entry is refreshed when it is used. Retaining goes th
 thread too, so a remote index costs the step no round trip. Hinted blocks have a share of the write
 queue of their own: other blocks are dropped once the queue is `UNHINTED_WRITES_MAX` long, hinted ones
 only when it is full.
+
+Prompt tails: a prompt that ends inside a block leaves that block partial until the output fills
+it. A decode worker that checkpoints its requests for failover also stores the tail's whole pages
+(store_prompt_tail) under a key of their own, chained to the prompt's last full block, so that a
+worker resuming the request (its output tokens given) fetches the tail with the full blocks and
+recomputes only the tokens generated since the last full block, not the prompt's end as well.
 """
 
 import logging
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.block_hash import ROOT_HASH, BlockHash, hash_chain, reusable_blocks
+from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
@@ -53,6 +59,8 @@ UNHINTED_WRITES_MAX = 192
 # Pinned host buffers that blocks are copied into from a GPU's pages: writes in flight on a GPU.
 STAGING_BLOCKS = 16
 READER_THREADS = 2
+# Folded into a prompt tail's key: its tokens are fewer than a block's, and never a block of their own.
+TAIL_EXTRA = b"\x00prompt tail"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +69,14 @@ class LoadedBlocks:
 
     first_page: int
     num_pages: int
-    # One tensor per block: [layers, 2 (key, value), kv_heads, block_tokens, head_dim].
+    # One tensor per block: [layers, 2 (key, value), kv_heads, block_tokens, head_dim]; a prompt
+    # tail, last, holds fewer tokens (whole pages).
     blocks: list[torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
 class KVLoad:
-    """Copy `blocks` into `pages` (len(pages) = len(blocks) × pages per block) before the step runs."""
+    """Copy `blocks` into `pages` (as many pages as the blocks hold tokens) before the step runs."""
 
     pages: list[int]
     blocks: list[torch.Tensor]
@@ -92,6 +101,7 @@ class _Write:
     block: torch.Tensor
     copied: "torch.cuda.Event | None"
     retain_until: float  # a cache hint's (time.time()), 0 without one
+    staging: torch.Tensor | None = None  # the pinned buffer `block` lies in, free again once written
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,19 +143,42 @@ class StoreConnector:
 
     def start_fetch(self, request: Request, local_hit_tokens: int) -> None:
         """Fetch the request's stored blocks past what the local prefix cache holds, if any: its
-        prompt's, and its output's too for a request resumed with tokens already sampled."""
+        prompt's, and its output's too for a request resumed with tokens already sampled (with its
+        prompt's tail, when the block it ends in was not stored whole)."""
         num_blocks = reusable_blocks(request.num_tokens, self.block_tokens)
         keys = self._keys(request, num_blocks)
+        first = local_hit_tokens // self.block_tokens
         try:
             hit = self.store.match(keys)
+            tail = self._prompt_tail(request) if request.output_token_ids and hit >= first else None
+            if tail is not None and (tail[0] != hit or self.store.match([tail[2]]) != 1):
+                tail = None
         except Exception as error:
             self._index_failed(error)
             return
         self._index_answered()
-        first = local_hit_tokens // self.block_tokens
-        if hit <= first:
+        if hit <= first and tail is None:
             return
-        request.store_fetch = self.readers.submit(self._fetch, keys[first:hit], first * self.pages_per_block)
+        request.store_fetch = self.readers.submit(self._fetch, keys[first:hit], first * self.pages_per_block, tail)
+
+    @torch.inference_mode()
+    def store_prompt_tail(self, request: Request) -> None:
+        """Queue the write of the request's prompt tail (see the module docstring), once: when its
+        KV is computed and the block the prompt ends in is not full yet (a full one is stored as such)."""
+        if request.prompt_tail_stored:
+            return
+        tail = self._prompt_tail(request)
+        if tail is None or request.num_known_tokens >= (tail[0] + 1) * self.block_tokens:
+            request.prompt_tail_stored = True
+            return
+        index, tokens, key = tail
+        if request.num_computed_tokens < index * self.block_tokens + tokens or self.pending_writes.full():
+            return
+        first_page = index * self.pages_per_block
+        write = self._copy_out(key, index, request, first_page, tokens // self.kv_cache.page_size, 0.0)
+        if write is not None:
+            self.pending_writes.put(write)
+            request.prompt_tail_stored = True
 
     def plan_retention(self, hints: Sequence[CacheHint]) -> tuple[BlockRetention, ...]:
         """How a request with these hints keeps its leading blocks, within this worker's caps."""
@@ -194,7 +227,12 @@ class StoreConnector:
                         retained.setdefault(retain_until, []).append(keys[index])
                     continue
                 room = MAX_PENDING_WRITES if kept is not None else UNHINTED_WRITES_MAX
-                write = self._copy_out(keys[index], index, request, retain_until) if self._queued() < room else None
+                first_page = index * self.pages_per_block
+                write = (
+                    self._copy_out(keys[index], index, request, first_page, self.pages_per_block, retain_until)
+                    if self._queued() < room
+                    else None
+                )
                 if write is None:
                     self.num_writes_dropped += full - index
                     break
@@ -230,10 +268,12 @@ class StoreConnector:
             log.info("the KV store index answers again")
         self.index_failing = False
 
-    def _copy_out(self, key: BlockHash, index: int, request: Request, retain_until: float) -> _Write | None:
-        """The block's KV on its way to the host; None when no staging buffer is free."""
-        pages = request.pages[index * self.pages_per_block : (index + 1) * self.pages_per_block]
-        block = self._gather(pages)
+    def _copy_out(
+        self, key: BlockHash, index: int, request: Request, first_page: int, num_pages: int, retain_until: float
+    ) -> _Write | None:
+        """The KV of the request's pages [first_page, first_page + num_pages) (block `index`, or its
+        prompt tail) on its way to the host; None when no staging buffer is free."""
+        block = self._gather(request.pages[first_page : first_page + num_pages])
         new_chain = request.num_cached_tokens < self.block_tokens
         if self.staging is None:
             host_block = block.to("cpu", copy=True).contiguous()
@@ -242,10 +282,12 @@ class StoreConnector:
             buffer = self.staging.get_nowait()
         except queue.Empty:
             return None
-        buffer.copy_(block, non_blocking=True)
+        # A prompt tail fills the front of the buffer, contiguous, in its own (shorter) shape.
+        staged = buffer.view(-1)[: block.numel()].view(block.shape)
+        staged.copy_(block, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _Write(key, index, request.traffic_class, new_chain, buffer, copied, retain_until)
+        return _Write(key, index, request.traffic_class, new_chain, staged, copied, retain_until, buffer)
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -271,33 +313,61 @@ class StoreConnector:
             keys.extend(hash_chain(tokens, self.block_tokens, request.hash_extra, parent=parent))
         return keys[:num_blocks]
 
+    def _prompt_tail(self, request: Request) -> tuple[int, int, BlockHash] | None:
+        """(index of the block the prompt ends in, tokens of its whole pages, the tail's key); None
+        when the prompt ends on a block boundary or inside that block's first page."""
+        prompt = len(request.prompt_token_ids)
+        index = prompt // self.block_tokens
+        start = index * self.block_tokens
+        page_size = self.kv_cache.page_size
+        tokens = (prompt - start) // page_size * page_size
+        if not tokens:
+            return None
+        parent = self._keys(request, index)[-1] if index else ROOT_HASH
+        tail_tokens = request.prompt_token_ids[start : start + tokens]
+        return index, tokens, hash_block(parent, tail_tokens, request.hash_extra + TAIL_EXTRA)
+
     def _gather(self, pages: list[int]) -> torch.Tensor:
-        """[layers, 2 (key, value), heads, block_tokens, dim] on the cache's device."""
+        """[layers, 2 (key, value), heads, tokens of the pages, dim] on the cache's device."""
         index = torch.tensor(pages, device=self.device)
-        per_layer = [
-            torch.stack([gather_tokens(cache, index, self.block_tokens) for cache in kv]) for kv in self.kv_cache.layers
-        ]
+        tokens = len(pages) * self.kv_cache.page_size
+        per_layer = [torch.stack([gather_tokens(cache, index, tokens) for cache in kv]) for kv in self.kv_cache.layers]
         return torch.stack(per_layer)
 
-    def _fetch(self, keys: list[BlockHash], first_page: int) -> LoadedBlocks:
+    def _fetch(
+        self, keys: list[BlockHash], first_page: int, tail: tuple[int, int, BlockHash] | None = None
+    ) -> LoadedBlocks:
+        """The chain's blocks from the store, up to the first missing or bad one; then the prompt
+        tail, when every block before it came."""
+        blocks = self._read_blocks(keys, self.block_tokens)
+        if tail is not None and len(blocks) == len(keys):
+            _, tokens, key = tail
+            blocks += self._read_blocks([key], tokens)
+        num_pages = sum(block.shape[3] for block in blocks) // self.kv_cache.page_size
+        return LoadedBlocks(first_page=first_page, num_pages=num_pages, blocks=blocks)
+
+    def _read_blocks(self, keys: list[BlockHash], tokens: int) -> list[torch.Tensor]:
+        """Blocks of `tokens` tokens each, up to the first missing or bad one."""
+        shape = (*self.block_shape[:3], tokens, self.block_shape[4])
+        expected = self.block_bytes // self.block_tokens * tokens
         blocks: list[torch.Tensor] = []
+
+        def into(size: int) -> memoryview | None:
+            """A new block tensor's bytes: each payload is read straight into its block."""
+            if size != expected:
+                log.warning("store block has %d bytes, expected %d: recomputing from there", size, expected)
+                return None
+            blocks.append(torch.empty(shape, dtype=self.dtype))
+            return memoryview(blocks[-1].view(-1).view(torch.uint8).numpy())
+
         try:
-            payloads = self.store.read(keys)
+            payloads = self.store.read(keys, into)
         except Exception:
             # An unreachable index or disk costs the hit, never the request.
             log.exception("fetching KV blocks from the store failed; recomputing")
             payloads = []
-        for payload in payloads:
-            if len(payload) != self.block_bytes:
-                log.warning(
-                    "store block has %d bytes, expected %d: recomputing from there", len(payload), self.block_bytes
-                )
-                break
-            # A copy into an aligned tensor: the payload sits at an arbitrary offset in its file's buffer.
-            block = torch.empty(self.block_shape, dtype=self.dtype)
-            block.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
-            blocks.append(block)
-        return LoadedBlocks(first_page=first_page, num_pages=len(blocks) * self.pages_per_block, blocks=blocks)
+        # A block whose read failed after its tensor was made is not among the payloads.
+        return blocks[: len(payloads)]
 
     def _write_blocks(self) -> None:
         while (item := self.pending_writes.get()) is not None:
@@ -323,8 +393,8 @@ class StoreConnector:
                 # (nor the writer thread, which later blocks still need).
                 log.exception("writing a KV block to the store failed")
             finally:
-                if item.copied is not None:
-                    self.staging.put(item.block)
+                if item.staging is not None:
+                    self.staging.put(item.staging)
 
     def _retain(self, item: _Retain) -> None:
         try:

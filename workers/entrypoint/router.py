@@ -54,12 +54,15 @@ class DecodeLoad:
     reserved_kv_tokens: int  # their peak KV
 
 
-def expected_peak(request: GenerateRequest, max_model_len: int) -> tuple[int, int]:
-    """(prompt tokens, expected output tokens) of a request, as the decode balancer reserves them."""
-    prompt = len(request.prompt_token_ids)
-    room = max(0, max_model_len - prompt)
-    max_tokens = request.params.max_tokens if request.params.max_tokens is not None else room
-    return prompt, min(max_tokens, room, EXPECTED_OUTPUT_TOKENS)
+def expected_peak(request: GenerateRequest, max_model_len: int, num_output_tokens: int = 0) -> tuple[int, int]:
+    """(KV tokens now, expected output tokens still to come) of a request, as the decode balancer
+    reserves them. `num_output_tokens`: those it already generated (a request that moves between
+    decode workers holds their KV too)."""
+    tokens = len(request.prompt_token_ids) + num_output_tokens
+    room = max(0, max_model_len - tokens)
+    max_tokens = request.params.max_tokens
+    left = max_tokens - num_output_tokens if max_tokens is not None else room
+    return tokens, min(left, room, EXPECTED_OUTPUT_TOKENS)
 
 
 class Router:

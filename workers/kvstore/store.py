@@ -67,11 +67,14 @@ class KVStore:
             self.index.add(found)
         return matched + len(found)
 
-    def read(self, keys: Sequence[BlockHash]) -> list[memoryview]:
-        """The payloads of the chain's blocks in order, up to the first missing or corrupt one."""
+    def read(
+        self, keys: Sequence[BlockHash], into: Callable[[int], memoryview | None] | None = None
+    ) -> list[memoryview]:
+        """The payloads of the chain's blocks in order, up to the first missing or corrupt one;
+        `into` gives the buffer each is read into (BlockFiles.read)."""
         payloads = []
         for key in keys:
-            payload = self.files.read(key)
+            payload = self.files.read(key, into)
             if payload is None:
                 self.index.remove([key])
                 break

@@ -130,6 +130,7 @@ class Heartbeats:
             ep_resize_reason=engine.resize_reason if expert_parallel else "",
             num_migrated_out=transfers.num_migrated_out if transfers else 0,
             num_migrations_failed=transfers.num_migrations_failed if transfers else 0,
+            num_migrations_declined=transfers.num_migrations_declined if transfers else 0,
             num_migrated_in=transfers.num_migrated_in if transfers else 0,
             num_resumed=resume.num_resumed if resume else 0,
             num_recomputed_tokens=resume.num_recomputed_tokens if resume else 0,

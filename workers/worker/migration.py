@@ -6,6 +6,9 @@ MigrateRequest naming that worker's transfer endpoint; the KV and decoding state
 the transfer path (Transfers.start_migration). A request that is recomputing or waiting is offered
 once it is back between two decode steps. An offer nobody answers within OFFER_TIMEOUT_S fails
 "transfer_failed", as a send that fails does: its peer then resumes it elsewhere by recompute.
+When no other decode worker has room, the peer declines the offer (DeclineMigrationRequest): the
+request decodes on here from its pinned pages, nothing lost or recomputed, and is offered again
+after REOFFER_AFTER_S, so the drain completes as soon as room appears or the request ends.
 """
 
 import logging
@@ -13,13 +16,16 @@ import time
 from collections.abc import Callable
 
 from workers.engine.engine import LLMEngine
-from workers.protocol import GenerateError, GenerateOutput, MigrateRequest, WorkerOutbound
+from workers.protocol import DeclineMigrationRequest, GenerateError, GenerateOutput, MigrateRequest, WorkerOutbound
 from workers.worker.control import DRAINING, WorkerControl
 from workers.worker.transfers import Transfers
 
 log = logging.getLogger(__name__)
 
 OFFER_TIMEOUT_S = 10.0
+# A declined request is offered again after this long: often enough to leave soon after room appears
+# elsewhere, seldom enough that asking costs its stream nothing noticeable.
+REOFFER_AFTER_S = 1.0
 MIGRATE = "migrate"  # GenerateOutput.finish_reason of an offer
 
 
@@ -39,6 +45,7 @@ class Migration:
         self.owners = owners
         self.send = send
         self.offered: dict[str, tuple[bytes, float]] = {}  # request id → (owner, time.monotonic() of the offer)
+        self.declined: dict[str, float] = {}  # request id → time.monotonic() when it may be offered again
 
     @property
     def num_offered(self) -> int:
@@ -52,8 +59,9 @@ class Migration:
     def offer_due(self) -> None:
         """Offer every request that can move now, once the grace period is over; fail stale offers."""
         now = time.monotonic()
+        self.declined = {r: at for r, at in self.declined.items() if at > now and r in self.owners}
         if self.is_due:
-            for request_id in [r for r in self.owners if r in self.engine.requests]:
+            for request_id in [r for r in self.owners if r in self.engine.requests and r not in self.declined]:
                 delta = self.engine.suspend_for_migration(request_id)
                 if delta is None:
                     continue
@@ -86,6 +94,19 @@ class Migration:
             return
         owner, _ = offer
         self.transfers.start_migration(request.request_id, request.new_request_id, request.decode_endpoint, owner)
+
+    def on_decline(self, peer: bytes, request: DeclineMigrationRequest) -> None:
+        offer = self.offered.pop(request.request_id, None)
+        if offer is None:
+            message = f"request {request.request_id!r} is not offered for migration here"
+            self.send(peer, GenerateError(request.request_id, "invalid_request", message))
+            return
+        owner, _ = offer
+        self.engine.resume_suspended(request.request_id)
+        self.owners[request.request_id] = owner
+        self.declined[request.request_id] = time.monotonic() + REOFFER_AFTER_S
+        self.transfers.num_migrations_declined += 1
+        log.info("migration of %s declined: no decode worker has room; decoding it on here", request.request_id)
 
     def forget(self, request_id: str) -> bool:
         """Drop an offer (its request aborted, or the worker stopping), freeing its pages."""

@@ -53,13 +53,16 @@ class Resumption:
         self.moved: list[str] = []  # requests migrated away, whose checkpoints stay until the worker stops
 
     def took_in(self, request_id: str) -> None:
-        """A request arrived here (from prefill, or migrated): its first checkpoint."""
+        """A request arrived here (from prefill, or migrated): its first checkpoint, and its prompt's
+        tail in the store, so that a resume recomputes only what it generates from here."""
         request = self.engine.requests.get(request_id)
         if self.checkpoints is not None and request is not None:
             self.checkpoints.save(request)
+            self.engine.store_prompt_tail(request_id)
 
     def after_step(self, deltas: list[RequestDelta]) -> None:
-        """Checkpoint the requests whose tokens filled a block; forget those that ended."""
+        """Checkpoint the requests whose tokens filled a block; forget those that ended. A request
+        resumed here stores its prompt's tail once it is computed again."""
         if self.checkpoints is None:
             return
         for delta in deltas:
@@ -68,6 +71,7 @@ class Resumption:
                 self.checkpoints.delete(delta.request_id)
             else:
                 self.checkpoints.save_at_block_boundary(request)
+                self.engine.store_prompt_tail(delta.request_id)
 
     def moved_away(self, request_id: str) -> None:
         """The request migrated to another decode worker. Its checkpoint here stays until this worker

@@ -66,6 +66,7 @@ class Transfers:
         self.migrating: set[str] = set()  # of `sending`, the requests a draining decode worker hands on
         self.num_migrated_out = 0
         self.num_migrations_failed = 0
+        self.num_migrations_declined = 0  # offers the peer declined (workers.worker.migration)
         self.num_migrated_in = 0
 
     @property

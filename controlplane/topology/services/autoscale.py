@@ -12,7 +12,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from controlplane.common.errors import ConflictError
-from controlplane.telemetry.selectors import rollup_token_totals
+from controlplane.telemetry.selectors import decode_load_peak, rollup_token_totals
 from controlplane.topology import selectors
 from controlplane.topology.models import InstanceState, Node, Pool, PoolKind, ScalingAction
 from controlplane.topology.services.agents import instance_start, instances_fail_unstarted
@@ -125,7 +125,7 @@ def pool_inputs(
             for i in live
             if i.state != InstanceState.STARTING
         ]
-        demands |= decode_demands(loads, config)
+        demands |= decode_demands(loads, config, **decode_peaks(pool=pool, now=now))
     return PoolInputs(
         kind=pool.kind,
         min_instances=pool.min_instances,
@@ -141,6 +141,17 @@ def pool_inputs(
         seconds_since_last_change=_seconds_since(last_change.created_at if last_change else None, now),
         demands=demands,
     )
+
+
+def decode_peaks(*, pool: Pool, now: datetime) -> dict[str, int]:
+    """The most requests in flight and KV tokens in use the pool's decode workers held at once in each
+    whole minute of the look-back (the gateways' telemetry), as decode_demands' keyword arguments."""
+    end = now.replace(second=0, microsecond=0)
+    start = end - timedelta(minutes=settings.SLUICE_AUTOSCALE_LOOKBACK_MINUTES)
+    peak = decode_load_peak(pool=pool.name, since=start, until=end)
+    if peak is None:
+        return {}
+    return {"peak_requests_in_flight": peak.requests_in_flight, "peak_kv_tokens": peak.kv_tokens}
 
 
 def uncached_tokens_per_s(*, now: datetime) -> list[float]:

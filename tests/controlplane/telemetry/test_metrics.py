@@ -98,7 +98,9 @@ def test_worker_gauges_follow_the_heartbeats(make_heartbeat):
 
 
 def test_decode_workers_report_migrations_failovers_recomputed_tokens_and_recovery_time(make_heartbeat):
-    drained = make_heartbeat("d0", role="decode", pool="decode", num_migrated_out=6, num_migrations_failed=1)
+    drained = make_heartbeat(
+        "d0", role="decode", pool="decode", num_migrated_out=6, num_migrations_failed=1, num_migrations_declined=2
+    )
     survivor = make_heartbeat(
         "d1",
         role="decode",
@@ -115,6 +117,7 @@ def test_decode_workers_report_migrations_failovers_recomputed_tokens_and_recove
 
     assert running[("sluice:migrations_total", (("outcome", "moved"), ("worker", "d0")))] == 6
     assert running[("sluice:migrations_total", (("outcome", "failed"), ("worker", "d0")))] == 1
+    assert running[("sluice:migrations_total", (("outcome", "declined"), ("worker", "d0")))] == 2
     assert running[("sluice:migrated_in_total", (("worker", "d1"),))] == 6
     assert running[("sluice:failovers_total", (("worker", "d1"),))] == 3
     assert running[("sluice:failover_recomputed_tokens_total", (("worker", "d1"),))] == 40

@@ -10,9 +10,9 @@ from django.utils import timezone
 
 from controlplane.telemetry.collector import TelemetryCollector
 from controlplane.telemetry.latency_histogram import histogram
-from controlplane.telemetry.models import TelemetryRollup
+from controlplane.telemetry.models import DecodeLoadRollup, TelemetryRollup
 from controlplane.telemetry.selectors import rollup_series, rollup_token_totals
-from controlplane.telemetry.services import rollup_upsert
+from controlplane.telemetry.services import decode_load_rollup_upsert, rollup_upsert
 from controlplane.telemetry.windows import RequestSample
 
 pytestmark = pytest.mark.django_db
@@ -126,10 +126,15 @@ def test_the_collector_deletes_rollups_past_the_retention(clock, heartbeats):
     now = at(clock)
     write(now - timedelta(days=15))
     kept = write(now - timedelta(days=13))
+    for days in (15, 13):
+        decode_load_rollup_upsert(
+            pool="dec", minute=now - timedelta(days=days), peak_requests_in_flight=days, peak_kv_tokens=0
+        )
 
     async_to_sync(TelemetryCollector(heartbeats, clock=clock, retention=timedelta(days=14)).tick)()
 
     assert list(TelemetryRollup.objects.all()) == [kept]
+    assert list(DecodeLoadRollup.objects.values_list("peak_requests_in_flight", flat=True)) == [13]
 
 
 def test_the_default_retention_comes_from_the_settings(clock, heartbeats, settings):

@@ -10,6 +10,7 @@ from django.test import override_settings
 
 from controlplane.common.errors import DomainValidationError
 from controlplane.telemetry.models import TelemetryRollup
+from controlplane.telemetry.services import decode_load_rollup_upsert
 from controlplane.topology.models import EngineInstance, InstanceState, Node, Pool, ScalingEvent
 from controlplane.topology.services import (
     autoscale_tick,
@@ -136,6 +137,40 @@ def test_decode_sizes_on_requests_in_flight_and_kv_in_use(cluster):
     EngineInstance.objects.filter(pool=decode, state="ready").update(num_running=60)
     autoscale_tick(now=later + 2 * TICK)
     assert Pool.objects.get(pk=decode.pk).target_instances == 4
+
+
+def test_a_decode_scale_down_is_held_by_the_quota_guard_until_the_burst_leaves_the_look_back(cluster):
+    _, decode = cluster
+    pool_scale(pool=decode, target_instances=4, actor=None, reason="setup", now=START, manual=False)
+    autoscale_tick(now=START)
+    # given 4 decode workers of 64 seqs each, 16 requests in flight now, their KV nearly empty
+    register_starting(START, num_running=4, max_num_seqs=64, kv_usage=0.05, kv_capacity_tokens=10_000)
+    later = START + timedelta(seconds=PlannerConfig().scale_down_cooldown_s + 1)
+    # and, a minute before, a burst of 120 requests in flight at once (the gateways' telemetry)
+    burst = later.replace(second=0) - timedelta(minutes=1)
+    decode_load_rollup_upsert(pool=decode.name, minute=burst, peak_requests_in_flight=120, peak_kv_tokens=4_000)
+
+    # when the autoscaler ticks
+    autoscale_tick(now=later)
+
+    # then 16 in flight would let it shrink to 2, but 120 on 2 workers' 128 seqs would pass 0.8
+    assert Pool.objects.get(pk=decode.pk).target_instances == 4
+    held = ScalingEvent.objects.get(pool=decode, action="autoscale_held")
+    assert held.why["rule"] == "quota_guard" and held.why["wanted"] == 1
+    assert held.why["inputs"]["demands"]["requests_in_flight"] == {"mean": 16, "peak": 120, "per_worker": 64}
+    assert held.why["inputs"]["quota_use_after"] == pytest.approx(120 / 128)
+
+    # when it ticks again while the burst is within the look-back: still held, recorded once
+    autoscale_tick(now=later + timedelta(minutes=4))
+    assert Pool.objects.get(pk=decode.pk).target_instances == 4
+    assert ScalingEvent.objects.filter(pool=decode, action="autoscale_held").count() == 1
+
+    # and once the look-back has passed the burst, the pool shrinks (2 per window)
+    autoscale_tick(now=later + timedelta(minutes=5))
+    assert Pool.objects.get(pk=decode.pk).target_instances == 2
+    scaled = ScalingEvent.objects.filter(pool=decode, action="pool_scaled").latest("id")
+    assert scaled.why["rule"] == "scale_down"
+    assert scaled.why["inputs"]["demands"]["requests_in_flight"]["peak"] == 16
 
 
 def test_a_paused_pool_and_a_manual_scale_are_respected(cluster, make_user):

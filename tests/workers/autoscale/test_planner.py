@@ -209,6 +209,10 @@ def test_demand_signals_from_worker_reports_and_the_cost_model():
     # only the worker that reported its KV capacity counts toward KV
     assert demands["kv_tokens"] == Demand(mean=500, peak=500, per_worker=1000)
     assert decode_demands([], CONFIG) == {}
+    # the look-back's peak raises the peak, never the mean; one below the load now changes nothing
+    burst = decode_demands(workers, CONFIG, peak_requests_in_flight=40, peak_kv_tokens=300)
+    assert burst["requests_in_flight"] == Demand(mean=16, peak=40, per_worker=16)
+    assert burst["kv_tokens"] == Demand(mean=500, peak=500, per_worker=1000)
     # 2 ms a step plus 1 ms a token: a 1 s budget fits 998 tokens, computed in 1.0 s
     model = PrefillCostModel(a=0.002, b=0.001, d=0.0, e=0.0)
     assert prefill_tokens_per_s(model, budget_s=1.0, limit=4096) == pytest.approx(998 / 1.0)

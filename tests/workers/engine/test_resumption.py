@@ -16,10 +16,10 @@ MAX_TOKENS = 40
 PAGES = 1 << 22
 
 
-def engine(store=None) -> LLMEngine:
+def engine(store=None, block_tokens: int = BLOCK) -> LLMEngine:
     options = {"seed": 0, "kv_cache_bytes": PAGES}
     if store is not None:
-        options |= {"kv_store": str(store), "kv_block_tokens": BLOCK}
+        options |= {"kv_store": str(store), "kv_block_tokens": block_tokens}
     return LLM(TINY_CONFIGS["llama"], **options).engine
 
 
@@ -69,6 +69,39 @@ def test_a_request_migrated_between_decode_steps_continues_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", ["greedy", "unseeded"])
+def test_a_suspended_request_that_no_engine_takes_decodes_on_where_it_was(kind):
+    reference = engine()
+    reference.add_request("r", prompt(21, 1), PARAMS[kind])
+    expected = finish(reference)
+
+    source = engine()
+    source.add_request("r", prompt(21, 1), PARAMS[kind])
+    source.add_request("other", prompt(30, 3), PARAMS["greedy"])
+    tokens = {"r": [], "other": []}
+    while len(tokens["r"]) < 9:
+        for delta in source.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+    assert source.suspend_for_migration("r") is not None
+    export = source.export_kv("r")  # a transfer that then does not happen
+    computed = source.runner.num_computed_tokens
+    computed_tokens = len(tokens["r"]) + len(tokens["other"])
+
+    assert source.resume_suspended("r")
+    assert not source.resume_suspended("r") and not source.resume_suspended("unknown")
+    with pytest.raises(RuntimeError, match="released"):
+        export.layers[0]
+    while source.has_unfinished():
+        for delta in source.step():
+            tokens[delta.request_id].extend(delta.token_ids)
+
+    assert tokens["r"] == expected
+    assert len(tokens["other"]) == MAX_TOKENS
+    # one new token a step: nothing was recomputed, and every page came back
+    assert source.runner.num_computed_tokens - computed == 2 * MAX_TOKENS - computed_tokens
+    assert source.block_manager.num_free_pages == source.block_manager.num_usable_pages
+
+
+@pytest.mark.parametrize("kind", ["greedy", "unseeded"])
 def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recomputing_at_most_a_block(kind, tmp_path):
     lost = engine(tmp_path)
     lost.add_request("r", prompt(37, 2), PARAMS[kind])
@@ -86,6 +119,28 @@ def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recom
     stats = survivor.resume_stats
     assert stats.num_resumed == 1
     assert 0 < stats.max_recomputed_tokens <= BLOCK
+
+
+@pytest.mark.parametrize("tail_stored", [True, False])
+def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_generated_since(tail_stored, tmp_path):
+    # a prompt of 150 tokens in blocks of 64: two full blocks, then 22 tokens (one whole page) in the third
+    block = 64
+    lost = engine(tmp_path, block_tokens=block)
+    lost.add_request("r", prompt(150, 4), PARAMS["greedy"])
+    expected = run_until(lost, 1)
+    if tail_stored:
+        lost.store_prompt_tail("r")  # what a decode worker that checkpoints does when it takes a request in
+    expected += finish(lost)
+    lost.close()  # 150 + 40 tokens never fill the third block: only the tail can be fetched of it
+    delivered = expected[:29]
+
+    survivor = engine(tmp_path, block_tokens=block)
+    survivor.add_resumed_request("r2", prompt(150, 4), delivered, PARAMS["greedy"])
+    rest = finish(survivor)
+
+    assert delivered + rest == expected
+    fetched = 2 * block + (16 if tail_stored else 0)
+    assert survivor.resume_stats.max_recomputed_tokens == 150 + len(delivered) - fetched
 
 
 def test_a_resume_is_refused_for_tokens_outside_the_vocabulary_a_finished_request_or_an_unseeded_sampler():

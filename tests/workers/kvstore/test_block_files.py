@@ -5,11 +5,13 @@ import logging
 import multiprocessing
 import os
 import random
+import struct
 import time
 from collections.abc import Callable
-from hashlib import blake2b
+from hashlib import blake2b, sha256
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -53,6 +55,40 @@ def test_write_accepts_a_numpy_buffer_and_an_empty_payload(files: BlockFiles) ->
     assert bytes(files.read(key(2))) == b""
 
 
+def test_a_payload_is_read_into_the_buffer_the_reader_names_or_not_at_all(files: BlockFiles) -> None:
+    k = key(1)
+    files.write(k, payload(k), META)
+    buffer = np.zeros(4096, dtype=np.uint8)
+
+    got = files.read(k, into=lambda size: memoryview(buffer) if size == buffer.nbytes else None)
+
+    assert got.obj is buffer and buffer.tobytes() == payload(k)
+    # a reader that wants no payload of that size gets a miss, and the sound file stays
+    assert files.read(k, into=lambda size: None) is None
+    assert files.read(k) == payload(k)
+
+
+def version_1_file(files: BlockFiles, k: bytes, data: bytes) -> Path:
+    """A block file as version 1 wrote it: the first 16 bytes of SHA-256 over meta + payload."""
+    meta = msgspec.msgpack.encode({"key": k, "meta": msgspec.to_builtins(META)})
+    checksum = sha256(meta + data).digest()[:16]
+    path = files.path(k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<4sHIQ16s", b"SKVB", 1, len(meta), len(data), checksum) + meta + data)
+    return path
+
+
+def test_a_version_1_file_is_still_read_and_its_corruption_still_caught(files: BlockFiles) -> None:
+    k = key(1)
+    path = version_1_file(files, k, payload(k))
+    assert files.read(k) == payload(k)
+    assert [found for found, *_ in files.scan()] == [k]
+
+    flip_byte(-100)(path)
+
+    assert files.read(k) is None and not path.exists()
+
+
 def test_write_leaves_an_existing_file(files: BlockFiles) -> None:
     k = key(1)
     size = files.write(k, payload(k), META)
@@ -89,7 +125,8 @@ def flip_byte(offset: int) -> Callable[[Path], None]:
     return flip
 
 
-# Header offsets: magic 0-3, version 4-5, meta length 6-9, payload length 10-17, checksum 18-33, meta 34-.
+# Header offsets: magic 0-3, version 4-5, meta length 6-9, payload length 10-17, checksum 18-33 (version 2:
+# CRC-32 in 18-21), meta 34-.
 CORRUPTIONS = {
     "truncated payload": truncate_payload,
     "truncated header": truncate_header,
