@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
@@ -40,6 +41,12 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 def engine(store_dir=None, **overrides) -> LLM:
     options = {"seed": 0, "kv_cache_bytes": 1 << 24, "kv_block_tokens": BLOCK, **overrides}
     return LLM(CONFIG, kv_store=store_dir, **options)
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
 
 
 def run(llm: LLM, prompts, params=GREEDY, **kwargs):
@@ -199,13 +206,14 @@ def test_a_hinted_prefix_survives_gc_pressure_that_evicts_an_unhinted_one(tmp_pa
     assert [result.num_cached_tokens for result in again] == [128, 0]
 
 
-def test_usage_counts_the_prompt_tokens_stored_under_each_hint_and_a_hit_renews_them(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # on CUDA, hinted blocks go through pinned staging buffers
+def test_usage_counts_the_prompt_tokens_stored_under_each_hint_and_a_hit_renews_them(tmp_path, device):
     tokens = prompt(150, seed=22)
     hints = [CacheHint(prefix_tokens=70, retain_s=3600), CacheHint(prefix_tokens=150, retain_s=300)]
 
-    first = run(engine(tmp_path), [tokens], SHORT, cache_hints=hints)[0]
+    first = run(engine(tmp_path, device=device), [tokens], SHORT, cache_hints=hints)[0]
     stored_until = {entry.depth: entry.retain_until for entry in open_store(tmp_path).index.entries()}
-    reader = engine(tmp_path)
+    reader = engine(tmp_path, device=device)
     before = time.time()
     second = run(reader, [tokens], SHORT, cache_hints=hints)[0]
     after = time.time()

@@ -6,6 +6,7 @@ request is given a seed at admission; a resume recomputes only what the store do
 import random
 
 import pytest
+import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, InvalidRequestError, SamplingParams
@@ -16,8 +17,10 @@ MAX_TOKENS = 40
 PAGES = 1 << 22
 
 
-def engine(store=None, block_tokens: int = BLOCK) -> LLMEngine:
-    options = {"seed": 0, "kv_cache_bytes": PAGES}
+def engine(store=None, block_tokens: int = BLOCK, device: str = "cpu") -> LLMEngine:
+    options = {"seed": 0, "kv_cache_bytes": PAGES, "device": device}
+    if device == "cuda":
+        options["dtype"] = "float32"  # greedy tokens equal across a resume's recompute
     if store is not None:
         options |= {"kv_store": str(store), "kv_block_tokens": block_tokens}
     return LLM(TINY_CONFIGS["llama"], **options).engine
@@ -121,11 +124,20 @@ def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recom
     assert 0 < stats.max_recomputed_tokens <= BLOCK
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # on CUDA the tail goes through a pinned staging buffer
 @pytest.mark.parametrize("tail_stored", [True, False])
-def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_generated_since(tail_stored, tmp_path):
+def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_generated_since(
+    tail_stored, device, tmp_path
+):
     # a prompt of 150 tokens in blocks of 64: two full blocks, then 22 tokens (one whole page) in the third
     block = 64
-    lost = engine(tmp_path, block_tokens=block)
+    lost = engine(tmp_path, block_tokens=block, device=device)
     lost.add_request("r", prompt(150, 4), PARAMS["greedy"])
     expected = run_until(lost, 1)
     if tail_stored:
@@ -134,7 +146,7 @@ def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_
     lost.close()  # 150 + 40 tokens never fill the third block: only the tail can be fetched of it
     delivered = expected[:29]
 
-    survivor = engine(tmp_path, block_tokens=block)
+    survivor = engine(tmp_path, block_tokens=block, device=device)
     survivor.add_resumed_request("r2", prompt(150, 4), delivered, PARAMS["greedy"])
     rest = finish(survivor)
 
