@@ -177,6 +177,10 @@ SLUICE_INSTANCE_START_TIMEOUT_S = float(os.environ.get("SLUICE_INSTANCE_START_TI
 SLUICE_NODE_RUNTIME_DIR = os.environ.get("SLUICE_NODE_RUNTIME_DIR", str(VAR_DIR / "node"))
 SLUICE_REGISTRY_ENDPOINT = os.environ.get("SLUICE_REGISTRY_ENDPOINT", f"ipc://{VAR_DIR / 'registry'}")
 SLUICE_NODE_WORKER_OPTIONS = os.environ.get("SLUICE_NODE_WORKER_OPTIONS", "")
+# The name or address other hosts reach this node by: set, the agent's workers listen on tcp ports
+# and register under it (reachable across hosts, CURVE with SLUICE_CURVE_KEY_FILE); empty, ipc sockets
+# in SLUICE_NODE_RUNTIME_DIR (this host only).
+SLUICE_NODE_ADVERTISE_HOST = os.environ.get("SLUICE_NODE_ADVERTISE_HOST", "")
 # Seconds a stopped worker gets to exit after its shutdown request, then again after SIGTERM.
 SLUICE_NODE_STOP_GRACE_S = float(os.environ.get("SLUICE_NODE_STOP_GRACE_S", 10))
 # The cluster's CURVE key file (README, "Data-plane keys"; workers.curve), read by the processes that

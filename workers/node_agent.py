@@ -8,6 +8,7 @@ reaped by `reap()`, which the owner calls periodically (or `start_reaper()` does
 
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers import curve
 from workers.control_client import ControlRejectedError, ControlTimeoutError, new_command_id, send_control
 from workers.protocol import ShutdownRequest
 
@@ -65,11 +67,15 @@ class NodeAgent:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         curve_key_file: str = "",
+        advertise_host: str = "",
     ) -> None:
         """`worker_options(role)`: the engine and worker flags this host gives a worker of that role
         (device, KV cache size, KV store...); the agent adds identity, pool, model and endpoints, and
         `curve_key_file`, the agent's own copy of the cluster's CURVE key (workers.curve), which its
-        workers need to register with a registry on the network."""
+        workers need to register with a registry on the network. `advertise_host`: the name or
+        address other hosts reach this one by; its workers then listen on tcp ports of every
+        interface and register under that name, so gateways and prefill workers elsewhere reach
+        them (which needs the key). Empty: ipc sockets in `runtime_dir`, reachable from this host only."""
         self.runtime_dir = runtime_dir
         self.registry_endpoint = registry_endpoint
         self.worker_options = worker_options
@@ -77,6 +83,7 @@ class NodeAgent:
         self.env = env
         self.cwd = cwd
         self.curve_key_file = curve_key_file
+        self.advertise_host = advertise_host
         self._held: dict[int, _Held] = {}
         self._lock = threading.Lock()
 
@@ -94,8 +101,13 @@ class NodeAgent:
         with self._lock:
             if launch.instance_id in self._held:
                 raise ValueError(f"instance {launch.instance_id} already has a process here")
-        base = f"ipc://{self.runtime_dir}/{launch.worker_id}"
-        requests, heartbeats = f"{base}.req", f"{base}.hb"
+        kinds = ("req", "hb", "kv") if launch.role == "decode" else ("req", "hb")
+        if self.advertise_host:
+            ports = [_free_tcp_port() for _ in kinds]
+            binds = [f"tcp://*:{port}" for port in ports]
+            reached = [f"tcp://{self.advertise_host}:{port}" for port in ports]
+        else:
+            binds = reached = [f"ipc://{self.runtime_dir}/{launch.worker_id}.{kind}" for kind in kinds]
         argv = [
             sys.executable,
             "-m",
@@ -105,14 +117,15 @@ class NodeAgent:
             f"--role={launch.role}",
             f"--pool={launch.pool}",
             f"--worker-id={launch.worker_id}",
-            f"--request-endpoint={requests}",
-            f"--heartbeat-endpoint={heartbeats}",
+            f"--request-endpoint={binds[0]}",
+            f"--heartbeat-endpoint={binds[1]}",
             f"--registry-endpoint={self.registry_endpoint}",
-            *([f"--transfer-endpoint={base}.kv"] if launch.role == "decode" else []),
+            *([f"--transfer-endpoint={binds[2]}"] if launch.role == "decode" else []),
+            *([f"--advertise-host={self.advertise_host}"] if self.advertise_host else []),
             *([f"--curve-key-file={self.curve_key_file}"] if self.curve_key_file else []),
         ]
         process = subprocess.Popen(argv, env=self.env, cwd=self.cwd)
-        started = StartedWorker(pid=process.pid, request_endpoint=requests, heartbeat_endpoint=heartbeats)
+        started = StartedWorker(pid=process.pid, request_endpoint=reached[0], heartbeat_endpoint=reached[1])
         with self._lock:
             self._held[launch.instance_id] = _Held(launch, process, started)
         log.info("started worker %s (pid %d) for pool %s", launch.worker_id, process.pid, launch.pool)
@@ -132,8 +145,9 @@ class NodeAgent:
                     held.started.request_endpoint,
                     ShutdownRequest(command_id=new_command_id()),
                     timeout_s=min(SHUTDOWN_ACK_TIMEOUT_S, grace_s),
+                    key=curve.load_key_file(self.curve_key_file) if self.curve_key_file else None,
                 )
-            except (ControlTimeoutError, ControlRejectedError) as error:
+            except (ControlTimeoutError, ControlRejectedError, curve.CurveError) as error:
                 log.warning("worker %s did not take its shutdown (%s); terminating it", held.launch.worker_id, error)
         code = _wait_or_kill(held.process, grace_s)
         self._forget(instance_id, code)
@@ -171,6 +185,14 @@ class NodeAgent:
         if not held.stop_requested:
             log.error("worker %s (pid %d) exited with code %d", held.launch.worker_id, held.started.pid, code)
         self.on_exit(instance_id, code, held.stop_requested)
+
+
+def _free_tcp_port() -> int:
+    """A tcp port no socket of this host holds now. The worker binds it a moment later; should
+    another process take it first, the worker exits and its instance fails, to be started again."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def _wait_or_kill(process: subprocess.Popen, grace_s: float) -> int:

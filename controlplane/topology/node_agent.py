@@ -42,6 +42,7 @@ def node_agent() -> NodeAgent:
                 on_exit=record_exit,
                 cwd=Path(settings.BASE_DIR),
                 curve_key_file=settings.SLUICE_CURVE_KEY_FILE,
+                advertise_host=settings.SLUICE_NODE_ADVERTISE_HOST,
             )
             _agent.start_reaper(threading.Event())
         return _agent

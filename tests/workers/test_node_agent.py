@@ -53,3 +53,50 @@ def test_a_worker_the_agent_starts_registers_over_curve_with_the_agents_key_file
     assert registration.worker_id == "agent-worker"
     assert registration.request_endpoint == f"ipc://{tmp_path}/run/agent-worker.req"
     assert exits == [(1, 0, True)]
+
+
+def test_with_an_advertise_host_the_agents_worker_listens_on_tcp_and_stops_over_curve(tmp_path):
+    # given an agent told the name other hosts reach it by, with the cluster's key
+    key_file = tmp_path / "cluster.key"
+    curve.write_key_file(key_file, curve.generate_key(1))
+    key = curve.load_key_file(key_file)
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps(CONFIG))
+    recorder = Recorder()
+    context = zmq.Context()
+    registry = RegistryServer(
+        "tcp://127.0.0.1:0",
+        on_register=recorder.on_register,
+        on_heartbeat=recorder.heartbeats.append,
+        on_silence=recorder.silences.append,
+        context=context,
+        key=key,
+    )
+    registry.start()
+    exits = []
+    agent = NodeAgent(
+        runtime_dir=tmp_path / "run",
+        registry_endpoint=registry.bound_endpoint,
+        worker_options=lambda role: ["--kv-cache-bytes", str(1 << 24)],
+        on_exit=lambda *exit: exits.append(exit),
+        cwd=REPO_ROOT,
+        curve_key_file=str(key_file),
+        advertise_host="127.0.0.1",
+    )
+    try:
+        # when it starts a decode worker and, once registered, stops it
+        started = agent.start(WorkerLaunch(2, "agent-decode", "decode", "decode", str(model)))
+        wait_until(lambda: recorder.registrations or exits, timeout_s=STARTUP_TIMEOUT_S)
+        [registration] = recorder.registrations
+        code = agent.stop(2, grace_s=10)
+    finally:
+        agent.stop_all(grace_s=10)
+        registry.stop()
+        context.term()
+
+    # then every endpoint is a tcp port advertised under that name, the agent knows where its request
+    # socket is, and the worker took the shutdown it was sent over CURVE (exit 0, not a signal)
+    endpoints = [registration.request_endpoint, registration.heartbeat_endpoint, registration.transfer_endpoint]
+    assert all(endpoint.startswith("tcp://127.0.0.1:") for endpoint in endpoints)
+    assert started.request_endpoint == registration.request_endpoint
+    assert code == 0 and exits == [(2, 0, True)]
