@@ -41,6 +41,7 @@ import msgspec
 
 from workers.block_hash import BlockHash
 from workers.fsync import fsync_path
+from workers.kvstore.index import BlockEntry
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,19 @@ class BlockMeta(msgspec.Struct, frozen=True, kw_only=True):
     # A cache hint's retain_until when the block was written (later hints extend it in the index
     # only): an index rebuilt from the files, or one that finds the block in the directory, keeps it.
     retain_until: float = 0.0
+
+    def index_entry(self, key: BlockHash, size: int, *, last_access: float, hit_count: int = 0) -> BlockEntry:
+        """The index entry of this block, found in the directory rather than written through the index."""
+        return BlockEntry(
+            key=key,
+            size=size,
+            traffic_class=self.traffic_class,
+            depth=self.depth,
+            created_at=self.created_at,
+            last_access=last_access,
+            hit_count=hit_count,
+            retain_until=self.retain_until,
+        )
 
 
 class _FileMeta(msgspec.Struct, frozen=True):

@@ -50,16 +50,9 @@ class DirectoryIndex(MemoryIndex):
                 header = files.stat(key)
                 if header is not None:
                     meta, size, mtime = header
+                    read_since = mtime > meta.created_at + SAME_TIME_S
                     found.append(
-                        BlockEntry(
-                            key=key,
-                            size=size,
-                            traffic_class=meta.traffic_class,
-                            depth=meta.depth,
-                            created_at=meta.created_at,
-                            last_access=max(mtime, meta.created_at),
-                            hit_count=1 if mtime > meta.created_at + SAME_TIME_S else 0,
-                        )
+                        meta.index_entry(key, size, last_access=max(mtime, meta.created_at), hit_count=int(read_since))
                     )
             elif mtime > entry.last_access + SAME_TIME_S:
                 self.touch([key], mtime)

@@ -47,22 +47,12 @@ class KVStore:
         if not self.fall_back_to_files:
             return matched
         found = []
-        for depth, key in enumerate(keys[matched:], start=matched):
+        for key in keys[matched:]:
             header = self.files.stat(key)
             if header is None:
                 break
             meta, size, mtime = header
-            found.append(
-                BlockEntry(
-                    key=key,
-                    size=size,
-                    traffic_class=meta.traffic_class,
-                    depth=depth,
-                    created_at=meta.created_at,
-                    last_access=mtime,
-                    retain_until=meta.retain_until,
-                )
-            )
+            found.append(meta.index_entry(key, size, last_access=mtime))
         if found:
             self.index.add(found)
         return matched + len(found)
@@ -180,18 +170,5 @@ def open_store(directory: Path, index_url: str = "memory", *, fsync: bool = Fals
     index = open_index(index_url)
     if isinstance(index, MemoryIndex):
         found = sorted(files.scan(), key=lambda block: block[3])
-        index.add(
-            [
-                BlockEntry(
-                    key=key,
-                    size=size,
-                    traffic_class=meta.traffic_class,
-                    depth=meta.depth,
-                    created_at=meta.created_at,
-                    last_access=mtime,
-                    retain_until=meta.retain_until,
-                )
-                for key, meta, size, mtime in found
-            ]
-        )
+        index.add([meta.index_entry(key, size, last_access=mtime) for key, meta, size, mtime in found])
     return KVStore(files, index, fall_back_to_files=isinstance(index, MemoryIndex))

@@ -122,12 +122,10 @@ def test_it_expires_evicts_in_the_policy_order_and_removes_stale_checkpoints(sto
         os.utime(left_by_a_killed_writer, (time.time() - 600, time.time() - 600))
         wait_until(lambda: key("chat-0") not in store.blocks() and not stale.exists())
 
-        # then the expired block is gone, the retained one stays where the index records hints (not in
-        # processes' own indexes), and of the checkpoints only the fresh one is left
-        retained = store.client_index != "memory"
-        if not retained:
-            wait_until(lambda: key("chat-1") not in store.blocks())
-        assert store.blocks() == ({key("chat-1")} if retained else set())
+        # then the expired block is gone, the retained one stays (its hint is in the block file, so a
+        # GC beside processes with indexes of their own spares it too), and of the checkpoints only the
+        # fresh one is left
+        assert store.blocks() == {key("chat-1")}
         assert sorted(checkpoints.iterdir()) == [fresh]
 
         # when a reads its chain's head, writes on, and b's chain fills the store past its high watermark
@@ -136,14 +134,12 @@ def test_it_expires_evicts_in_the_policy_order_and_removes_stale_checkpoints(sto
         assert b.read([key("a0"), key("a1")]) == 2
         for depth in range(2, 5):
             a.write(key(f"a{depth}"), depth)
-        filler = 0 if retained else 1  # where no block is retained, one more takes its place
-        for depth in range(5 + filler):
+        for depth in range(5):
             b.write(key(f"b{depth}"), depth)
 
         # then it evicts down to the low watermark: the two least recent blocks never hit (the
         # segmented LRU keeps a0 and a1, which b read, though they are older)
-        survivors = {key(f"a{i}") for i in (0, 1, 4)} | {key(f"b{i}") for i in range(5 + filler)}
-        survivors |= {key("chat-1")} if retained else set()
+        survivors = {key(f"a{i}") for i in (0, 1, 4)} | {key(f"b{i}") for i in range(5)} | {key("chat-1")}
         wait_until(lambda: store.blocks() == survivors)
         assert "evicted 2," in gc.log.read_text()
     finally:
