@@ -3,7 +3,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from controlplane.common.errors import ConflictError, DomainValidationError
-from controlplane.topology.models import Cluster, EngineInstance, Node, Pool, ScalingEvent
+from controlplane.topology.models import Cluster, DataPlaneKey, EngineInstance, Node, Pool, ScalingEvent
 from controlplane.topology.services import instance_drain, instance_stop, pool_create, pool_update_bounds
 
 
@@ -107,4 +107,23 @@ class ScalingEventAdmin(admin.ModelAdmin):
         return False
 
     def has_delete_permission(self, request: HttpRequest, obj: ScalingEvent | None = None) -> bool:
+        return False
+
+
+@admin.register(DataPlaneKey)
+class DataPlaneKeyAdmin(admin.ModelAdmin):
+    """Which key versions exist and their public halves; keys are made by `create_data_plane_key` and
+    the secret half never reaches a page."""
+
+    list_display = ["version", "public_key", "created_at"]
+    fields = ["version", "public_key", "created_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: DataPlaneKey | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: DataPlaneKey | None = None) -> bool:
         return False

@@ -1,11 +1,13 @@
 """The Django admin: every model of ours is registered and its pages render for an admin; scaling
-events are read-only there; a tenant-role user cannot get in."""
+events and data-plane keys are read-only there (no key's secret on any page); a tenant-role user cannot get in."""
 
 import pytest
 from django.contrib import admin
 from django.urls import reverse
+from django.utils.html import escape
 
-from controlplane.topology.models import ScalingEvent
+from controlplane.topology.models import DataPlaneKey, ScalingEvent
+from controlplane.topology.services import data_plane_key_create
 
 OUR_APPS = {"tenants", "topology", "policies"}
 
@@ -55,3 +57,17 @@ def test_a_tenant_role_user_cannot_open_the_admin(client, make_user):
     response = client.get(reverse("admin:topology_pool_changelist"))
 
     assert response.status_code in (302, 403)
+
+
+def test_the_data_plane_key_pages_show_the_public_half_and_never_the_secret(client, django_user_model):
+    key = data_plane_key_create()
+    client.force_login(django_user_model.objects.create_superuser("root", password="pw"))
+
+    changelist = client.get(reverse("admin:topology_dataplanekey_changelist"))
+    change = client.get(reverse("admin:topology_dataplanekey_change", args=[key.pk]))
+    delete = client.post(reverse("admin:topology_dataplanekey_delete", args=[key.pk]), {"post": "yes"})
+
+    pages = changelist.content.decode() + change.content.decode()
+    assert pages.count(escape(key.public_key)) >= 2  # Z85 has characters HTML escapes
+    assert key.secret_key not in pages and escape(key.secret_key) not in pages
+    assert delete.status_code == 403 and DataPlaneKey.objects.filter(pk=key.pk).exists()
