@@ -86,22 +86,25 @@ class Migration:
                 self.send(owner, GenerateError(request_id, "transfer_failed", message))
         self.control.check_drained()
 
-    def on_migrate(self, peer: bytes, request: MigrateRequest) -> None:
-        offer = self.offered.pop(request.request_id, None)
+    def _take_offer(self, peer: bytes, request_id: str) -> bytes | None:
+        """The owner of an offered request, withdrawn from the offers; None (the peer told) if none."""
+        offer = self.offered.pop(request_id, None)
         if offer is None:
-            message = f"request {request.request_id!r} is not offered for migration here"
-            self.send(peer, GenerateError(request.request_id, "invalid_request", message))
+            message = f"request {request_id!r} is not offered for migration here"
+            self.send(peer, GenerateError(request_id, "invalid_request", message))
+            return None
+        return offer[0]
+
+    def on_migrate(self, peer: bytes, request: MigrateRequest) -> None:
+        owner = self._take_offer(peer, request.request_id)
+        if owner is None:
             return
-        owner, _ = offer
         self.transfers.start_migration(request.request_id, request.new_request_id, request.decode_endpoint, owner)
 
     def on_decline(self, peer: bytes, request: DeclineMigrationRequest) -> None:
-        offer = self.offered.pop(request.request_id, None)
-        if offer is None:
-            message = f"request {request.request_id!r} is not offered for migration here"
-            self.send(peer, GenerateError(request.request_id, "invalid_request", message))
+        owner = self._take_offer(peer, request.request_id)
+        if owner is None:
             return
-        owner, _ = offer
         self.engine.resume_suspended(request.request_id)
         self.owners[request.request_id] = owner
         self.declined[request.request_id] = time.monotonic() + REOFFER_AFTER_S
