@@ -51,6 +51,21 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(length)]
 
 
+def rejection(worker, request: GenerateRequest) -> RequestRejectedError:
+    """The error the worker answers `request` with (the test fails if it answers with outputs)."""
+
+    async def run():
+        client = await connected_client(worker.endpoints)
+        try:
+            with pytest.raises(RequestRejectedError) as rejected:
+                await collect(client, request)
+            return rejected.value
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     process = start_worker(tmp_path_factory.mktemp("w"), "main")
@@ -186,47 +201,19 @@ def test_malformed_frames_are_answered_and_the_worker_keeps_serving(worker, fram
     ids=["prompt-past-window", "token-past-vocab", "negative-token", "max-tokens-past-window"],
 )
 def test_invalid_requests_are_rejected(worker, prompt, params, message):
-    async def run():
-        client = await connected_client(worker.endpoints)
-        try:
-            with pytest.raises(RequestRejectedError) as rejected:
-                await collect(client, GenerateRequest("invalid", prompt, params))
-            return rejected.value
-        finally:
-            await client.close()
-
-    error = asyncio.run(run())
+    error = rejection(worker, GenerateRequest("invalid", prompt, params))
     assert error.kind == "invalid_request" and message in error.message
 
 
 def test_a_cache_hint_past_the_prompt_is_rejected(worker):
     request = GenerateRequest("hinted", [1, 2, 3], greedy(2), cache_hints=(CacheHint(prefix_tokens=4, retain_s=300),))
 
-    async def run():
-        client = await connected_client(worker.endpoints)
-        try:
-            with pytest.raises(RequestRejectedError) as rejected:
-                await collect(client, request)
-            return rejected.value
-        finally:
-            await client.close()
-
-    error = asyncio.run(run())
+    error = rejection(worker, request)
     assert error.kind == "invalid_request" and "a cache hint covers 1 to 3 tokens" in error.message
 
 
 def test_a_constraint_needs_a_tokenizer(worker):
-    async def run():
-        client = await connected_client(worker.endpoints)
-        try:
-            request = GenerateRequest("json", [1, 2], greedy(4), constraint=OutputConstraintSpec("json", ""))
-            with pytest.raises(RequestRejectedError) as rejected:
-                await collect(client, request)
-            return rejected.value
-        finally:
-            await client.close()
-
-    error = asyncio.run(run())
+    error = rejection(worker, GenerateRequest("json", [1, 2], greedy(4), constraint=OutputConstraintSpec("json", "")))
     assert error.kind == "invalid_constraint" and "tokenizer" in error.message
 
 
