@@ -64,6 +64,9 @@ class BlockMeta(msgspec.Struct, frozen=True, kw_only=True):
     # A cache hint's retain_until when the block was written (later hints extend it in the index
     # only): an index rebuilt from the files, or one that finds the block in the directory, keeps it.
     retain_until: float = 0.0
+    # The writing request's prompt shared no full block with a cache (BlockEntry.new_chain), which
+    # the eviction policy ranks by: an index rebuilt from the files ranks the block as before.
+    new_chain: bool = False
 
     def index_entry(self, key: BlockHash, size: int, *, last_access: float, hit_count: int = 0) -> BlockEntry:
         """The index entry of this block, found in the directory rather than written through the index."""
@@ -76,6 +79,7 @@ class BlockMeta(msgspec.Struct, frozen=True, kw_only=True):
             last_access=last_access,
             hit_count=hit_count,
             retain_until=self.retain_until,
+            new_chain=self.new_chain,
         )
 
 

@@ -95,7 +95,9 @@ class KVStore:
             self.retain([key], retain_until)
             return False
         now = self.clock()
-        meta = BlockMeta(traffic_class=traffic_class, depth=depth, created_at=now, retain_until=retain_until)
+        meta = BlockMeta(
+            traffic_class=traffic_class, depth=depth, created_at=now, retain_until=retain_until, new_chain=new_chain
+        )
         size = self.files.write(key, payload, meta)
         entry = BlockEntry(
             key=key,

@@ -87,16 +87,17 @@ def test_expiry_finds_entries_that_came_in_out_of_order(tmp_path: Path) -> None:
     assert [entry.key for entry in expired] == [key(2)]
 
 
-def test_reconcile_keeps_the_retention_hint_a_block_was_written_under(tmp_path: Path) -> None:
-    # given a hinted and an unhinted block written by a process with an index of its own
+def test_reconcile_keeps_the_retention_hint_and_chain_a_block_was_written_under(tmp_path: Path) -> None:
+    # given a hinted block of a new chain and an unhinted one, written by a process with an index of its own
     other = open_store(tmp_path)
-    other.write(key(1), b"x" * 100, depth=0, traffic_class="chat", retain_until=time.time() + 3600)
+    other.write(key(1), b"x" * 100, depth=0, traffic_class="chat", retain_until=time.time() + 3600, new_chain=True)
     other.write(key(2), b"y" * 100, depth=1, traffic_class="chat")
     index = DirectoryIndex()
 
     # when the store's GC index meets the directory
     index.reconcile(BlockFiles(tmp_path))
 
-    # then the hinted block is retained there too, so the GC spares it
+    # then the hinted block is retained there too, so the GC spares it, and each keeps its chain's kind
     assert index.get(key(1)).retain_until == other.index.get(key(1)).retain_until > 0
     assert index.get(key(2)).retain_until == 0.0
+    assert (index.get(key(1)).new_chain, index.get(key(2)).new_chain) == (True, False)
