@@ -108,3 +108,28 @@ def test_bfloat16_smollm2_shape_decodes_with_graphs():
     # bf16 rounding can flip a near-tie between the two paths; the sequences must still agree mostly.
     same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
     assert same >= 40
+
+
+def test_a_long_prompt_prepared_ahead_of_a_busy_device_keeps_its_inputs():
+    """A long prompt's chunks sample nothing, so the host launches them back to back without waiting
+    for the device. With the device held back by a long kernel, a chunk's inputs are copied only after
+    the host prepared later chunks: those must not overwrite inputs still to be copied (served on an
+    H100, this crashed the worker after bursts, on an 8k prompt: embedding indices out of bounds)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompt = [(i * 7 + 3) % 128 for i in range(240)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for held_back in (False, True):
+        engine = LLM(TINY_CONFIGS["llama"], device="cuda", dtype="float32", seed=0, max_num_batched_tokens=16).engine
+        engine.add_request("long", prompt, params)
+        torch.cuda.synchronize()
+        if held_back:
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued before the first chunk
+        out = []
+        while engine.has_unfinished():
+            out += [token for delta in engine.step() for token in delta.token_ids]
+            if not held_back:
+                torch.cuda.synchronize()
+        tokens[held_back] = out
+    assert len(tokens[False]) == 8
+    assert tokens[True] == tokens[False]

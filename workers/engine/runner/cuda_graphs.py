@@ -67,8 +67,7 @@ class DecodeGraphs:
                 self._capture(bucket, mode)
 
     def _capture(self, bucket: _Bucket, mode: str) -> None:
-        _, packed = self.batch.prepare(StepPlan.empty(), SchedulerOutput(), RequestStates(), pad_to=bucket.size)
-        bucket.buffer.copy_(packed)
+        self.batch.prepare(StepPlan.empty(), SchedulerOutput(), RequestStates(), pad_to=bucket.size, out=bucket.buffer)
         inputs = self.batch.step_inputs(bucket.layout, bucket.buffer, decode_only=True, max_query_len=1)
         self.forward(inputs, mode)  # warm-up: compiles kernels, fills lazy caches, outside the graph
         torch.cuda.synchronize(self.device)
@@ -87,7 +86,6 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b.size >= len(plan.rows))
         if plan.mode not in bucket.graphs:
             self._capture(bucket, plan.mode)
-        _, packed = self.batch.prepare(plan, output, states, pad_to=bucket.size)
-        bucket.buffer.copy_(packed, non_blocking=True)
+        self.batch.prepare(plan, output, states, pad_to=bucket.size, out=bucket.buffer)
         bucket.graphs[plan.mode].replay()
         return bucket.outputs[plan.mode]

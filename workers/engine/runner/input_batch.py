@@ -148,13 +148,9 @@ class InputBatch:
         self.extras: SamplingExtras | None = None
         # Whether last_tokens[row] holds the token at the row's next position (the row sampled last).
         self.token_on_device = np.zeros(size, dtype=bool)
-        # Pinned staging, two of each used in turn: with async scheduling the host fills step N+1's
-        # while step N's copies may still be queued; step N-1's have finished by then.
-        self._changed_index = [torch.empty(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._changed_rows = [torch.empty_like(self.tables_host, pin_memory=pin) for _ in range(2)]
-        self._staging = [torch.empty(0, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # Pinned staging the host fills while the device may still be copying out of the other slot.
+        self._staging = [_StagingSlot(size, self.tables_host, pin) for _ in range(2)]
         self._turn = 0
-        self._pin = pin
         # Each row's last sampled token, written on the device by every step that samples for it.
         self.last_tokens = torch.zeros(size, dtype=torch.int64, device=device)
         # Seeds for requests that have none: reproducible for a given engine seed and arrival order.
@@ -258,21 +254,22 @@ class InputBatch:
         states: RequestStates,
         *,
         pad_to: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[PackedLayout, torch.Tensor]:
-        """Send the changed block-table rows to the device, and fill the step's packed host buffer (a
-        pinned int64 tensor). `pad_to` pads a decode step to a graph bucket with sequences of length 0
-        on the padding row."""
+        """Send the changed block-table rows to the device, fill the step's packed buffer and send it in
+        one host-to-device copy: into `out` (a device buffer of the layout's size, such as a CUDA
+        graph's static input) or a new device tensor, returned. `pad_to` pads a decode step to a graph
+        bucket with sequences of length 0 on the padding row."""
         self._turn ^= 1
-        self._send_changed_rows()
+        slot = self._staging[self._turn]
+        slot.wait_until_sent()
+        self._send_changed_rows(slot)
         n = len(plan.rows)
         num_tokens = plan.num_tokens
         num_samples = len(plan.sampling)
         layout = PackedLayout(pad_to or num_tokens, pad_to or n, pad_to or num_samples)
-        staging = self._staging[self._turn]
-        if staging.numel() < layout.size:
-            size = max(layout.size, 2 * staging.numel())
-            staging = self._staging[self._turn] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
-        packed = staging[: layout.size].numpy()
+        staged = slot.packed(layout.size)
+        packed = staged.numpy()
         fields = {name: packed[cut] for name, cut in layout.slices.items()}
         rows, counts, starts = plan.rows, plan.counts, plan.starts
         seq_of_token = np.repeat(np.arange(n), counts)
@@ -300,7 +297,12 @@ class InputBatch:
         # After this step, the rows that sample hold their next token on the device.
         self.token_on_device[rows] = False
         self.token_on_device[sample_rows] = True
-        return layout, staging[: layout.size]
+        if out is None:
+            sent = staged.to(self.device, non_blocking=True)
+        else:
+            sent = out.copy_(staged, non_blocking=True)
+        slot.sent()
+        return layout, sent
 
     def _fill_tokens(
         self,
@@ -341,17 +343,16 @@ class InputBatch:
         for name in ("frequency_penalty", "presence_penalty"):
             fields[name].view(np.float64)[samples:] = 0.0
 
-    def _send_changed_rows(self) -> None:
+    def _send_changed_rows(self, slot: "_StagingSlot") -> None:
         if not self._changed:
             return
         changed = sorted(self._changed)
         self._changed.clear()
-        if len(changed) * 2 > self.max_rows:
-            self.tables.copy_(self.tables_host, non_blocking=True)
-            return
-        index = self._changed_index[self._turn][: len(changed)]
+        # Staged, never copied from tables_host itself: the host changes it for the next step while
+        # this copy may still be queued behind the running step.
+        index = slot.changed_index[: len(changed)]
         index.numpy()[:] = changed
-        staged = torch.index_select(self.tables_host, 0, index, out=self._changed_rows[self._turn][: len(changed)])
+        staged = torch.index_select(self.tables_host, 0, index, out=slot.changed_rows[: len(changed)])
         self.tables.index_copy_(0, index.to(self.device, non_blocking=True), staged.to(self.device, non_blocking=True))
 
     def step_inputs(
@@ -381,3 +382,35 @@ class InputBatch:
     def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
         """Keep each sampling sequence's token on the device for the row's next step."""
         self.last_tokens.index_copy_(0, inputs.sample_rows, tokens)
+
+
+class _StagingSlot:
+    """Pinned host buffers of one step's copies to the device: the changed block-table rows and the
+    packed step buffer. Asynchronous copies read them when the device gets to them, which can be
+    steps after the host queued them (steps that sample nothing never wait for the device), so a
+    slot is filled again only once the copies of its last use have run (`wait_until_sent`)."""
+
+    def __init__(self, rows: int, tables_host: torch.Tensor, pin: bool) -> None:
+        self.pin = pin
+        self.changed_index = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
+        self.changed_rows = torch.empty_like(tables_host, pin_memory=pin)
+        self._packed = torch.empty(0, dtype=torch.int64, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+        self._pending = False
+
+    def packed(self, size: int) -> torch.Tensor:
+        """The slot's packed buffer, `size` long (grown, doubling, when too short)."""
+        if self._packed.numel() < size:
+            self._packed = torch.empty(max(size, 2 * self._packed.numel()), dtype=torch.int64, pin_memory=self.pin)
+        return self._packed[:size]
+
+    def sent(self) -> None:
+        """The slot's copies are queued: mark where they end on the stream."""
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
+
+    def wait_until_sent(self) -> None:
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False

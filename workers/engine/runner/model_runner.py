@@ -138,8 +138,7 @@ class ModelRunner:
         if plan.decode_only and self.graphs is not None and self.graphs.fits(len(plan.rows)):
             tokens, logprobs = self.graphs.run(plan, output, self.states)
         else:
-            layout, packed = self.batch.prepare(plan, output, self.states)
-            device_buffer = packed.to(self.device, non_blocking=True)
+            layout, device_buffer = self.batch.prepare(plan, output, self.states)
             inputs = self.batch.step_inputs(
                 layout, device_buffer, decode_only=plan.decode_only, max_query_len=plan.max_query_len
             )
