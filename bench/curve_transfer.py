@@ -29,7 +29,7 @@ from workers import curve
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.sampling_params import SamplingParams
 from workers.protocol import GenerateOutput, GenerateRequest
-from workers.transfer_link import TransferReceiver, TransferSender
+from workers.transfer.link import TransferReceiver, TransferSender
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 LOOPBACK = "tcp://127.0.0.1:0"

@@ -6,7 +6,7 @@ use today) against CUDA IPC (device to device), for 8k-token contexts, in one ru
 Two processes, a sender (the prefill side) and a receiver (the decode side), each with its own CUDA
 context on the same GPU. The KV of one request is per layer [2, kv_heads, tokens, head_dim] bf16,
 filled from a seeded generator so the receiver can check every byte it got.
-- `host`: the workers' path: `workers.kv_transfer.encode_handoff` copies each layer to the host
+- `host`: the workers' path: `workers.transfer.frames.encode_handoff` copies each layer to the host
   and ZMQ carries the frames over ipc:// to a `HandoffAssembler`, which rebuilds the handoff; the
   receiver then copies each layer onto its GPU.
 - `cuda_ipc`: the sender shares one staging buffer with the receiver once, at start-up (a CUDA IPC
@@ -51,7 +51,7 @@ def _sender(mode: str, shape, tokens: int, runs: int, address: str, queue) -> No
 
     from workers.engine.kv_handoff import KVHandoff
     from workers.engine.sampling_params import SamplingParams
-    from workers.kv_transfer import send_handoff
+    from workers.transfer.frames import send_handoff
 
     device = torch.device("cuda")
     context = zmq.Context()
@@ -98,7 +98,7 @@ def _sender(mode: str, shape, tokens: int, runs: int, address: str, queue) -> No
 def _receive(mode: str, shape, tokens: int, runs: int, address: str, queue) -> list[float]:
     import zmq
 
-    from workers.kv_transfer import HandoffAssembler
+    from workers.transfer.frames import HandoffAssembler
 
     device = torch.device("cuda")
     context = zmq.Context()

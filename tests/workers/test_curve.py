@@ -16,7 +16,7 @@ from workers import curve
 from workers.curve import CurveError, CurveKey, generate_key
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.sampling_params import SamplingParams
-from workers.transfer_link import TransferReceiver, TransferSender
+from workers.transfer.link import TransferReceiver, TransferSender
 
 KEY = generate_key(1)
 OTHER = generate_key(1)  # another cluster's keypair

@@ -13,7 +13,7 @@ import zmq
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, SamplingParams
 from workers.engine.kv_handoff import KVHandoff
-from workers.kv_transfer import HandoffAssembler, KVTransferError, encode_handoff, send_handoff
+from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff, send_handoff
 from workers.protocol import KVTransferChunk, KVTransferHeader
 
 NUM_LAYERS = 5

@@ -27,7 +27,7 @@ from workers.prefill_deadlines import (
     DeadlineModel,
 )
 from workers.protocol import GenerateRequest
-from workers.transfer_link import TransferReceiver
+from workers.transfer.link import TransferReceiver
 
 LINEAR = PrefillCostModel(a=0.0, b=0.01, d=0.0, e=0.0)  # 10 ms per token, whatever the chunk
 

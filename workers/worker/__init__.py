@@ -7,7 +7,7 @@ on them for up to a heartbeat interval. With a registry endpoint, a thread annou
 
 Roles: a "mixed" worker runs whole requests. A "prefill" worker runs a request that names a
 `decode_endpoint` up to its first token, then sends the KV there on its sender thread and releases
-the pages once sent (workers.transfer_link). A "decode" worker also binds a PULL, its transfer
+the pages once sent (workers.transfer.link). A "decode" worker also binds a PULL, its transfer
 endpoint: it continues the requests whose KV arrives there, streaming their outputs to the peer that
 sent the ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
 has lost all of its other half keeps serving.

@@ -50,7 +50,7 @@ from workers.protocol import (
     WorkerOutbound,
 )
 from workers.registry import register_until_acknowledged
-from workers.transfer_link import TransferReceiver, TransferSender
+from workers.transfer.link import TransferReceiver, TransferSender
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl

@@ -1,7 +1,7 @@
 """The disaggregation side of a worker: a prefill worker sends each finished prefill's KV to the
 decode worker the gateway named, on its sender thread, and releases the pages once sent; a decode
 worker takes in the KV it was told to expect and continues those requests. Both ends are in
-workers.transfer_link; this module ties them to the engine and to the requests' owners.
+workers.transfer.link; this module ties them to the engine and to the requests' owners.
 
 A decode worker compiles an expected request's constraint when told to expect it, so that one that
 does not compile is refused before the prefill is wasted on it; when the KV arrives, a constraint
@@ -20,7 +20,7 @@ from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol import ExpectTransferRequest, GenerateError, GenerateOutput, OutputConstraintSpec, WorkerOutbound
-from workers.transfer_link import Received, SendResult, TransferReceiver, TransferSender
+from workers.transfer.link import Received, SendResult, TransferReceiver, TransferSender
 from workers.worker.control import WorkerControl
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import zmq
 from workers import curve
 from workers.engine.constraints import TokenConstraint
 from workers.engine.kv_handoff import KVHandoff
-from workers.kv_transfer import HandoffAssembler, KVTransferError, encode_handoff
+from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff
 from workers.protocol import KVTransferMessage
 
 log = logging.getLogger(__name__)
