@@ -51,19 +51,20 @@ def kv_handoff(tokens: int) -> KVHandoff:
         kv_dtype=torch.float32,
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
+        num_layers=LAYERS,
         layers=[torch.randn((2, KV_HEADS, tokens, HEAD_DIM), generator=generator) for _ in range(LAYERS)],
     )
 
 
 class TransferPair:
-    """A sender and a decode PULL on loopback, with `key` (CURVE) or without (plain)."""
+    """A sender and a decode worker's transfer socket on loopback, with `key` (CURVE) or without (plain)."""
 
     def __init__(self, key: curve.CurveKey | None) -> None:
         self.receiving, self.sending = zmq.Context(), zmq.Context()
-        self.pull = self.receiving.socket(zmq.PULL)
-        curve.bind(self.pull, LOOPBACK, key)
-        self.endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.receiver = TransferReceiver(self.pull, default_timeout_s=600.0)
+        self.router = self.receiving.socket(zmq.ROUTER)
+        curve.bind(self.router, LOOPBACK, key)
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.receiver = TransferReceiver(self.router, default_timeout_s=600.0)
         self.sender = TransferSender(self.sending, key=key, send_timeout_ms=60_000)
         self.count = 0
 
@@ -75,7 +76,7 @@ class TransferPair:
         self.sender.submit(request_id, self.endpoint, replace(handoff, request_id=request_id))
         settled = []
         while not settled:
-            self.pull.poll(1000)
+            self.router.poll(1000)
             settled = self.receiver.receive(1024)
         seconds = time.perf_counter() - started
         errors = [result.error for result in self.sender.take_results() if result.error]
@@ -85,7 +86,7 @@ class TransferPair:
 
     def close(self) -> None:
         self.sender.close()
-        self.pull.close(linger=0)
+        self.router.close(linger=0)
         self.sending.term()
         self.receiving.term()
 

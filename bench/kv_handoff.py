@@ -1,24 +1,21 @@
-"""A KV handoff between two processes on one GPU: through host memory (the transfer path the workers
-use today) against CUDA IPC (device to device), for 8k-token contexts, in one run:
+"""A KV handoff between two processes on one GPU through the workers' transfer backends (workers.transfer),
+in one run:
 
     python3 -m bench.kv_handoff [--tokens 8192] [--runs 5]
 
 Two processes, a sender (the prefill side) and a receiver (the decode side), each with its own CUDA
-context on the same GPU. The KV of one request is per layer [2, kv_heads, tokens, head_dim] bf16,
-filled from a seeded generator so the receiver can check every byte it got.
-- `host`: the workers' path: `workers.transfer.frames.encode_handoff` copies each layer to the host
-  and ZMQ carries the frames over ipc:// to a `HandoffAssembler`, which rebuilds the handoff; the
-  receiver then copies each layer onto its GPU.
-- `cuda_ipc`: the sender shares one staging buffer with the receiver once, at start-up (a CUDA IPC
-  handle, opened once: `cuda_ipc_setup_s`, which also holds the sender's start-up); per transfer it copies
-  the layers into the staging buffer on the device and says so over ZMQ, and the receiver copies
-  them out into its own memory, device to device, and acknowledges.
-A transfer's time runs from the sender's start to the receiver holding the last layer on its GPU
-(both processes read the same monotonic clock). Reported per model shape: the median over --runs
-transfers of each path, its GB/s, and host over CUDA IPC. Needs CUDA; prints one JSON object.
-
-Across GPUs of one host (NCCL send/recv or IPC between devices) is the multi-GPU issue's benchmark:
-no multi-GPU machine was lent when this was written.
+context and its own paged KV cache (workers.engine.kv_cache, no model), the sender's filled from a
+seeded generator. Each run hands one request's KV, `--tokens` tokens, from pages scattered over the
+sender's cache into pages of the receiver's, as a worker does:
+- `zmq`: frames through host memory: the sender's TransferSender reads the pages layer by layer
+  (PagedLayers) onto ZMQ over ipc://, the receiver's TransferReceiver assembles them and write_layers
+  puts them into its pages.
+- `cuda_ipc`: the sender offers its pages (PoolExport.offer); the receiver maps the sender's cache
+  once (PoolMaps.open: `cuda_ipc_setup_s`) and copies the pages device to device on a side stream
+  (PageCopy), then answers "done".
+A run's time goes from the sender's submit to the KV being in the receiver's pages (both processes
+read the same monotonic clock); the receiver checks every byte. Reported per model shape: the median
+over --runs of each backend, its GB/s, and frames over CUDA IPC. Needs CUDA; prints one JSON object.
 """
 
 import argparse
@@ -29,147 +26,200 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-# (layers, kv_heads, head_dim): SmolLM2-135M, the model `make run` serves, and a Qwen3-30B-A3B-shaped
-# MoE model (48 layers, 4 KV heads of 128).
-SHAPES = {"smollm2_135m": (30, 3, 64), "qwen3_30b_a3b": (48, 4, 128)}
+# (layers, kv_heads, head_dim): SmolLM2-135M, the model `make run` serves, a Llama-3.1-8B shape (the
+# served-stack benchmark's) and a Qwen3-30B-A3B shape (48 layers, 4 KV heads of 128).
+SHAPES = {"smollm2_135m": (30, 3, 64), "llama3_8b": (32, 8, 128), "qwen3_30b_a3b": (48, 4, 128)}
 DTYPE = torch.bfloat16
+PAGE_SIZE = 16
 SEED = 1234
+MODES = ("zmq", "cuda_ipc")
 
 
-def kv_layers(shape: tuple[int, int, int], tokens: int, device: torch.device, seed: int) -> list[torch.Tensor]:
-    """The request's KV: the same values in both processes for the same seed."""
+def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None):
+    from workers.engine.config import ModelConfig
+    from workers.engine.kv_cache import KVCache
+
     layers, heads, head_dim = shape
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return [
-        torch.randn((2, heads, tokens, head_dim), generator=generator, device=device, dtype=torch.float32).to(DTYPE)
-        for _ in range(layers)
-    ]
+    config = ModelConfig.from_hf_config(
+        {
+            "model_type": "llama",
+            "vocab_size": 128,
+            "hidden_size": heads * head_dim,
+            "intermediate_size": 128,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": 1 << 20,
+        }
+    )
+    cache = KVCache(config, num_pages=num_pages, page_size=PAGE_SIZE, dtype=DTYPE, device=torch.device("cuda"))
+    if seed is not None:
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        for layer in cache.pages:
+            layer.copy_(torch.randn(layer.shape, generator=generator, device="cuda", dtype=torch.float32))
+    return cache
 
 
-def _sender(mode: str, shape, tokens: int, runs: int, address: str, queue) -> None:
-    import zmq
+def scattered_pages(num_pages: int, count: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randperm(num_pages - 1, generator=generator)[:count] + 1).tolist()
 
-    from workers.engine.kv_handoff import KVHandoff
+
+def handoff_of(request_id: str, cache, pages: list[int], tokens: int):
+    from workers.engine.kv_handoff import KVHandoff, PagedLayers
     from workers.engine.sampling_params import SamplingParams
-    from workers.transfer.frames import send_handoff
 
-    device = torch.device("cuda")
-    context = zmq.Context()
-    push = context.socket(zmq.PAIR)
-    push.connect(address)
-    staging = None
-    if mode == "cuda_ipc":
-        layers, heads, head_dim = shape
-        staging = torch.empty((layers, 2, heads, tokens, head_dim), dtype=DTYPE, device=device)
-        queue.put(staging)  # torch shares a CUDA tensor as an IPC handle
-    for run in range(runs):
-        kv = kv_layers(shape, tokens, device, SEED + run)
-        torch.cuda.synchronize()
-        push.recv()  # the receiver is ready for this run
-        start = time.monotonic()
-        if staging is None:
-            handoff = KVHandoff(
-                request_id=f"r{run}",
-                prompt_token_ids=list(range(tokens + 1)),
-                output_token_ids=[0],
-                params=SamplingParams(max_tokens=1),
-                num_computed_tokens=tokens,
-                num_cached_tokens=0,
-                traffic_class="chat",
-                cache_namespace="",
-                kv_model_id="bench",
-                kv_dtype=DTYPE,
-                num_kv_heads=shape[1],
-                head_dim=shape[2],
-                layers=kv,
-            )
-            push.send_pyobj(start)
-            send_handoff(push, handoff)
-        else:
-            for index, layer in enumerate(kv):
-                staging[index].copy_(layer)
-            torch.cuda.synchronize()
-            push.send_pyobj(start)
-        push.recv()  # done: the staging buffer may be reused
-    push.close(linger=0)
-    context.term()
+    layers = PagedLayers(cache, pages, tokens)
+    return KVHandoff(
+        request_id=request_id,
+        prompt_token_ids=[0] * tokens,
+        output_token_ids=[0],
+        params=SamplingParams(max_tokens=2),
+        num_computed_tokens=tokens,
+        num_cached_tokens=0,
+        traffic_class="chat",
+        cache_namespace="",
+        kv_model_id="bench",
+        kv_dtype=DTYPE,
+        num_kv_heads=layers.num_kv_heads,
+        head_dim=layers.head_dim,
+        num_layers=len(layers),
+        layers=layers,
+        pages=tuple(pages),
+    )
 
 
-def _receive(mode: str, shape, tokens: int, runs: int, address: str, queue) -> list[float]:
+def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) -> None:
     import zmq
 
-    from workers.transfer.frames import HandoffAssembler
+    from workers.transfer.link import TransferSender
+    from workers.transfer.pools import PoolExport
 
-    device = torch.device("cuda")
+    num_pages = 2 * -(-tokens // PAGE_SIZE) + 1
+    cache = kv_cache(shape, num_pages, SEED)
+    pool = PoolExport.of(cache, "bench-sender") if mode == "cuda_ipc" else None
+    torch.cuda.synchronize()
     context = zmq.Context()
-    pull = context.socket(zmq.PAIR)
-    pull.bind(address)
-    layers, heads, head_dim = shape
-    own = torch.empty((layers, 2, heads, tokens, head_dim), dtype=DTYPE, device=device)
-    staging, setup_s = None, None
-    if mode == "cuda_ipc":
-        began = time.monotonic()
-        staging = queue.get()
-        setup_s = time.monotonic() - began
-    seconds = []
-    for run in range(runs):
-        pull.send(b"ready")
-        start = pull.recv_pyobj()
-        if staging is None:
-            assembler, handoff = HandoffAssembler(), None
-            while handoff is None:
-                handoff = assembler.feed(pull.recv_multipart(copy=False))
-            for index, layer in enumerate(handoff.layers):
-                own[index].copy_(layer)
-        else:
-            own.copy_(staging)
-        torch.cuda.synchronize()
-        seconds.append(time.monotonic() - start)
-        if run == runs - 1:
-            staging = None  # released before the sender, which owns the memory, may exit
-        pull.send(b"done")
-        expected = kv_layers(shape, tokens, device, SEED + run)
-        if not all(torch.equal(own[index], layer) for index, layer in enumerate(expected)):
-            raise AssertionError(f"{mode}: run {run} received KV that differs from what was sent")
-    pull.close(linger=0)
-    context.term()
-    return seconds if setup_s is None else [setup_s, *seconds]
+    sender = TransferSender(context, send_timeout_ms=60_000)
+    try:
+        for run in range(runs):
+            pages = scattered_pages(num_pages, -(-tokens // PAGE_SIZE), SEED + run)
+            starts.get()  # the receiver expects this run
+            handoff = handoff_of(f"r{run}", cache, pages, tokens)
+            offer = pool.offer(pages, 60.0) if pool is not None else None
+            starts.put((run, time.monotonic(), pages))
+            sender.submit(f"r{run}", endpoint, handoff, offer)
+            while not (results := sender.take_results()):
+                sender.results.poll(1000)
+            if results[0].error:
+                raise RuntimeError(f"{mode} run {run}: {results[0].error}")
+    finally:
+        sender.close()
+        context.term()
 
 
-def measure(mode: str, shape, tokens: int, runs: int, address: str) -> tuple[list[float], float | None]:
+def _receive(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) -> tuple[list[float], float | None]:
+    import zmq
+
+    from workers.engine.kv_handoff import write_layers
+    from workers.engine.kv_pages import gather_tokens
+    from workers.protocol import REPLY_DONE
+    from workers.transfer.link import TransferReceiver
+    from workers.transfer.page_copy import PageCopy
+    from workers.transfer.pools import PoolMaps
+
+    num_pages = 2 * -(-tokens // PAGE_SIZE) + 1
+    own = kv_cache(shape, num_pages, None)
+    reference = kv_cache(shape, num_pages, SEED)  # what the sender's cache holds
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    receiver = TransferReceiver(router, default_timeout_s=600.0)
+    maps, stream = PoolMaps(), torch.cuda.Stream()
+    seconds, setup_s = [], None
+    try:
+        for run in range(runs):
+            receiver.expect(f"r{run}", b"", None)
+            starts.put("ready")
+            placed = scattered_pages(num_pages, -(-tokens // PAGE_SIZE), 99 + run)
+            settled = []
+            while not settled:
+                router.poll(1000)
+                settled = receiver.receive(1024)
+            received = settled[0]
+            if received.error:
+                raise RuntimeError(f"{mode} run {run}: {received.error}")
+            if received.offer is not None:
+                began = time.monotonic()
+                pool = maps.open(received.offer)
+                setup_s = setup_s if setup_s is not None else time.monotonic() - began
+                copy = PageCopy.start(pool, received.offer.pages, own.pages, placed, stream)
+                while not copy.done():
+                    pass
+                receiver.reply(received.sender, received.request_id, REPLY_DONE)
+            else:
+                write_layers(own, placed, received.handoff.layers, start=0)
+                torch.cuda.synchronize()
+            end = time.monotonic()
+            _, start, pages = _start_of(starts, run)
+            seconds.append(end - start - (setup_s if run == 0 and setup_s is not None else 0.0))
+            sent, got = torch.tensor(pages, device="cuda"), torch.tensor(placed, device="cuda")
+            for (k, v), (own_k, own_v) in zip(reference.layers, own.layers, strict=True):
+                if not (
+                    torch.equal(gather_tokens(k, sent, tokens), gather_tokens(own_k, got, tokens))
+                    and torch.equal(gather_tokens(v, sent, tokens), gather_tokens(own_v, got, tokens))
+                ):
+                    raise AssertionError(f"{mode}: run {run} received KV that differs from what was sent")
+    finally:
+        router.close(linger=0)
+        context.term()
+    return seconds, setup_s
+
+
+def _start_of(starts, run: int):
+    while True:
+        item = starts.get()
+        if isinstance(item, tuple) and item[0] == run:
+            return item
+        starts.put(item)
+
+
+def measure(mode: str, shape, tokens: int, runs: int) -> tuple[list[float], float | None]:
     spawn = mp.get_context("spawn")
-    queue = spawn.Queue()
-    sender = spawn.Process(target=_sender, args=(mode, shape, tokens, runs, address, queue))
+    starts = spawn.Queue()
+    endpoint = f"ipc:///tmp/sluice-kv-handoff-{mode}"
+    sender = spawn.Process(target=_sender, args=(mode, shape, tokens, runs, endpoint, starts))
     sender.start()
     try:
-        seconds = _receive(mode, shape, tokens, runs, address, queue)
+        result = _receive(mode, shape, tokens, runs, endpoint, starts)
     finally:
-        sender.join(timeout=120)
+        sender.join(timeout=300)
     if sender.exitcode != 0:
         raise RuntimeError(f"{mode} sender exited with {sender.exitcode}")
-    return (seconds[1:], seconds[0]) if mode == "cuda_ipc" else (seconds, None)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.kv_handoff needs a CUDA device")
     rows = []
-    for name, shape in SHAPES.items():
-        layers, heads, head_dim = shape
+    for name in args.shapes.split(","):
+        layers, heads, head_dim = shape = SHAPES[name]
         nbytes = layers * 2 * heads * args.tokens * head_dim * DTYPE.itemsize
         row = {"model_shape": name, "layers": layers, "kv_heads": heads, "head_dim": head_dim, "kv_bytes": nbytes}
-        for mode in ("host", "cuda_ipc"):
-            seconds, setup_s = measure(mode, shape, args.tokens, args.runs, f"ipc:///tmp/sluice-kv-handoff-{mode}")
+        for mode in MODES:
+            seconds, setup_s = measure(mode, shape, args.tokens, args.runs)
             median = statistics.median(seconds)
             row[f"{mode}_s"] = round(median, 5)
             row[f"{mode}_gb_s"] = round(nbytes / median / 1e9, 2)
             if setup_s is not None:
                 row["cuda_ipc_setup_s"] = round(setup_s, 4)
-        row["host_over_cuda_ipc"] = round(row["host_s"] / row["cuda_ipc_s"], 2)
+        row["zmq_over_cuda_ipc"] = round(row["zmq_s"] / row["cuda_ipc_s"], 2)
         rows.append(row)
     print(
         json.dumps(

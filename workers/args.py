@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 # The dtypes the engine runs models (and so their KV) in, by torch's names.
 DTYPES = ("float32", "bfloat16", "float16")
+KV_TRANSFERS = ("auto", "zmq")
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -113,6 +114,13 @@ class EngineArgs:
         help="wait for each step before scheduling the next (by default the host schedules step N+1 while "
         "the device runs step N, on the Triton backend)",
     )
+    kv_transfer: str = _setting(
+        "auto",
+        choices=KV_TRANSFERS,
+        help="how a request's KV moves between workers. auto: workers of one host copy it page to page "
+        "(CUDA IPC between GPU processes, shared memory between CPU ones; the KV cache is allocated "
+        "shareable), other hosts get it as frames over ZMQ; zmq: always as frames through host memory",
+    )
     ep_size: int = _setting(
         1,
         help="expert-parallel ranks: processes that serve a mixture-of-experts model as one worker (attention "
@@ -131,6 +139,8 @@ class EngineArgs:
             raise ValueError(f"ep_slots_per_rank must be >= 1 and needs ep_size > 1, got {self.ep_slots_per_rank}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ValueError(f"unknown kv_transfer {self.kv_transfer!r}; choose from {list(KV_TRANSFERS)}")
         check_engine_limits(
             page_size=self.page_size,
             num_pages=self.num_pages,

@@ -5,8 +5,8 @@ them. This module holds no logic. Names say where a message is in the pipeline: 
 goes to a worker, an `...Output` comes back for one request, a `Worker...` describes a worker.
 
 Sockets: each worker binds a ROUTER (requests in, outputs out) and a PUB (heartbeats). A gateway
-connects one DEALER per worker and a SUB to every worker's PUB. A decode worker also binds a PULL,
-its transfer endpoint, where prefill workers push KV (see "KV transfer" below).
+connects one DEALER per worker and a SUB to every worker's PUB. A decode worker also binds a ROUTER,
+its transfer endpoint, where prefill workers send KV (see "KV transfer" below).
 
 Disaggregated request path: the gateway sends an ExpectTransferRequest to the decode worker it chose,
 then the GenerateRequest, with `decode_endpoint` set to that worker's transfer endpoint, to a prefill
@@ -219,6 +219,16 @@ class GenerateError(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
+class HandoffTotals(msgspec.Struct, frozen=True):
+    """KV handoffs of one transfer backend since a worker started, sent or received."""
+
+    num_transfers: int = 0
+    num_bytes: int = 0
+    # From a transfer's start to its KV being usable on the receiver (received), or to its last
+    # frame handed to the wire or its pages' "done" (sent).
+    seconds: float = 0.0
+
+
 class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: str
     role: str  # "mixed" (prefill and decode in one process), "prefill" or "decode"
@@ -248,7 +258,7 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     ep_layout_version: int = 0
     heartbeat_endpoint: str = ""
     hostname: str = ""
-    transfer_endpoint: str = ""  # a decode worker's PULL for KV transfers
+    transfer_endpoint: str = ""  # a decode worker's ROUTER for KV transfers
     kv_capacity_tokens: int = 0  # tokens of KV the worker's pages hold
     max_num_seqs: int = 0  # its largest batch
     # How far the fitted step-time model's predictions are off on this worker lately: relative
@@ -366,7 +376,7 @@ class WorkerRegistration(msgspec.Struct, tag="register", frozen=True, kw_only=Tr
     hostname: str
     request_endpoint: str  # connectable from other hosts (a wildcard bind address is replaced)
     heartbeat_endpoint: str
-    transfer_endpoint: str = ""  # a decode worker's PULL for KV transfers
+    transfer_endpoint: str = ""  # a decode worker's ROUTER for KV transfers
     ep_size: int = 1
     num_accelerators: int = 0
     accelerator_kind: str = "cpu"  # "cpu" or the accelerator's name, e.g. "NVIDIA H200"
@@ -391,11 +401,56 @@ WorkerInbound = (
 WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 
 
-# --- KV transfer (prefill → decode) ---
-# A prefill worker sends a request's KV to a decode worker (workers.kv_transfer) as one multipart
-# message per chunk of `chunk_layers` layers: the first is [KVTransferHeader, its layers], each later
-# one [KVTransferChunk, its layers]. A layer frame is the raw bytes of a C-order little-endian
-# [2 (key, value), kv_heads, num_computed_tokens, head_dim] tensor of `dtype`: never pickled.
+# --- KV transfer (prefill → decode; workers.transfer) ---
+# A prefill worker's DEALER sends a request's KV to a decode worker's ROUTER in one of two ways:
+# - frames, through host memory (any two hosts): one multipart message per chunk of `chunk_layers`
+#   layers, the first [KVTransferHeader, its layers], each later one [KVTransferChunk, its layers]. A
+#   layer frame is the raw bytes of a C-order little-endian [2 (key, value), kv_heads,
+#   num_computed_tokens, head_dim] tensor of `dtype`: never pickled.
+# - a pool offer (two engines of one host): the header alone, its `pool` naming the prefill engine's
+#   whole KV cache (mapped once per pool by the decode worker: CUDA IPC between GPU processes, shared
+#   memory between CPU ones) and the request's pages in it. The decode worker copies the pages into
+#   its own and answers KVTransferReply "done"; the prefill worker keeps its pages until then. A
+#   decode worker that cannot map the pool (another host, another page size) answers "frames", and
+#   the frames follow, header first.
+# A decode worker that refuses or fails a transfer it was offered answers "failed", so that the prefill
+# worker releases the pages at once.
+
+
+class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", frozen=True, forbid_unknown_fields=True):
+    """torch's CUDA IPC description of the storage a pool's tensor lies in (its _share_cuda_())."""
+
+    device_uuid: str  # the GPU, as every process sees it whatever its CUDA_VISIBLE_DEVICES
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int  # elements from the storage's start to the pool tensor's
+
+
+class HostMemoryHandle(msgspec.Struct, tag="host_memory", frozen=True, forbid_unknown_fields=True):
+    """An anonymous in-memory file (memfd) of the sending process: /proc/<pid>/fd/<fd>."""
+
+    pid: int
+    fd: int
+    num_bytes: int
+
+
+class KVPoolOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    exporter: str  # the sending worker: a new pool of it replaces its older ones
+    pool_id: str  # one per engine start: a decode worker maps each pool once
+    host_id: str  # the sending host's boot id: a pool maps only on the same host (kernel)
+    handle: CudaIpcHandle | HostMemoryHandle
+    # The pool tensor: [layers, 2 (key, value), kv_heads, num_pages, page_size, head_dim] of `dtype`.
+    shape: tuple[int, int, int, int, int, int]
+    dtype: str
+    pages: list[int]  # the request's pages in the pool, in token order: ceil(num_computed_tokens / page_size)
+    # CLOCK_MONOTONIC of the sending host, comparable on the same host: the pages stay pinned until
+    # then at least; a copy finished later is not trusted.
+    expires_at: float
 
 
 class KVTransferHeader(msgspec.Struct, tag="kv_header", frozen=True, forbid_unknown_fields=True):
@@ -414,6 +469,8 @@ class KVTransferHeader(msgspec.Struct, tag="kv_header", frozen=True, forbid_unkn
     chunk_layers: int  # layers per message; this one carries layers [0, min(chunk_layers, num_layers))
     # Sent by a draining decode worker (a migration), not by a prefill worker.
     migrated: bool = False
+    # Set: an offer of the sender's KV pool, and this message carries no layers.
+    pool: KVPoolOffer | None = None
 
 
 class KVTransferChunk(msgspec.Struct, tag="kv_chunk", frozen=True, forbid_unknown_fields=True):
@@ -424,6 +481,15 @@ class KVTransferChunk(msgspec.Struct, tag="kv_chunk", frozen=True, forbid_unknow
 
 
 KVTransferMessage = KVTransferHeader | KVTransferChunk
+
+# What a decode worker answers a pool offer, or a transfer it failed.
+REPLY_DONE, REPLY_FRAMES, REPLY_FAILED = "done", "frames", "failed"
+
+
+class KVTransferReply(msgspec.Struct, tag="kv_reply", frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    action: str  # REPLY_DONE: the pages were copied; REPLY_FRAMES: send them as frames; REPLY_FAILED
+    error: str = ""  # why, for REPLY_FAILED and REPLY_FRAMES
 
 
 # --- Expert-parallel ranks (workers.engine.parallel) ---

@@ -34,7 +34,7 @@ def secure(socket: zmq.Socket, way: str, cluster_public_key: bytes) -> None:
 def send_attempts(way: str, args: argparse.Namespace, context: zmq.Context) -> dict[str, zmq.Socket]:
     """One way's request, KV transfer message and registration, sent; its sockets (kept open: closing
     one drops what it has not delivered yet)."""
-    sockets = {"request": context.socket(zmq.DEALER), "transfer": context.socket(zmq.PUSH)}
+    sockets = {"request": context.socket(zmq.DEALER), "transfer": context.socket(zmq.DEALER)}
     sockets["register"] = context.socket(zmq.DEALER)
     for name, socket in sockets.items():
         socket.linger = 0

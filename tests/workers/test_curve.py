@@ -125,6 +125,7 @@ def handoff(request_id: str) -> KVHandoff:
         kv_dtype=torch.float32,
         num_kv_heads=1,
         head_dim=4,
+        num_layers=2,
         layers=[torch.arange(24, dtype=torch.float32).reshape(2, 1, 3, 4) for _ in range(2)],
     )
 
@@ -135,9 +136,9 @@ def sent(sender: TransferSender) -> str:
     return results[0].error
 
 
-def test_a_kv_transfer_from_a_sender_with_another_key_never_reaches_the_decode_pull(context):
-    pull, endpoint = bound(context, zmq.PULL, KEY)
-    receiver = TransferReceiver(pull, default_timeout_s=60)
+def test_a_kv_transfer_from_a_sender_with_another_key_never_reaches_the_decode_router(context):
+    router, endpoint = bound(context, zmq.ROUTER, KEY)
+    receiver = TransferReceiver(router, default_timeout_s=60)
     receiver.expect("forged", b"", None)
     receiver.expect("real", b"", None)
     intruder = TransferSender(context, key=OTHER, send_timeout_ms=500)

@@ -258,16 +258,16 @@ def test_malformed_or_missing_transfers_fail_their_request_and_the_decode_worker
         | {"num_layers": 1, "chunk_layers": 1}
     )
     try:
-        with Dealer(decode.endpoints[0]) as dealer, zmq.Context() as context, context.socket(zmq.PUSH) as push:
-            push.setsockopt(zmq.LINGER, 0)
-            push.connect(transfer_endpoint(directory, "d"))
+        with Dealer(decode.endpoints[0]) as dealer, zmq.Context() as context, context.socket(zmq.DEALER) as sender:
+            sender.setsockopt(zmq.LINGER, 0)
+            sender.connect(transfer_endpoint(directory, "d"))
             dealer.send(ExpectTransferRequest("bad-dtype"), ExpectTransferRequest("never"), StatusRequest("status"))
             # Answered after the expectations (one socket, in order): KV sent from now on is expected.
             status = dealer.receive()
             assert isinstance(status, ControlAck) and status.num_in_flight == 2
-            push.send_multipart([b"\xc1 not msgpack", b"x"])
-            push.send_multipart([msgspec.msgpack.encode(KVTransferChunk("bad-dtype", 3)), b"x"])
-            push.send_multipart([header, b"\x00" * 4])
+            sender.send_multipart([b"\xc1 not msgpack", b"x"])
+            sender.send_multipart([msgspec.msgpack.encode(KVTransferChunk("bad-dtype", 3)), b"x"])
+            sender.send_multipart([header, b"\x00" * 4])
             replies = {reply.request_id: reply for reply in (dealer.receive(), dealer.receive())}
         for request_id in ("bad-dtype", "never"):
             assert isinstance(replies[request_id], GenerateError)

@@ -13,8 +13,8 @@ import zmq
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, SamplingParams
 from workers.engine.kv_handoff import KVHandoff
-from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff, send_handoff
 from workers.protocol import KVTransferChunk, KVTransferHeader
+from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff, send_handoff
 
 NUM_LAYERS = 5
 
@@ -35,6 +35,7 @@ def handoff(request_id: str = "r", dtype: torch.dtype = torch.float32, tokens: i
         kv_dtype=dtype,
         num_kv_heads=2,
         head_dim=8,
+        num_layers=NUM_LAYERS,
         layers=[torch.randn(shape, generator=generator).to(dtype) for _ in range(NUM_LAYERS)],
     )
 

@@ -87,8 +87,8 @@ def test_a_prompt_wholly_cached_waits_only_the_slack():
 
 
 def test_an_expectation_waits_for_its_own_timeout_and_else_for_the_default():
-    with zmq.Context() as context, context.socket(zmq.PULL) as pull:
-        receiver = TransferReceiver(pull, default_timeout_s=2.0)
+    with zmq.Context() as context, context.socket(zmq.ROUTER) as router:
+        receiver = TransferReceiver(router, default_timeout_s=2.0)
         receiver.expect("own", b"peer", None, 50.0)
         receiver.expect("default", b"peer", None)
         now = time.monotonic()

@@ -189,7 +189,7 @@ def test_a_subscriber_without_the_key_hears_no_heartbeat(cluster):
 
 def transfer_outcome(decode: WorkerRegistration, request_id: str, key: CurveKey | None) -> GenerateError:
     """Tell the decode worker to expect `request_id` for 3 s, then send it a KV transfer message from a
-    PUSH holding `key`: the GenerateError that settles the expectation."""
+    DEALER holding `key`: the GenerateError that settles the expectation."""
     malformed = msgspec.msgpack.encode(  # whole but for its dtype: a worker that reads it fails the request
         {"type": "kv_header", "request_id": request_id, "prompt_token_ids": [1], "output_token_ids": [2]}
         | {"params": {}, "num_computed_tokens": 1, "num_cached_tokens": 0, "traffic_class": "chat"}
@@ -199,10 +199,10 @@ def transfer_outcome(decode: WorkerRegistration, request_id: str, key: CurveKey 
     with KeyedDealer(decode.request_endpoint, KEY) as dealer, zmq.Context() as context:
         dealer.send(ExpectTransferRequest(request_id, timeout_s=3.0), StatusRequest(f"status-{request_id}"))
         dealer.receive()  # the status: the expectation is in place
-        with context.socket(zmq.PUSH) as push:
-            push.setsockopt(zmq.LINGER, 0)
-            curve.connect(push, decode.transfer_endpoint, key)
-            push.send_multipart([malformed, b"\x00" * 4])
+        with context.socket(zmq.DEALER) as sender:
+            sender.setsockopt(zmq.LINGER, 0)
+            curve.connect(sender, decode.transfer_endpoint, key)
+            sender.send_multipart([malformed, b"\x00" * 4])
             reply = dealer.receive()
     assert isinstance(reply, GenerateError) and reply.request_id == request_id
     return reply

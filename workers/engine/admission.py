@@ -104,11 +104,14 @@ class Admission:
         if self.max_waiting is not None and num_waiting >= self.max_waiting:
             raise EngineOverloadedError(f"{num_waiting} requests are already waiting (max_waiting)")
 
-    def check_room_to_run(self) -> None:
-        """A continued (prefilled) request joins the running batch at once: refused when it is full."""
-        num_running = len(self.scheduler.running)
+    def check_room_to_run(self, *, num_reserved: int) -> None:
+        """A continued (prefilled) request joins the running batch once its KV is in: refused when the
+        batch is full, counting the requests already reserved to join it."""
+        num_running = len(self.scheduler.running) + num_reserved
         if num_running >= self.max_num_seqs:
-            raise EngineOverloadedError(f"{num_running} requests are already running (max_num_seqs)")
+            raise EngineOverloadedError(
+                f"{num_running} requests are already running or receiving their KV (max_num_seqs)"
+            )
 
     @staticmethod
     def check_room_to_transfer(num_pending: int, max_pending_transfers: int) -> None:

@@ -65,6 +65,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         step_budget_s=args.step_budget_ms / 1000 if args.step_budget_ms is not None else None,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        kv_transfer=args.kv_transfer,
     )
 
 

@@ -312,6 +312,8 @@ class EngineConfig:
     # Run the decode forward eagerly instead of replaying CUDA graphs.
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
+    # "auto": the KV cache is allocated so that an engine of this host can map it (workers.transfer).
+    kv_transfer: str = default("kv_transfer")
 
     def __post_init__(self) -> None:
         check_engine_limits(

@@ -5,17 +5,18 @@ Prefill side: a prefill-only request that finished with "transfer" is held here,
 until the caller has read `export_kv(request_id)` and called `release(request_id)`; the exports read
 from those pages are closed on release, so a late read cannot see reused pages.
 
-Decode side: a handoff is checked against this engine's model and cache, becomes a running Request,
-and its KV is written into pages (those the prefix cache already holds are shared, not written again).
+Decode side: a handoff is checked against this engine's model and cache and becomes a Request with
+pages for every token (those the prefix cache already holds are shared, not written again): a
+reservation. Its KV is written into the other pages, from host layers at once or page to page by a
+transfer backend while the engine steps on (workers.transfer), and the request joins the running
+batch once it is there (admit), or gives its pages back (cancel).
 """
-
-import torch
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.constraints import TokenConstraint
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.kv_cache import KVCache
-from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff, write_layers
+from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff
 from workers.engine.request import Request
 
 
@@ -29,6 +30,8 @@ class Disaggregation:
         # from those pages.
         self.transfers: dict[str, Request] = {}
         self.exports: dict[str, list[PagedLayers]] = {}
+        # Continued requests holding pages their KV is being written into, not yet running.
+        self.reserved: dict[str, Request] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.transfers
@@ -69,9 +72,9 @@ class Disaggregation:
         self.block_manager.free(request)
         return True
 
-    def check(self, handoff: KVHandoff, *, max_tokens: int) -> list[torch.Tensor]:
-        """The handoff's layers, once its model, tokens and KV fit this engine; else InvalidRequestError."""
-        return check_handoff(
+    def check(self, handoff: KVHandoff, *, max_tokens: int) -> None:
+        """That the handoff fits this engine; else InvalidRequestError."""
+        check_handoff(
             handoff,
             kv_model_id=self.kv_model_id,
             vocab_size=self.vocab_size,
@@ -79,10 +82,11 @@ class Disaggregation:
             kv_cache=self.kv_cache,
         )
 
-    def place(self, request: Request, handoff: KVHandoff, layers: list[torch.Tensor]) -> None:
+    def reserve(self, request: Request, handoff: KVHandoff) -> int:
         """Give a continued request pages for every token, the pending sampled one included (so its
-        decode step needs none), and write the handoff's KV into them; EngineOverloadedError (and
-        nothing changed) when the pages cannot be had."""
+        decode step needs none), and hold it until admit or cancel; the first token whose KV must be
+        written (those before it are the prefix cache's). EngineOverloadedError (and nothing
+        changed) when the pages cannot be had."""
         cached = self.block_manager.find_cached_prefix(request)
         cached_tokens = len(cached[0]) * self.block_manager.page_size
         if not self.block_manager.allocate(request, request.num_tokens - cached_tokens, cached):
@@ -90,9 +94,22 @@ class Disaggregation:
                 f"no room for {request.num_tokens} tokens of KV: "
                 f"{self.block_manager.num_free_pages} of {self.block_manager.num_usable_pages} pages are free"
             )
-        write_layers(self.kv_cache, request.pages, layers, start=cached_tokens)
         request.num_computed_tokens = handoff.num_computed_tokens
+        self.reserved[request.request_id] = request
+        return cached_tokens
+
+    def admit(self, request_id: str) -> Request:
+        """A reserved request whose KV is in its pages: its full pages are keyed for the prefix cache."""
+        request = self.reserved.pop(request_id)
         self.block_manager.cache_full_pages(request)
+        return request
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Free a reserved request's pages; None when it is not reserved."""
+        request = self.reserved.pop(request_id, None)
+        if request is not None:
+            self.block_manager.free(request)
+        return request
 
 
 def continued_request(

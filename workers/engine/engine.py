@@ -25,7 +25,7 @@ from workers.engine.disaggregation import Disaggregation, continued_request
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
-from workers.engine.kv_handoff import KVHandoff
+from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
@@ -45,6 +45,16 @@ log = logging.getLogger(__name__)
 
 # Longest a step with nothing to run waits for a store fetch before returning to its caller.
 FETCH_WAIT_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Pages a continued request holds before it runs (LLMEngine.reserve_prefilled): its KV goes
+    into `pages` from token `start` on (a multiple of the page size)."""
+
+    request_id: str
+    pages: list[int]
+    start: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +108,14 @@ class LLMEngine:
         num_pages = config.num_pages or KVCache.pages_for_bytes(
             loaded.config, num_bytes=config.kv_cache_bytes, page_size=config.page_size, dtype=dtype
         )
-        kv_cache = KVCache(loaded.config, num_pages=num_pages, page_size=config.page_size, dtype=dtype, device=device)
+        kv_cache = KVCache(
+            loaded.config,
+            num_pages=num_pages,
+            page_size=config.page_size,
+            dtype=dtype,
+            device=device,
+            shareable=config.kv_transfer == "auto",
+        )
         self.block_manager = BlockManager(
             num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -213,13 +230,32 @@ class LLMEngine:
             self.store.start_fetch(request, local_hit_tokens=len(local_pages) * self.block_manager.page_size)
         self.scheduler.add(request)
 
-    def add_prefilled_request(self, handoff: KVHandoff, *, constraint: TokenConstraint | None = None) -> None:
-        """Continue a request a prefill engine started: its KV goes into pages (those the prefix
-        cache already holds are shared, not written again) and its next step is a decode.
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.runner.kv_cache
 
-        InvalidRequestError when the handoff does not fit this engine (model, layer count, shapes,
-        dtype, token counts); EngineOverloadedError when the running batch is full or its pages
-        cannot be had, so the caller can pick another engine; ConstraintError when `constraint`
+    def add_prefilled_request(self, handoff: KVHandoff, *, constraint: TokenConstraint | None = None) -> None:
+        """Continue a request a prefill engine started, its KV in the handoff's host layers: the KV
+        goes into pages (those the prefix cache already holds are shared, not written again) and its
+        next step is a decode. Raises as reserve_prefilled does, and InvalidRequestError when the
+        layers are not what the handoff says; nothing is changed then."""
+        reservation = self.reserve_prefilled(handoff, constraint=constraint)
+        try:
+            layers = check_layers(handoff)
+            write_layers(self.runner.kv_cache, reservation.pages, layers, start=reservation.start)
+        except BaseException:
+            self.cancel_prefilled(handoff.request_id)
+            raise
+        self.admit_prefilled(handoff.request_id)
+
+    def reserve_prefilled(self, handoff: KVHandoff, *, constraint: TokenConstraint | None = None) -> "Reservation":
+        """The first half of continuing a request a prefill engine started: it gets pages for every
+        token, of which those from `start` on are to receive its KV (the prefix cache holds the ones
+        before), and does not run until admit_prefilled; cancel_prefilled gives the pages back.
+
+        InvalidRequestError when the handoff does not fit this engine (model, layer count, head
+        shapes, dtype, token counts); EngineOverloadedError when the running batch is full or its
+        pages cannot be had, so the caller can pick another engine; ConstraintError when `constraint`
         (compiled afresh by the caller) fails on the tokens already sampled, and whatever seeding the
         output text with them raises. In every case nothing is changed.
         """
@@ -233,8 +269,8 @@ class LLMEngine:
             handoff.traffic_class,
             in_use=self._in_use(handoff.request_id),
         )
-        layers = self.disaggregation.check(handoff, max_tokens=max_tokens)
-        self.admission.check_room_to_run()
+        self.disaggregation.check(handoff, max_tokens=max_tokens)
+        self.admission.check_room_to_run(num_reserved=len(self.disaggregation.reserved))
         request = continued_request(
             handoff,
             max_tokens=max_tokens,
@@ -247,15 +283,27 @@ class LLMEngine:
                 request.constraint.advance(token)
         self.outputs.add_continued(request)
         try:
-            self.disaggregation.place(request, handoff, layers)
+            start = self.disaggregation.reserve(request, handoff)
         except EngineOverloadedError:
             self.outputs.remove(request.request_id)
             raise
+        return Reservation(request.request_id, list(request.pages), start)
+
+    def admit_prefilled(self, request_id: str) -> None:
+        """A reserved request's KV is in its pages: it joins the running batch, its next step a decode."""
+        request = self.disaggregation.admit(request_id)
         if self.store is not None:
             # The prompt's blocks are the prefill side's to store; decode stores the blocks it completes.
             request.num_saved_blocks = len(request.prompt_token_ids) // self.store.block_tokens
         self.requests[request.request_id] = request
         self.scheduler.add_running(request)
+
+    def cancel_prefilled(self, request_id: str) -> bool:
+        """Give a reserved request's pages back (its KV did not arrive); False when it is not reserved."""
+        if self.disaggregation.cancel(request_id) is None:
+            return False
+        self.outputs.remove(request_id)
+        return True
 
     def export_kv(self, request_id: str) -> KVHandoff:
         """The handoff of a request that finished with "transfer". Its layers are read from the
@@ -505,7 +553,11 @@ class LLMEngine:
         return IsolatedConstraint(constraint, self.model_config.vocab_size) if constraint is not None else None
 
     def _in_use(self, request_id: str) -> bool:
-        return request_id in self.requests or request_id in self.disaggregation
+        return (
+            request_id in self.requests
+            or request_id in self.disaggregation
+            or request_id in self.disaggregation.reserved
+        )
 
 
 def _is_prefill_only(request: Request | None) -> bool:

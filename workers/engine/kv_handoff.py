@@ -9,10 +9,13 @@ for every request.
 A draining decode engine hands its running requests to another decode engine the same way (a
 migration): the handoff of a request suspended between two decode steps has the same shape.
 
-The KV travels as one tensor per layer, [2 (key, value), kv_heads, num_computed_tokens, head_dim]:
-token-major, independent of either engine's page size. `PagedLayers` copies a layer out of the
-prefill engine's pages only when it is read, so a sender can ship layer i while layer i + 1 is
-still being copied; `write_layers` puts received layers into the decode engine's pages.
+The KV travels in one of two ways (workers.transfer). As host copies, one tensor per layer, [2 (key,
+value), kv_heads, num_computed_tokens, head_dim]: token-major, independent of either engine's page
+size. `PagedLayers` copies a layer out of the prefill engine's pages only when it is read, so a
+sender can ship layer i while layer i + 1 is still being copied; `write_layers` puts received
+layers into the decode engine's pages. Or page to page, between engines of one host: the export
+names its pages (`pages`) and the decode side copies them straight into the pages it reserved
+(LLMEngine.reserve_prefilled); such a handoff carries no layers.
 """
 
 from collections.abc import Sequence
@@ -44,8 +47,12 @@ class KVHandoff:
     kv_dtype: torch.dtype
     num_kv_heads: int
     head_dim: int
-    # Per layer: [2, num_kv_heads, num_computed_tokens, head_dim] of kv_dtype, contiguous, on the CPU.
-    layers: Sequence[torch.Tensor]
+    num_layers: int
+    # Per layer: [2, num_kv_heads, num_computed_tokens, head_dim] of kv_dtype, contiguous, on the CPU;
+    # none when the KV goes page to page.
+    layers: Sequence[torch.Tensor] = ()
+    # The exporting engine's pages that hold the KV, in token order (an export only).
+    pages: tuple[int, ...] = ()
     # From a draining decode engine (a migration) rather than a prefill engine.
     migrated: bool = False
 
@@ -114,15 +121,16 @@ def export_handoff(request: Request, layers: "PagedLayers", kv_model_id: str) ->
         kv_dtype=layers.dtype,
         num_kv_heads=layers.num_kv_heads,
         head_dim=layers.head_dim,
+        num_layers=len(layers),
         layers=layers,
+        pages=tuple(request.pages),
     )
 
 
-def check_handoff(
-    handoff: KVHandoff, *, kv_model_id: str, vocab_size: int, max_tokens: int, kv_cache: KVCache
-) -> list[torch.Tensor]:
-    """The handoff's layers, once its model, tokens and KV are known to fit an engine with this
-    cache (the engine has checked the prompt and sampling params); else InvalidRequestError."""
+def check_handoff(handoff: KVHandoff, *, kv_model_id: str, vocab_size: int, max_tokens: int, kv_cache: KVCache) -> None:
+    """That the handoff's model, tokens and KV layout fit an engine with this cache (the engine has
+    checked the prompt and sampling params); else InvalidRequestError. Its layers, if any, are
+    checked by check_layers."""
     name = handoff.request_id
     if handoff.kv_model_id != kv_model_id:
         raise InvalidRequestError(
@@ -147,17 +155,35 @@ def check_handoff(
         )
     key_cache, _ = kv_cache.layers[0]
     num_kv_heads, _, _, head_dim = key_cache.shape
-    expected = (2, num_kv_heads, handoff.num_computed_tokens, head_dim)
-    layers = list(handoff.layers)
-    if len(layers) != len(kv_cache.layers):
+    ours = (len(kv_cache.layers), kv_cache.dtype, num_kv_heads, head_dim)
+    theirs = (handoff.num_layers, handoff.kv_dtype, handoff.num_kv_heads, handoff.head_dim)
+    if theirs != ours:
         raise InvalidRequestError(
-            f"handoff {name!r} has {len(layers)} layers of KV; the model has {len(kv_cache.layers)}"
+            f"handoff {name!r} holds {_layout(*theirs)}; this engine's cache holds {_layout(*ours)}"
         )
+
+
+def check_layers(handoff: KVHandoff) -> list[torch.Tensor]:
+    """The handoff's host layers, each of the shape and dtype the handoff says; else InvalidRequestError."""
+    name = handoff.request_id
+    layers = list(handoff.layers)
+    if len(layers) != handoff.num_layers:
+        raise InvalidRequestError(f"handoff {name!r} has {len(layers)} layers of KV; it says {handoff.num_layers}")
     for index, layer in enumerate(layers):
-        if not isinstance(layer, torch.Tensor) or layer.dtype != key_cache.dtype or tuple(layer.shape) != expected:
+        if (
+            not isinstance(layer, torch.Tensor)
+            or layer.dtype != handoff.kv_dtype
+            or tuple(layer.shape) != handoff.layer_shape
+        ):
             got = f"{layer.dtype} {tuple(layer.shape)}" if isinstance(layer, torch.Tensor) else type(layer).__name__
-            raise InvalidRequestError(f"handoff {name!r} layer {index} is {got}; expected {key_cache.dtype} {expected}")
+            raise InvalidRequestError(
+                f"handoff {name!r} layer {index} is {got}; expected {handoff.kv_dtype} {handoff.layer_shape}"
+            )
     return layers
+
+
+def _layout(num_layers: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> str:
+    return f"{num_layers} layers of {num_kv_heads} KV heads of {head_dim} ({str(dtype).removeprefix('torch.')})"
 
 
 @torch.inference_mode()

@@ -1,4 +1,6 @@
-"""Sends a KVHandoff from a prefill worker to a decode worker over ZMQ, and rebuilds it there.
+"""The wire format of KV transfers: a KVHandoff sent from a prefill worker to a decode worker over ZMQ
+as frames through host memory, and rebuilt there; and the one-message offer of its pages instead
+(workers.transfer.pools), whose header describes the request as a frames header does.
 
 Wire format (structs in workers.protocol, "KV transfer"): one multipart message per chunk of
 `chunk_layers` layers, [KVTransferHeader, layer frames] first and [KVTransferChunk, layer frames]
@@ -24,7 +26,7 @@ import zmq
 from workers.args import DTYPES as ENGINE_DTYPES
 from workers.args import torch_dtype
 from workers.engine.kv_handoff import KVHandoff
-from workers.protocol import KVTransferChunk, KVTransferHeader, KVTransferMessage
+from workers.protocol import KVPoolOffer, KVTransferChunk, KVTransferHeader, KVTransferMessage
 
 # The KV dtypes a transfer may name (those the engine runs in); anything else is refused before it
 # is interpreted.
@@ -47,16 +49,14 @@ class KVTransferError(Exception):
         self.request_id = request_id
 
 
-def encode_handoff(handoff: KVHandoff, *, chunk_layers: int = 1) -> Iterator[list[Frame | np.ndarray]]:
-    """The messages of one transfer, in order. Each layer is read (copied out of pages, for an
-    engine's export) only when its message is built, so send each message before taking the next."""
+def transfer_header(handoff: KVHandoff, *, chunk_layers: int = 1, pool: KVPoolOffer | None = None) -> KVTransferHeader:
+    """The header of a handoff's transfer: of its frames, or (`pool` given) of an offer of its pages."""
     if chunk_layers < 1:
         raise ValueError(f"chunk_layers must be >= 1, got {chunk_layers}")
     dtype = next((name for name, value in DTYPES.items() if value == handoff.kv_dtype), None)
     if dtype is None:
         raise ValueError(f"KV dtype {handoff.kv_dtype} cannot be transferred; allowed: {sorted(DTYPES)}")
-    num_layers = len(handoff.layers)
-    header = KVTransferHeader(
+    return KVTransferHeader(
         request_id=handoff.request_id,
         prompt_token_ids=handoff.prompt_token_ids,
         output_token_ids=handoff.output_token_ids,
@@ -68,10 +68,23 @@ def encode_handoff(handoff: KVHandoff, *, chunk_layers: int = 1) -> Iterator[lis
         kv_model_id=handoff.kv_model_id,
         dtype=dtype,
         layer_shape=handoff.layer_shape,
-        num_layers=num_layers,
+        num_layers=handoff.num_layers,
         chunk_layers=chunk_layers,
         migrated=handoff.migrated,
+        pool=pool,
     )
+
+
+def encode_offer(handoff: KVHandoff, pool: KVPoolOffer) -> list[bytes]:
+    """The one message of a pool offer: its header."""
+    return [_encoder.encode(transfer_header(handoff, pool=pool))]
+
+
+def encode_handoff(handoff: KVHandoff, *, chunk_layers: int = 1) -> Iterator[list[Frame | np.ndarray]]:
+    """The messages of one transfer, in order. Each layer is read (copied out of pages, for an
+    engine's export) only when its message is built, so send each message before taking the next."""
+    header = transfer_header(handoff, chunk_layers=chunk_layers)
+    num_layers = handoff.num_layers
     for first in range(0, num_layers, chunk_layers):
         lead = header if first == 0 else KVTransferChunk(request_id=handoff.request_id, first_layer=first)
         layers = [_layer_frame(handoff, i) for i in range(first, min(first + chunk_layers, num_layers))]
@@ -106,10 +119,10 @@ class HandoffAssembler:
     def feed(self, frames: Sequence[Frame]) -> KVHandoff | None:
         if not frames:
             raise KVTransferError("empty message")
-        try:
-            lead = _decoder.decode(_buffer(frames[0]))
-        except msgspec.DecodeError as error:
-            raise KVTransferError(f"unreadable header frame: {error}") from None
+        return self.feed_decoded(decode_lead(frames[0]), frames)
+
+    def feed_decoded(self, lead: KVTransferMessage, frames: Sequence[Frame]) -> KVHandoff | None:
+        """`feed`, with the message's first frame already decoded (decode_lead)."""
         request_id = lead.request_id
         try:
             if isinstance(lead, KVTransferHeader):
@@ -126,7 +139,7 @@ class HandoffAssembler:
         if len(state.layers) < state.header.num_layers:
             return None
         del self.partial[request_id]
-        return _handoff(state)
+        return handoff_of(state.header, state.layers)
 
     def discard(self, request_id: str) -> None:
         """Forget a partly received transfer (its sender gave up or died)."""
@@ -137,19 +150,10 @@ class HandoffAssembler:
             raise KVTransferError("a second header arrived before the first transfer completed")
         if len(self.partial) >= self.max_partial:
             raise KVTransferError(f"{len(self.partial)} transfers are already being assembled")
-        dtype = DTYPES.get(header.dtype)
-        if dtype is None:
-            raise KVTransferError(f"dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
-        two, heads, tokens, head_dim = header.layer_shape
-        num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
-        if not 0 < header.num_computed_tokens <= num_tokens:
-            raise KVTransferError(f"num_computed_tokens {header.num_computed_tokens} is not in [1, {num_tokens}]")
-        if two != 2 or heads < 1 or head_dim < 1 or tokens != header.num_computed_tokens:
-            raise KVTransferError(
-                f"layer shape {header.layer_shape} is not [2, heads, {header.num_computed_tokens}, head_dim]"
-            )
-        if header.num_layers < 1 or header.chunk_layers < 1:
-            raise KVTransferError(f"num_layers {header.num_layers} and chunk_layers {header.chunk_layers} must be >= 1")
+        if header.pool is not None:
+            raise KVTransferError("a pool offer carries no frames")
+        dtype = check_header(header)
+        _, heads, tokens, head_dim = header.layer_shape
         layer_bytes = 2 * heads * tokens * head_dim * dtype.itemsize
         state = _Partial(header=header, dtype=dtype, layer_bytes=layer_bytes)
         self.partial[header.request_id] = state
@@ -162,6 +166,54 @@ class HandoffAssembler:
         if chunk.first_layer != len(state.layers):
             raise KVTransferError(f"chunk starts at layer {chunk.first_layer}; expected {len(state.layers)}")
         return state
+
+
+def decode_lead(frame: Frame) -> KVTransferMessage:
+    """A transfer message's first frame; KVTransferError when it is not one."""
+    try:
+        return _decoder.decode(_buffer(frame))
+    except msgspec.DecodeError as error:
+        raise KVTransferError(f"unreadable header frame: {error}") from None
+
+
+def check_header(header: KVTransferHeader) -> torch.dtype:
+    """The dtype of a header whose counts and shapes agree with each other; else KVTransferError."""
+    dtype = DTYPES.get(header.dtype)
+    if dtype is None:
+        raise KVTransferError(f"dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
+    two, heads, tokens, head_dim = header.layer_shape
+    num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
+    if not 0 < header.num_computed_tokens <= num_tokens:
+        raise KVTransferError(f"num_computed_tokens {header.num_computed_tokens} is not in [1, {num_tokens}]")
+    if two != 2 or heads < 1 or head_dim < 1 or tokens != header.num_computed_tokens:
+        raise KVTransferError(
+            f"layer shape {header.layer_shape} is not [2, heads, {header.num_computed_tokens}, head_dim]"
+        )
+    if header.num_layers < 1 or header.chunk_layers < 1:
+        raise KVTransferError(f"num_layers {header.num_layers} and chunk_layers {header.chunk_layers} must be >= 1")
+    return dtype
+
+
+def handoff_of(header: KVTransferHeader, layers: Sequence[torch.Tensor] = ()) -> KVHandoff:
+    """The handoff a checked header describes (check_header), with the layers that came with it."""
+    _, heads, _, head_dim = header.layer_shape
+    return KVHandoff(
+        request_id=header.request_id,
+        prompt_token_ids=header.prompt_token_ids,
+        output_token_ids=header.output_token_ids,
+        params=header.params,
+        num_computed_tokens=header.num_computed_tokens,
+        num_cached_tokens=header.num_cached_tokens,
+        traffic_class=header.traffic_class,
+        cache_namespace=header.cache_namespace,
+        kv_model_id=header.kv_model_id,
+        kv_dtype=DTYPES[header.dtype],
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        num_layers=header.num_layers,
+        layers=layers,
+        migrated=header.migrated,
+    )
 
 
 def _layer_frame(handoff: KVHandoff, index: int) -> np.ndarray:
@@ -189,24 +241,3 @@ def _tensor(frame: Frame, state: _Partial, index: int) -> torch.Tensor:
     if not data.flags.writeable or data.ctypes.data % state.dtype.itemsize:
         data = data.copy()
     return torch.from_numpy(data).view(state.dtype).view(state.header.layer_shape)
-
-
-def _handoff(state: _Partial) -> KVHandoff:
-    header = state.header
-    _, heads, _, head_dim = header.layer_shape
-    return KVHandoff(
-        request_id=header.request_id,
-        prompt_token_ids=header.prompt_token_ids,
-        output_token_ids=header.output_token_ids,
-        params=header.params,
-        num_computed_tokens=header.num_computed_tokens,
-        num_cached_tokens=header.num_cached_tokens,
-        traffic_class=header.traffic_class,
-        cache_namespace=header.cache_namespace,
-        kv_model_id=header.kv_model_id,
-        kv_dtype=state.dtype,
-        num_kv_heads=heads,
-        head_dim=head_dim,
-        layers=state.layers,
-        migrated=header.migrated,
-    )

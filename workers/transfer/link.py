@@ -1,19 +1,28 @@
-"""The worker ends of KV transfers: a prefill worker's sender thread and a decode worker's receiver.
+"""The two ends of KV transfers: a sending worker's sender thread and a decode worker's receiver.
 
-Sender: each finished prefill's handoff is sent on a thread of its own, so that copying layers out of
-pages and pushing them onto the wire overlaps the engine's next steps. One PUSH per decode endpoint,
-kept open; ZMQ_IMMEDIATE queues nothing for a peer that is not connected, so a send to a decode
-worker that is gone blocks, and the send timeout turns that into a failed transfer instead of
-messages held forever. The layer frames are copies made as each layer is read (PagedLayers), and
-ZMQ holds a reference to each until it is sent, so the engine may release the pages as soon as the
-thread is done with the handoff. The thread reports each outcome on an inproc socket the worker's
-loop polls; only that loop touches the engine. Over the network the PUSH is a CURVE client
-(workers.curve): a decode worker that does not hold the cluster's key never gets the KV.
+Sockets: the sender keeps one DEALER per decode endpoint, open; the decode worker binds a ROUTER, so
+it can answer what it is sent. ZMQ_IMMEDIATE queues nothing for a peer that is not connected, so a
+send to a decode worker that is gone blocks, and the send timeout turns that into a failed transfer
+instead of messages held forever. Over the network both are CURVE (workers.curve): a decode worker
+that does not hold the cluster's key never gets the KV.
 
-Receiver: the decode worker's PULL. A transfer is assembled only for a request the gateway said to
-expect (ExpectTransferRequest); an expectation whose KV has not arrived within its timeout (the one
-the gateway predicted for it, else the worker's default) fails, as does any malformed transfer, and
-a transfer nobody expects is dropped.
+Sender: transfers run on a thread of their own, so that copying layers out of pages and pushing them
+onto the wire overlaps the engine's next steps. A transfer goes one of two ways (workers.protocol,
+"KV transfer"):
+- frames: the layer frames are copies made as each layer is read (PagedLayers), and ZMQ holds a
+  reference to each until it is sent, so the transfer is done, and the pages free, once the thread
+  has handed the last one over;
+- a pool offer (workers.transfer.pools): the header alone. The decode worker copies the pages and
+  answers "done", or answers "failed", or "frames" when it cannot map the pool (the frames follow).
+  The pages stay the sender's until the answer, or until the offer's hold time is over (a decode
+  worker that is gone never answers; one that copies later than that discards what it copied).
+The thread reports each transfer's outcome on an inproc socket the worker's loop polls; only that
+loop touches the engine.
+
+Receiver: a transfer is taken in only for a request the gateway said to expect
+(ExpectTransferRequest); an expectation whose KV has not arrived within its timeout (the one the
+gateway predicted for it, else the worker's default) fails, as does any malformed transfer, and a
+transfer nobody expects is dropped (an offer of one is answered "failed", so its pages go at once).
 """
 
 import logging
@@ -30,20 +39,54 @@ import zmq
 from workers import curve
 from workers.engine.constraints import TokenConstraint
 from workers.engine.kv_handoff import KVHandoff
-from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff
-from workers.protocol import KVTransferMessage
+from workers.protocol import (
+    REPLY_DONE,
+    REPLY_FAILED,
+    REPLY_FRAMES,
+    KVPoolOffer,
+    KVTransferHeader,
+    KVTransferReply,
+)
+from workers.transfer.frames import (
+    DTYPES,
+    HandoffAssembler,
+    KVTransferError,
+    check_header,
+    decode_lead,
+    encode_handoff,
+    encode_offer,
+    handoff_of,
+)
+from workers.transfer.pools import backend_of
 
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_MS = 2000  # longest a send waits for a decode worker to connect or take a message
+FRAMES = "zmq"  # the backend of frames through host memory, as metrics and logs name it
+CLOSE_GRACE_S = 2.0  # how long closing waits for the answers to offers under way
 _senders = count()
-_lead_decoder = msgspec.msgpack.Decoder(KVTransferMessage)
+_reply_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(KVTransferReply)
 
 
 @dataclass(frozen=True, slots=True)
 class SendResult:
     request_id: str
-    error: str  # "" when every message of the transfer was handed to ZMQ
+    # "" when the KV reached the decode worker: frames handed to ZMQ, pages copied, or a transfer the
+    # decode worker refused (it tells the request's owner itself).
+    error: str
+    backend: str = ""  # how the KV went: FRAMES, or the pool's backend; "" when it did not
+    num_bytes: int = 0
+    seconds: float = 0.0  # from the transfer's start to its last frame sent, or its pages' "done"
+
+
+@dataclass(slots=True)
+class _Job:
+    request_id: str
+    endpoint: str
+    handoff: KVHandoff
+    offer: KVPoolOffer | None
+    started: float = field(default_factory=time.monotonic)
 
 
 class TransferSender:
@@ -60,21 +103,26 @@ class TransferSender:
         self._key = key
         self._chunk_layers = chunk_layers
         self._send_timeout_ms = send_timeout_ms
-        self._jobs: queue.SimpleQueue[tuple[str, str, KVHandoff] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
-        address = f"inproc://transfer-results-{next(_senders)}"
+        name = next(_senders)
         # Bound before the thread connects: inproc needs the bind first.
         self.results = context.socket(zmq.PULL)
-        self.results.bind(address)
-        self._thread = threading.Thread(target=self._run, args=(address,), name="kv-sender", daemon=True)
+        self.results.bind(f"inproc://transfer-results-{name}")
+        self._bell = context.socket(zmq.PUSH)  # wakes the thread for a job; used by the caller's thread only
+        self._bell.bind(f"inproc://transfer-jobs-{name}")
+        self._thread = threading.Thread(target=self._run, args=(name,), name="kv-sender", daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: str, endpoint: str, handoff: KVHandoff) -> None:
-        self._jobs.put((request_id, endpoint, handoff))
+    def submit(self, request_id: str, endpoint: str, handoff: KVHandoff, offer: KVPoolOffer | None = None) -> None:
+        """Send the handoff's KV to `endpoint`: its pages as `offer` when given, else as frames."""
+        self._jobs.put(_Job(request_id, endpoint, handoff, offer))
+        self._bell.send(b"")
 
     def cancel(self, request_id: str) -> None:
-        """Stop sending the request's KV at the next message; its result still comes (as an error)."""
+        """Stop sending the request's frames at the next message; its result still comes (as an error).
+        An offer is not withdrawn: the decode worker may be copying its pages, whose answer is awaited."""
         with self._lock:
             self._cancelled.add(request_id)
 
@@ -82,64 +130,182 @@ class TransferSender:
         results = []
         while True:
             try:
-                request_id, error = msgspec.msgpack.decode(self.results.recv(zmq.NOBLOCK))
+                fields = msgspec.msgpack.decode(self.results.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return results
+            result = SendResult(*fields)
             with self._lock:
-                self._cancelled.discard(request_id)
-            results.append(SendResult(request_id, error))
+                self._cancelled.discard(result.request_id)
+            results.append(result)
 
     def close(self) -> list[SendResult]:
-        """Finish the sends under way and stop; the results not taken yet."""
+        """Finish the transfers under way (waiting up to CLOSE_GRACE_S for offers' answers) and stop;
+        the results not taken yet."""
         self._jobs.put(None)
+        self._bell.send(b"")
         self._thread.join()
         results = self.take_results()
         self.results.close(linger=0)
+        self._bell.close(linger=0)
         return results
 
-    def _run(self, results_address: str) -> None:
+    def _run(self, name: int) -> None:
         results = self._context.socket(zmq.PUSH)
-        results.connect(results_address)
-        pushes: dict[str, zmq.Socket] = {}
+        results.connect(f"inproc://transfer-results-{name}")
+        bell = self._context.socket(zmq.PULL)
+        bell.connect(f"inproc://transfer-jobs-{name}")
+        state = _SenderState(results, zmq.Poller())
+        state.poller.register(bell, zmq.POLLIN)
+        closing_at: float | None = None
         try:
-            while (job := self._jobs.get()) is not None:
-                request_id, endpoint, handoff = job
-                error = self._send(pushes, endpoint, handoff)
-                results.send(msgspec.msgpack.encode((request_id, error)))
+            while closing_at is None or (state.awaiting and time.monotonic() < closing_at + CLOSE_GRACE_S):
+                ready = dict(state.poller.poll(state.poll_timeout_ms()))
+                if bell in ready:
+                    while bell.poll(0):
+                        bell.recv()
+                    while not self._jobs.empty():
+                        job = self._jobs.get()
+                        if job is None:
+                            closing_at = time.monotonic()
+                        else:
+                            self._start(state, job)
+                for dealer in [socket for socket in ready if socket is not bell]:
+                    if dealer in state.dealers.values():  # not closed by a failure meanwhile
+                        self._take_replies(state, dealer)
+                state.expire(time.monotonic())
+            for job in state.awaiting.values():
+                state.report(job, "the worker stopped before the decode worker answered")
         finally:
-            for push in pushes.values():
-                push.close(linger=0)
+            for dealer in state.dealers.values():
+                dealer.close(linger=0)
+            bell.close(linger=0)
             results.close(linger=1000)
 
-    def _send(self, pushes: dict[str, zmq.Socket], endpoint: str, handoff: KVHandoff) -> str:
-        push = pushes.get(endpoint)
-        if push is None:
-            push = self._context.socket(zmq.PUSH)
-            push.setsockopt(zmq.IMMEDIATE, 1)
-            push.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+    def _start(self, state: "_SenderState", job: _Job) -> None:
+        if self._is_cancelled(job.request_id):
+            state.report(job, "the request was aborted")
+            return
+        dealer = state.dealers.get(job.endpoint)
+        if dealer is None:
             try:
-                curve.connect(push, endpoint, self._key)
+                dealer = self._connect(job.endpoint)
             except (curve.CurveError, zmq.ZMQError) as error:  # a decode endpoint this worker may not reach
-                push.close(linger=0)
-                log.warning("KV transfer of %s: %s", handoff.request_id, error)
-                return str(error)
-            pushes[endpoint] = push
+                log.warning("KV transfer of %s: %s", job.request_id, error)
+                state.report(job, str(error))
+                return
+            state.dealers[job.endpoint] = dealer
+            state.poller.register(dealer, zmq.POLLIN)
+        if job.offer is None:
+            self._send_frames(state, job)
+            return
         try:
-            for message in encode_handoff(handoff, chunk_layers=self._chunk_layers):
-                with self._lock:
-                    if handoff.request_id in self._cancelled:
-                        return "the request was aborted"
-                push.send_multipart(message, copy=False)
-            return ""
+            dealer.send_multipart(encode_offer(job.handoff, job.offer))
         except zmq.Again:
-            error = f"decode worker {endpoint} took no message for {self._send_timeout_ms} ms"
+            self._failed(state, job, f"decode worker {job.endpoint} took no message for {self._send_timeout_ms} ms")
+            return
+        state.awaiting[job.handoff.request_id] = job  # answered under the id on the wire (a migration's new one)
+
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IMMEDIATE, 1)
+        dealer.setsockopt(zmq.SNDTIMEO, self._send_timeout_ms)
+        try:
+            curve.connect(dealer, endpoint, self._key)
+        except BaseException:
+            dealer.close(linger=0)
+            raise
+        return dealer
+
+    def _send_frames(self, state: "_SenderState", job: _Job) -> None:
+        dealer = state.dealers[job.endpoint]
+        num_bytes = 0
+        try:
+            for message in encode_handoff(job.handoff, chunk_layers=self._chunk_layers):
+                if self._is_cancelled(job.request_id):
+                    state.report(job, "the request was aborted")
+                    return
+                dealer.send_multipart(message, copy=False)
+                num_bytes += sum(len(frame) if isinstance(frame, bytes) else frame.nbytes for frame in message[1:])
+        except zmq.Again:
+            error = f"decode worker {job.endpoint} took no message for {self._send_timeout_ms} ms"
         except (zmq.ZMQError, ValueError, RuntimeError) as failure:
-            error = f"sending KV to {endpoint} failed: {failure}"
+            error = f"sending KV to {job.endpoint} failed: {failure}"
+        else:
+            state.report(job, "", FRAMES, num_bytes)
+            return
+        self._failed(state, job, error)
+
+    def _failed(self, state: "_SenderState", job: _Job, error: str) -> None:
         # A transfer cut off mid-way may have left messages queued: a fresh socket drops them, so the
         # decode worker never receives the tail of a transfer without its head.
-        pushes.pop(endpoint).close(linger=0)
-        log.warning("KV transfer of %s: %s", handoff.request_id, error)
-        return error
+        dealer = state.dealers.pop(job.endpoint)
+        state.poller.unregister(dealer)
+        dealer.close(linger=0)
+        for wire_id in [wire_id for wire_id, other in state.awaiting.items() if other.endpoint == job.endpoint]:
+            state.report(state.awaiting.pop(wire_id), f"the link to {job.endpoint} failed")
+        log.warning("KV transfer of %s: %s", job.request_id, error)
+        state.report(job, error)
+
+    def _take_replies(self, state: "_SenderState", dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                reply = _reply_decoder.decode(frames[-1])
+            except msgspec.DecodeError:
+                log.warning("dropped an unreadable answer to a KV offer")
+                continue
+            job = state.awaiting.pop(reply.request_id, None)
+            if job is None:
+                continue  # its offer expired: the pages are gone already
+            if reply.action == REPLY_DONE:
+                state.report(job, "", backend_of(job.offer), _offered_bytes(job.offer))
+            elif reply.action == REPLY_FRAMES:
+                log.info("KV transfer of %s goes as frames: %s", job.request_id, reply.error)
+                self._send_frames(state, job)
+                if dealer not in state.dealers.values():
+                    return  # the link failed sending them, and was closed
+            else:
+                # The decode worker refused what it was sent, and told the request's owner so, as it
+                # does a refused transfer of frames: for this side the transfer is over.
+                log.info("decode worker %s refused the KV of %s: %s", job.endpoint, job.request_id, reply.error)
+                state.report(job, "")
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancelled
+
+
+@dataclass(slots=True)
+class _SenderState:
+    """The sender thread's own: its sockets and the offers awaiting an answer."""
+
+    results: zmq.Socket
+    poller: zmq.Poller
+    dealers: dict[str, zmq.Socket] = field(default_factory=dict)
+    awaiting: dict[str, _Job] = field(default_factory=dict)
+
+    def report(self, job: _Job, error: str, backend: str = "", num_bytes: int = 0) -> None:
+        seconds = time.monotonic() - job.started
+        self.results.send(msgspec.msgpack.encode((job.request_id, error, backend, num_bytes, seconds)))
+
+    def poll_timeout_ms(self) -> int | None:
+        if not self.awaiting:
+            return None
+        soonest = min(job.offer.expires_at for job in self.awaiting.values())
+        return max(0, int((soonest - time.monotonic()) * 1000) + 1)
+
+    def expire(self, now: float) -> None:
+        for wire_id in [wire_id for wire_id, job in self.awaiting.items() if job.offer.expires_at <= now]:
+            job = self.awaiting.pop(wire_id)
+            self.report(job, f"decode worker {job.endpoint} did not answer the offer of its KV in time")
+
+
+def _offered_bytes(offer: KVPoolOffer) -> int:
+    layers, two, heads, _, page_size, head_dim = offer.shape
+    return layers * two * heads * page_size * head_dim * DTYPES[offer.dtype].itemsize * len(offer.pages)
 
 
 @dataclass(slots=True)
@@ -152,20 +318,26 @@ class Expectation:
 
 @dataclass(slots=True)
 class Received:
-    """What one transfer message settled: a handoff complete for its expectation, or a failure."""
+    """What one transfer message settled: a handoff complete for its expectation (`handoff`, its
+    layers received as frames), an offer of its pages (`offer`, `handoff` without layers), or a
+    failure (`error`). `sender` is the sending worker's identity on this ROUTER, for `reply`."""
 
     request_id: str
     expectation: Expectation
     handoff: KVHandoff | None = None
     error: str = ""
+    offer: KVPoolOffer | None = None
+    sender: bytes = b""
+    started: float = 0.0  # time.monotonic() when the transfer's first message arrived
 
 
 @dataclass(slots=True)
 class TransferReceiver:
-    pull: zmq.Socket
+    router: zmq.Socket
     default_timeout_s: float  # for an expectation that names no timeout of its own
     assembler: HandoffAssembler = field(default_factory=HandoffAssembler)
     expected: dict[str, Expectation] = field(default_factory=dict)
+    _started: dict[str, float] = field(default_factory=dict)  # request id → its frames' first arrival
 
     def expect(self, request_id: str, peer: bytes, constraint: TokenConstraint | None, timeout_s: float = 0.0) -> None:
         """Wait for the request's KV for `timeout_s` from now (0: the default)."""
@@ -174,16 +346,27 @@ class TransferReceiver:
 
     def drop(self, request_id: str) -> Expectation | None:
         self.assembler.discard(request_id)
+        self._started.pop(request_id, None)
         return self.expected.pop(request_id, None)
+
+    def ask_for_frames(self, received: Received, reason: str) -> None:
+        """Answer an offer "frames": the request waits for them under its expectation again."""
+        self.expected[received.request_id] = received.expectation
+        self._started[received.request_id] = received.started
+        self.reply(received.sender, received.request_id, REPLY_FRAMES, reason)
+
+    def reply(self, sender: bytes, request_id: str, action: str, error: str = "") -> None:
+        # A ROUTER drops messages to peers that are gone rather than blocking.
+        self.router.send_multipart([sender, _reply_encoder.encode(KVTransferReply(request_id, action, error))])
 
     def receive(self, max_messages: int) -> list[Received]:
         settled = []
         for _ in range(max_messages):
             try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            received = self._feed(frames)
+            received = self._feed(frames[0].bytes, frames[1:])
             if received is not None:
                 settled.append(received)
         return settled
@@ -196,24 +379,43 @@ class TransferReceiver:
             settled.append(Received(request_id, expectation, error=f"no KV arrived within {expectation.timeout_s:g} s"))
         return settled
 
-    def _feed(self, frames: Sequence[zmq.Frame]) -> Received | None:
-        # Assemble only what a request waits for, so the KV of aborted requests, or of senders that
+    def _feed(self, sender: bytes, frames: Sequence[zmq.Frame]) -> Received | None:
+        # Take in only what a request waits for, so the KV of aborted requests, or of senders that
         # died mid-way, holds no memory here.
         try:
-            request_id = _lead_decoder.decode(frames[0].buffer).request_id
-        except msgspec.DecodeError:
-            request_id = None
-        if request_id is not None and request_id not in self.expected:
-            log.warning("dropped a KV transfer message of %s: no request expects it", request_id)
-            return None
-        try:
-            handoff = self.assembler.feed(frames)
+            lead = decode_lead(frames[0]) if frames else None
         except KVTransferError as error:
-            expectation = self.drop(error.request_id) if error.request_id else None
-            if expectation is None:
-                log.warning("dropped a KV transfer message: %s", error)
-                return None
-            return Received(error.request_id, expectation, error=str(error))
+            log.warning("dropped a KV transfer message: %s", error)
+            return None
+        if lead is None:
+            log.warning("dropped an empty KV transfer message")
+            return None
+        request_id = lead.request_id
+        if request_id not in self.expected:
+            log.warning("dropped a KV transfer message of %s: no request expects it", request_id)
+            if isinstance(lead, KVTransferHeader) and lead.pool is not None:
+                self.reply(sender, request_id, REPLY_FAILED, "no request expects this transfer")
+            return None
+        started = self._started.setdefault(request_id, time.monotonic())
+        if isinstance(lead, KVTransferHeader) and lead.pool is not None:
+            return self._offered(sender, lead, started)
+        try:
+            handoff = self.assembler.feed_decoded(lead, frames)
+        except KVTransferError as error:
+            return Received(request_id, self.drop(request_id), error=str(error), sender=sender, started=started)
         if handoff is None:
             return None
-        return Received(handoff.request_id, self.expected.pop(handoff.request_id), handoff=handoff)
+        del self._started[request_id]
+        return Received(request_id, self.expected.pop(request_id), handoff=handoff, sender=sender, started=started)
+
+    def _offered(self, sender: bytes, header: KVTransferHeader, started: float) -> Received:
+        request_id = header.request_id
+        expectation = self.drop(request_id)
+        try:
+            check_header(header)
+        except KVTransferError as error:
+            self.reply(sender, request_id, REPLY_FAILED, str(error))
+            return Received(request_id, expectation, error=f"KV transfer {request_id!r}: {error}")
+        return Received(
+            request_id, expectation, handoff=handoff_of(header), offer=header.pool, sender=sender, started=started
+        )

@@ -6,10 +6,11 @@ the engine has work, the loop checks its sockets without blocking between steps;
 on them for up to a heartbeat interval. With a registry endpoint, a thread announces the worker there.
 
 Roles: a "mixed" worker runs whole requests. A "prefill" worker runs a request that names a
-`decode_endpoint` up to its first token, then sends the KV there on its sender thread and releases
-the pages once sent (workers.transfer.link). A "decode" worker also binds a PULL, its transfer
-endpoint: it continues the requests whose KV arrives there, streaming their outputs to the peer that
-sent the ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
+`decode_endpoint` up to its first token, then sends the KV there on its sender thread (as frames,
+or as an offer of its pages to a worker of the same host) and releases the pages once the KV is
+there (workers.transfer). A "decode" worker also binds a ROUTER, its transfer endpoint: it continues
+the requests whose KV arrives there, streaming their outputs to the peer that sent the
+ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
 has lost all of its other half keeps serving.
 
 The parts, one job each: `process` (the entry point: title, parent death, crash report), `server`

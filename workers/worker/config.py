@@ -34,7 +34,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_eviction_policy: str = EVICTION_POLICY
     pool: str = ""  # the pool the control plane scales this worker in
     registry_endpoint: str | None = None  # where to register (a RegistryServer); None: nowhere
-    transfer_endpoint: str | None = None  # a decode worker's PULL for KV transfers (bound)
+    transfer_endpoint: str | None = None  # a decode worker's ROUTER for KV transfers (bound)
     transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     # The host name or address peers on other hosts reach this worker at: wildcard binds
     # ("tcp://*:7100") are advertised under it. "": this host's name.
@@ -85,7 +85,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--pool", default="", help="the pool the control plane scales this worker in")
     parser.add_argument("--registry-endpoint", help="register with the control plane's registry there")
-    parser.add_argument("--transfer-endpoint", help="decode workers: bind the PULL for KV transfers here")
+    parser.add_argument("--transfer-endpoint", help="decode workers: bind the socket KV transfers arrive on here")
     parser.add_argument(
         "--transfer-timeout",
         type=float,

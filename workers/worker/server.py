@@ -51,6 +51,7 @@ from workers.protocol import (
 )
 from workers.registry import register_until_acknowledged
 from workers.transfer.link import TransferReceiver, TransferSender
+from workers.transfer.pools import PoolExport
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 # Inbound messages handled between two engine steps, so a flood of requests cannot stall decoding.
 MAX_MESSAGES_PER_STEP = 256
 CLOSE_LINGER_MS = 500  # time to flush the final outputs of aborted requests at shutdown
+COPY_POLL_MS = 1  # how often an idle worker looks whether KV being copied in is there
 
 
 class Worker:
@@ -93,17 +95,20 @@ class Worker:
         receiver: TransferReceiver | None = None
         transfer_endpoint = ""
         if config.role == "decode":
-            pull = context.socket(zmq.PULL)
-            curve.bind(pull, config.transfer_endpoint, key)
-            transfer_endpoint = connectable_endpoint(pull, advertised_host)
-            receiver = TransferReceiver(pull, default_timeout_s=config.transfer_timeout_s)
-            self.poller.register(pull, zmq.POLLIN)
+            router = context.socket(zmq.ROUTER)
+            curve.bind(router, config.transfer_endpoint, key)
+            transfer_endpoint = connectable_endpoint(router, advertised_host)
+            receiver = TransferReceiver(router, default_timeout_s=config.transfer_timeout_s)
+            self.poller.register(router, zmq.POLLIN)
         sender: TransferSender | None = None
+        pool: PoolExport | None = None
         # Prefill workers send every request's KV; decode workers send their requests' when a drain
         # migrates them.
         if config.role in ("prefill", "decode"):
             sender = TransferSender(context, key=key)
             self.poller.register(sender.results, zmq.POLLIN)
+            if config.engine.kv_transfer == "auto":
+                pool = PoolExport.of(engine.kv_cache, self.worker_id)
         self.identity = WorkerIdentity(
             worker_id=self.worker_id,
             hostname=hostname,
@@ -142,6 +147,7 @@ class Worker:
             compile_constraint=self._compile_constraint,
             receiver=receiver,
             sender=sender,
+            pool=pool,
             continued=self.resumption.took_in,
             migrated=self.resumption.moved_away,
         )
@@ -189,7 +195,7 @@ class Worker:
         if self.registration_thread is not None:
             self.registration_thread.start()
         while not self.stop.is_set():
-            idle_ms = 0 if self.engine.has_unfinished() else self.config.heartbeat_interval_s * 1000
+            idle_ms = self._poll_timeout_ms()
             ready = dict(self.poller.poll(idle_ms))
             if self.router in ready:
                 self._receive()
@@ -203,6 +209,16 @@ class Worker:
                 self.resumption.after_step(deltas)
                 self.control.check_drained()
         self._shut_down()
+
+    def _poll_timeout_ms(self) -> float:
+        """How long the loop waits for a message: not at all while the engine has work, a little
+        while KV is being copied in (its request joins the batch when the copy is done), else up to a
+        heartbeat interval."""
+        if self.engine.has_unfinished():
+            return 0
+        if self.transfers.copying:
+            return COPY_POLL_MS
+        return self.config.heartbeat_interval_s * 1000
 
     def _step(self) -> list[RequestDelta]:
         try:

@@ -237,7 +237,12 @@ def test_over_capacity_raises_overloaded_and_leaks_nothing():
     "change, message",
     [
         (lambda h: replace(h, kv_model_id="other:float32"), "holds KV of"),
-        (lambda h: replace(h, layers=h.layers[:-1]), "2 layers of KV; the model has 3"),
+        (lambda h: replace(h, layers=h.layers[:-1]), "2 layers of KV; it says 3"),
+        (
+            lambda h: replace(h, layers=h.layers[:-1], num_layers=2),
+            "holds 2 layers of 2 KV heads of 32 .float32.; this engine's cache holds 3 layers",
+        ),
+        (lambda h: replace(h, head_dim=16), "2 KV heads of 16 .float32.; this engine's cache holds 3 layers of 2"),
         (lambda h: replace(h, layers=[t.to(torch.bfloat16) for t in h.layers]), "layer 0 is torch.bfloat16"),
         (lambda h: replace(h, layers=[t[:, :, :-1] for t in h.layers]), r"expected torch.float32 \(2, 2, 40, 32\)"),
         (lambda h: replace(h, num_computed_tokens=39), "KV for 39 tokens"),
