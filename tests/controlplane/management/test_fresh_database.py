@@ -56,7 +56,7 @@ def test_serve_migrates_a_fresh_database_before_it_starts_anything(tmp_path):
     # given a database file that was never migrated
     env = fresh_env(tmp_path)
 
-    # when serve starts (as far as its banner: everything it does before its children run)
+    # when serve starts (as far as its banner's dev key: everything it does before its children run)
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "manage.py"), "serve", "--workers=1", "--no-kv-store", "--port=0"],
         env=env,
@@ -69,7 +69,7 @@ def test_serve_migrates_a_fresh_database_before_it_starts_anything(tmp_path):
     try:
         for line in process.stdout:
             lines.append(line.rstrip("\n"))
-            if line.startswith("sluice is starting"):
+            if line.lstrip().startswith("dev key"):
                 break
     finally:
         process.send_signal(signal.SIGINT)
@@ -83,6 +83,7 @@ def test_serve_migrates_a_fresh_database_before_it_starts_anything(tmp_path):
     printed = [line for line in lines if line]
     assert re.fullmatch(r"Applying \d+ database migrations \(python manage.py migrate\)", printed[0]), lines
     assert printed[1].startswith("sluice is starting"), lines
-    assert (tmp_path / "dev-api-key").exists()
+    (key_file,) = tmp_path.glob("dev-api-key-*")
+    assert printed[-1].split() == ["dev", "key", key_file.read_text().strip()], lines
     created = manage(env, "create_api_key", "--tenant", "acme")
     assert created.returncode == 0, created.stderr
