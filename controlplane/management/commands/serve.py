@@ -98,7 +98,7 @@ class Command(BaseCommand):
             engine = EngineArgs.from_namespace(argparse.Namespace(**options))
         except ValueError as error:
             raise CommandError(str(error)) from None
-        model, device, kv_store_index = engine.model, engine.device, engine.kv_store_index
+        model, kv_store_index = engine.model, engine.kv_store_index
         if no_kv_store:
             engine = replace(engine, kv_store=None)
         if engine.kv_store:
@@ -122,7 +122,35 @@ class Command(BaseCommand):
             )
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
         resolve_model(model, progress=True)
-        runtime = Path(tempfile.mkdtemp(prefix="sluice-"))
+        # The private directory of the ipc sockets, removed once everything stopped, however serve ends.
+        with tempfile.TemporaryDirectory(prefix="sluice-") as runtime:
+            self._serve(
+                Path(runtime),
+                roles=roles,
+                engine=engine,
+                kv_store_index=kv_store_index,
+                host=host,
+                port=port,
+                kv_gc_interval=kv_gc_interval,
+                kv_store_capacity_bytes=kv_store_capacity_bytes,
+                kv_eviction_policy=kv_eviction_policy,
+            )
+
+    def _serve(
+        self,
+        runtime: Path,
+        *,
+        roles: list[str],
+        engine: EngineArgs,
+        kv_store_index: str,
+        host: str,
+        port: int,
+        kv_gc_interval: float,
+        kv_store_capacity_bytes: int,
+        kv_eviction_policy: str,
+    ) -> None:
+        """The children in `runtime`, the banner, and the supervisor until it stopped them all."""
+        model, device = engine.model, engine.device
         if engine.kv_store and kv_store_index == "memory":
             # The store's GC process serves its index here, in the private runtime directory.
             engine = replace(engine, kv_store_index=f"ipc://{runtime}/kv-index")
