@@ -2,9 +2,14 @@
 and timers for the periodic work (`serve` runs the autoscaler and the local node agent on them).
 
 Children die with the supervisor (PR_SET_PDEATHSIG), a child that exits unexpectedly is logged
-and restarted with a growing delay, and SIGINT/SIGTERM stop everything: SIGTERM to each child,
-then SIGKILL to whatever has not exited after a grace period. A child that exits with code 0 was
-asked to stop (a worker told to shut down by the control plane) and is left stopped.
+and restarted with a growing delay, and SIGINT/SIGTERM stop everything. A child that exits with
+code 0 was asked to stop (a worker told to shut down by the control plane) and is left stopped.
+
+Stopping goes in stages, lowest `stop_stage` first, because children depend on each other while
+they stop (an engine worker finishing its KV store writes needs the store's index, kept by another
+child). A stage's children get SIGTERM, whatever of them has not exited after a grace period gets
+SIGKILL, then the stage's own stopping work runs (StopStep: a node agent ending the workers it
+started), and only then does the next stage begin. An exception in `run` stops the children too.
 """
 
 import ctypes
@@ -44,6 +49,7 @@ class Child:
     restart_at: float | None = None
     exit_codes: list[int] = field(default_factory=list)
     stopped: bool = False  # exited with code 0: not to be restarted
+    stop_stage: int = 0  # stops once every child and StopStep of a lower stage is done
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)
@@ -63,29 +69,40 @@ class Timer:
     due_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class StopStep:
+    """Stopping work of the supervisor's own, done in `stage` once that stage's children exited (a
+    node agent ending the workers it started, which are no children of the supervisor's)."""
+
+    stage: int
+    run: Callable[[], object]
+
+
 class Supervisor:
     def __init__(
-        self, children: Sequence[Child], timers: Sequence[Timer] = (), on_stop: Callable[[], object] = lambda: None
+        self, children: Sequence[Child], timers: Sequence[Timer] = (), stop_steps: Sequence[StopStep] = ()
     ) -> None:
-        """`on_stop` runs once the children were signalled to stop (e.g. a node agent ending its workers)."""
         self.children = list(children)
         self.timers = list(timers)
-        self.on_stop = on_stop
+        self.stop_steps = list(stop_steps)
         self.stopping = False
 
     def run(self) -> int:
         """Start the children and keep them running until a signal asks to stop; returns the exit code."""
         signal.signal(signal.SIGINT, self._request_stop)
         signal.signal(signal.SIGTERM, self._request_stop)
-        for child in self.children:
-            child.start()
-        for timer in self.timers:
-            timer.due_at = time.monotonic() + timer.interval_s
-        while not self.stopping:
-            self._tend(time.monotonic())
-            self._run_timers(time.monotonic())
-            time.sleep(0.2)
-        return self._stop_all()
+        try:
+            for child in self.children:
+                child.start()
+            for timer in self.timers:
+                timer.due_at = time.monotonic() + timer.interval_s
+            while not self.stopping:
+                self._tend(time.monotonic())
+                self._run_timers(time.monotonic())
+                time.sleep(0.2)
+        finally:
+            self._stop_all()
+        return 0
 
     def _run_timers(self, now: float) -> None:
         for timer in self.timers:
@@ -123,14 +140,19 @@ class Supervisor:
             child.restart_at = now + delay
             log.error("%s exited with code %d; restarting in %.0fs", child.name, code, delay)
 
-    def _stop_all(self) -> int:
-        running = [c.process for c in self.children if c.process is not None and c.process.poll() is None]
+    def _stop_all(self) -> None:
+        stages = {child.stop_stage for child in self.children} | {step.stage for step in self.stop_steps}
+        for stage in sorted(stages):
+            self._stop_stage(stage)
+
+    def _stop_stage(self, stage: int) -> None:
+        running = [
+            child.process
+            for child in self.children
+            if child.stop_stage == stage and child.process is not None and child.process.poll() is None
+        ]
         for process in running:
             process.send_signal(signal.SIGTERM)
-        try:
-            self.on_stop()
-        except Exception:
-            log.exception("stopping failed")
         deadline = time.monotonic() + GRACE_PERIOD
         for process in running:
             try:
@@ -139,7 +161,12 @@ class Supervisor:
                 log.warning("pid %d did not stop in %.0fs; killing it", process.pid, GRACE_PERIOD)
                 process.kill()
                 process.wait()
-        return 0
+        for step in self.stop_steps:
+            if step.stage == stage:
+                try:
+                    step.run()
+                except Exception:
+                    log.exception("stopping (stage %d) failed", stage)
 
 
 def child_env(**overrides: str) -> dict[str, str]:

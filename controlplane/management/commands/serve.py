@@ -29,7 +29,7 @@ from django.utils import timezone
 from controlplane.common.migrated import MIGRATE, pending_migrations
 from controlplane.dev_key import dev_api_key
 from controlplane.policies.tasks import ep_rebalance_tick_task
-from controlplane.supervisor import Child, Supervisor, Timer, child_env, manage_py
+from controlplane.supervisor import Child, StopStep, Supervisor, Timer, child_env, manage_py
 from controlplane.topology.node_agent import reconcile_local, record_exit
 from controlplane.topology.selectors import local_workers_registered
 from controlplane.topology.services import autoscale_tick, topology_ensure_local
@@ -55,6 +55,11 @@ GATEWAY_HTTP_OPTIONS = (
 # often the gateway looks for the workers it adds.
 AGENT_ROUND_S = 1.0
 WORKER_DISCOVERY_INTERVAL_S = 2.0
+
+# The order serve's children stop in (Child.stop_stage): the gateway first (no new requests), then the
+# engine workers, serve's and the node agent's (they finish their KV store writes, which need the
+# store's index), then the registry and the store's GC process, which keeps that index.
+STOP_GATEWAY, STOP_WORKERS, STOP_SERVICES = 0, 1, 2
 
 
 class Command(BaseCommand):
@@ -93,7 +98,7 @@ class Command(BaseCommand):
             engine = EngineArgs.from_namespace(argparse.Namespace(**options))
         except ValueError as error:
             raise CommandError(str(error)) from None
-        model, device, kv_store_index = engine.model, engine.device, engine.kv_store_index
+        model, kv_store_index = engine.model, engine.kv_store_index
         if no_kv_store:
             engine = replace(engine, kv_store=None)
         if engine.kv_store:
@@ -117,7 +122,35 @@ class Command(BaseCommand):
             )
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
         resolve_model(model, progress=True)
-        runtime = Path(tempfile.mkdtemp(prefix="sluice-"))
+        # The private directory of the ipc sockets, removed once everything stopped, however serve ends.
+        with tempfile.TemporaryDirectory(prefix="sluice-") as runtime:
+            self._serve(
+                Path(runtime),
+                roles=roles,
+                engine=engine,
+                kv_store_index=kv_store_index,
+                host=host,
+                port=port,
+                kv_gc_interval=kv_gc_interval,
+                kv_store_capacity_bytes=kv_store_capacity_bytes,
+                kv_eviction_policy=kv_eviction_policy,
+            )
+
+    def _serve(
+        self,
+        runtime: Path,
+        *,
+        roles: list[str],
+        engine: EngineArgs,
+        kv_store_index: str,
+        host: str,
+        port: int,
+        kv_gc_interval: float,
+        kv_store_capacity_bytes: int,
+        kv_eviction_policy: str,
+    ) -> None:
+        """The children in `runtime`, the banner, and the supervisor until it stopped them all."""
+        model, device = engine.model, engine.device
         if engine.kv_store and kv_store_index == "memory":
             # The store's GC process serves its index here, in the private runtime directory.
             engine = replace(engine, kv_store_index=f"ipc://{runtime}/kv-index")
@@ -147,6 +180,7 @@ class Command(BaseCommand):
                     "--kv-gc-interval=0",
                 ),
                 env=child_env(),
+                stop_stage=STOP_WORKERS,
             )
             for name, role, (requests, heartbeats) in zip(names, roles, endpoints)
         ]
@@ -168,10 +202,16 @@ class Command(BaseCommand):
                         f"--kv-eviction-policy={kv_eviction_policy}",
                     ),
                     env=child_env(),
+                    stop_stage=STOP_SERVICES,
                 )
             )
         children.append(
-            Child(name="registry", argv=manage_py("run_registry", f"--endpoint={registry_endpoint}"), env=child_env())
+            Child(
+                name="registry",
+                argv=manage_py("run_registry", f"--endpoint={registry_endpoint}"),
+                env=child_env(),
+                stop_stage=STOP_SERVICES,
+            )
         )
         children.append(
             Child(
@@ -196,6 +236,7 @@ class Command(BaseCommand):
                     # Workers the local node agent adds register later: the gateway follows them.
                     SLUICE_WORKER_DISCOVERY_INTERVAL_S=str(WORKER_DISCOVERY_INTERVAL_S),
                 ),
+                stop_stage=STOP_GATEWAY,
             )
         )
         key = dev_api_key()
@@ -228,7 +269,8 @@ class Command(BaseCommand):
             Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, AutoscalerAfterStart(names)),
             Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
         ]
-        Supervisor(children, timers, on_stop=lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S)).run()
+        stop_added_workers = StopStep(STOP_WORKERS, lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S))
+        Supervisor(children, timers, stop_steps=[stop_added_workers]).run()
 
     def _migrate(self) -> None:
         """The embedded default sets its database up itself: a fresh SQLite file under var/ or an empty

@@ -1,6 +1,7 @@
 """A database that was never migrated, through real `manage.py` processes on a fresh SQLite file:
 `serve` (the embedded default) migrates it before it starts anything and says so in one line;
-commands that need the tables say in one line to run migrate and exit 1, without a traceback."""
+commands that need the tables say in one line to run migrate and exit 1, without a traceback. Once
+stopped, `serve` leaves no runtime directory (its ipc sockets) behind."""
 
 import os
 import re
@@ -52,11 +53,12 @@ def test_a_command_that_needs_tables_says_to_migrate_and_exits_1(tmp_path, comma
     assert completed.stdout == ""
 
 
-def test_serve_migrates_a_fresh_database_before_it_starts_anything(tmp_path):
-    # given a database file that was never migrated
-    env = fresh_env(tmp_path)
+def test_serve_migrates_a_fresh_database_before_it_starts_anything_and_cleans_up_after_itself(tmp_path):
+    # given a database file that was never migrated (and a temp directory to find serve's runtime one in)
+    env = dict(fresh_env(tmp_path), TMPDIR=str(tmp_path))
 
-    # when serve starts (as far as its banner: everything it does before its children run)
+    # when serve starts (as far as its banner's dev key: everything it does before its children run),
+    # then is stopped with Ctrl-C, its supervisor running or not yet
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "manage.py"), "serve", "--workers=1", "--no-kv-store", "--port=0"],
         env=env,
@@ -69,20 +71,23 @@ def test_serve_migrates_a_fresh_database_before_it_starts_anything(tmp_path):
     try:
         for line in process.stdout:
             lines.append(line.rstrip("\n"))
-            if line.startswith("sluice is starting"):
+            if line.lstrip().startswith("dev key"):
                 break
     finally:
         process.send_signal(signal.SIGINT)
         try:
-            process.wait(timeout=60)
+            process.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
-    # then it said it migrated, in one line before anything else, and the tables are there
+    # then it said it migrated, in one line before anything else, the tables are there, and its runtime
+    # directory is gone
     printed = [line for line in lines if line]
     assert re.fullmatch(r"Applying \d+ database migrations \(python manage.py migrate\)", printed[0]), lines
     assert printed[1].startswith("sluice is starting"), lines
-    assert (tmp_path / "dev-api-key").exists()
+    (key_file,) = tmp_path.glob("dev-api-key-*")
+    assert printed[-1].split() == ["dev", "key", key_file.read_text().strip()], lines
+    assert list(tmp_path.glob("sluice-*")) == []
     created = manage(env, "create_api_key", "--tenant", "acme")
     assert created.returncode == 0, created.stderr
