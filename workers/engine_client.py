@@ -6,15 +6,16 @@ A worker is healthy while its heartbeats keep coming; when they stop (or it rest
 requests), the streams it was serving fail with WorkerUnavailableError instead of waiting forever.
 New requests go only to healthy workers whose heartbeats say they are "ready" (not draining).
 
-With ready prefill and decode workers, a request is split between them (workers.split_stream):
-its outputs still arrive as one stream. Otherwise one worker runs it whole (mixed workers, or a
-pool that lost its other half).
+Every request's stream goes through workers.split_stream: with ready prefill and decode workers
+the request is split between them, its outputs still arriving as one stream; otherwise one worker
+runs it whole (mixed workers, or a pool that lost its other half).
 
 Over the network both sockets are CURVE clients (workers.curve) holding the cluster's key.
 
 A request that fails on its own ends with RequestRejectedError ("invalid_constraint", "internal")
 and the worker goes on; one on a worker that failed as a whole ("worker_failed", or its heartbeats
-stop) ends too, and a split request is tried again at most once (workers.crash_suspects).
+stop) is a crash suspect: tried again at most once, and never on the last worker able to serve
+requests (workers.split_stream, workers.crash_suspects); otherwise it fails "worker_failed".
 """
 
 import asyncio
@@ -128,6 +129,10 @@ class WorkerLink:
         self.streams.clear()
 
 
+def least_loaded(links: list[WorkerLink]) -> WorkerLink:
+    return min(links, key=lambda link: (link.load, link.heartbeat.kv_usage))
+
+
 class EngineClient:
     def __init__(
         self,
@@ -149,6 +154,7 @@ class EngineClient:
             fitted_cost_model_from_environment(), step_budget_s=self.router.step_budget_s
         )
         self.crash_suspects = CrashSuspects()
+        self.closed = False
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -181,6 +187,7 @@ class EngineClient:
             self._start_link_tasks(link)
 
     async def close(self) -> None:
+        self.closed = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -202,36 +209,29 @@ class EngineClient:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """The request's outputs, up to the one with a finish_reason.
 
-        Raises WorkerUnavailableError (no ready worker, or it went away mid-stream) or
+        Raises WorkerUnavailableError (no ready worker, or none left to try) or
         RequestRejectedError. A consumer that stops early (break, cancellation) aborts the request.
         A worker that refuses the request as draining never started it: it goes to another ready
-        worker, once. A split request is retried as split_stream describes.
+        worker. Failures are retried as split_stream describes.
         """
         if any(request.request_id in other.streams for other in self._links):
             raise RequestRejectedError("invalid_request", f"request id {request.request_id!r} is already in use")
         # Imported here: split_stream builds on this module's links.
         from workers.split_stream import SplitStream
 
-        ready_roles = {link.role for link in self.ready_links()}
-        stream = (
-            SplitStream(self, request).outputs()
-            if {"prefill", "decode"} <= ready_roles
-            else self.generate_whole(request)
-        )
+        stream = SplitStream(self, request).outputs()
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
 
-    async def generate_whole(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """The request run start to end on one worker, the least loaded of the ready ones."""
-        link = self._least_loaded_worker()
-        payload = self._encoder.encode(request)
+    async def generate_whole(self, request: GenerateRequest, link: WorkerLink) -> AsyncIterator[GenerateOutput]:
+        """The request run start to end on `link`, once: a worker's GenerateError ends it as a
+        RequestRejectedError (also "draining"), the worker going away as WorkerUnavailableError."""
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         link.streams[request.request_id] = queue
         ended = False  # the worker has forgotten the request: nothing to abort
-        redirected = False
         try:
-            await link.dealer.send(payload)
+            await link.dealer.send(self._encoder.encode(request))
             while True:
                 item = await queue.get()
                 if isinstance(item, WorkerUnavailableError):
@@ -239,18 +239,7 @@ class EngineClient:
                     raise item
                 if isinstance(item, GenerateError):
                     ended = True
-                    if item.kind != "draining":
-                        raise RequestRejectedError(item.kind, item.message)
-                    if redirected:
-                        raise WorkerUnavailableError(f"worker {link.request_endpoint} is draining: {item.message}")
-                    redirected = True
-                    link.mark_draining()
-                    del link.streams[request.request_id]
-                    link = self._least_loaded_worker()
-                    link.streams[request.request_id] = queue
-                    ended = False
-                    await link.dealer.send(payload)
-                    continue
+                    raise RequestRejectedError(item.kind, item.message)
                 ended = item.finish_reason is not None
                 yield item
                 if ended:
@@ -274,13 +263,6 @@ class EngineClient:
 
     async def send(self, link: WorkerLink, message: WorkerInbound) -> None:
         await link.dealer.send(self._encoder.encode(message))
-
-    def _least_loaded_worker(self) -> WorkerLink:
-        now = time.monotonic()
-        ready = [link for link in self._links if link.is_ready(now, self._heartbeat_timeout_s)]
-        if not ready:
-            raise WorkerUnavailableError(f"no healthy worker ready for requests among {len(self._links)}")
-        return min(ready, key=lambda link: (link.load, link.heartbeat.kv_usage))
 
     def send_now(self, link: WorkerLink, message: WorkerInbound) -> None:
         """Send without awaiting, for cleanup paths that may run while being cancelled or closed."""

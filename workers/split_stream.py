@@ -1,11 +1,13 @@
-"""One request split between a prefill and a decode worker, seen by the gateway as one stream.
+"""A request's stream through its attempts, seen by the gateway as one stream: every request goes
+through it. An attempt is split between a prefill and a decode worker while one of each is ready to
+take it, and runs whole on one worker otherwise (mixed workers, or a pool that lost its other half).
 
-An attempt: the router picks the decode worker first (it must have room for the request's KV), then
-the prefill worker. The decode worker is told to expect the request (so it knows where its outputs
-go) before the prefill worker gets it with the decode worker's transfer endpoint. The prefill
-worker's only output is the first token, with finish_reason "transfer", which the stream passes on
-without it; the decode worker's outputs follow. The two come over different sockets, so a decode
-output that overtakes the prefill's is held back until the prefill's has been passed on.
+A split attempt: the router picks the decode worker first (it must have room for the request's
+KV), then the prefill worker. The decode worker is told to expect the request (so it knows where
+its outputs go) before the prefill worker gets it with the decode worker's transfer endpoint. The
+prefill worker's only output is the first token, with finish_reason "transfer", which the stream
+passes on without it; the decode worker's outputs follow. The two come over different sockets, so a
+decode output that overtakes the prefill's is held back until the prefill's has been passed on.
 
 Deadlines (workers.prefill_deadlines) follow the request's predicted prefill time: the decode worker
 waits for the KV as long as the prefill and the transfer are predicted to take, with margins, and
@@ -25,14 +27,28 @@ Failures. A worker that refuses as draining, a transfer that fails (the prefill 
 send, the decode worker could not assemble or admit it, or no decode output came within the
 transfer deadline), and a worker that goes away (its heartbeats stop, or it reports it failed)
 before the decode worker streamed end the attempt, and the request runs again from the start, on
-other workers than the one that failed (or whole on one worker when no other prefill or decode
-worker is left). Outputs the client already has are skipped: the retry recomputes them and checks
-that it produced the same tokens, which a greedy or seeded request always does. An unseeded sampled
-request that has already streamed tokens cannot be continued that way (its seed, drawn by the
-engine, is in the checkpoint only): its stream fails with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
-A worker that went away may have been brought down by this very request, so that failure is retried
-once, and not at all for a request that was in flight on a failed worker before
-(workers.crash_suspects): it fails "worker_failed" instead of taking the next worker down too.
+other workers than those that failed it: split again, or whole on one worker when no other prefill
+or decode worker is ready (with none at all, WorkerUnavailableError). Outputs the client already has
+are skipped: the retry recomputes them and checks that it produced the same tokens, which a greedy
+or seeded request always does. An unseeded sampled request that has already streamed tokens cannot
+be continued that way (its seed, drawn by the engine, is in the checkpoint only): its stream fails
+with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
+
+Crashes. A worker that went away, before or after the decode worker streamed, may have been brought
+down by this very request: the request is a crash suspect (workers.crash_suspects), and so is a
+request of which the same had been in flight on a failed worker before this stream began (a client
+sending it again). A suspect is retried (rerun or resumed) once, and not at all when it was a
+suspect from the start: a second crash, or the first of a request suspected from the start, fails it
+"worker_failed" instead of taking the next worker down too. Wherever it goes, a suspect never runs
+on the last worker able to serve requests (a ready one; a worker restarting is not one until its
+heartbeats say it is ready): run whole, or resumed or moved to one decode worker, only while another
+worker is ready besides. A split attempt always leaves one, since the decode worker computes nothing
+of the request before the prefill worker is done with it. With no such place, the suspect fails
+alone, "worker_failed", and the workers left serve the others. So with one prefill and one decode
+worker, a request that crashes the prefill worker is not run whole on the decode worker; with two
+mixed workers, one that crashes the first is not retried on the second; with three, it is retried on
+one of the two left.
+
 A prefill worker that is full (overloaded) is back-pressure, not a failure: the request waits and
 tries again, for up to CAPACITY_WAIT_S, before it is refused "overloaded".
 Whatever ends a stream, each worker that may still hold the request is told to abort it, so both
@@ -48,12 +64,14 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from workers.block_hash import namespace_extra
+from workers.crash_suspects import leaves_another
 from workers.engine_client import (
     EngineClient,
     RequestRejectedError,
     StreamItem,
     WorkerLink,
     WorkerUnavailableError,
+    least_loaded,
 )
 from workers.entrypoint.prefix_match import store_hit_tokens
 from workers.entrypoint.router import DecodeLoad, expected_peak
@@ -126,7 +144,14 @@ class SplitStream:
         self.delivered: list[int] = []  # tokens the consumer has been given
         self.avoid: set[WorkerLink] = set()  # workers that failed this request
         self.num_split_attempts = 0
-        self.crashed = False  # a worker went away while it held this request
+        self.crash = ""  # how a worker that held this request went away (empty: none did)
+        # The same request was in flight on a worker that failed before this stream began.
+        self.suspected_before = client.crash_suspects.suspected(request)
+
+    @property
+    def suspect(self) -> bool:
+        """Whether the request may bring down the workers it runs on (workers.crash_suspects)."""
+        return bool(self.crash) or self.suspected_before
 
     async def outputs(self) -> AsyncIterator[GenerateOutput]:
         params = self.request.params
@@ -165,7 +190,7 @@ class SplitStream:
                     continue
                 failure = retry
                 if retry.crashed:
-                    self._count_crash(retry)
+                    self.count_crash(str(retry))
                 if retry.avoid is not None:
                     self.avoid.add(retry.avoid)
                 if self.delivered and not replayable:
@@ -176,38 +201,48 @@ class SplitStream:
                 log.warning("retrying request %s: %s", self.request.request_id, retry)
         raise WorkerUnavailableError(f"request {self.request.request_id} failed {MAX_ATTEMPTS} times; last: {failure}")
 
-    def _count_crash(self, retry: _Retry) -> None:
+    def count_crash(self, reason: str) -> None:
         """The request was in flight on a worker that went away: tried again once at most, and not
-        at all when it (or the same request sent before) was in flight on one that did before."""
-        suspected_before = self.client.crash_suspects.record(self.request)
-        if self.crashed or suspected_before:
+        at all when the same request was in flight on one that did before this stream began. (When
+        the client itself closed, no worker failed: the stream just ends.)"""
+        if self.client.closed:
+            raise WorkerUnavailableError(reason) from None
+        self.client.crash_suspects.record(self.request)
+        if self.suspect:
             raise RequestRejectedError(
                 "worker_failed",
                 f"request {self.request.request_id} was in flight on engine workers that failed; "
-                f"not retried again (last: {retry})",
+                f"not retried again (last: {reason})",
             ) from None
-        self.crashed = True
+        self.crash = reason
 
     async def _attempt(self) -> AsyncIterator[GenerateOutput]:
         chosen = await self._choose()
-        if chosen is None:
-            # No decode worker left to try: one worker runs the request whole.
-            try:
-                async for output in self.client.generate_whole(self.request):
-                    yield output
-            except WorkerUnavailableError as error:
-                raise _Retry(str(error), crashed=True) from None
-            except RequestRejectedError as error:
-                if error.kind != "worker_failed":
-                    raise
-                raise _Retry(str(error), crashed=True) from None
+        if isinstance(chosen, WorkerLink):
+            async for output in self._whole(chosen):
+                yield output
             return
         async for output in self._split(*chosen):
             yield output
 
-    async def _choose(self) -> tuple[WorkerLink, WorkerLink, float, int] | None:
+    async def _whole(self, link: WorkerLink) -> AsyncIterator[GenerateOutput]:
+        try:
+            async for output in self.client.generate_whole(self.request, link):
+                yield output
+        except WorkerUnavailableError as error:
+            raise _Retry(str(error), link, crashed=True) from None
+        except RequestRejectedError as error:
+            if error.kind == "worker_failed":
+                raise _Retry(str(error), link, crashed=True) from None
+            if error.kind != "draining":
+                raise
+            link.mark_draining()
+            raise _Retry(f"worker {link.request_endpoint}: draining: {error.message}", link) from None
+
+    async def _choose(self) -> tuple[WorkerLink, WorkerLink, float, int] | WorkerLink:
         """(prefill, decode, the prefill compute charged to the router, the prompt's tokens in the
-        store), or None when no prefill or no decode worker but those that failed this request is ready."""
+        store), or the one worker to run the request whole on when no prefill or no decode worker
+        but those that failed this request is ready."""
         router, request = self.client.router, self.request
         deadline = time.monotonic() + CAPACITY_WAIT_S
         while True:
@@ -215,7 +250,7 @@ class SplitStream:
             prefills = [link for link in ready if link.role == PREFILL and link not in self.avoid]
             decodes = [link for link in ready if link.role == DECODE and link not in self.avoid]
             if not prefills or not decodes:
-                return None
+                return self._whole_worker(ready)
             by_key = {link.request_endpoint: link for link in decodes}
             kv_tokens, output = expected_peak(
                 request, min(link.heartbeat.max_model_len for link in decodes), len(self.delivered)
@@ -238,6 +273,23 @@ class SplitStream:
         )
         prefill = next(link for link in prefills if link.request_endpoint == prefill_key)
         return prefill, by_key[key], cost, hit
+
+    def _whole_worker(self, ready: list[WorkerLink]) -> WorkerLink:
+        """The least loaded of the ready workers that did not fail this request; for a suspect, only
+        while another worker is ready besides."""
+        usable = [link for link in ready if link not in self.avoid]
+        if self.suspect:
+            usable = [link for link in usable if leaves_another(ready, link)]
+            if not usable:
+                crash = f"({self.crash})" if self.crash else "before"
+                raise RequestRejectedError(
+                    "worker_failed",
+                    f"request {self.request.request_id} was in flight on an engine worker that failed {crash}; "
+                    f"not run again, as each of the {len(ready)} workers ready failed it or is the last one ready",
+                )
+        if not usable:
+            raise WorkerUnavailableError(f"no healthy worker ready for request {self.request.request_id}")
+        return least_loaded(usable)
 
     async def _store_hit_tokens(self, prefill: WorkerLink) -> int:
         """The prompt's hit length in the global KV store (0 when this client cannot read its index)."""
@@ -290,11 +342,12 @@ class SplitStream:
                 if side not in (PREFILL, path.decode_side):
                     # From a decode worker the request moved away from: only its failing to send matters.
                     if side == path.moving_from_side and isinstance(item, WorkerUnavailableError | GenerateError):
-                        await path.recover(f"the migration from {path.moving_from.request_endpoint} failed: {item}")
+                        reason = f"the migration from {path.moving_from.request_endpoint} failed: {item}"
+                        await path.recover(reason, crashed=path.moving_from if _is_crash(item) else None)
                     continue
                 if isinstance(item, WorkerUnavailableError | GenerateError):
                     if side != PREFILL and produced == len(self.delivered) and path.can_recover(item):
-                        await path.recover(str(item))
+                        await path.recover(str(item), crashed=path.decode if _is_crash(item) else None)
                         continue
                     path.release(side)
                     self._fail(PREFILL if side == PREFILL else DECODE, item, prefill, path.decode)
@@ -335,7 +388,7 @@ class SplitStream:
     ) -> None:
         """Raise what a worker's error or disappearance means for the attempt."""
         link = prefill if side == PREFILL else decode
-        if isinstance(item, WorkerUnavailableError) or item.kind == "worker_failed":
+        if _is_crash(item):
             raise _Retry(str(item), link, crashed=True)
         if item.kind == "overloaded" and side == PREFILL:
             raise _Retry(f"worker {link.request_endpoint}: {item.message}", busy=True)
@@ -412,7 +465,7 @@ class _Path:
                 reason = f"decode worker {self.decode.request_endpoint} sent nothing for {wait_s:g} s"
                 if self.phase != MOVING:
                     raise _Retry(reason) from None
-                await self.recover(reason)
+                await self.recover(reason, crashed=None)
 
     def can_recover(self, item: WorkerUnavailableError | GenerateError) -> bool:
         """Whether the current decode worker's failure is one a resume recovers from."""
@@ -441,15 +494,19 @@ class _Path:
         await self.client.send(target, ExpectTransferRequest(new_id, self.request.constraint, MOVE_TIMEOUT_S))
         await self.client.send(source, MigrateRequest(self.moving_from_id, new_id, target.heartbeat.transfer_endpoint))
 
-    async def recover(self, reason: str) -> None:
-        """Resume the request on another decode worker from the checkpoint of the one that had it."""
+    async def recover(self, reason: str, *, crashed: WorkerLink | None) -> None:
+        """Resume the request on another decode worker from the checkpoint of the one that had it;
+        `crashed`: the worker that went away with the request, which makes it a crash suspect."""
         self.num_recoveries += 1
         failed = [link for link in (self.decode, self.moving_from) if link is not None]
+        if crashed is not None:
+            self.stream.count_crash(reason)
+            self.stream.avoid.add(crashed)
         if self.num_recoveries > MAX_RECOVERIES:
             raise _Retry(f"{reason} (after {MAX_RECOVERIES} migrations and resumes)", self.decode)
         target = self._choose_decode(exclude=set(failed))
         if target is None:
-            raise _Retry(f"{reason}; no other decode worker has room to resume it", self.decode)
+            raise _Retry(f"{reason}; no other decode worker can resume it", self.decode)
         log.warning("resuming request %s on %s: %s", self.request.request_id, target.request_endpoint, reason)
         for link in failed:
             self._drop(link)
@@ -503,12 +560,16 @@ class _Path:
         return f"{self.request.request_id}.{self.num_decodes}"
 
     def _choose_decode(self, exclude: set[WorkerLink]) -> WorkerLink | None:
-        """The decode worker the balancer picks among the ready ones left, or None."""
+        """The decode worker the balancer picks among the ready ones left, or None; for a suspect,
+        None when it would be the last worker able to serve requests."""
+        every_ready = self.client.ready_links()
         ready = [
             link
-            for link in self.client.ready_links()
+            for link in every_ready
             if link.role == DECODE and link not in exclude and link not in self.stream.avoid
         ]
+        if self.stream.suspect:
+            ready = [link for link in ready if leaves_another(every_ready, link)]
         if not ready:
             return None
         kv_tokens, output = expected_peak(
@@ -520,3 +581,8 @@ class _Path:
         ]
         key = self.client.router.choose_decode(loads, kv_tokens, output)
         return next((link for link in ready if link.request_endpoint == key), None)
+
+
+def _is_crash(item: WorkerUnavailableError | GenerateError) -> bool:
+    """Whether a worker's error means it went away as a whole (it may have been this request)."""
+    return isinstance(item, WorkerUnavailableError) or item.kind == "worker_failed"

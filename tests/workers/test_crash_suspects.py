@@ -1,17 +1,20 @@
 import msgspec
 
-from workers.crash_suspects import CrashSuspects
+from workers.crash_suspects import CrashSuspects, leaves_another
 from workers.engine import SamplingParams
 from workers.protocol import GenerateRequest, OutputConstraintSpec
 
 REQUEST = GenerateRequest("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
 
 
-def test_the_same_request_under_another_id_is_a_suspect_already():
+def test_the_same_request_under_another_id_is_a_suspect_once_recorded():
     suspects = CrashSuspects()
+    again = msgspec.structs.replace(REQUEST, request_id="b")
+    assert suspects.suspected(again) is False
 
-    assert suspects.record(REQUEST) is False
-    assert suspects.record(msgspec.structs.replace(REQUEST, request_id="b")) is True
+    suspects.record(REQUEST)
+
+    assert suspects.suspected(again) is True
 
 
 def test_other_work_is_not_a_suspect():
@@ -24,7 +27,7 @@ def test_other_work_is_not_a_suspect():
         msgspec.structs.replace(REQUEST, constraint=OutputConstraintSpec("regex", "a+")),
     ]
 
-    assert [suspects.record(other) for other in others] == [False, False, False]
+    assert [suspects.suspected(other) for other in others] == [False, False, False]
 
 
 def test_the_oldest_suspects_are_forgotten_first():
@@ -33,5 +36,12 @@ def test_the_oldest_suspects_are_forgotten_first():
     for request in (first, second, third):
         suspects.record(request)
 
-    assert suspects.record(third) is True
-    assert suspects.record(first) is False
+    assert [suspects.suspected(request) for request in (first, second, third)] == [False, True, True]
+
+
+def test_a_suspect_may_run_on_a_worker_only_while_another_is_ready_besides():
+    last, other = object(), object()
+
+    assert leaves_another([last, other], last) is True
+    assert leaves_another([last], last) is False
+    assert leaves_another([], last) is False

@@ -1,4 +1,5 @@
-"""The gateway's client of the workers: balancing, early exits, and workers that die or restart."""
+"""The gateway's client of the workers: balancing, early exits, and workers that die or restart (a
+request in flight on a lone worker that failed is not retried: no other worker would be left)."""
 
 import asyncio
 import signal
@@ -8,7 +9,7 @@ import pytest
 
 from tests.workers.worker_process import LONG, collect, connected_client, start_worker, token_ids, wait_for_heartbeat
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient, WorkerUnavailableError
+from workers.engine_client import EngineClient, RequestRejectedError, WorkerUnavailableError
 from workers.protocol import GenerateOutput, GenerateRequest
 
 LONG_GREEDY = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
@@ -98,9 +99,10 @@ def test_a_killed_worker_fails_its_streams_after_the_heartbeat_timeout(tmp_path_
             await anext(stream)
             worker.process.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
-            with pytest.raises(WorkerUnavailableError):
+            with pytest.raises(RequestRejectedError, match="stopped sending heartbeats") as failed:
                 async for _ in stream:
                     pass
+            assert failed.value.kind == "worker_failed"
             waited = time.monotonic() - killed_at
             assert client.healthy_workers() == []
             with pytest.raises(WorkerUnavailableError):
@@ -131,9 +133,10 @@ def test_a_restarted_worker_fails_the_streams_it_lost_and_serves_new_ones(tmp_pa
             worker.process.send_signal(signal.SIGKILL)
             worker.process.wait()
             replacement = start_worker(directory, "phoenix")
-            with pytest.raises(WorkerUnavailableError, match="restarted"):
+            with pytest.raises(RequestRejectedError, match="restarted") as failed:
                 async for _ in stream:
                     pass
+            assert failed.value.kind == "worker_failed"
             await wait_for_heartbeat(client, lambda b: b and b[0].started_at != first_start)
             return await collect(client, GenerateRequest("fresh", [4, 5], SamplingParams(temperature=0, max_tokens=3)))
         finally:
