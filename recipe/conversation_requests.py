@@ -46,6 +46,8 @@ MAX_TOKENS_FIELDS = {"chat.completions": "max_tokens", "responses": "max_output_
 MESSAGES_FIELDS = {"chat.completions": "messages", "responses": "input", "messages": "messages"}
 OUTPUT_FORMAT_FIELDS = {"chat.completions": "response_format", "responses": "text.format"}
 TOOL_CALL_KINDS = ("tool_call", "tool_call_required")
+# vLLM's `ignore_eos` extension; on Messages too, so that a benchmark gets the output lengths it asks for on each API.
+IGNORE_EOS_PROTOCOLS = frozenset({"chat.completions", "messages"})
 # Kept from the library: it rejects n > 1 (choices are fanned out here) and seeds outside [0, 2**63),
 # which OpenAI accepts (the engine folds them).
 FIELDS_READ_HERE = frozenset({"n", "seed"})
@@ -341,7 +343,7 @@ def _sampling_fields(protocol: ConversationProtocol, body: Mapping, model: Serve
         presence_penalty=request_fields.penalty(body, "presence_penalty") if is_chat else 0.0,
         frequency_penalty=request_fields.penalty(body, "frequency_penalty") if is_chat else 0.0,
         logit_bias=request_fields.logit_bias(body, model.tokenizer.vocab_size) if is_chat else None,
-        ignore_eos=request_fields.boolean(body, "ignore_eos", default=False) if is_chat else False,
+        ignore_eos=protocol in IGNORE_EOS_PROTOCOLS and request_fields.boolean(body, "ignore_eos", default=False),
     )
 
 

@@ -154,6 +154,13 @@ def test_a_message(models, respond) -> None:
     assert body["usage"]["output_tokens"] == len(models[MODEL].tokenizer.encode("Hello!")) + 1
 
 
+def test_ignore_eos_reaches_a_messages_sampling_params(models) -> None:
+    # vLLM's extension, as on Chat Completions: benchmarks ask every API for outputs of a fixed length.
+    assert messages(models, ignore_eos=True).sampling_params(0).ignore_eos
+    assert not messages(models).sampling_params(0).ignore_eos
+    assert not responses(models, ignore_eos=True).sampling_params(0).ignore_eos
+
+
 def test_a_message_stream(models, respond) -> None:
     prepared = messages(models, stream=True)
 

@@ -1,0 +1,3 @@
+from bench.serve.cli import main
+
+main()
