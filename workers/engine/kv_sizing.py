@@ -15,6 +15,10 @@ from workers.engine.kv_cache import KVCache
 from workers.engine.memory_profile import check_room, format_bytes, profile_device_memory
 from workers.engine.model_loader import LoadedModel
 
+# The Triton attention kernels address a KV head's pages with 32-bit offsets (page id × page_size ×
+# head_dim): a small model's cache sized from a large device stops short of that.
+MAX_HEAD_ELEMENTS = 2**31 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSize:
@@ -54,5 +58,10 @@ def kv_cache_size(
             f"gpu_memory_utilization={config.gpu_memory_utilization:g} leaves {format_bytes(memory.kv_bytes())} for "
             f"the KV cache ({memory.describe()}), less than two pages of {format_bytes(page_bytes)}"
         )
+    sized_by = f"= {memory.describe()}"
+    addressable = MAX_HEAD_ELEMENTS // (config.page_size * loaded.config.head_dim)
+    if num_pages > addressable:
+        num_pages = addressable
+        sized_by = f"(of {format_bytes(memory.kv_bytes())} {sized_by}: the attention kernels address no more pages)"
     check_room(memory, num_pages * page_bytes, device)
-    return size(num_pages, f"= {memory.describe()}")
+    return size(num_pages, sized_by)

@@ -135,6 +135,17 @@ def test_on_cuda_the_pages_are_what_the_measured_budget_leaves(loaded, monkeypat
     assert str(size).endswith(f"= {measured.describe()}")
 
 
+def test_a_small_models_cache_stops_at_the_pages_the_kernels_address(loaded, monkeypatch):
+    monkeypatch.setattr(kv_sizing, "profile_device_memory", lambda *args, **kwargs: memory(total=400 * GiB))
+    monkeypatch.setattr(kv_sizing, "check_room", lambda memory, kv_bytes, device: None)
+
+    size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
+
+    head_elements_per_page = 16 * loaded.config.head_dim
+    assert size.num_pages * head_elements_per_page <= 2**31 - 1 < (size.num_pages + 1) * head_elements_per_page
+    assert "the attention kernels address no more pages" in str(size)
+
+
 def test_a_budget_of_less_than_two_pages_is_refused(loaded, monkeypatch):
     page_bytes = KVCache.page_bytes(loaded.config, page_size=16, dtype=torch.float32)
     tight = memory(
