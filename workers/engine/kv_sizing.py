@@ -25,7 +25,7 @@ class KVCacheSize:
     num_pages: int
     page_size: int
     page_bytes: int  # of one page over every layer
-    sized_by: str  # how, as the log says it: "from --num-pages", "= 0.45 of 79.1 GiB − weights ..."
+    sized_by: str  # how, as the log says it: "from num_pages", "= 0.45 of 79.1 GiB − weights ..."
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +39,8 @@ class KVCacheSize:
 def kv_cache_size(
     loaded: LoadedModel, config: EngineConfig, *, dtype: torch.dtype, device: torch.device
 ) -> KVCacheSize:
+    """The size of the engine's KV cache; on CUDA, ValueError or RuntimeError naming
+    gpu_memory_utilization when its share of the device cannot hold one."""
     page_bytes = KVCache.page_bytes(loaded.config, page_size=config.page_size, dtype=dtype)
 
     def size(num_pages: int, sized_by: str) -> KVCacheSize:

@@ -58,7 +58,7 @@ PROFILE_PARAMS = SamplingParams(
 
 
 def format_bytes(num_bytes: int) -> str:
-    if abs(num_bytes) >= 1 << 30:
+    if abs(num_bytes) >= 1000 << 20:
         return f"{num_bytes / (1 << 30):.1f} GiB"
     return f"{num_bytes / (1 << 20):.1f} MiB"
 

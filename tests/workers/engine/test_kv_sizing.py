@@ -2,6 +2,8 @@
 (gpu_memory_utilization) less what the engine measured it needs besides (the CUDA measurement itself
 is in test_kv_sizing_cuda)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -96,16 +98,19 @@ def test_the_profiled_step_runs_every_token_through_the_runner_in_one_step(backe
         assert runner.batch.extras is not None  # the costliest sampling mode allocates the rows' history
 
 
-def test_the_cpu_keeps_its_one_gib_whatever_the_utilization(loaded, monkeypatch):
+def test_the_cpu_keeps_its_one_gib_whatever_the_utilization(loaded, monkeypatch, caplog):
     monkeypatch.setattr(kv_sizing, "profile_device_memory", _not_on_this_device)
     expected = KVCache.pages_for_bytes(loaded.config, num_bytes=CPU_KV_CACHE_BYTES, page_size=16, dtype=torch.float32)
 
     for utilization in (0.9, 0.1):
         size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=utilization), dtype=torch.float32, device=CPU)
         assert size.num_pages == expected
-    engine = LLM(TINY_CONFIGS["llama"], seed=0, gpu_memory_utilization=0.1).engine
+    with caplog.at_level(logging.INFO, logger="workers.engine.engine"):
+        engine = LLM(TINY_CONFIGS["llama"], seed=0, gpu_memory_utilization=0.1).engine
+
     assert engine.stats().num_pages == expected - 1  # one page is reserved
-    assert str(size).endswith("from 1.0 GiB off CUDA")
+    tokens = (expected - 1) * 16
+    assert f"KV cache: {tokens:,} tokens (1.0 GiB) from 1.0 GiB off CUDA" in caplog.messages
 
 
 def test_explicit_sizes_win_over_the_device(loaded, monkeypatch):
