@@ -181,7 +181,15 @@ def run(
     torch.manual_seed(seed)
     # Synchronous steps: each timed step must return the token it sampled.
     llm = LLM(
-        model, device=device, max_num_batched_tokens=max(grid_q), max_num_seqs=1, seed=seed, async_scheduling=False
+        model,
+        device=device,
+        max_num_batched_tokens=max(grid_q),
+        max_num_seqs=1,
+        seed=seed,
+        async_scheduling=False,
+        # One prompt at a time needs little KV, and the decode grid's engine (measure_decode), built
+        # while this one is alive, needs the device's memory.
+        kv_cache_bytes=1 << 30,
     )
     engine = llm.engine
     _step_alone(engine, "warm-up", [1] * max(grid_q))  # first-call allocations

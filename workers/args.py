@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 KV_TRANSFERS = ("auto", "zmq")
 
+# The KV cache of an engine off CUDA (the CPU) when neither --num-pages nor --kv-cache-bytes is given.
+CPU_KV_CACHE_BYTES = 1 << 30
+
 
 def torch_dtype(name: str) -> "torch.dtype":
     """The torch dtype of one of DTYPES."""
@@ -76,8 +79,24 @@ class EngineArgs:
     seed: int = _setting(0, help="seed of the sampler, and of the weights of a model built from a config")
     attention_backend: str | None = _setting(None, help="attention kernels", none="the device's default")
     page_size: int = _setting(16, help="tokens per KV page (a power of two)")
-    num_pages: int | None = _setting(None, help="KV pages", none="as many as --kv-cache-bytes holds")
-    kv_cache_bytes: int = _setting(1 << 30, help="bytes of KV cache, when --num-pages is not given")
+    num_pages: int | None = _setting(
+        None,
+        help="KV pages, whatever the other KV settings say",
+        none="sized by --kv-cache-bytes or --gpu-memory-utilization",
+    )
+    kv_cache_bytes: int | None = _setting(
+        None,
+        help="bytes of KV cache, when --num-pages is not given; given, it also holds on CUDA, where "
+        "--gpu-memory-utilization then does not apply",
+        none=f"on CUDA, what --gpu-memory-utilization leaves; elsewhere {CPU_KV_CACHE_BYTES >> 30} GiB",
+    )
+    gpu_memory_utilization: float = _setting(
+        0.9,
+        help="on CUDA, the fraction of the device's total memory this engine may use in all (weights, "
+        "activations, CUDA graphs and KV cache): the KV cache gets what the rest leaves of it. Engines "
+        "sharing a device each take their own fraction (manage.py serve divides it among its workers). "
+        "Applies only when neither --num-pages nor --kv-cache-bytes is given",
+    )
     max_num_seqs: int = _setting(64, help="requests running at once")
     max_num_batched_tokens: int = _setting(2048, help="tokens computed per step")
     max_model_len: int | None = _setting(None, help="context window", none="the model's")
@@ -144,6 +163,8 @@ class EngineArgs:
         check_engine_limits(
             page_size=self.page_size,
             num_pages=self.num_pages,
+            kv_cache_bytes=self.kv_cache_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_block_tokens=self.kv_block_tokens,
@@ -188,6 +209,8 @@ def check_engine_limits(
     *,
     page_size: int,
     num_pages: int | None,
+    kv_cache_bytes: int | None,
+    gpu_memory_utilization: float,
     max_num_seqs: int,
     max_num_batched_tokens: int,
     kv_block_tokens: int,
@@ -198,6 +221,10 @@ def check_engine_limits(
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     if num_pages is not None and num_pages < 2:
         raise ValueError(f"num_pages must be at least 2 (one is reserved), got {num_pages}")
+    if kv_cache_bytes is not None and kv_cache_bytes < 1:
+        raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_num_batched_tokens < 1:

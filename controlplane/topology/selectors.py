@@ -83,6 +83,15 @@ def local_workers_registered(*, worker_ids: list[str], since: datetime) -> bool:
     return ready.count() == len(set(worker_ids))
 
 
+def local_workers_kv_capacity(*, worker_ids: list[str], since: datetime) -> dict[str, int]:
+    """Tokens of KV cache of those of these workers that registered since `since`, are ready and have
+    reported their capacity in a heartbeat."""
+    ready = EngineInstance.objects.filter(
+        worker_id__in=worker_ids, state=InstanceState.READY, registered_at__gte=since, kv_capacity_tokens__gt=0
+    )
+    return dict(ready.values_list("worker_id", "kv_capacity_tokens"))
+
+
 def instances_least_loaded_ready(*, pool_id: int) -> QuerySet[EngineInstance]:
     """Ready instances, least loaded first: fewest requests, then least KV in use, then newest."""
     return (

@@ -36,6 +36,7 @@ def test_every_setting_has_an_option_and_to_argv_gives_them_back():
         page_size=32,
         num_pages=100,
         kv_cache_bytes=1 << 20,
+        gpu_memory_utilization=0.45,
         max_num_seqs=8,
         max_num_batched_tokens=512,
         max_model_len=1024,
@@ -52,6 +53,7 @@ def test_every_setting_has_an_option_and_to_argv_gives_them_back():
     argv = args.to_argv()
 
     assert "--no-prefix-caching" in argv and "--enforce-eager" in argv
+    assert "--gpu-memory-utilization=0.45" in argv
     assert parse(argv) == args
 
 
@@ -71,6 +73,11 @@ def test_model_is_required_unless_given_a_default():
         ({"dtype": "float64"}, "dtype"),
         ({"page_size": 24}, "page_size"),
         ({"num_pages": 1}, "num_pages"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.01}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": -0.5}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": float("nan")}, "gpu_memory_utilization"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"kv_block_tokens": 40}, "kv_block_tokens"),
@@ -87,6 +94,19 @@ def test_a_bad_setting_is_a_value_error_naming_it(settings, named):
 def test_a_bad_setting_on_the_command_line_is_refused_when_parsed():
     with pytest.raises(ValueError, match="page_size"):
         parse(["--model", "m", "--page-size", "12"])
+
+
+def test_gpu_memory_utilization_from_the_command_line():
+    assert parse(["--model", "m", "--gpu-memory-utilization", "0.3"]).gpu_memory_utilization == 0.3
+    assert parse(["--model", "m"]).gpu_memory_utilization == 0.9
+    assert EngineArgs(model="m", gpu_memory_utilization=1.0).gpu_memory_utilization == 1.0
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        parse(["--model", "m", "--gpu-memory-utilization", "1.5"])
+
+
+def test_kv_cache_bytes_is_left_to_the_device_unless_given():
+    assert parse(["--model", "m"]).kv_cache_bytes is None
+    assert parse(["--model", "m", "--kv-cache-bytes", "4096"]).kv_cache_bytes == 4096
 
 
 def test_dtypes_by_name_and_by_torch_dtype():
@@ -120,6 +140,7 @@ def test_engine_config_resolves_the_settings():
         True,
     )
     assert engine_config(EngineArgs(model="m")) == EngineConfig()
+    assert engine_config(EngineArgs(model="m", gpu_memory_utilization=0.3)).gpu_memory_utilization == 0.3
 
 
 def test_llm_keywords_go_through_engine_args(tmp_path):

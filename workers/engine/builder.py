@@ -52,6 +52,7 @@ def engine_config(args: EngineArgs) -> EngineConfig:
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -291,8 +291,9 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # None: float32 on the CPU, bfloat16 on CUDA
     attention_backend: str | None = default("attention_backend")  # None: the device's default (see kernels.attention)
     page_size: int = default("page_size")
-    num_pages: int | None = default("num_pages")  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = default("kv_cache_bytes")
+    num_pages: int | None = default("num_pages")  # None: sized by workers.engine.kv_sizing
+    kv_cache_bytes: int | None = default("kv_cache_bytes")  # None: from the device's memory on CUDA
+    gpu_memory_utilization: float = default("gpu_memory_utilization")
     max_num_seqs: int = default("max_num_seqs")
     max_num_batched_tokens: int = default("max_num_batched_tokens")
     max_model_len: int | None = default("max_model_len")  # None: the model's max_position_embeddings
@@ -319,6 +320,8 @@ class EngineConfig:
         check_engine_limits(
             page_size=self.page_size,
             num_pages=self.num_pages,
+            kv_cache_bytes=self.kv_cache_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_block_tokens=self.kv_block_tokens,

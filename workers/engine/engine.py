@@ -26,6 +26,7 @@ from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
+from workers.engine.kv_sizing import kv_cache_size
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
@@ -105,9 +106,9 @@ class LLMEngine:
         dtype = next(loaded.model.parameters()).dtype
         # What decides the bytes of a KV block besides the tokens: blocks of another dtype never match.
         self.kv_model_id = f"{loaded.name}:{str(dtype).removeprefix('torch.')}"
-        num_pages = config.num_pages or KVCache.pages_for_bytes(
-            loaded.config, num_bytes=config.kv_cache_bytes, page_size=config.page_size, dtype=dtype
-        )
+        kv_size = kv_cache_size(loaded, config, dtype=dtype, device=device)
+        log.info("KV cache: %s", kv_size)
+        num_pages = kv_size.num_pages
         kv_cache = KVCache(
             loaded.config,
             num_pages=num_pages,

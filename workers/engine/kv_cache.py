@@ -66,10 +66,14 @@ class KVCache:
         return self.pages.device
 
     @staticmethod
-    def pages_for_bytes(config: ModelConfig, *, num_bytes: int, page_size: int, dtype: torch.dtype) -> int:
+    def page_bytes(config: ModelConfig, *, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one page over every layer, keys and values."""
         element = torch.empty((), dtype=dtype).element_size()
-        per_page = 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
-        return max(num_bytes // per_page, 2)
+        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
+
+    @staticmethod
+    def pages_for_bytes(config: ModelConfig, *, num_bytes: int, page_size: int, dtype: torch.dtype) -> int:
+        return max(num_bytes // KVCache.page_bytes(config, page_size=page_size, dtype=dtype), 2)
 
 
 def _shared_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedHostMemory]:

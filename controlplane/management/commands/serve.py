@@ -23,7 +23,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 from django.utils import timezone
 
 from controlplane.common.migrated import MIGRATE, pending_migrations
@@ -31,7 +31,7 @@ from controlplane.dev_key import dev_api_key
 from controlplane.policies.tasks import ep_rebalance_tick_task
 from controlplane.supervisor import Child, StopStep, Supervisor, Timer, child_env, manage_py
 from controlplane.topology.node_agent import reconcile_local, record_exit
-from controlplane.topology.selectors import local_workers_registered
+from controlplane.topology.selectors import local_workers_kv_capacity, local_workers_registered
 from controlplane.topology.services import autoscale_tick, topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.weights import resolve_model
@@ -101,6 +101,7 @@ class Command(BaseCommand):
         model, kv_store_index = engine.model, engine.kv_store_index
         if no_kv_store:
             engine = replace(engine, kv_store=None)
+        engine = with_device_share(engine, len(roles))
         if engine.kv_store:
             try:  # the GC process's settings, checked here rather than in a child that would keep failing
                 StoreGCConfig(
@@ -267,6 +268,7 @@ class Command(BaseCommand):
         timers = [
             Timer("node agent", AGENT_ROUND_S, lambda: reconcile_local(agent, hostname)),
             Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, AutoscalerAfterStart(names)),
+            Timer("KV cache report", WORKER_DISCOVERY_INTERVAL_S, KVCacheReport(names, self.stdout)),
             Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
         ]
         stop_added_workers = StopStep(STOP_WORKERS, lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S))
@@ -298,6 +300,38 @@ class AutoscalerAfterStart:
                 return
             self.waiting = False
         autoscale_tick()
+
+
+class KVCacheReport:
+    """Says once how many tokens each of serve's workers' KV cache holds, when they have all registered
+    and reported it in a heartbeat (the banner is printed before they start). Each worker's log says
+    how its cache was sized."""
+
+    def __init__(self, worker_ids: list[str], stdout: OutputWrapper) -> None:
+        self.worker_ids = worker_ids
+        self.stdout = stdout
+        self.started_at = timezone.now()
+        self.reported = False
+
+    def __call__(self) -> None:
+        if self.reported:
+            return
+        capacities = local_workers_kv_capacity(worker_ids=self.worker_ids, since=self.started_at)
+        if len(capacities) < len(self.worker_ids):
+            return
+        sizes = ", ".join(f"{worker_id} {capacities[worker_id]:,} tokens" for worker_id in self.worker_ids)
+        self.stdout.write(f"sluice's workers are up. KV cache: {sizes}\n")
+        self.stdout.flush()
+        self.reported = True
+
+
+def with_device_share(engine: EngineArgs, num_workers: int) -> EngineArgs:
+    """The settings of each of `num_workers` workers started on engine.device: on a CUDA device they
+    share its memory, each sizing its KV cache from gpu_memory_utilization / num_workers of it (an EP
+    worker's ranks, one per device, share each of their devices with as many ranks)."""
+    if engine.device.split(":")[0] != "cuda":
+        return engine
+    return replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization / num_workers)
 
 
 def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) -> list[str]:

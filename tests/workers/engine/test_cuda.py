@@ -87,7 +87,14 @@ def test_float32_greedy_on_triton_follows_the_torch_reference_backend():
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     results = {}
     for backend in ("triton", "torch_sdpa"):
-        llm = LLM(TINY_CONFIGS["qwen2_bias_sliding"], device="cuda", dtype="float32", attention_backend=backend)
+        # Two engines are alive at once as the loop goes round: each takes a share of the device.
+        llm = LLM(
+            TINY_CONFIGS["qwen2_bias_sliding"],
+            device="cuda",
+            dtype="float32",
+            attention_backend=backend,
+            gpu_memory_utilization=0.4,
+        )
         results[backend] = [r.token_ids for r in llm.generate(prompts, params)]
     assert results["triton"] == results["torch_sdpa"]
 
@@ -101,7 +108,8 @@ def test_bfloat16_smollm2_shape_decodes_with_graphs():
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = {}
     for eager in (False, True):
-        llm = LLM(config, device="cuda", seed=0, max_num_seqs=64, enforce_eager=eager)
+        # Two engines are alive at once as the loop goes round: each takes a share of the device.
+        llm = LLM(config, device="cuda", seed=0, max_num_seqs=64, enforce_eager=eager, gpu_memory_utilization=0.4)
         outputs[eager] = [r.token_ids for r in llm.generate(prompts, params)]
         outputs[(eager, 1)] = llm.generate(prompts[:1], params)[0].token_ids
     assert outputs[(False, 1)] == outputs[(True, 1)]

@@ -40,7 +40,15 @@ def test_float32_greedy_matches_hf_on_cuda(name, tmp_path):
 def test_bfloat16_cuda_graphs_on_or_off_give_the_same_tokens(name):
     results = {}
     for eager in (False, True):
-        llm = LLM(TINY_MOE_CONFIGS[name], device="cuda", dtype="bfloat16", seed=0, enforce_eager=eager)
+        # Two engines are alive at once as the loop goes round: each takes a share of the device.
+        llm = LLM(
+            TINY_MOE_CONFIGS[name],
+            device="cuda",
+            dtype="bfloat16",
+            seed=0,
+            enforce_eager=eager,
+            gpu_memory_utilization=0.4,
+        )
         assert (llm.engine.runner.graphs is None) == eager
         # 16 requests decode together: a bucket's size, so the graphs pad no rows and both runs
         # multiply the same shapes.

@@ -104,11 +104,25 @@ class ModelRunner:
                 device=device,
                 seed=seed,
             )
-            if device.type == "cuda" and self.backend.supports_cuda_graphs and not enforce_eager:
-                from workers.engine.runner.cuda_graphs import DecodeGraphs
+            if self.supports_cuda_graphs and not enforce_eager:
+                self.capture_decode_graphs(modes=("greedy",))
 
-                self.graphs = DecodeGraphs(self.batch, self._decode_forward, max_size=max_num_seqs, device=device)
-                self.graphs.capture(modes=("greedy",))
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether decode steps can replay CUDA graphs here (the device path on CUDA)."""
+        return self.batch is not None and self.device.type == "cuda" and self.backend.supports_cuda_graphs
+
+    # In inference mode, as the captures on first use are (inside launch): the rows' sampling history
+    # is made of inference tensors, and without autograd's records a captured step's activations are
+    # not all held at once (the graphs' pool is sized by their peak, not their sum).
+    @torch.inference_mode()
+    def capture_decode_graphs(self, modes: Sequence[str]) -> None:
+        """Capture the decode step of every batch bucket in these sampling modes (a step in another
+        mode captures its own on first use)."""
+        from workers.engine.runner.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.batch, self._decode_forward, max_size=self.batch.max_rows, device=self.device)
+        self.graphs.capture(modes=modes)
 
     @torch.inference_mode()
     def launch(self, output: SchedulerOutput) -> "LaunchedStep":

@@ -1,0 +1,64 @@
+"""What `serve` works out for its workers before and after they start: each worker's share of a CUDA
+device they share, and the line that reports their KV caches once they are up."""
+
+import io
+
+import pytest
+from django.core.management.base import OutputWrapper
+
+from controlplane.management.commands.serve import KVCacheReport, with_device_share
+from workers.args import EngineArgs
+
+
+@pytest.mark.parametrize(
+    ("device", "num_workers", "expected"),
+    [
+        ("cuda", 2, 0.45),
+        ("cuda:1", 3, 0.3),
+        ("cuda", 1, 0.9),
+        ("cpu", 2, 0.9),  # the CPU sizes its cache in bytes: nothing to share
+    ],
+)
+def test_workers_on_one_cuda_device_split_its_memory(device, num_workers, expected):
+    engine = EngineArgs(model="m", device=device)
+
+    shared = with_device_share(engine, num_workers)
+
+    assert shared.gpu_memory_utilization == pytest.approx(expected)
+    assert shared == EngineArgs(model="m", device=device, gpu_memory_utilization=shared.gpu_memory_utilization)
+
+
+def test_each_workers_share_reaches_its_command_line():
+    engine = EngineArgs(model="m", device="cuda", gpu_memory_utilization=0.8)
+
+    argv = with_device_share(engine, 4).to_argv()
+
+    assert "--gpu-memory-utilization=0.2" in argv
+
+
+def test_the_kv_cache_line_waits_for_every_worker_to_report_its_capacity(make_pool, make_instance):
+    out = io.StringIO()
+    report = KVCacheReport(["prefill-0", "decode-0"], OutputWrapper(out))
+    prefill, decode = make_pool("prefill", kind="prefill"), make_pool("decode")
+    make_instance(prefill, worker_id="prefill-0", kv_capacity_tokens=301_456)
+    report()
+    decode_0 = make_instance(decode, worker_id="decode-0")  # registered, no heartbeat yet
+    report()
+    assert out.getvalue() == ""
+
+    decode_0.kv_capacity_tokens = 1_234
+    decode_0.save(update_fields=["kv_capacity_tokens"])
+    report()
+    report()
+
+    assert out.getvalue() == "sluice's workers are up. KV cache: prefill-0 301,456 tokens, decode-0 1,234 tokens\n"
+
+
+def test_workers_registered_before_serve_started_are_not_reported(make_pool, make_instance):
+    out = io.StringIO()
+    make_instance(make_pool(), worker_id="decode-0", kv_capacity_tokens=8_192)
+    report = KVCacheReport(["decode-0"], OutputWrapper(out))
+
+    report()
+
+    assert out.getvalue() == ""
