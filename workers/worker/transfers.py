@@ -11,15 +11,25 @@ its transfer: another attempt would fail the same way.
 
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import NamedTuple
 
 import zmq
 
 from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol import ExpectTransferRequest, GenerateError, GenerateOutput, OutputConstraintSpec, WorkerOutbound
+from workers.engine.kv_handoff import KVHandoff
+from workers.protocol import (
+    ExpectTransferRequest,
+    GenerateError,
+    GenerateOutput,
+    HandoffTotals,
+    OutputConstraintSpec,
+    WorkerOutbound,
+)
 from workers.transfer_link import Received, SendResult, TransferReceiver, TransferSender
 from workers.worker.control import WorkerControl
 
@@ -68,6 +78,7 @@ class Transfers:
         self.num_migrations_failed = 0
         self.num_migrations_declined = 0  # offers the peer declined (workers.worker.migration)
         self.num_migrated_in = 0
+        self.handoff_counts = ZMQHandoffCounts()
 
     @property
     def expected(self) -> list[str]:
@@ -87,8 +98,11 @@ class Transfers:
         """Take in arrived and expired transfers, and the sender's finished sends."""
         if self.receiver is not None:
             if self.receiver.pull in ready:
+                read_at = time.monotonic()
                 for received in self.receiver.receive(max_messages):
+                    self.handoff_counts.settled(received, read_at)
                     self._continue(received)
+                self.handoff_counts.reading(self.receiver.assembler.partial, read_at)
             for received in self.receiver.expired(time.monotonic()):
                 self._continue(received)
         if self.sender is not None and self.sender.results in ready:
@@ -121,7 +135,9 @@ class Transfers:
         """The request finished its prefill ("transfer"): send its KV on the sender thread."""
         endpoint = self.decode_endpoints.pop(request_id)
         self.sending[request_id] = owner
-        self.sender.submit(request_id, endpoint, self.engine.export_kv(request_id))
+        handoff = self.engine.export_kv(request_id)
+        self.handoff_counts.sending(request_id, handoff)
+        self.sender.submit(request_id, endpoint, handoff)
 
     def start_migration(self, request_id: str, new_request_id: str, endpoint: str, owner: bytes) -> None:
         """Send a request suspended for migration (LLMEngine.suspend_for_migration), KV and decoding
@@ -129,6 +145,7 @@ class Transfers:
         handoff = dataclasses.replace(self.engine.export_kv(request_id), request_id=new_request_id, migrated=True)
         self.sending[request_id] = owner
         self.migrating.add(request_id)
+        self.handoff_counts.sending(request_id, handoff)
         self.sender.submit(request_id, endpoint, handoff)
 
     def forget(self, request_id: str) -> None:
@@ -152,6 +169,7 @@ class Transfers:
     def finish_sends(self, results: list[SendResult]) -> None:
         """The sender thread is done with these handoffs: their pages can go."""
         for result in results:
+            self.handoff_counts.sent(result.request_id, ok=not result.error)
             self.engine.release_transfer(result.request_id)
             owner = self.sending.pop(result.request_id, None)
             if result.request_id in self.migrating:
@@ -164,6 +182,15 @@ class Transfers:
             if result.error and owner is not None:
                 self.send(owner, GenerateError(result.request_id, "transfer_failed", result.error))
         self.control.check_drained()
+
+    def handoff_totals(self) -> "HandoffTotalsBySide":
+        """The KV handoffs this worker sent and received since it started, by transfer backend (the
+        heartbeats' counters): a side the worker has no end of is empty."""
+        counts = self.handoff_counts
+        return HandoffTotalsBySide(
+            sent={counts.BACKEND: counts.sent_totals} if self.sender is not None else {},
+            received={counts.BACKEND: counts.received_totals} if self.receiver is not None else {},
+        )
 
     def close(self) -> None:
         """Finish the sends under way (at shutdown)."""
@@ -195,3 +222,53 @@ class Transfers:
         log.warning("KV transfer of %s failed: %s", request_id, error)
         self.send(peer, GenerateError(request_id, "transfer_failed", error))
         self.control.check_drained()
+
+
+class HandoffTotalsBySide(NamedTuple):
+    sent: dict[str, HandoffTotals]
+    received: dict[str, HandoffTotals]
+
+
+# --- Counting today's ZMQ handoffs for handoff_totals(). A rewrite of the transfer path replaces this
+# with its own counting behind the same handoff_totals(). ---
+
+
+class ZMQHandoffCounts:
+    """A send counts once the sender thread has handed its last message to ZMQ, timed from its submit
+    to the worker's loop taking that result; a receive once its handoff is assembled, timed from the
+    read of its first message (to the start of the receive call that read it). Totals are replaced,
+    never changed, so the heartbeat thread reads each side whole."""
+
+    BACKEND = "zmq"
+
+    def __init__(self) -> None:
+        self.sent_totals = HandoffTotals(num_transfers=0, num_bytes=0, seconds=0.0)
+        self.received_totals = HandoffTotals(num_transfers=0, num_bytes=0, seconds=0.0)
+        self.sends: dict[str, tuple[float, int]] = {}  # request id → (time.monotonic() of submit, bytes)
+        self.first_read: dict[str, float] = {}  # request id → time.monotonic() of its first message
+
+    def sending(self, request_id: str, handoff: KVHandoff) -> None:
+        self.sends[request_id] = (time.monotonic(), handoff_bytes(handoff))
+
+    def sent(self, request_id: str, *, ok: bool) -> None:
+        submitted_at, num_bytes = self.sends.pop(request_id, (0.0, 0))
+        if ok and submitted_at:
+            self.sent_totals = _plus(self.sent_totals, num_bytes, time.monotonic() - submitted_at)
+
+    def settled(self, received: Received, read_at: float) -> None:
+        first_read = self.first_read.pop(received.request_id, read_at)
+        if received.handoff is not None:
+            seconds = time.monotonic() - first_read
+            self.received_totals = _plus(self.received_totals, handoff_bytes(received.handoff), seconds)
+
+    def reading(self, partial: Collection[str], read_at: float) -> None:
+        """After a receive call: the transfers begun and not yet assembled (those dropped since go)."""
+        self.first_read = {request_id: self.first_read.get(request_id, read_at) for request_id in partial}
+
+
+def handoff_bytes(handoff: KVHandoff) -> int:
+    return len(handoff.layers) * math.prod(handoff.layer_shape) * handoff.kv_dtype.itemsize
+
+
+def _plus(totals: HandoffTotals, num_bytes: int, seconds: float) -> HandoffTotals:
+    return HandoffTotals(totals.num_transfers + 1, totals.num_bytes + num_bytes, totals.seconds + seconds)
