@@ -25,6 +25,11 @@ class RequestSample:
     cached_tokens: int
     generation_tokens: int
     finish_reasons: tuple[str, ...] = ()  # one per choice that finished
+    e2e_s: tuple[float, ...] = ()  # one per choice that finished
+    # As the workers timed them, one per worker and choice (controlplane.gateway.usage).
+    queue_s: tuple[float, ...] = ()
+    prefill_s: tuple[float, ...] = ()
+    decode_s: tuple[float, ...] = ()
 
 
 def percentile(ordered: Sequence[float], fraction: float) -> float:
