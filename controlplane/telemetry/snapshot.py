@@ -115,7 +115,12 @@ def _pools(workers: list[WorkerHeartbeat], counters: dict[str, CounterSums], sec
             "num_running": sum(heartbeat.num_running for heartbeat in members),
             "num_waiting": sum(heartbeat.num_waiting for heartbeat in members),
             "kv_usage_mean": sum(heartbeat.kv_usage for heartbeat in members) / len(members),
-            "engine": summed(counters[b.worker_id] for b in members if b.worker_id in counters).engine(seconds),
+            "engine": _engine(members, counters, seconds),
         }
         for pool, members in sorted(by_pool.items())
     ]
+
+
+def _engine(members: list[WorkerHeartbeat], counters: dict[str, CounterSums], seconds: float) -> dict:
+    """The members' engine steps in the window, together."""
+    return summed(counters[member.worker_id] for member in members if member.worker_id in counters).engine(seconds)
