@@ -4,6 +4,7 @@ each engine ran, in its heartbeats."""
 
 import asyncio
 import random
+import time
 
 from tests.workers.worker_process import (
     CONFIG,
@@ -33,11 +34,13 @@ def test_a_split_request_reports_its_phases_its_handoff_and_the_steps_on_each_si
         try:
             params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
             outputs = await collect(client, GenerateRequest("r", PROMPT, params))
-            # Each worker's heartbeats count the handoff once it is done on its side.
+            collected_at = time.time()
+            # Heartbeats sent since every step ran, and once each side is done with the handoff.
             beats = await wait_for_heartbeat(
                 client,
                 lambda beats: all(
-                    sum(side["zmq"].num_transfers for side in (b.handoff_sent, b.handoff_received) if side) == 1
+                    b.sent_at > collected_at
+                    and sum(side["zmq"].num_transfers for side in (b.handoff_sent, b.handoff_received) if side) == 1
                     for b in beats
                 ),
             )
