@@ -23,11 +23,16 @@ SERIES: dict[str, list[tuple[str, str, str]]] = {
         ("prompt_tokens_per_s", "prompt_tokens", "prompt tokens/s"),
         ("generation_tokens_per_s", "generation_tokens", "generation tokens/s"),
     ],
+    "serving-time-graph": [
+        ("engine.step_time_mean_s", "step_time_mean_s", "engine step mean"),
+        ("kv_handoff.received_mean_s", "kv_handoff_mean_s", "KV handoff mean (until usable)"),
+    ],
 }
 SERIES_TITLES = {
     "hit-rate-graph": ("Prefix-cache hit rate", "fraction of prompt tokens"),
     "latency-graph": ("Latency percentiles", "seconds"),
     "tokens-graph": ("Throughput", "tokens/s"),
+    "serving-time-graph": ("Engine step and KV handoff time, all workers", "seconds"),
 }
 PER_MINUTE_FIELDS = {"prompt_tokens", "generation_tokens"}
 
@@ -56,6 +61,14 @@ def percent(value: float | None) -> str:
     return "no data" if value is None else f"{value * 100:.2f}%"
 
 
+def milliseconds(seconds: float | None) -> str:
+    return "no data" if seconds is None else f"{seconds * 1000:.2f} ms"
+
+
+def one_decimal(value: float | None) -> str:
+    return "no data" if value is None else f"{value:.1f}"
+
+
 def table(table_id: str, columns: Sequence[str], rows: Iterable[Sequence], *, empty: str) -> html.Table | html.P:
     rows = list(rows)
     if not rows:
@@ -72,6 +85,7 @@ def pool_rows(pools: Iterable, snapshot: dict) -> list[tuple]:
     for pool in pools:
         seen = live.get(pool.name, {})
         kv = seen.get("kv_usage_mean")
+        engine = seen.get("engine", {})
         rows.append(
             (
                 pool.cluster.name,
@@ -83,6 +97,8 @@ def pool_rows(pools: Iterable, snapshot: dict) -> list[tuple]:
                 seen.get("num_running", 0),
                 seen.get("num_waiting", 0),
                 percent(kv),
+                milliseconds(engine.get("step_time_mean_s")),
+                one_decimal(engine.get("tokens_per_step")),
             )
         )
     return rows
@@ -98,8 +114,25 @@ def worker_rows(snapshot: dict) -> list[tuple]:
             worker["num_running"],
             worker["num_waiting"],
             percent(worker["kv_usage"]),
+            one_decimal(worker["engine"]["steps_per_s"]),
+            milliseconds(worker["engine"]["step_time_mean_s"]),
+            one_decimal(worker["engine"]["tokens_per_step"]),
         )
         for worker in snapshot["workers"]
+    ]
+
+
+def handoff_rows(kv_handoff: dict) -> list[tuple]:
+    """Per transfer backend and direction: the window's handoffs, bytes per second and mean time each."""
+    return [
+        (
+            row["backend"],
+            row["direction"],
+            row["transfers"],
+            f"{row['bytes_per_s'] / 1e6:.2f} MB/s",
+            milliseconds(row["mean_s"]),
+        )
+        for row in kv_handoff["by_backend"]
     ]
 
 

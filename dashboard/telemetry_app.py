@@ -25,8 +25,22 @@ SCALING_EVENTS_SHOWN = 200
 # Live points kept per trace: an hour at the collector's one snapshot a second.
 LIVE_POINTS = 3600
 
-POOL_COLUMNS = ("cluster", "pool", "kind", "model", "instances", "ready/seen", "running", "waiting", "KV usage")
-WORKER_COLUMNS = ("worker", "pool", "role", "state", "running", "waiting", "KV usage")
+# The engine's steps over the last 60 s: their mean time, and tokens per step (and steps/s per worker).
+ENGINE_COLUMNS = ("step mean", "tokens/step")
+POOL_COLUMNS = (
+    "cluster",
+    "pool",
+    "kind",
+    "model",
+    "instances",
+    "ready/seen",
+    "running",
+    "waiting",
+    "KV usage",
+    *ENGINE_COLUMNS,
+)
+WORKER_COLUMNS = ("worker", "pool", "role", "state", "running", "waiting", "KV usage", "steps/s", *ENGINE_COLUMNS)
+HANDOFF_COLUMNS = ("backend", "direction", "handoffs", "throughput", "mean per handoff")
 
 # Per figure, the snapshot fields (dotted paths) its traces show, in trace order.
 SERIES_PATHS = {graph: [path for path, _, _ in traces] for graph, traces in figures.SERIES.items()}
@@ -61,6 +75,8 @@ app.layout = html.Div(
         html.Div(id="pools"),
         html.H3("Instances"),
         html.Div(id="instances"),
+        html.H3("KV handoff (last 60 s)"),
+        html.Div(id="kv-handoff"),
         *(_graph(graph_id) for graph_id in figures.SERIES),
         dcc.Graph(id="kv-store-graph"),
         dcc.Graph(id="scaling-graph"),
@@ -105,7 +121,7 @@ app.clientside_callback(
     function (snapshot, paths) {{
         const skip = dash_clientside.no_update;
         if (!snapshot) {{
-            return [skip, skip, skip, skip];
+            return [skip, skip, skip, skip, skip];
         }}
         const pick = (path) => path.split(".").reduce((value, key) => (value == null ? null : value[key]), snapshot);
         const extend = (graph) => [
@@ -118,6 +134,7 @@ app.clientside_callback(
             extend("hit-rate-graph"),
             extend("latency-graph"),
             extend("tokens-graph"),
+            extend("serving-time-graph"),
             rate == null ? "no data" : (rate * 100).toFixed(2) + "%",
         ];
     }}
@@ -125,6 +142,7 @@ app.clientside_callback(
     Output("hit-rate-graph", "extendData"),
     Output("latency-graph", "extendData"),
     Output("tokens-graph", "extendData"),
+    Output("serving-time-graph", "extendData"),
     Output("hit-rate-value", "children"),
     Input("snapshot", "data"),
     State("series-paths", "data"),
@@ -135,6 +153,7 @@ app.clientside_callback(
     Output("hit-rate-graph", "figure"),
     Output("latency-graph", "figure"),
     Output("tokens-graph", "figure"),
+    Output("serving-time-graph", "figure"),
     Input("seed-minutes", "data"),
 )
 def seed_series(minutes: int):
@@ -147,6 +166,7 @@ def seed_series(minutes: int):
     Output("no-data", "style"),
     Output("pools", "children"),
     Output("instances", "children"),
+    Output("kv-handoff", "children"),
     Output("kv-store-graph", "figure"),
     Output("scaling-graph", "figure"),
     Output("expert-load", "children"),
@@ -163,6 +183,12 @@ def render_live(snapshot: dict | None):
         banner_style,
         figures.table("pools-table", POOL_COLUMNS, figures.pool_rows(pool_list(), snapshot), empty="no pools"),
         figures.table("instances-table", WORKER_COLUMNS, figures.worker_rows(snapshot), empty="no instances"),
+        figures.table(
+            "kv-handoff-table",
+            HANDOFF_COLUMNS,
+            figures.handoff_rows(snapshot["kv_handoff"]),
+            empty="no KV handoffs in the last 60 s",
+        ),
         figures.kv_store_figure(snapshot["kv_store"]),
         figures.scaling_timeline(events),
         figures.expert_heatmaps(snapshot["expert_load"]),

@@ -175,6 +175,18 @@ class DecodingState(msgspec.Struct, tag="decoding_state", frozen=True, forbid_un
     kv_model_id: str
 
 
+class RequestPhaseTimes(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Seconds one request spent in each phase on the worker that sends them (time.monotonic()
+    there), with its last output from that worker; None: the phase did not happen there. A prefill
+    worker sends queue and prefill (with its "transfer" output), a decode worker decode, a mixed
+    worker all three: vLLM's request queue, prefill and decode times."""
+
+    queue_s: float | None = None  # from its arrival to the first step that computed it
+    prefill_s: float | None = None  # from that step to its first token, read back from the device
+    # From its first token to its last; on a decode worker, from its KV being placed there.
+    decode_s: float | None = None
+
+
 class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=True):
     """What one engine step added to one request; the last one carries finish_reason."""
 
@@ -197,6 +209,8 @@ class GenerateOutput(msgspec.Struct, tag="output", frozen=True, omit_defaults=Tr
     # the prompt; a decode worker's outputs leave them out.
     num_stored_tokens: int = 0
     stored_tokens_by_hint: tuple[int, ...] = ()
+    # With the request's last output from this worker (see RequestPhaseTimes).
+    phase_times: RequestPhaseTimes | None = None
 
 
 class GenerateError(msgspec.Struct, tag="error", frozen=True):
@@ -219,14 +233,23 @@ class GenerateError(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
-class HandoffTotals(msgspec.Struct, frozen=True):
-    """KV handoffs of one transfer backend since a worker started, sent or received."""
+class HistogramCounts(msgspec.Struct, frozen=True):
+    """A histogram since the worker started: counts[i] values were at or below bounds[i] and above
+    the bound before it; the last count is of the values above every bound. `total` sums the values."""
 
-    num_transfers: int = 0
-    num_bytes: int = 0
-    # From a transfer's start to its KV being usable on the receiver (received), or to its last
-    # frame handed to the wire or its pages' "done" (sent).
-    seconds: float = 0.0
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float
+
+
+class HandoffTotals(msgspec.Struct, frozen=True):
+    """KV handoffs over one transfer backend since the worker started: those completed, their bytes,
+    and their seconds summed, each from the start of its transfer to its KV being usable on the
+    receiver, or, on the sender, to its last frame handed to the wire or its pages' "done"."""
+
+    num_transfers: int
+    num_bytes: int
+    seconds: float
 
 
 class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -301,6 +324,20 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     num_recomputed_tokens: int = 0
     max_recomputed_tokens: int = 0
     resume_seconds_total: float = 0.0
+    # The engine's steps since the worker started: seconds from launching each to reading its result
+    # (workers.engine.step_stats says what that covers under async scheduling), and tokens each
+    # computed. None from a worker that does not count them.
+    step_seconds: HistogramCounts | None = None
+    step_tokens: HistogramCounts | None = None
+    # KV handoffs since the worker started, by transfer backend ("zmq", "cuda_ipc"): those it sent (a
+    # prefill worker's, a draining decode worker's migrations) and those it received.
+    handoff_sent: dict[str, HandoffTotals] = {}
+    handoff_received: dict[str, HandoffTotals] = {}
+    # Fetches from the global KV store since the worker started (zeros without a store): how many,
+    # the bytes read, and the seconds they took, summed (reading into host memory, on reader threads).
+    num_store_fetches: int = 0
+    store_fetch_bytes: int = 0
+    store_fetch_seconds: float = 0.0
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a

@@ -34,6 +34,12 @@ class UsageCount:
     # brings several (speculative) tokens counts once.
     inter_token_s: list[float] = field(default_factory=list)
     finish_reasons: dict[int, str] = field(default_factory=dict)  # by choice; a choice cut short has none
+    # Per choice that finished: seconds from the start to its last output (vLLM's e2e latency).
+    e2e_s: list[float] = field(default_factory=list)
+    # Seconds the workers timed (RequestPhaseTimes): each worker a choice ran on sends its phases.
+    queue_s: list[float] = field(default_factory=list)
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
     _last_output_at: dict[int, float] = field(default_factory=dict)
 
     def add(self, output: GenerateOutput, *, choice: int = 0) -> None:
@@ -48,8 +54,15 @@ class UsageCount:
             if choice in self._last_output_at:
                 self.inter_token_s.append(now - self._last_output_at[choice])
             self._last_output_at[choice] = now
+        times = output.phase_times
+        if times is not None:
+            phases = ((times.queue_s, self.queue_s), (times.prefill_s, self.prefill_s), (times.decode_s, self.decode_s))
+            for seconds, into in phases:
+                if seconds is not None:
+                    into.append(seconds)
         if output.finish_reason is not None:
             self.finish_reasons[choice] = output.finish_reason
+            self.e2e_s.append(now - self.started_at)
 
 
 async def record_usage(tenant_id: int, usage: UsageCount) -> None:

@@ -93,6 +93,10 @@ async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
             cached_tokens=usage.cached_tokens,
             generation_tokens=usage.completion_tokens,
             finish_reasons=tuple(usage.finish_reasons.values()),
+            e2e_s=tuple(usage.e2e_s),
+            queue_s=tuple(usage.queue_s),
+            prefill_s=tuple(usage.prefill_s),
+            decode_s=tuple(usage.decode_s),
         )
     )
 

@@ -11,7 +11,9 @@ Several gateways each collect their own share: their live snapshots differ, and 
 rollup row of a minute under its collector id, which the selectors merge (counts and latency
 histograms add up), so the dashboard's minutes count every gateway's requests.
 Decode load peaks (decode_loads) come from the heartbeats, which every gateway hears alike, so
-their rows keep the highest any gateway saw.
+their rows keep the highest any gateway saw. So do the engine steps and KV handoffs a rollup row
+counts (worker_counters): every gateway's row of a minute holds about the same, and the selectors
+take the largest instead of adding them up.
 """
 
 import asyncio
@@ -44,6 +46,7 @@ from controlplane.telemetry.services import (
 )
 from controlplane.telemetry.snapshot import build_snapshot, kv_store
 from controlplane.telemetry.windows import MinuteTotals, RequestSample, RequestWindow, minute_start
+from controlplane.telemetry.worker_counters import WorkerCounterWindow
 from workers.expert_loads import SlotLoads
 from workers.protocol import WorkerHeartbeat
 
@@ -107,6 +110,7 @@ class TelemetryCollector:
         # Expert loads of ended minutes not yet written: (minute start, {(pool, layout version): loads}).
         self._expert_finished: list[tuple[float, dict[tuple[str, int], SlotLoads]]] = []
         self._decode_peaks = DecodeLoadPeaks()
+        self._counters = WorkerCounterWindow(window_s)
         self._decode_finished: list[tuple[float, dict[str, DecodePeak]]] = []  # (minute start, {pool: peak})
         self._prune_at = now
 
@@ -129,6 +133,7 @@ class TelemetryCollector:
         self._roll(now)
         self._expert_window.add(now, expert_loads)
         self._decode_peaks.add(workers)
+        self._minute.add_counts(self._counters.add(now, workers))
         store = kv_store(workers, store_gcs)
         if store is not None:
             self._minute.kv_store_bytes = store["bytes"]
@@ -140,6 +145,7 @@ class TelemetryCollector:
             elapsed_s=now - self._started_at,
             expert_load=self._expert_window.by_pool(now),
             store_gcs=store_gcs,
+            counters=self._counters.by_worker(now),
         )
         live.publish(snapshot)
         await self._broadcast(snapshot)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane.telemetry import live
+from controlplane.telemetry.serving_time_metrics import serving_time_families
 from controlplane.telemetry.snapshot import pool_of
 from controlplane.telemetry.windows import RequestSample
 from workers.protocol import WorkerHeartbeat
@@ -45,6 +46,32 @@ _PREFIX_QUERIES = Counter(
 _PREFIX_HITS = Counter(
     "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", registry=REQUEST_REGISTRY
 )
+# A request's whole time and its phases: milliseconds of queueing up to the longest requests.
+REQUEST_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5, 10, 30, 60, 120, 300, 1800, 7680)
+_E2E = Histogram(
+    "vllm:e2e_request_latency_seconds",
+    "Time from the gateway handing a request to the engine to its last output (per choice).",
+    buckets=REQUEST_PHASE_BUCKETS,
+    registry=REQUEST_REGISTRY,
+)
+_QUEUE = Histogram(
+    "vllm:request_queue_time_seconds",
+    "Time a request waited on a worker before a step first computed it (each worker that queued it).",
+    buckets=REQUEST_PHASE_BUCKETS,
+    registry=REQUEST_REGISTRY,
+)
+_PREFILL = Histogram(
+    "vllm:request_prefill_time_seconds",
+    "Time from a request's first step on a worker to its first token there.",
+    buckets=REQUEST_PHASE_BUCKETS,
+    registry=REQUEST_REGISTRY,
+)
+_DECODE = Histogram(
+    "vllm:request_decode_time_seconds",
+    "Time from a request's first token (on a decode worker: its KV placed there) to its last.",
+    buckets=REQUEST_PHASE_BUCKETS,
+    registry=REQUEST_REGISTRY,
+)
 _REQUEST_SUCCESS = Counter(
     "vllm:request_success",
     "Finished requests (one per choice), by why they finished.",
@@ -64,6 +91,14 @@ def observe_request(sample: RequestSample) -> None:
     _PREFIX_HITS.inc(sample.cached_tokens)
     for reason in sample.finish_reasons:
         _REQUEST_SUCCESS.labels(finished_reason=reason).inc()
+    for histogram, values in (
+        (_E2E, sample.e2e_s),
+        (_QUEUE, sample.queue_s),
+        (_PREFILL, sample.prefill_s),
+        (_DECODE, sample.decode_s),
+    ):
+        for seconds in values:
+            histogram.observe(seconds)
 
 
 class _Scrape:
@@ -84,6 +119,7 @@ class _Scrape:
     def collect(self) -> Iterable[Metric]:
         yield from REQUEST_REGISTRY.collect()
         yield from heartbeat_families(self._workers, self._expert_load, self._store_gcs)
+        yield from serving_time_families(self._workers)
         yield from pool_families(self._pools)
 
 

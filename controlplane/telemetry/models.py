@@ -6,7 +6,9 @@ class TelemetryRollup(models.Model):
     each write their own row of a minute (`collector` names the collector process), and the selectors
     merge them: counts add up, latency histograms add up bucket by bucket and give the minute's
     percentiles (controlplane.telemetry.latency_histogram). kv_store_bytes is None for a minute
-    without a store. Rows from before per-gateway rows (collector "") have counts but no latencies."""
+    without a store. Rows from before per-gateway rows (collector "") have counts but no latencies.
+    The engine steps and KV handoffs come from the workers' heartbeats, which every gateway hears: each
+    row counts all of them, so merging takes the largest row's instead of a sum."""
 
     minute = models.DateTimeField()  # the minute's start (UTC)
     collector = models.CharField(max_length=100, default="")  # "<hostname>:<pid>:<random>" of one process
@@ -17,6 +19,10 @@ class TelemetryRollup(models.Model):
     ttft_histogram = models.JSONField(default=dict)  # bucket index → requests, time to first token
     itl_histogram = models.JSONField(default=dict)  # bucket index → gaps between outputs
     kv_store_bytes = models.PositiveBigIntegerField(null=True)
+    engine_steps = models.PositiveBigIntegerField(default=0)  # over every worker
+    engine_step_seconds = models.FloatField(default=0.0)  # summed, each from launch to result read
+    kv_handoffs = models.PositiveBigIntegerField(default=0)  # received, over every backend
+    kv_handoff_seconds = models.FloatField(default=0.0)  # summed, each until its KV was usable
 
     class Meta:
         ordering = ["minute"]

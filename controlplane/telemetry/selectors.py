@@ -17,8 +17,10 @@ GC_REPORT_SLACK_S = 5.0
 def rollup_series(*, minutes: int = 60) -> list[dict]:
     """The last `minutes` minutes, oldest first, each merged from every gateway's row of it: counts
     summed, TTFT and inter-token latency percentiles (p50, p99) from the summed histograms, the store's
-    size as the largest any gateway saw (they read the same store), and the cache hit rate (cached
-    prompt tokens / prompt tokens; None for a minute without prompt tokens)."""
+    size as the largest any gateway saw (they read the same store), the cache hit rate (cached
+    prompt tokens / prompt tokens; None for a minute without prompt tokens), and the mean engine step
+    and KV handoff times from the row that counted the most of them (every gateway hears the same
+    workers; None for a minute without any)."""
     since = timezone.now() - timedelta(minutes=minutes)
     rows = TelemetryRollup.objects.filter(minute__gte=since).order_by("minute")
     by_minute: dict[datetime, list[TelemetryRollup]] = defaultdict(list)
@@ -43,6 +45,8 @@ def _merged(minute: datetime, parts: list[TelemetryRollup]) -> dict:
     ttft = latency_histogram.merge(part.ttft_histogram for part in parts)
     itl = latency_histogram.merge(part.itl_histogram for part in parts)
     store_sizes = [part.kv_store_bytes for part in parts if part.kv_store_bytes is not None]
+    steps = max(parts, key=lambda part: part.engine_steps)
+    handoffs = max(parts, key=lambda part: part.kv_handoffs)
     return {
         "minute": minute,
         **counts,
@@ -52,6 +56,8 @@ def _merged(minute: datetime, parts: list[TelemetryRollup]) -> dict:
         "itl_p99_s": latency_histogram.percentile(itl, 0.99),
         "kv_store_bytes": max(store_sizes) if store_sizes else None,
         "cache_hit_rate": counts["cached_tokens"] / counts["prompt_tokens"] if counts["prompt_tokens"] else None,
+        "step_time_mean_s": steps.engine_step_seconds / steps.engine_steps if steps.engine_steps else None,
+        "kv_handoff_mean_s": handoffs.kv_handoff_seconds / handoffs.kv_handoffs if handoffs.kv_handoffs else None,
     }
 
 

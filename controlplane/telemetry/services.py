@@ -20,6 +20,10 @@ def rollup_upsert(
     ttft_histogram: Histogram,
     itl_histogram: Histogram,
     kv_store_bytes: int | None,
+    engine_steps: int = 0,
+    engine_step_seconds: float = 0.0,
+    kv_handoffs: int = 0,
+    kv_handoff_seconds: float = 0.0,
 ) -> TelemetryRollup:
     """Writes the collector's row of the minute, replacing one it wrote before (a retried write is
     harmless); other collectors' rows of the minute stay, to be merged by the selectors."""
@@ -34,6 +38,10 @@ def rollup_upsert(
             "ttft_histogram": ttft_histogram,
             "itl_histogram": itl_histogram,
             "kv_store_bytes": kv_store_bytes,
+            "engine_steps": engine_steps,
+            "engine_step_seconds": engine_step_seconds,
+            "kv_handoffs": kv_handoffs,
+            "kv_handoff_seconds": kv_handoff_seconds,
         },
     )
     return rollup

@@ -1,5 +1,6 @@
-"""The live snapshot the collector broadcasts: the workers' latest heartbeats and the window's
-request figures, as a JSON-ready dict (its shape is the dashboard's contract)."""
+"""The live snapshot the collector broadcasts: the workers' latest heartbeats, the window's request
+figures and what the workers' counters say of the window (engine steps, KV handoffs), as a JSON-ready
+dict (its shape is the dashboard's contract)."""
 
 from collections import defaultdict
 from collections.abc import Sequence
@@ -7,6 +8,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from controlplane.telemetry.windows import Totals, percentiles
+from controlplane.telemetry.worker_counters import CounterSums, summed
 from workers.protocol import WorkerHeartbeat
 
 if TYPE_CHECKING:
@@ -31,17 +33,22 @@ def build_snapshot(
     elapsed_s: float,
     expert_load: dict[str, list[list[int]]] | None = None,
     store_gcs: Sequence["KVStoreGC"] = (),
+    counters: dict[str, CounterSums] | None = None,
 ) -> dict:
     """`totals` are the window's requests; rates divide by `elapsed_s`, the part of the window the
     collector has been running (a collector started 10 s ago has seen 10 s of traffic, not 60).
     `expert_load`: per MoE pool, tokens routed to each [layer][physical slot] in the window.
-    `store_gcs`: the KV store GC processes reporting now (selectors.kv_store_gcs_reporting)."""
+    `store_gcs`: the KV store GC processes reporting now (selectors.kv_store_gcs_reporting).
+    `counters`: by worker id, what its heartbeats' counters grew by in the window (worker_counters);
+    the cluster's figures count workers gone since, a pool's only those it has now."""
     seconds = max(min(elapsed_s, window_s), 1.0)
+    counters = counters or {}
+    cluster = summed(counters.values())
     return {
         "at": at.isoformat(),
         "window_s": window_s,
-        "workers": [_worker(heartbeat) for heartbeat in workers],
-        "pools": _pools(workers),
+        "workers": [_worker(heartbeat, counters, seconds) for heartbeat in workers],
+        "pools": _pools(workers, counters, seconds),
         "requests": totals.requests,
         "prompt_tokens_per_s": totals.prompt_tokens / seconds,
         "generation_tokens_per_s": totals.generation_tokens / seconds,
@@ -50,6 +57,8 @@ def build_snapshot(
         "itl_s": percentiles(totals.inter_token_s),
         "kv_store": kv_store(workers, store_gcs),
         "expert_load": expert_load or {},
+        "engine": cluster.engine(seconds),
+        "kv_handoff": cluster.kv_handoff(seconds),
     }
 
 
@@ -80,7 +89,7 @@ def kv_store(workers: list[WorkerHeartbeat], store_gcs: Sequence["KVStoreGC"] = 
     return {**size, "capacity_bytes": limits[0], "low_watermark": limits[1], "high_watermark": limits[2]}
 
 
-def _worker(heartbeat: WorkerHeartbeat) -> dict:
+def _worker(heartbeat: WorkerHeartbeat, counters: dict[str, CounterSums], seconds: float) -> dict:
     return {
         "worker_id": heartbeat.worker_id,
         "role": heartbeat.role,
@@ -89,10 +98,11 @@ def _worker(heartbeat: WorkerHeartbeat) -> dict:
         "num_running": heartbeat.num_running,
         "num_waiting": heartbeat.num_waiting,
         "kv_usage": heartbeat.kv_usage,
+        "engine": counters.get(heartbeat.worker_id, CounterSums()).engine(seconds),
     }
 
 
-def _pools(workers: list[WorkerHeartbeat]) -> list[dict]:
+def _pools(workers: list[WorkerHeartbeat], counters: dict[str, CounterSums], seconds: float) -> list[dict]:
     by_pool: dict[str, list[WorkerHeartbeat]] = defaultdict(list)
     for heartbeat in workers:
         by_pool[pool_of(heartbeat)].append(heartbeat)
@@ -105,6 +115,12 @@ def _pools(workers: list[WorkerHeartbeat]) -> list[dict]:
             "num_running": sum(heartbeat.num_running for heartbeat in members),
             "num_waiting": sum(heartbeat.num_waiting for heartbeat in members),
             "kv_usage_mean": sum(heartbeat.kv_usage for heartbeat in members) / len(members),
+            "engine": _engine(members, counters, seconds),
         }
         for pool, members in sorted(by_pool.items())
     ]
+
+
+def _engine(members: list[WorkerHeartbeat], counters: dict[str, CounterSums], seconds: float) -> dict:
+    """The members' engine steps in the window, together."""
+    return summed(counters[member.worker_id] for member in members if member.worker_id in counters).engine(seconds)

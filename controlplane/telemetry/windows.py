@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 from controlplane.telemetry import latency_histogram
 from controlplane.telemetry.latency_histogram import Histogram
+from controlplane.telemetry.worker_counters import CounterSums
 
 # Requests whose latencies the live window keeps at most: the percentiles of a busy window are then
 # those of its last this-many requests, and the memory stays bounded.
@@ -25,6 +26,11 @@ class RequestSample:
     cached_tokens: int
     generation_tokens: int
     finish_reasons: tuple[str, ...] = ()  # one per choice that finished
+    e2e_s: tuple[float, ...] = ()  # one per choice that finished
+    # As the workers timed them, one per worker and choice (controlplane.gateway.usage).
+    queue_s: tuple[float, ...] = ()
+    prefill_s: tuple[float, ...] = ()
+    decode_s: tuple[float, ...] = ()
 
 
 def percentile(ordered: Sequence[float], fraction: float) -> float:
@@ -101,6 +107,12 @@ class MinuteTotals:
     ttft_histogram: Histogram = field(default_factory=dict)
     itl_histogram: Histogram = field(default_factory=dict)
     kv_store_bytes: int | None = None  # the last the heartbeats reported in the minute
+    # From the workers' counters (worker_counters): engine steps and their seconds, and the KV
+    # handoffs received and their seconds (each until its KV was usable), over every worker.
+    engine_steps: int = 0
+    engine_step_seconds: float = 0.0
+    kv_handoffs: int = 0
+    kv_handoff_seconds: float = 0.0
 
     def add(self, sample: RequestSample) -> None:
         self.requests += 1
@@ -110,6 +122,13 @@ class MinuteTotals:
         if sample.ttft_s is not None:
             latency_histogram.add(self.ttft_histogram, (sample.ttft_s,))
         latency_histogram.add(self.itl_histogram, sample.inter_token_s)
+
+    def add_counts(self, counts: CounterSums) -> None:
+        received = counts.received()
+        self.engine_steps += counts.steps
+        self.engine_step_seconds += counts.step_seconds
+        self.kv_handoffs += received.transfers
+        self.kv_handoff_seconds += received.seconds
 
     def rollup_fields(self, collector: str) -> dict:
         """The keyword arguments of services.rollup_upsert, for the collector named `collector`."""
@@ -123,4 +142,8 @@ class MinuteTotals:
             "ttft_histogram": self.ttft_histogram,
             "itl_histogram": self.itl_histogram,
             "kv_store_bytes": self.kv_store_bytes,
+            "engine_steps": self.engine_steps,
+            "engine_step_seconds": self.engine_step_seconds,
+            "kv_handoffs": self.kv_handoffs,
+            "kv_handoff_seconds": self.kv_handoff_seconds,
         }

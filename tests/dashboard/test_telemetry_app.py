@@ -3,7 +3,9 @@
 import json
 
 import pytest
+from django.utils import timezone
 
+from controlplane.telemetry.services import rollup_upsert
 from dashboard import figures
 from dashboard.telemetry_app import APP_NAME
 
@@ -13,29 +15,37 @@ LIVE_OUTPUTS = [
     ("no-data", "style"),
     ("pools", "children"),
     ("instances", "children"),
+    ("kv-handoff", "children"),
     ("kv-store-graph", "figure"),
     ("scaling-graph", "figure"),
     ("expert-load", "children"),
 ]
 
 
-def _render_live(client, snapshot: dict | None) -> dict:
-    """The render_live callback's outputs by "id.property", for this value of the snapshot store."""
-    outputs = [{"id": component, "property": prop} for component, prop in LIVE_OUTPUTS]
+def _callback(client, outputs: list[tuple[str, str]], component: str, prop: str, value) -> dict:
+    """A server callback's outputs by "id.property", for this value of its one input."""
     body = {
-        "output": "...".join(f"{component}.{prop}" for component, prop in LIVE_OUTPUTS).join(["..", ".."]),
-        "outputs": outputs,
-        "inputs": [{"id": "snapshot", "property": "data", "value": snapshot}],
-        "changedPropIds": ["snapshot.data"],
+        "output": "...".join(f"{output}.{output_prop}" for output, output_prop in outputs).join(["..", ".."]),
+        "outputs": [{"id": output, "property": output_prop} for output, output_prop in outputs],
+        "inputs": [{"id": component, "property": prop, "value": value}],
+        "changedPropIds": [f"{component}.{prop}"],
         "state": [],
     }
     response = client.post(UPDATE_URL, json.dumps(body), content_type="application/json")
     assert response.status_code == 200
     return {
-        f"{component}.{prop}": value
-        for component, props in response.json()["response"].items()
-        for prop, value in props.items()
+        f"{output}.{output_prop}": rendered
+        for output, props in response.json()["response"].items()
+        for output_prop, rendered in props.items()
     }
+
+
+def _render_live(client, snapshot: dict | None) -> dict:
+    """The render_live callback's outputs, for this value of the snapshot store."""
+    return _callback(client, LIVE_OUTPUTS, "snapshot", "data", snapshot)
+
+
+NO_STEPS = {"steps_per_s": 0.0, "step_time_mean_s": None, "tokens_per_step": None}
 
 
 def _snapshot(**fields) -> dict:
@@ -52,6 +62,8 @@ def _snapshot(**fields) -> dict:
         "itl_s": None,
         "kv_store": None,
         "expert_load": {},
+        "engine": NO_STEPS,
+        "kv_handoff": {"received_mean_s": None, "by_backend": []},
     }
     return {**base, **fields}
 
@@ -83,6 +95,7 @@ def test_a_snapshot_with_workers_fills_the_overview(client_as, make_pool):
         "num_running": 3,
         "num_waiting": 1,
         "kv_usage": 0.25,
+        "engine": NO_STEPS,
     }
     pool = {
         "pool": "decode",
@@ -92,6 +105,7 @@ def test_a_snapshot_with_workers_fills_the_overview(client_as, make_pool):
         "num_running": 3,
         "num_waiting": 1,
         "kv_usage_mean": 0.25,
+        "engine": NO_STEPS,
     }
     kv_store = {"bytes": 50, "blocks": 5, "capacity_bytes": 100, "low_watermark": 0.8, "high_watermark": 0.95}
     snapshot = _snapshot(workers=[worker], pools=[pool], kv_store=kv_store, expert_load={"decode": [[1, 2], [3, 4]]})
@@ -103,3 +117,84 @@ def test_a_snapshot_with_workers_fills_the_overview(client_as, make_pool):
     assert "25.00%" in json.dumps(rendered["pools.children"])
     assert rendered["kv-store-graph.figure"]["data"][0]["x"] == [0.5]
     assert rendered["expert-load.children"][0]["props"]["figure"]["data"][0]["z"] == [[1, 2], [3, 4]]
+
+
+@pytest.mark.django_db
+def test_engine_steps_per_worker_and_pool_and_kv_handoffs_by_backend_are_shown(client_as, make_pool):
+    client = client_as("operator")
+    make_pool("prefill", kind="prefill")
+    engine = {"steps_per_s": 4.5, "step_time_mean_s": 0.0125, "tokens_per_step": 96.0}
+    worker = {
+        "worker_id": "prefill-0",
+        "role": "prefill",
+        "pool": "prefill",
+        "state": "ready",
+        "num_running": 1,
+        "num_waiting": 0,
+        "kv_usage": 0.1,
+        "engine": engine,
+    }
+    pool = {
+        "pool": "prefill",
+        "role": "prefill",
+        "instances": 1,
+        "ready": 1,
+        "num_running": 1,
+        "num_waiting": 0,
+        "kv_usage_mean": 0.1,
+        "engine": engine,
+    }
+    kv_handoff = {
+        "received_mean_s": 0.004,
+        "by_backend": [
+            {"backend": "cuda_ipc", "direction": "sent", "transfers": 0, "bytes_per_s": 0.0, "mean_s": None},
+            {"backend": "zmq", "direction": "received", "transfers": 6, "bytes_per_s": 2_500_000.0, "mean_s": 0.004},
+        ],
+    }
+    snapshot = _snapshot(workers=[worker], pools=[pool], engine=engine, kv_handoff=kv_handoff)
+
+    rendered = _render_live(client, snapshot)
+
+    instances, pools = json.dumps(rendered["instances.children"]), json.dumps(rendered["pools.children"])
+    assert all(text in instances for text in ('"4.5"', '"12.50 ms"', '"96.0"'))
+    assert all(text in pools for text in ('"12.50 ms"', '"96.0"'))
+    rows = rendered["kv-handoff.children"]["props"]["children"][1]["props"]["children"]
+    cells = [[cell["props"]["children"] for cell in row["props"]["children"]] for row in rows]
+    assert cells == [
+        ["cuda_ipc", "sent", 0, "0.00 MB/s", "no data"],
+        ["zmq", "received", 6, "2.50 MB/s", "4.00 ms"],
+    ]
+
+
+@pytest.mark.django_db
+def test_without_handoffs_the_handoff_panel_says_so(client_as, no_collector):
+    rendered = _render_live(client_as("operator"), None)
+
+    assert rendered["kv-handoff.children"]["props"]["children"] == "no KV handoffs in the last 60 s"
+
+
+@pytest.mark.django_db
+def test_the_step_and_handoff_times_are_seeded_from_the_minutes_rollups(client_as):
+    minute = timezone.now().replace(second=0, microsecond=0)
+    rollup_upsert(
+        minute=minute,
+        collector="gateway-a",
+        requests=0,
+        prompt_tokens=0,
+        cached_tokens=0,
+        generation_tokens=0,
+        ttft_histogram={},
+        itl_histogram={},
+        kv_store_bytes=None,
+        engine_steps=200,
+        engine_step_seconds=2.0,
+        kv_handoffs=4,
+        kv_handoff_seconds=0.2,
+    )
+    outputs = [(graph, "figure") for graph in figures.SERIES]
+
+    seeded = _callback(client_as("operator"), outputs, "seed-minutes", "data", 60)
+
+    traces = seeded["serving-time-graph.figure"]["data"]
+    assert [trace["name"] for trace in traces] == ["engine step mean", "KV handoff mean (until usable)"]
+    assert [trace["y"] for trace in traces] == [[0.01], [0.05]]

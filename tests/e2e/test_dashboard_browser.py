@@ -1,7 +1,9 @@
 """The operator dashboard in headless Chromium (Debian's package, driven by Playwright) against the real
 stack: an operator signs in, the dashboard renders live, and the hit rate it shows rises after a burst of
-requests that share a long prefix. The screenshot is left in tests/artifacts/ (gitignored)."""
+requests that share a long prefix, whose KV handoffs and engine steps it shows too. The screenshot is
+left in tests/artifacts/ (gitignored)."""
 
+import re
 import uuid
 
 import pytest
@@ -80,6 +82,10 @@ def test_operator_watches_the_hit_rate_rise_after_a_shared_prefix_burst(stack: S
                 arg=before,
                 timeout=RISE_TIMEOUT_MS,
             )
+            # The burst went from the prefill worker to the decode worker over ZMQ, in timed steps.
+            handoffs = app.locator("#kv-handoff-table")
+            expect(handoffs).to_contain_text(re.compile(r"zmq\s*received\s*[1-9]"), timeout=RENDER_TIMEOUT_MS)
+            expect(app.locator("#instances-table")).to_contain_text(re.compile(r"\d ms"), timeout=RENDER_TIMEOUT_MS)
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
         finally:

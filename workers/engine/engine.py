@@ -37,6 +37,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
+from workers.engine.step_stats import StepStats
 from workers.engine.store_connector import StoreConnector, StoreStats
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
@@ -74,6 +75,7 @@ class EngineStats:
     resume: ResumeStats | None = None  # requests resumed here from a checkpoint; None: none yet
     # (p50, p90) relative error of the cost model's step-time predictions lately; zeros without one.
     cost_model_error: tuple[float, float] = (0.0, 0.0)
+    steps: StepStats | None = None  # the engine's step times and tokens since start
 
 
 class LLMEngine:
@@ -130,6 +132,7 @@ class LLMEngine:
             step_budget=self.step_budget,
         )
         self.prediction_errors = PredictionErrorTracker() if config.cost_model is not None else None
+        self.step_stats = StepStats()
         # A launched step whose sampled ids are read at the next step (async scheduling), with its
         # scheduler output and start time.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
@@ -223,6 +226,7 @@ class LLMEngine:
             tenant_weight=tenant_weight,
             retention=self.store.plan_retention(cache_hints) if self.store is not None else (),
             stored_tokens_by_hint=(0,) * len(cache_hints),
+            queued_at=time.monotonic(),
         )
         self.requests[request_id] = request
         self.outputs.add(request)
@@ -293,6 +297,8 @@ class LLMEngine:
     def admit_prefilled(self, request_id: str) -> None:
         """A reserved request's KV is in its pages: it joins the running batch, its next step a decode."""
         request = self.disaggregation.admit(request_id)
+        # Its first token came from the prefill engine: here it decodes, from now.
+        request.first_token_at = time.monotonic()
         if self.store is not None:
             # The prompt's blocks are the prefill side's to store; decode stores the blocks it completes.
             request.num_saved_blocks = len(request.prompt_token_ids) // self.store.block_tokens
@@ -387,6 +393,7 @@ class LLMEngine:
             tenant_weight=tenant_weight,
             # What the client was told about the prompt's cache hits stays what the first worker said.
             reported_cached_tokens=num_cached_tokens,
+            queued_at=time.monotonic(),
         )
         if request.constraint is not None:
             for token in request.output_token_ids:
@@ -452,8 +459,10 @@ class LLMEngine:
     def _finish(self, output: SchedulerOutput, launched: LaunchedStep, started: float) -> list[RequestDelta]:
         """Read a launched step's results and turn them into deltas."""
         result = launched.result()
+        seconds = time.perf_counter() - started
+        self.step_stats.record(seconds, output.num_tokens)
         if self.prediction_errors is not None:
-            self._record_prediction(output, time.perf_counter() - started)
+            self._record_prediction(output, seconds)
         for computed in result.prompt_logprobs:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
         if self.store is not None:
@@ -522,6 +531,7 @@ class LLMEngine:
             num_pending_transfers=len(self.disaggregation),
             resume=self.resume_stats,
             cost_model_error=self.prediction_errors.percentiles() if self.prediction_errors else (0.0, 0.0),
+            steps=self.step_stats,
         )
 
     def _update(self, sampled: SampledToken) -> RequestDelta:

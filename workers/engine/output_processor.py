@@ -7,12 +7,15 @@ It owns the incremental detokenization of every request (OutputText), from admis
 engine releases the request.
 """
 
+import time
+
 from recipe.tokenizer import Tokenizer
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.output_text import OutputText
 from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.request import FinishReason, Request
 from workers.engine.runner.model_runner import SampledToken
+from workers.protocol import RequestPhaseTimes
 
 
 class OutputProcessor:
@@ -50,6 +53,8 @@ class OutputProcessor:
         stop_string = text.append([token]) if text is not None else None
 
         request.output_token_ids.append(token)
+        if not request.first_token_at:
+            request.first_token_at = time.monotonic()
         logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
         request.logprobs.extend(logprobs)
         params = request.params
@@ -109,4 +114,20 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_stored_tokens=request.num_stored_prompt_tokens,
             stored_tokens_by_hint=request.stored_tokens_by_hint,
+            phase_times=phase_times(request) if request.is_finished else None,
         )
+
+
+def phase_times(request: Request) -> RequestPhaseTimes | None:
+    """How long a finished request waited, prefilled and decoded here (see its timestamps); None
+    when it ended before any of them began."""
+    queue_s = prefill_s = decode_s = None
+    if request.queued_at and request.scheduled_at:
+        queue_s = request.scheduled_at - request.queued_at
+        if request.first_token_at:
+            prefill_s = request.first_token_at - request.scheduled_at
+    if request.first_token_at and request.finish_reason is not FinishReason.TRANSFER:
+        decode_s = time.monotonic() - request.first_token_at
+    if queue_s is None and decode_s is None:
+        return None
+    return RequestPhaseTimes(queue_s=queue_s, prefill_s=prefill_s, decode_s=decode_s)

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from workers.engine.logprobs import TokenLogprobs
+from workers.protocol import RequestPhaseTimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class RequestDelta:
     # Prompt tokens the request wrote to the KV store, and of those, under each of its cache hints.
     num_stored_tokens: int = 0
     stored_tokens_by_hint: tuple[int, ...] = ()
+    phase_times: RequestPhaseTimes | None = None  # once finished: its queue, prefill and decode here
 
     @property
     def finished(self) -> bool:

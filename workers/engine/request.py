@@ -101,6 +101,13 @@ class Request:
     resumed_at: float = 0.0
     resumed_tokens: int = 0
     reported_cached_tokens: int = 0
+    # Its phases here (time.monotonic(); 0: not yet), reported with its last output: when this engine
+    # took it in to wait (0 for a request continued from another engine's prefill, which never waits
+    # here), when a step first computed it, and when its first token here was read back (for a
+    # continued request: when it was taken in, as its decoding starts then).
+    queued_at: float = 0.0
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
 
     @property
     def num_tokens(self) -> int:

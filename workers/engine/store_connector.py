@@ -34,6 +34,7 @@ recomputes only the tokens generated since the last full block, not the prompt's
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,6 +89,10 @@ class StoreStats:
     num_blocks_read: int
     num_blocks_written: int
     num_writes_dropped: int
+    # Fetches from the store into host memory: how many, the bytes read, the seconds they took.
+    num_fetches: int = 0
+    fetch_bytes: int = 0
+    fetch_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +144,10 @@ class StoreConnector:
         self.num_blocks_read = 0
         self.num_blocks_written = 0
         self.num_writes_dropped = 0
+        self.fetch_counts_lock = threading.Lock()  # the reader threads count their fetches
+        self.num_fetches = 0
+        self.fetch_bytes = 0
+        self.fetch_seconds = 0.0
         self.index_failing = False  # the last match or contains_many failed
 
     def start_fetch(self, request: Request, local_hit_tokens: int) -> None:
@@ -295,6 +304,9 @@ class StoreConnector:
             num_blocks_read=self.num_blocks_read,
             num_blocks_written=self.num_blocks_written,
             num_writes_dropped=self.num_writes_dropped,
+            num_fetches=self.num_fetches,
+            fetch_bytes=self.fetch_bytes,
+            fetch_seconds=self.fetch_seconds,
         )
 
     def close(self) -> None:
@@ -339,10 +351,16 @@ class StoreConnector:
     ) -> LoadedBlocks:
         """The chain's blocks from the store, up to the first missing or bad one; then the prompt
         tail, when every block before it came."""
+        started = time.perf_counter()
         blocks = self._read_blocks(keys, self.block_tokens)
         if tail is not None and len(blocks) == len(keys):
             _, tokens, key = tail
             blocks += self._read_blocks([key], tokens)
+        seconds = time.perf_counter() - started
+        with self.fetch_counts_lock:
+            self.num_fetches += 1
+            self.fetch_bytes += sum(block.nbytes for block in blocks)
+            self.fetch_seconds += seconds
         num_pages = sum(block.shape[3] for block in blocks) // self.kv_cache.page_size
         return LoadedBlocks(first_page=first_page, num_pages=num_pages, blocks=blocks)
 

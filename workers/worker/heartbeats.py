@@ -13,9 +13,10 @@ import zmq
 
 from workers.engine.engine import LLMEngine
 from workers.engine.parallel.ep_engine import EPEngine
+from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
-from workers.protocol import WorkerHeartbeat, WorkerRegistration
+from workers.protocol import HistogramCounts, WorkerHeartbeat, WorkerRegistration
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers
@@ -50,7 +51,7 @@ class Heartbeats:
         *,
         transfers: Transfers | None = None,
     ) -> None:
-        """`transfers`: the worker's KV transfers, whose migration counters the heartbeats carry."""
+        """`transfers`: the worker's KV transfers, whose migration and handoff counters the heartbeats carry."""
         self.identity = identity
         self.transfers = transfers
         self.config = config
@@ -84,7 +85,9 @@ class Heartbeats:
         engine = self.engine
         expert_parallel = isinstance(engine, EPEngine)
         transfers = self.transfers
+        handoffs = transfers.handoff_totals() if transfers else None
         resume = stats.resume
+        steps = stats.steps
         heartbeat = WorkerHeartbeat(
             worker_id=identity.worker_id,
             role=self.config.role,
@@ -136,6 +139,13 @@ class Heartbeats:
             num_recomputed_tokens=resume.num_recomputed_tokens if resume else 0,
             max_recomputed_tokens=resume.max_recomputed_tokens if resume else 0,
             resume_seconds_total=resume.seconds_total if resume else 0.0,
+            step_seconds=histogram_counts(steps.seconds) if steps else None,
+            step_tokens=histogram_counts(steps.tokens) if steps else None,
+            handoff_sent=handoffs.sent if handoffs else {},
+            handoff_received=handoffs.received if handoffs else {},
+            num_store_fetches=store.num_fetches if store else 0,
+            store_fetch_bytes=store.fetch_bytes if store else 0,
+            store_fetch_seconds=store.fetch_seconds if store else 0.0,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 
@@ -154,6 +164,10 @@ class Heartbeats:
         else:
             self.store_usage_failing = False
         return self.store_usage
+
+
+def histogram_counts(buckets: Buckets) -> HistogramCounts:
+    return HistogramCounts(bounds=buckets.bounds, counts=tuple(buckets.counts), total=buckets.total)
 
 
 def registration(identity: WorkerIdentity, config: WorkerConfig, engine: LLMEngine | EPEngine) -> WorkerRegistration:

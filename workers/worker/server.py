@@ -368,6 +368,7 @@ class Worker:
             prompt_logprobs=delta.prompt_logprobs,
             num_stored_tokens=delta.num_stored_tokens,
             stored_tokens_by_hint=delta.stored_tokens_by_hint,
+            phase_times=delta.phase_times,
         )
         self._send(owner, output)
         if delta.finish_reason == FinishReason.TRANSFER:

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import zmq
@@ -134,9 +135,10 @@ class Transfers:
         """Whether pages are being copied in: the worker's loop then checks on them without waiting."""
         return bool(self.copies)
 
-    def handoff_totals(self) -> tuple[dict[str, HandoffTotals], dict[str, HandoffTotals]]:
-        """KV handoffs since start by backend: those this worker sent, and those it received."""
-        return dict(self.sent), dict(self.received)
+    def handoff_totals(self) -> "HandoffTotalsBySide":
+        """The KV handoffs this worker sent and received since it started, by transfer backend (the
+        heartbeats' counters)."""
+        return HandoffTotalsBySide(sent=dict(self.sent), received=dict(self.received))
 
     def poll(self, ready: dict[zmq.Socket, int], max_messages: int) -> None:
         """Take in arrived and expired transfers and finished copies, and the sender's finished sends."""
@@ -353,13 +355,18 @@ class Transfers:
         self.control.check_drained()
 
 
+class HandoffTotalsBySide(NamedTuple):
+    sent: dict[str, HandoffTotals]
+    received: dict[str, HandoffTotals]
+
+
 def _side_stream(engine: LLMEngine) -> "torch.cuda.Stream | None":
     device = engine.kv_cache.device
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 def _count(totals: dict[str, HandoffTotals], backend: str, num_bytes: int, seconds: float) -> None:
-    previous = totals.get(backend, HandoffTotals())
+    previous = totals.get(backend, HandoffTotals(num_transfers=0, num_bytes=0, seconds=0.0))
     totals[backend] = HandoffTotals(
         num_transfers=previous.num_transfers + 1,
         num_bytes=previous.num_bytes + num_bytes,

@@ -6,6 +6,7 @@ import json
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from pytest import approx
 
 from controlplane.gateway.engine import close_engine_client
 from controlplane.telemetry import live
@@ -17,6 +18,7 @@ from controlplane.telemetry.collector import (
     telemetry_collector,
 )
 from controlplane.telemetry.windows import RequestSample
+from workers.protocol import HandoffTotals, HistogramCounts
 
 SNAPSHOT_KEYS = {
     "at",
@@ -31,7 +33,10 @@ SNAPSHOT_KEYS = {
     "itl_s",
     "kv_store",
     "expert_load",
+    "engine",
+    "kv_handoff",
 }
+NO_STEPS = {"steps_per_s": 0.0, "step_time_mean_s": None, "tokens_per_step": None}
 
 
 def sample(ttft_s: float | None = 0.1, *, itl=(), prompt: int = 100, cached: int = 0, generated: int = 10):
@@ -117,6 +122,7 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
         "num_running": 0,
         "num_waiting": 3,
         "kv_usage": 0.25,
+        "engine": NO_STEPS,
     }
     assert snapshot["pools"] == [
         {
@@ -127,6 +133,7 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
             "num_running": 1,
             "num_waiting": 0,
             "kv_usage_mean": 0.0,
+            "engine": NO_STEPS,
         },
         {
             "pool": "prefill",
@@ -136,6 +143,7 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
             "num_running": 2,
             "num_waiting": 3,
             "kv_usage_mean": 0.375,
+            "engine": NO_STEPS,
         },
     ]
     assert snapshot["kv_store"] == {
@@ -147,6 +155,72 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
     }
 
 
+def steps(count: int, seconds: float, tokens: float) -> dict:
+    """A heartbeat's step histograms: `count` steps in the first bucket, summing to these."""
+    return {
+        "step_seconds": HistogramCounts(bounds=(1.0,), counts=(count, 0), total=seconds),
+        "step_tokens": HistogramCounts(bounds=(1.0,), counts=(count, 0), total=tokens),
+    }
+
+
+def handoffs(transfers: int, num_bytes: int, seconds: float) -> dict[str, HandoffTotals]:
+    return {"zmq": HandoffTotals(num_transfers=transfers, num_bytes=num_bytes, seconds=seconds)}
+
+
+def test_steps_and_handoffs_count_what_the_counters_grew_by_in_the_window(collector, clock, heartbeats, make_heartbeat):
+    # given: counters from before the collector heard of the workers, then 30 s of work
+    def beat(worker_id: str, pool: str, *, started_at: float = 1.0, **fields):
+        return make_heartbeat(worker_id, role=pool, pool=pool, started_at=started_at, **fields)
+
+    heartbeats.workers = [
+        beat("p0", "prefill", **steps(100, 50.0, 9000), handoff_sent=handoffs(90, 10**6, 9.0)),
+        beat("d0", "decode", **steps(500, 5.0, 500), handoff_received=handoffs(90, 10**6, 20.0)),
+        beat("d1", "decode", **steps(10, 1.0, 10)),
+    ]
+    tick(collector)
+    clock.now += 30
+    heartbeats.workers = [
+        beat("p0", "prefill", **steps(104, 50.4, 9800), handoff_sent=handoffs(94, 10**6 + 6000, 9.08)),
+        beat("d0", "decode", **steps(800, 8.0, 800), handoff_received=handoffs(94, 10**6 + 6000, 20.2)),
+        # d1 restarted: everything it counted since counts
+        beat("d1", "decode", started_at=2.0, **steps(200, 2.0, 200)),
+    ]
+
+    # when
+    snapshot = tick(collector)
+
+    # then: per worker over the 30 s the collector has run
+    by_worker = {worker["worker_id"]: worker["engine"] for worker in snapshot["workers"]}
+    assert by_worker["p0"] == {
+        "steps_per_s": pytest.approx(4 / 30),
+        "step_time_mean_s": pytest.approx(0.1),
+        "tokens_per_step": pytest.approx(200),
+    }
+    assert by_worker["d1"]["steps_per_s"] == pytest.approx(200 / 30)
+    decode = next(pool for pool in snapshot["pools"] if pool["pool"] == "decode")
+    assert decode["engine"]["step_time_mean_s"] == pytest.approx((3.0 + 2.0) / 500)
+    assert decode["engine"]["tokens_per_step"] == pytest.approx(1.0)
+    assert snapshot["engine"]["step_time_mean_s"] == pytest.approx((0.4 + 3.0 + 2.0) / 504)
+    assert snapshot["kv_handoff"]["received_mean_s"] == pytest.approx(0.05)
+    assert snapshot["kv_handoff"]["by_backend"] == [
+        {"backend": "zmq", "direction": "received", "transfers": 4, "bytes_per_s": 200.0, "mean_s": approx(0.05)},
+        {"backend": "zmq", "direction": "sent", "transfers": 4, "bytes_per_s": 200.0, "mean_s": approx(0.02)},
+    ]
+
+
+def test_steps_leave_the_window_after_a_minute(collector, clock, heartbeats, make_heartbeat):
+    heartbeats.workers = [make_heartbeat("w0", **steps(0, 0.0, 0))]
+    tick(collector)
+    clock.now += 1
+    heartbeats.workers = [make_heartbeat("w0", **steps(10, 1.0, 10))]
+    tick(collector)
+    clock.now += 60
+
+    snapshot = tick(collector)  # the same heartbeat: nothing new
+
+    assert snapshot["workers"][0]["engine"] == NO_STEPS
+
+
 def test_without_workers_the_snapshot_is_empty_but_complete(collector):
     snapshot = tick(collector)
 
@@ -155,6 +229,7 @@ def test_without_workers_the_snapshot_is_empty_but_complete(collector):
     assert snapshot["requests"] == 0 and snapshot["prompt_tokens_per_s"] == 0.0
     assert snapshot["cache_hit_rate"] is None and snapshot["ttft_s"] is None and snapshot["itl_s"] is None
     assert snapshot["kv_store"] is None and snapshot["expert_load"] == {}
+    assert snapshot["engine"] == NO_STEPS and snapshot["kv_handoff"] == {"received_mean_s": None, "by_backend": []}
     assert json.loads(json.dumps(snapshot)) == snapshot
 
 

@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from controlplane.telemetry.metrics import exposition  # noqa: E402
 from tests.controlplane.gateway.helpers import key_headers, three_token_script, valid_body  # noqa: E402
+from workers.protocol import GenerateOutput, HandoffTotals, HistogramCounts, RequestPhaseTimes  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -133,3 +134,86 @@ def test_expert_load_is_declared_and_empty_for_dense_models(make_heartbeat):
 
     assert families["sluice:expert_load"].type == "gauge"
     assert families["sluice:expert_load"].samples == []
+
+
+def test_engine_steps_handoffs_and_store_fetches_follow_the_heartbeats(make_heartbeat):
+    prefill = make_heartbeat(
+        "p0",
+        role="prefill",
+        pool="prefill",
+        step_seconds=HistogramCounts(bounds=(0.01, 0.1), counts=(3, 1, 1), total=0.5),
+        step_tokens=HistogramCounts(bounds=(1, 8), counts=(0, 2, 3), total=300.0),
+        handoff_sent={"zmq": HandoffTotals(num_transfers=4, num_bytes=4096, seconds=0.02)},
+        kv_block_tokens=64,
+        num_store_fetches=2,
+        store_fetch_bytes=8192,
+        store_fetch_seconds=0.01,
+    )
+    decode = make_heartbeat(
+        "d0",
+        role="decode",
+        pool="decode",
+        handoff_received={
+            "zmq": HandoffTotals(num_transfers=3, num_bytes=3072, seconds=0.03),
+            "cuda_ipc": HandoffTotals(num_transfers=1, num_bytes=1024, seconds=0.001),
+        },
+    )
+
+    running = samples(exposition([prefill, decode]).decode())
+
+    p0 = (("pool", "prefill"), ("worker", "p0"))
+    assert running[("sluice:engine_step_seconds_bucket", (("le", "0.01"), *p0))] == 3
+    assert running[("sluice:engine_step_seconds_bucket", (("le", "0.1"), *p0))] == 4
+    assert running[("sluice:engine_step_seconds_bucket", (("le", "+Inf"), *p0))] == 5
+    assert running[("sluice:engine_step_seconds_count", p0)] == 5
+    assert running[("sluice:engine_step_seconds_sum", p0)] == 0.5
+    assert running[("vllm:iteration_tokens_total_bucket", (("le", "8.0"), *p0))] == 2
+    assert running[("vllm:iteration_tokens_total_sum", p0)] == 300
+
+    def handoff(name: str, worker: str, pool: str, direction: str, backend: str) -> float:
+        labels = (("backend", backend), ("direction", direction), ("pool", pool), ("worker", worker))
+        return running[(f"sluice:kv_handoff_{name}_total", labels)]
+
+    assert handoff("transfers", "p0", "prefill", "sent", "zmq") == 4
+    assert handoff("bytes", "p0", "prefill", "sent", "zmq") == 4096
+    assert handoff("seconds", "p0", "prefill", "sent", "zmq") == 0.02
+    assert handoff("transfers", "d0", "decode", "received", "zmq") == 3
+    assert handoff("bytes", "d0", "decode", "received", "cuda_ipc") == 1024
+    assert handoff("seconds", "d0", "decode", "received", "cuda_ipc") == 0.001
+    assert running[("sluice:kv_store_fetches_total", p0)] == 2
+    assert running[("sluice:kv_store_fetch_bytes_total", p0)] == 8192
+    assert running[("sluice:kv_store_fetch_seconds_total", p0)] == 0.01
+    # d0 sends no step histograms (as an older worker would not) and has no store.
+    of_d0 = {name for name, labels in running if ("worker", "d0") in labels}
+    assert not {name for name in of_d0 if name.startswith(("sluice:engine_step", "vllm:iteration", "sluice:kv_store"))}
+
+
+def test_request_phases_and_whole_times_are_observed_from_the_outputs(api, make_api_key, fake_engine):
+    key = make_api_key("acme")
+
+    async def split(request):
+        # A prefill worker's first token with its queue and prefill, then a decode worker's two tokens.
+        common = {"request_id": request.request_id, "text": "a", "num_prompt_tokens": len(request.prompt_token_ids)}
+        yield GenerateOutput(token_ids=[28], phase_times=RequestPhaseTimes(queue_s=0.002, prefill_s=0.03), **common)
+        yield GenerateOutput(token_ids=[29], **common)
+        yield GenerateOutput(
+            token_ids=[30], finish_reason="length", phase_times=RequestPhaseTimes(decode_s=0.2), **common
+        )
+
+    fake_engine(split)
+    before = scrape(api)
+
+    response = api.post("chat.completions", valid_body("chat.completions", max_tokens=3), headers=key_headers(key))
+    assert response.status_code == 200, response.text
+    after = scrape(api)
+
+    def moved(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert moved("vllm:request_queue_time_seconds_count") == 1
+    assert moved("vllm:request_queue_time_seconds_sum") == pytest.approx(0.002)
+    assert moved("vllm:request_prefill_time_seconds_sum") == pytest.approx(0.03)
+    assert moved("vllm:request_decode_time_seconds_count") == 1
+    assert moved("vllm:request_decode_time_seconds_sum") == pytest.approx(0.2)
+    assert moved("vllm:e2e_request_latency_seconds_count") == 1
+    assert moved("vllm:e2e_request_latency_seconds_sum") >= 0.0

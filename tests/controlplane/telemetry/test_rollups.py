@@ -14,6 +14,7 @@ from controlplane.telemetry.models import DecodeLoadRollup, TelemetryRollup
 from controlplane.telemetry.selectors import rollup_series, rollup_token_totals
 from controlplane.telemetry.services import decode_load_rollup_upsert, rollup_upsert
 from controlplane.telemetry.windows import RequestSample
+from workers.protocol import HandoffTotals, HistogramCounts
 
 pytestmark = pytest.mark.django_db
 
@@ -97,6 +98,49 @@ def test_two_collectors_writing_the_same_minute_are_merged(clock, heartbeats, ma
     assert rollup_token_totals(since=minute, until=minute + timedelta(minutes=1)) == {minute: (19_000, 7_200)}
 
 
+def test_a_minute_counts_the_steps_and_handoffs_the_workers_counters_grew_by(clock, heartbeats, make_heartbeat):
+    # given a prefill and a decode worker heard before the minute, then 20 s of work in it
+    def beats(steps: int, seconds: float, handoffs: int, handoff_seconds: float) -> list:
+        step_seconds = HistogramCounts(bounds=(1.0,), counts=(steps, 0), total=seconds)
+        received = {"zmq": HandoffTotals(num_transfers=handoffs, num_bytes=handoffs * 100, seconds=handoff_seconds)}
+        return [
+            make_heartbeat("p0", role="prefill", step_seconds=step_seconds),
+            make_heartbeat("d0", role="decode", step_seconds=step_seconds, handoff_received=received),
+        ]
+
+    collector = TelemetryCollector(heartbeats, clock=clock)
+    minute = at(clock)
+    heartbeats.workers = beats(10, 1.0, 5, 0.5)
+    async_to_sync(collector.tick)()
+    clock.now += 20
+    heartbeats.workers = beats(30, 3.0, 9, 0.9)
+    async_to_sync(collector.tick)()
+
+    # when the minute ends
+    clock.now += 50
+    async_to_sync(collector.tick)()
+
+    # then its row holds what the counters grew by: 20 steps on each worker, 4 handoffs received
+    rollup = TelemetryRollup.objects.get(minute=minute)
+    assert (rollup.engine_steps, rollup.engine_step_seconds) == (40, pytest.approx(4.0))
+    assert (rollup.kv_handoffs, rollup.kv_handoff_seconds) == (4, pytest.approx(0.4))
+    [merged] = rollup_series(minutes=60 * 24 * 365 * 100)
+    assert merged["step_time_mean_s"] == pytest.approx(0.1)
+    assert merged["kv_handoff_mean_s"] == pytest.approx(0.1)
+
+
+def test_gateways_that_heard_the_same_workers_are_not_added_up():
+    minute = timezone.now().replace(second=0, microsecond=0)
+    write(minute, collector="gateway-a", engine_steps=100, engine_step_seconds=1.0, kv_handoffs=0)
+    write(minute, collector="gateway-b", engine_steps=98, engine_step_seconds=2.0, kv_handoffs=4, kv_handoff_seconds=2)
+
+    [merged] = rollup_series(minutes=5)
+
+    # each figure from the row that counted the most of it
+    assert merged["step_time_mean_s"] == pytest.approx(0.01)
+    assert merged["kv_handoff_mean_s"] == pytest.approx(0.5)
+
+
 def test_the_slowest_request_of_the_minute_counts_whichever_gateway_served_it():
     # given one slow request among a few, served by another gateway than the fast ones
     minute = timezone.now().replace(second=0, microsecond=0)
@@ -170,4 +214,6 @@ def test_rollup_series_lists_the_last_minutes_oldest_first_with_hit_rates():
         "itl_p99_s",
         "kv_store_bytes",
         "cache_hit_rate",
+        "step_time_mean_s",
+        "kv_handoff_mean_s",
     }

@@ -75,6 +75,10 @@ def test_a_new_engine_fetches_the_stored_prefix_and_computes_only_the_rest(tmp_p
     assert result.num_cached_tokens == 128  # 4 whole blocks of 32; the rest is computed
     assert stats.store.num_hit_tokens == 128
     assert stats.num_computed_tokens == 150 - 128 + GREEDY.max_tokens - 1
+    # One fetch read the 4 blocks on a reader thread.
+    assert stats.store.num_fetches == 1
+    assert stats.store.fetch_bytes == 4 * fresh.engine.store.block_bytes
+    assert stats.store.fetch_seconds >= 0.0
 
 
 def test_decode_stores_the_blocks_it_completes_so_the_next_turn_hits_the_answer_too(tmp_path, uncached):

@@ -329,6 +329,9 @@ class EPEngine:
             num_preemptions=local.num_preemptions + sum(r.num_preemptions for r in reports),
             store=local.store,
             cost_model_error=local.cost_model_error,
+            # Rank 0's: the ranks step in lockstep, so its step times are the group's; its tokens are
+            # its own share of each step.
+            steps=local.steps,
         )
 
     def close(self) -> None:

@@ -68,6 +68,7 @@ def report_deltas(report: EPRankReport, *, has_tokenizer: bool) -> list[RequestD
             failure=failures.get(o.request_id),
             num_stored_tokens=o.num_stored_tokens,
             stored_tokens_by_hint=o.stored_tokens_by_hint,
+            phase_times=o.phase_times,
         )
         for o in report.outputs
     ]

@@ -150,4 +150,5 @@ def output_of(delta: RequestDelta) -> GenerateOutput:
         prompt_logprobs=delta.prompt_logprobs,
         num_stored_tokens=delta.num_stored_tokens,
         stored_tokens_by_hint=delta.stored_tokens_by_hint,
+        phase_times=delta.phase_times,
     )

@@ -13,6 +13,8 @@ back to the front of the queue to be recomputed later. The scheduler moves reque
 of ints; it never touches tensors.
 """
 
+import time
+
 from workers.block_hash import BlockHash
 from workers.engine.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
@@ -114,6 +116,8 @@ class Scheduler:
                 self.num_cached_prompt_tokens += cached_tokens + loaded_tokens
             request.num_computed_tokens = cached_tokens + loaded_tokens
             request.status = RequestStatus.RUNNING
+            if not request.scheduled_at:
+                request.scheduled_at = time.monotonic()
             self.running.append(request)
             plan.append((request, count))
             budget -= count
