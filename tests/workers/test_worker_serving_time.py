@@ -6,6 +6,8 @@ import asyncio
 import random
 import time
 
+import pytest
+
 from tests.workers.worker_process import (
     CONFIG,
     collect,
@@ -21,13 +23,17 @@ MODEL = "tiny"  # both workers serve this name, so the prefill worker's KV fits 
 PROMPT = [random.Random(3).randrange(CONFIG["vocab_size"]) for _ in range(40)]
 MAX_TOKENS = 6
 HEAD_DIM = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
-# Every layer's key and value for each prompt token, in float32: the handoff covers the prompt.
-HANDOFF_BYTES = CONFIG["num_hidden_layers"] * 2 * CONFIG["num_key_value_heads"] * len(PROMPT) * HEAD_DIM * 4
+# Every layer's key and value for a token, in float32: frames carry the prompt's tokens, pages
+# copied in shared memory the prompt's whole pages (16 tokens each).
+TOKEN_BYTES = CONFIG["num_hidden_layers"] * 2 * CONFIG["num_key_value_heads"] * HEAD_DIM * 4
+HANDOFF_BYTES = {"zmq": len(PROMPT) * TOKEN_BYTES, "host_memory": -(-len(PROMPT) // 16) * 16 * TOKEN_BYTES}
 
 
-def test_a_split_request_reports_its_phases_its_handoff_and_the_steps_on_each_side(tmp_path):
-    prefill = start_worker(tmp_path, "p", *role_options(tmp_path, "p", "prefill"), model=MODEL)
-    decode = start_worker(tmp_path, "d", *role_options(tmp_path, "d", "decode"), model=MODEL)
+@pytest.mark.parametrize("kv_transfer, backend", [("zmq", "zmq"), ("auto", "host_memory")])
+def test_a_split_request_reports_its_phases_its_handoff_and_the_steps_on_each_side(tmp_path, kv_transfer, backend):
+    option = f"--kv-transfer={kv_transfer}"
+    prefill = start_worker(tmp_path, "p", *role_options(tmp_path, "p", "prefill"), option, model=MODEL)
+    decode = start_worker(tmp_path, "d", *role_options(tmp_path, "d", "decode"), option, model=MODEL)
 
     async def go():
         client = await connected_client(prefill.endpoints, decode.endpoints)
@@ -40,7 +46,7 @@ def test_a_split_request_reports_its_phases_its_handoff_and_the_steps_on_each_si
                 client,
                 lambda beats: all(
                     b.sent_at > collected_at
-                    and sum(side["zmq"].num_transfers for side in (b.handoff_sent, b.handoff_received) if side) == 1
+                    and sum(side[backend].num_transfers for side in (b.handoff_sent, b.handoff_received) if side) == 1
                     for b in beats
                 ),
             )
@@ -62,11 +68,11 @@ def test_a_split_request_reports_its_phases_its_handoff_and_the_steps_on_each_si
     assert from_decode.queue_s is None and from_decode.prefill_s is None and from_decode.decode_s >= 0.0
     assert outputs[-1].phase_times is from_decode
 
-    sent, received = beats["p"].handoff_sent["zmq"], beats["d"].handoff_received["zmq"]
-    assert (sent.num_transfers, sent.num_bytes) == (1, HANDOFF_BYTES)
-    assert (received.num_transfers, received.num_bytes) == (1, HANDOFF_BYTES)
+    sent, received = beats["p"].handoff_sent[backend], beats["d"].handoff_received[backend]
+    assert (sent.num_transfers, sent.num_bytes) == (1, HANDOFF_BYTES[backend])
+    assert (received.num_transfers, received.num_bytes) == (1, HANDOFF_BYTES[backend])
     assert sent.seconds >= 0.0 and received.seconds >= 0.0
-    assert beats["p"].handoff_received == {} and "zmq" in beats["d"].handoff_sent  # decode workers migrate
+    assert beats["p"].handoff_received == {} and beats["d"].handoff_sent == {}
 
     # The prefill worker ran the prompt; the decode worker one step per token after the first.
     assert beats["p"].step_tokens.total == len(PROMPT)
