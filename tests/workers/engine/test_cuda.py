@@ -128,7 +128,14 @@ def test_a_long_prompt_prepared_ahead_of_a_busy_device_keeps_its_inputs():
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for held_back in (False, True):
-        engine = LLM(TINY_CONFIGS["llama"], device="cuda", dtype="float32", seed=0, max_num_batched_tokens=16).engine
+        engine = LLM(
+            TINY_CONFIGS["llama"],
+            device="cuda",
+            dtype="float32",
+            seed=0,
+            max_num_batched_tokens=16,
+            kv_cache_bytes=1 << 26,
+        ).engine
         engine.add_request("long", prompt, params)
         torch.cuda.synchronize()
         if held_back:
