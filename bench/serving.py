@@ -1,7 +1,7 @@
 """Serving latency: the same requests through the HTTP gateway, straight to the worker over ZMQ, and
 through the offline engine in this process, in one run.
 
-    python -m bench.serving [--concurrency 32] [--requests 64] [--max-tokens 32]
+    python -m bench.serving [--concurrency 32] [--requests 64] [--max-tokens 32] [--model M] [--device cuda]
 
 Starts one worker (`python -m workers.worker`) and one gateway (uvicorn) on this machine, with a
 throw-away SQLite database and API key. Each path runs the same prompts with the same concurrency
@@ -39,7 +39,9 @@ from workers.engine_client import EngineClient
 from workers.protocol import GenerateRequest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The served model and the device of the worker and the offline engine: --model and --device.
 MODEL = "smollm2-135m-instruct"
+DEVICE = "cpu"
 
 
 @dataclass
@@ -55,7 +57,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--model", default=MODEL, help="a packaged model name or a model directory")
+    parser.add_argument("--device", default=DEVICE)
     args = parser.parse_args()
+    _use(args.model, args.device)
     questions = [f"Question {i}: name one animal that lives in the sea, and say why." for i in range(args.requests)]
 
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as scratch:
@@ -129,7 +134,8 @@ class _Stack:
             [*manage, "create_api_key", "--tenant", "bench"], env=self.env, check=True, capture_output=True, text=True
         )
         self.api_key = created.stdout.strip().splitlines()[-1]
-        self._spawn([sys.executable, "-m", "workers.worker", f"--model={MODEL}", "--no-prefix-caching",
+        self._spawn([sys.executable, "-m", "workers.worker", f"--model={MODEL}", f"--device={DEVICE}",
+                     "--no-prefix-caching",
                      f"--request-endpoint={self.requests}", f"--heartbeat-endpoint={self.heartbeats}"])  # fmt: skip
         self._spawn([sys.executable, "-m", "uvicorn", "controlplane.asgi:application", f"--port={self.port}",
                      "--log-level=warning", "--no-access-log"])  # fmt: skip
@@ -167,6 +173,11 @@ class _Stack:
             process.terminate()
         for process in self.processes:
             process.wait(timeout=30)
+
+
+def _use(model: str, device: str) -> None:
+    global MODEL, DEVICE
+    MODEL, DEVICE = model, device
 
 
 def _prompts(stack: _Stack, questions: list[str]) -> list[list[int]]:
@@ -295,8 +306,8 @@ def _run(
 
 def _offline(prompts: list[list[int]], params: SamplingParams, concurrency: int) -> tuple[list[Timing], float]:
     """The same closed loop against an engine in this process: no sockets, no HTTP."""
-    loaded = load_model(MODEL, device=torch.device("cpu"), dtype=None, seed=0, max_model_len=None)
-    engine = LLMEngine(loaded, EngineConfig(enable_prefix_caching=False))
+    loaded = load_model(MODEL, device=torch.device(DEVICE), dtype=None, seed=0, max_model_len=None)
+    engine = LLMEngine(loaded, EngineConfig(device=DEVICE, enable_prefix_caching=False))
     pending = list(range(len(prompts)))
     sent: dict[str, float] = {}
     last: dict[str, float] = {}

@@ -211,8 +211,10 @@ class DecoderForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def init_random_weights(self, seed: int) -> None:
-        """Normal(0, initializer_range) matrices and unit norms, as HF initializes, reproducibly."""
-        generator = torch.Generator().manual_seed(seed)
+        """Normal(0, initializer_range) matrices and unit norms, as HF initializes, reproducibly: the same
+        weights for the same seed on every device of one type. Drawn where the parameters live (a
+        GPU draws an 8B model's in a second, a CPU thread in a minute)."""
+        generators: dict[torch.device, torch.Generator] = {}
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
@@ -220,8 +222,11 @@ class DecoderForCausalLM(nn.Module):
                 elif name.endswith(".bias"):
                     param.zero_()
                 else:
-                    values = torch.randn(param.shape, generator=generator) * self.config.initializer_range
-                    param.copy_(values.to(param.dtype))
+                    device = param.device
+                    if device not in generators:
+                        generators[device] = torch.Generator(device=device).manual_seed(seed)
+                    values = torch.randn(param.shape, generator=generators[device], device=device)
+                    param.copy_((values * self.config.initializer_range).to(param.dtype))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the fused layout; every parameter must be covered."""
