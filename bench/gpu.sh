@@ -2,18 +2,21 @@
 # On the accelerator machine (no network): install the wheels carried in .whl/, run the GPU tests,
 # time decode attention per keys-per-split and the fused MoE layer against the per-expert loop, the
 # EP layer's dispatch and combine (one rank, NCCL) against the plain fused op, a KV handoff between
-# two processes on the GPU (through host memory vs CUDA IPC),
-# profile decode steps, the engine throughput table against HF, and fit the cost model (prefill and
-# decode steps). Writes JSON and logs to $OUT (or ./bench-out).
+# two processes on the GPU through the workers' transfer backends (frames through host memory vs CUDA
+# IPC), a cached long prompt's first token (where its time goes), the regression test of the
+# device path's staging race under compute-sanitizer (memcheck and racecheck), profile decode steps,
+# the engine throughput table against HF, and fit the cost model (prefill and decode steps). Writes
+# JSON and logs to $OUT (or ./bench-out).
 #
 # Wheels to carry in .whl/ (the machine's image lacks them; see the device tool's README for how):
 #   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any), pyzmq==27.3.0 (cp312 abi3 manylinux)
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
-# STEPS (default "tests attention moe ep handoff profile throughput fit") picks what runs.
+# The served stack has a script of its own, bench/gpu_stack.sh (its wheels include these).
+# STEPS (default "tests attention moe ep handoff cached sanitizer profile throughput fit") picks what runs.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention moe ep handoff profile throughput fit}
+steps=${STEPS:-tests attention moe ep handoff cached sanitizer profile throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf pyzmq; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -24,7 +27,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import json; from bench.smollm2_config import SMOLLM2_135M_CONFIG as c; json.dump(c, open('/tmp/smollm2.json', 'w'))"
 has() { [[ " $steps " == *" $1 "* ]]; }
 if has tests; then
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/workers/parallel/test_ep_gpu.py tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -40 \
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/workers/parallel/test_ep_gpu.py \
+    tests/workers/test_serving_on_cuda.py tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -40 \
     || echo "GPU TESTS FAILED (the benchmarks still run)"
 fi
 if has attention; then
@@ -38,6 +42,17 @@ if has ep; then
 fi
 if has handoff; then
   python3 -m bench.kv_handoff | tee "$out/kv_handoff_h200.json" || echo "KV HANDOFF BENCHMARK FAILED"
+fi
+if has cached; then
+  python3 -m bench.cached_prefill | tee "$out/cached_prefill_gpu.json" || echo "CACHED PREFILL BENCHMARK FAILED"
+fi
+if has sanitizer; then
+  race=tests/workers/engine/test_cuda.py::test_a_long_prompt_prepared_ahead_of_a_busy_device_keeps_its_inputs
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --target-processes all python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      "$race" >"$out/sanitizer_$tool.log" 2>&1 || echo "compute-sanitizer $tool: exit $?"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$out/sanitizer_$tool.log" | tail -3
+  done
 fi
 if has profile; then
   for batch in 1 64 256; do

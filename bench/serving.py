@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The served model and the device of the worker and the offline engine: --model and --device.
 MODEL = "smollm2-135m-instruct"
 DEVICE = "cpu"
+SERVED_NAME = MODEL  # what the gateway lists it as: a directory's name
 
 
 @dataclass
@@ -176,8 +177,10 @@ class _Stack:
 
 
 def _use(model: str, device: str) -> None:
-    global MODEL, DEVICE
-    MODEL, DEVICE = model, device
+    from workers.engine.weights import resolve_model
+
+    global MODEL, DEVICE, SERVED_NAME
+    MODEL, DEVICE, SERVED_NAME = model, device, resolve_model(model, progress=False).name
 
 
 def _prompts(stack: _Stack, questions: list[str]) -> list[list[int]]:
@@ -197,7 +200,7 @@ def _via_gateway(
 ) -> Callable[[httpx.AsyncClient, int], Awaitable[Timing]]:
     async def one(client: httpx.AsyncClient, index: int) -> Timing:
         body = {
-            "model": MODEL,
+            "model": SERVED_NAME,
             "messages": [{"role": "user", "content": questions[index]}],
             "temperature": 0,
             "max_tokens": max_tokens,
