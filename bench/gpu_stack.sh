@@ -13,7 +13,7 @@
 #   websockets==17.4 msgspec==0.23.0 pyzmq==27.3.0 gguf==0.19.0, and what they pull in: asgiref sqlparse
 #   kombu amqp vine billiard click-didyoumean click-plugins click-repl prompt-toolkit wcwidth tzlocal
 #   uritemplate inflection jsonschema jsonschema-specifications referencing rpds-py flask itsdangerous
-#   blinker retrying nest-asyncio lazy-importer (about 46 MB). The tokenizer: .gpu/tokenizer/ holds
+#   blinker retrying nest-asyncio lazy-importer importlib-metadata (about 46 MB). The tokenizer: .gpu/tokenizer/ holds
 #   tokenizer.json and tokenizer_config.json of the packaged SmolLM2 (~/.cache/sluice/models/...).
 # STEPS (default "serving,acceptance,cached,equal") picks what bench.gpu_stack runs.
 set -euo pipefail

@@ -42,6 +42,7 @@ def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None):
     layers, heads, head_dim = shape
     config = ModelConfig.from_hf_config(
         {
+            "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "vocab_size": 128,
             "hidden_size": heads * head_dim,
