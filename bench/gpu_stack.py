@@ -209,6 +209,7 @@ def acceptance(args, model_dir: Path, out: Path, results: dict) -> None:
 
 
 def cached_and_equal(args, model_dir: Path, results: dict, steps: list[str]) -> None:
+    served = None
     with tempfile.TemporaryDirectory(prefix="sluice-stack-") as scratch:
         stack = Stack(
             model_dir, Path(scratch), args.device, "--prefill=1", "--decode=1", "--no-kv-store",
@@ -217,10 +218,13 @@ def cached_and_equal(args, model_dir: Path, results: dict, steps: list[str]) -> 
         try:
             if "cached" in steps:
                 results["cached"] = cached_ttft(stack, model_dir)
+                print("cached", json.dumps(results["cached"]), flush=True)
             if "equal" in steps:
-                results["equal"] = equal_to_offline(stack, model_dir, args)
+                served = stream_completion(stack, model_dir, equal_prompt(model_dir), EQUAL_TOKENS)[1]
         finally:
             stack.stop()
+    if served is not None:  # the offline engine once the stack's workers have given the device back
+        results["equal"] = equal_to_offline(served, model_dir, args)
 
 
 def stream_completion(stack: Stack, model_dir: Path, prompt: list[int], max_tokens: int) -> tuple[float, str]:
@@ -267,16 +271,22 @@ def cached_ttft(stack: Stack, model_dir: Path) -> dict:
     }
 
 
-def equal_to_offline(stack: Stack, model_dir: Path, args) -> dict:
+EQUAL_TOKENS = 64
+
+
+def equal_prompt(model_dir: Path) -> list[int]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return torch.randint(1000, vocab, (700,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+def equal_to_offline(served: str, model_dir: Path, args) -> dict:
     from workers.engine import LLM, SamplingParams
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompt = torch.randint(1000, vocab, (700,), generator=torch.Generator().manual_seed(11)).tolist()
-    _, served = stream_completion(stack, model_dir, prompt, 64)
-    llm = LLM(model_dir, device=args.device, max_model_len=args.max_model_len, gpu_memory_utilization=0.3)
-    offline_ids = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))[0].token_ids
+    llm = LLM(model_dir, device=args.device, max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=0.0, max_tokens=EQUAL_TOKENS, ignore_eos=True)
+    offline_ids = llm.generate([equal_prompt(model_dir)], params)[0].token_ids
     offline_text = llm.engine.tokenizer.decode(offline_ids)
-    return {"served_text_equals_offline": served == offline_text, "tokens": 64}
+    return {"served_text_equals_offline": served == offline_text, "tokens": EQUAL_TOKENS}
 
 
 def main() -> None:
