@@ -1,17 +1,19 @@
 """The whole stack on a GPU, as a user runs it, against the offline engine on the same requests, in one run
 (bench/gpu_stack.sh runs it on the accelerator machine):
 
-    python3 -m bench.gpu_stack --model-dir DIR --out DIR [--steps serving,acceptance,cached,equal]
+    python3 -m bench.gpu_stack --model-dir DIR --out DIR [--steps serving,offline,acceptance,cached,equal]
 
 `DIR` is a model directory (config.json and a tokenizer; no weights: random bf16 from the seed, the
 same in every process). Each set-up starts `manage.py serve --device cuda --model DIR` on a fresh
 SQLite database, drives it with `python -m bench.serve` over HTTP (completions, token-id prompts,
 greedy, ignore_eos), and stops it. Steps:
 - serving: 1 prefill + 1 decode worker (`split`), one mixed worker (`mixed`) and the offline engine
-  (`offline`, this process) at each --concurrency, --input-len-token prompts, --output-len tokens;
-  the offline engine runs each concurrency's requests as one batch, its TPOT the mean step time.
+  (`offline`, this process; also a step of its own) at each --concurrency, --input-len-token prompts,
+  --output-len tokens; the offline engine runs each concurrency's requests as one batch, and reports
+  its decode alone too (from every request's first token to the last: the step time of that batch).
 - acceptance: DeepSeek's acceptance mix scaled to one GPU, multi-turn sessions whose prompts reach
-  ~16k tokens with ~90% from earlier turns, through the split stack with the KV store on and off.
+  ~16k tokens with ~90% from earlier turns, through the split stack with the KV store on and off (the
+  engines' own prefix caches off, so that hits are the store's).
 - cached: an 8,421-token prompt, then one sharing its first 8,400 tokens: the second's TTFT through
   the split stack (store off).
 - equal: a streamed completion through the split stack equals the offline engine's greedy text.
@@ -135,7 +137,6 @@ def serving(args, model_dir: Path, out: Path, results: dict) -> None:
             finally:
                 stack.stop()
             results["serving"][setup] = rows
-    results["serving"]["offline"] = offline(args, model_dir)
 
 
 def _prompts_for(concurrency: int) -> int:
@@ -144,7 +145,8 @@ def _prompts_for(concurrency: int) -> int:
 
 def offline(args, model_dir: Path) -> dict:
     """The offline engine on each concurrency's requests, all at once: output tokens per second over the
-    whole run, and the decode step time (TPOT) from the first token to the last."""
+    whole run, like the served runs; and decode alone: the tokens and time from the moment every request
+    has its first token (the prefills done) to the last, so the step time (TPOT) of a batch of that size."""
     from workers.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, device=args.device, max_model_len=args.max_model_len)
@@ -160,21 +162,23 @@ def offline(args, model_dir: Path) -> dict:
         started = time.perf_counter()
         for index, prompt in enumerate(prompts):
             engine.add_request(f"o{concurrency}-{index}-{started}", prompt, params)
-        first_tokens = None
-        tokens = 0
+        counts: dict[str, int] = {}
+        prefilled_at, decoded, fewest = None, 0, 0
         while engine.has_unfinished():
-            tokens += sum(len(delta.token_ids) for delta in engine.step())
-            if first_tokens is None and tokens >= concurrency:
+            for delta in engine.step():
+                counts[delta.request_id] = counts.get(delta.request_id, 0) + len(delta.token_ids)
+                decoded += len(delta.token_ids) if prefilled_at is not None else 0
+            if prefilled_at is None and len(counts) == concurrency:
                 synchronize()
-                first_tokens = time.perf_counter()
+                prefilled_at, fewest = time.perf_counter(), min(counts.values())
         synchronize()
         ended = time.perf_counter()
-        decode_s = ended - first_tokens
+        steps = max(args.output_len - fewest, 1)  # decode steps after the last first token
         rows[f"c{concurrency}"] = {
-            "output_tok_s": round(tokens / (ended - started), 1),
-            "decode_tok_s": round(concurrency * (args.output_len - 1) / decode_s, 1),
-            "tpot_ms": round(decode_s / (args.output_len - 1) * 1000, 3),
-            "ttft_all_ms": round((first_tokens - started) * 1000, 1),
+            "output_tok_s": round(sum(counts.values()) / (ended - started), 1),
+            "decode_tok_s": round(decoded / (ended - prefilled_at), 1),
+            "decode_step_ms": round((ended - prefilled_at) / steps * 1000, 3),
+            "prefill_all_ms": round((prefilled_at - started) * 1000, 1),
         }
     del llm, engine
     if args.device == "cuda":
@@ -189,9 +193,11 @@ def acceptance(args, model_dir: Path, out: Path, results: dict) -> None:
         f"--max-concurrency={args.sessions}",
     ]  # fmt: skip
     rows = {}
+    # The engines' own prefix caches off in both runs: on one prefill worker they would hit every earlier
+    # turn themselves, so the runs compare the global store's hits with recomputing them.
     for store in ("on", "off"):
         with tempfile.TemporaryDirectory(prefix="sluice-stack-") as scratch:
-            store_options = [] if store == "on" else ["--no-kv-store"]
+            store_options = ["--no-prefix-caching", *([] if store == "on" else ["--no-kv-store"])]
             stack = Stack(
                 model_dir, Path(scratch), args.device, "--prefill=1", "--decode=1",
                 f"--max-model-len={args.max_model_len}", *store_options,
@@ -312,6 +318,8 @@ def main() -> None:
     results["settings"] = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     if "serving" in steps:
         serving(args, args.model_dir, args.out, results)
+    if "serving" in steps or "offline" in steps:
+        results["serving"]["offline"] = offline(args, args.model_dir)
     if "acceptance" in steps:
         acceptance(args, args.model_dir, args.out, results)
     if "cached" in steps or "equal" in steps:
