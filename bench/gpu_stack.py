@@ -269,6 +269,7 @@ def cached_ttft(stack: Stack, model_dir: Path) -> dict:
     fresh = [torch.randint(1000, vocab, (1024,), generator=generator).tolist() for _ in range(3)]
     uncached = [stream_completion(stack, model_dir, prompt, 4)[0] for prompt in fresh]
     return {
+        "handoffs_received": handoff_totals(stack),
         "prompt_tokens": 8421,
         "cached_tokens": 8400,
         "ttft_ms": [round(s * 1000, 1) for s in seconds],
@@ -278,6 +279,27 @@ def cached_ttft(stack: Stack, model_dir: Path) -> dict:
 
 
 EQUAL_TOKENS = 64
+
+
+def handoff_totals(stack: Stack) -> dict:
+    """The decode workers' KV handoffs received so far, by backend, from the gateway's /metrics: how many,
+    their mean bytes and their mean seconds (from the first message's arrival to the KV usable)."""
+    text = httpx.get(f"{stack.url}/metrics", timeout=10).text
+    totals: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        for name in ("transfers", "bytes", "seconds"):
+            prefix = f"sluice:kv_handoff_{name}_total{{"
+            if line.startswith(prefix) and 'direction="received"' in line:
+                backend = line.split('backend="', 1)[1].split('"', 1)[0]
+                totals.setdefault(backend, {})[name] = totals.get(backend, {}).get(name, 0.0) + float(line.split()[-1])
+    return {
+        backend: {
+            "transfers": int(row.get("transfers", 0)),
+            "mean_mb": round(row.get("bytes", 0.0) / max(row.get("transfers", 1.0), 1.0) / 1e6, 1),
+            "mean_ms": round(row.get("seconds", 0.0) / max(row.get("transfers", 1.0), 1.0) * 1000, 3),
+        }
+        for backend, row in totals.items()
+    }
 
 
 def equal_prompt(model_dir: Path) -> list[int]:

@@ -15,7 +15,7 @@
 #   uritemplate inflection jsonschema jsonschema-specifications referencing rpds-py flask itsdangerous
 #   blinker retrying nest-asyncio lazy-importer importlib-metadata (about 46 MB). The tokenizer: .gpu/tokenizer/ holds
 #   tokenizer.json and tokenizer_config.json of the packaged SmolLM2 (~/.cache/sluice/models/...).
-# STEPS (default "serving,acceptance,cached,equal") picks what bench.gpu_stack runs.
+# STEPS (default "serving,acceptance,cached,equal") picks what bench.gpu_stack runs; BENCH_ARGS adds options.
 set -euo pipefail
 out=${OUT:-bench-out}
 steps=${STEPS:-serving,acceptance,cached,equal}
@@ -41,4 +41,4 @@ config = {
 }
 json.dump(config, open(f"{sys.argv[1]}/config.json", "w"))
 EOF
-python3 -m bench.gpu_stack --model-dir "$model" --out "$out" --steps "$steps" 2>&1 | tee "$out/gpu_stack.log"
+python3 -m bench.gpu_stack --model-dir "$model" --out "$out" --steps "$steps" ${BENCH_ARGS:-} 2>&1 | tee "$out/gpu_stack.log"
