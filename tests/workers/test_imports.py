@@ -18,6 +18,7 @@ GATEWAY_MODULES = [
     "workers.control_client",
     "workers.curve",
     "workers.registry",
+    "workers.engine.weights",  # the gateway finds its models' tokenizers there
     "recipe.codec_stream",
     "recipe.codec_response",
     "recipe.completions_response",

@@ -21,9 +21,8 @@ from tqdm import tqdm
 from workers.engine.errors import ModelLoadError
 from workers.engine.weights.gguf_tokenizer import tokenizer_from_gguf
 
-# Bump when the output changes, so that caches written by an older converter are rebuilt.
-CONVERTER_VERSION = 1
-
+# Bump workers.engine.weights.loader.CONVERTER_VERSION when the output changes, so that caches written by
+# an older converter are rebuilt.
 GGUF_MAGIC = b"GGUF"
 
 GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

@@ -2,6 +2,8 @@
 
 A packaged model (see `registry`) or a `.gguf` file is converted once into
 `<cache_dir>/models/<name>/` and served from there afterwards; a Hugging Face directory is used as is.
+Finding a model's files loads no torch (the gateway finds its models' tokenizers here): only loading
+weights and converting do.
 Conversion runs under an exclusive file lock and builds the directory under a temporary name before
 renaming it into place, so concurrent processes convert once and never see a half-written directory.
 """
@@ -17,18 +19,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from workers.engine.errors import ModelLoadError, UnknownModelError
-from workers.engine.weights.gguf_convert import CONVERTER_VERSION, convert_gguf
 from workers.engine.weights.registry import find_packaged_model, packaged_model_names
 from workers.fsync import fsync_path
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "sluice-manifest.json"
+# The manifest records it: a converted directory from another version of the conversion is redone.
+CONVERTER_VERSION = 1
 SHARD_INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -67,13 +73,13 @@ def resolve_model(
     )
 
 
-def load_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
+def load_weights(files: ModelFiles) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Opens every weight file before returning, so a bad file fails here, before anything is built."""
     opened = [(path, _open_safetensors(path)) for path in files.weight_files]
     return _tensors(opened)
 
 
-def _tensors(opened: list[tuple[Path, safe_open]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(opened: list[tuple[Path, safe_open]]) -> Iterator[tuple[str, "torch.Tensor"]]:
     for path, handle in opened:
         for tensor_name in handle.keys():
             try:
@@ -82,10 +88,11 @@ def _tensors(opened: list[tuple[Path, safe_open]]) -> Iterator[tuple[str, torch.
                 raise ModelLoadError(f"{path}: cannot read tensor {tensor_name}: {error}") from error
 
 
-def _open_safetensors(path: Path) -> safe_open:
-    """Opening reads the header and checks that the data it describes is all there."""
+def _open_safetensors(path: Path, framework: str = "pt") -> safe_open:
+    """Opening reads the header and checks that the data it describes is all there; `framework` is
+    what its tensors are read as ("numpy" reads none, and loads no torch)."""
     try:
-        return safe_open(path, framework="pt")
+        return safe_open(path, framework=framework)
     except (SafetensorError, OSError) as error:
         size = path.stat().st_size if path.exists() else 0
         raise ModelLoadError(
@@ -182,7 +189,7 @@ def _valid_conversion(target: Path, *, name: str, source: dict) -> ModelFiles | 
         if not files.weight_files:
             raise ModelLoadError(f"{target}: no weight files")
         for path in files.weight_files:
-            _open_safetensors(path)
+            _open_safetensors(path, framework="numpy")
     except ModelLoadError as error:
         logger.warning("reconverting %s: the cached copy is unusable: %s", target, error)
         return None
@@ -195,6 +202,8 @@ def _convert_into_place(gguf_path: Path, target: Path, *, source: dict, progress
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     # mkdtemp makes the directory private; the converted model is shared by every user of the cache.
     staging.chmod(0o755)
+    from workers.engine.weights.gguf_convert import convert_gguf  # torch: only a conversion needs it
+
     try:
         convert_gguf(gguf_path, staging, progress=progress)
         manifest = {"converter_version": CONVERTER_VERSION, "source": source, "conversion_id": uuid.uuid4().hex}
