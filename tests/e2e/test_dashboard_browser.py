@@ -82,9 +82,10 @@ def test_operator_watches_the_hit_rate_rise_after_a_shared_prefix_burst(stack: S
                 arg=before,
                 timeout=RISE_TIMEOUT_MS,
             )
-            # The burst went from the prefill worker to the decode worker over ZMQ, in timed steps.
+            # The burst went from the prefill worker to the decode worker page to page (one host: shared
+            # memory), in timed steps.
             handoffs = app.locator("#kv-handoff-table")
-            expect(handoffs).to_contain_text(re.compile(r"zmq\s*received\s*[1-9]"), timeout=RENDER_TIMEOUT_MS)
+            expect(handoffs).to_contain_text(re.compile(r"host_memory\s*received\s*[1-9]"), timeout=RENDER_TIMEOUT_MS)
             expect(app.locator("#instances-table")).to_contain_text(re.compile(r"\d ms"), timeout=RENDER_TIMEOUT_MS)
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
