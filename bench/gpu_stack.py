@@ -22,6 +22,7 @@ and prints the summary.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -37,7 +38,8 @@ import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STARTUP_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_S = 300.0
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class Stack:
@@ -62,6 +64,8 @@ class Stack:
             stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # serve stops (its workers with it) when this process dies, killed at a time limit too.
+            preexec_fn=_die_with_parent,
         )
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() - started > STARTUP_TIMEOUT_S:
@@ -96,6 +100,10 @@ def bench_serve(stack: Stack, model_dir: Path, out: Path, name: str, *options: s
     )  # fmt: skip
     full = json.loads(report.read_text())
     return {key: value for key, value in full.items() if key != "requests"}
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -143,13 +151,18 @@ def _prompts_for(concurrency: int) -> int:
     return max(8, 2 * concurrency)
 
 
-def offline(args, model_dir: Path) -> dict:
+def offline_engine(args, model_dir: Path):
+    from workers.engine import LLM
+
+    return LLM(model_dir, device=args.device, max_model_len=args.max_model_len)
+
+
+def offline(args, llm) -> dict:
     """The offline engine on each concurrency's requests, all at once: output tokens per second over the
     whole run, like the served runs; and decode alone: the tokens and time from the moment every request
     has its first token (the prefills done) to the last, so the step time (TPOT) of a batch of that size."""
-    from workers.engine import LLM, SamplingParams
+    from workers.engine import SamplingParams
 
-    llm = LLM(model_dir, device=args.device, max_model_len=args.max_model_len)
     engine = llm.engine
     synchronize = torch.cuda.synchronize if args.device == "cuda" else lambda: None
     vocab = engine.model_config.vocab_size
@@ -180,9 +193,6 @@ def offline(args, model_dir: Path) -> dict:
             "decode_step_ms": round((ended - prefilled_at) / steps * 1000, 3),
             "prefill_all_ms": round((prefilled_at - started) * 1000, 1),
         }
-    del llm, engine
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -214,7 +224,8 @@ def acceptance(args, model_dir: Path, out: Path, results: dict) -> None:
     results["acceptance"] = rows
 
 
-def cached_and_equal(args, model_dir: Path, results: dict, steps: list[str]) -> None:
+def cached_and_equal(args, model_dir: Path, results: dict, steps: list[str]) -> str | None:
+    """The cached step's results into `results`; the served text of the equality check, if asked."""
     served = None
     with tempfile.TemporaryDirectory(prefix="sluice-stack-") as scratch:
         stack = Stack(
@@ -229,8 +240,7 @@ def cached_and_equal(args, model_dir: Path, results: dict, steps: list[str]) -> 
                 served = stream_completion(stack, model_dir, equal_prompt(model_dir), EQUAL_TOKENS)[1]
         finally:
             stack.stop()
-    if served is not None:  # the offline engine once the stack's workers have given the device back
-        results["equal"] = equal_to_offline(served, model_dir, args)
+    return served
 
 
 def stream_completion(stack: Stack, model_dir: Path, prompt: list[int], max_tokens: int) -> tuple[float, str]:
@@ -307,12 +317,11 @@ def equal_prompt(model_dir: Path) -> list[int]:
     return torch.randint(1000, vocab, (700,), generator=torch.Generator().manual_seed(11)).tolist()
 
 
-def equal_to_offline(served: str, model_dir: Path, args) -> dict:
-    from workers.engine import LLM, SamplingParams
+def equal_to_offline(served: str, llm, args) -> dict:
+    from workers.engine import SamplingParams
 
-    llm = LLM(model_dir, device=args.device, max_model_len=args.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=EQUAL_TOKENS, ignore_eos=True)
-    offline_ids = llm.generate([equal_prompt(model_dir)], params)[0].token_ids
+    offline_ids = llm.generate([equal_prompt(args.model_dir)], params)[0].token_ids
     offline_text = llm.engine.tokenizer.decode(offline_ids)
     return {"served_text_equals_offline": served == offline_text, "tokens": EQUAL_TOKENS}
 
@@ -338,14 +347,21 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     results: dict = {"benchmark": "serving_gpu", "device": device, "model": str(args.model_dir), "serving": {}}
     results["settings"] = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    # Every stack first, the offline engine last: the served workers take the whole device between
+    # them, and an engine in this process keeps its share until the process ends.
+    served = None
     if "serving" in steps:
         serving(args, args.model_dir, args.out, results)
-    if "serving" in steps or "offline" in steps:
-        results["serving"]["offline"] = offline(args, args.model_dir)
     if "acceptance" in steps:
         acceptance(args, args.model_dir, args.out, results)
     if "cached" in steps or "equal" in steps:
-        cached_and_equal(args, args.model_dir, results, steps)
+        served = cached_and_equal(args, args.model_dir, results, steps)
+    if "serving" in steps or "offline" in steps or served is not None:
+        llm = offline_engine(args, args.model_dir)
+        if "serving" in steps or "offline" in steps:
+            results["serving"]["offline"] = offline(args, llm)
+        if served is not None:
+            results["equal"] = equal_to_offline(served, llm, args)
     name = device.lower().replace("nvidia ", "").replace(" ", "_")
     (args.out / f"serving_gpu_{name}_{'_'.join(steps)}.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
