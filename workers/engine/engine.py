@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import default_backend
 from workers.block_hash import namespace_extra
 from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
@@ -136,15 +135,8 @@ class LLMEngine:
         # A launched step whose sampled ids are read at the next step (async scheduling), with its
         # scheduler output and start time.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
-        self.runner = ModelRunner(
-            loaded.model,
-            kv_cache,
-            attention_backend=config.attention_backend or default_backend(device),
-            device=device,
-            seed=config.seed,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=loaded.max_model_len,
-            enforce_eager=config.enforce_eager,
+        self.runner = ModelRunner.for_engine(
+            loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=config.enforce_eager
         )
         self.store = (
             StoreConnector(

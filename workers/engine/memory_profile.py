@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import default_backend
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache
@@ -199,15 +198,8 @@ def _profile_steps(
     before = torch.cuda.memory_allocated(device)
     num_pages = temporary_num_pages(lengths, config.page_size)
     kv_cache = KVCache(loaded.config, num_pages=num_pages, page_size=config.page_size, dtype=dtype, device=device)
-    runner = ModelRunner(
-        loaded.model,
-        kv_cache,
-        attention_backend=config.attention_backend or default_backend(device),
-        device=device,
-        seed=config.seed,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=loaded.max_model_len,
-        enforce_eager=True,
+    runner = ModelRunner.for_engine(
+        loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=True
     )
     run_largest_step(runner, lengths, vocab_size=loaded.config.vocab_size)
     torch.cuda.synchronize(device)

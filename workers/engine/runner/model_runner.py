@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, StepBatch, get_backend
+from kernels.attention import AttentionMetadata, StepBatch, default_backend, get_backend
 from kernels.batch_invariance import min_invariant_rows
+from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache
 from workers.engine.logprobs import TokenLogprobs
 from workers.engine.models.llama import DecoderForCausalLM
@@ -106,6 +107,29 @@ class ModelRunner:
             )
             if self.supports_cuda_graphs and not enforce_eager:
                 self.capture_decode_graphs(modes=("greedy",))
+
+    @classmethod
+    def for_engine(
+        cls,
+        model: DecoderForCausalLM,
+        kv_cache: KVCache,
+        config: EngineConfig,
+        *,
+        max_model_len: int,
+        enforce_eager: bool,
+    ) -> "ModelRunner":
+        """The runner of an engine with `config`: its own, or the one its memory profile measures."""
+        device = torch.device(config.device)
+        return cls(
+            model,
+            kv_cache,
+            attention_backend=config.attention_backend or default_backend(device),
+            device=device,
+            seed=config.seed,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+        )
 
     @property
     def supports_cuda_graphs(self) -> bool:
