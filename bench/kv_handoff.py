@@ -1,21 +1,22 @@
-"""A KV handoff between two processes on one GPU through the workers' transfer backends (workers.transfer),
-in one run:
+"""A KV handoff between two processes of one host through the workers' transfer backends
+(workers.transfer), frames against pages, in one run:
 
-    python3 -m bench.kv_handoff [--tokens 8192] [--runs 5]
+    python3 -m bench.kv_handoff [--tokens 8192] [--runs 5] [--device cpu]
 
-Two processes, a sender (the prefill side) and a receiver (the decode side), each with its own CUDA
-context and its own paged KV cache (workers.engine.kv_cache, no model), the sender's filled from a
-seeded generator. Each run hands one request's KV, `--tokens` tokens, from pages scattered over the
+Two processes, a sender (the prefill side) and a receiver (the decode side), each with its own paged
+KV cache (workers.engine.kv_cache, no model; on a GPU each with its own CUDA context), the sender's
+filled from a seeded generator. Each run hands one request's KV, `--tokens` tokens, from pages scattered over the
 sender's cache into pages of the receiver's, as a worker does:
 - `zmq`: frames through host memory: the sender's TransferSender reads the pages layer by layer
   (PagedLayers) onto ZMQ over ipc://, the receiver's TransferReceiver assembles them and write_layers
   puts them into its pages.
-- `cuda_ipc`: the sender offers its pages (PoolExport.offer); the receiver maps the sender's cache
-  once (PoolMaps.open: `cuda_ipc_setup_s`) and copies the pages device to device on a side stream
-  (PageCopy), then answers "done".
+- `pages`: the sender offers its pages (PoolExport.offer); the receiver maps the sender's cache once
+  (PoolMaps.open: `pages_setup_s`) and copies the pages (PageCopy), then answers "done": device to
+  device on a side stream over CUDA IPC on a GPU, memory to memory from a shared-memory cache on the
+  CPU (`--device cpu`, small shapes).
 A run's time goes from the sender's submit to the KV being in the receiver's pages (both processes
 read the same monotonic clock); the receiver checks every byte. Reported per model shape: the median
-over --runs of each backend, its GB/s, and frames over CUDA IPC. Needs CUDA; prints one JSON object.
+over --runs of each backend, its GB/s, and frames over pages. Prints one JSON object.
 """
 
 import argparse
@@ -32,10 +33,10 @@ SHAPES = {"smollm2_135m": (30, 3, 64), "llama3_8b": (32, 8, 128), "qwen3_30b_a3b
 DTYPE = torch.bfloat16
 PAGE_SIZE = 16
 SEED = 1234
-MODES = ("zmq", "cuda_ipc")
+MODES = ("zmq", "pages")
 
 
-def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None):
+def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, device: str):
     from workers.engine.config import ModelConfig
     from workers.engine.kv_cache import KVCache
 
@@ -53,11 +54,13 @@ def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None):
             "max_position_embeddings": 1 << 20,
         }
     )
-    cache = KVCache(config, num_pages=num_pages, page_size=PAGE_SIZE, dtype=DTYPE, device=torch.device("cuda"))
+    cache = KVCache(
+        config, num_pages=num_pages, page_size=PAGE_SIZE, dtype=DTYPE, device=torch.device(device), shareable=True
+    )
     if seed is not None:
-        generator = torch.Generator(device="cuda").manual_seed(seed)
+        generator = torch.Generator(device=device).manual_seed(seed)
         for layer in cache.pages:
-            layer.copy_(torch.randn(layer.shape, generator=generator, device="cuda", dtype=torch.float32))
+            layer.copy_(torch.randn(layer.shape, generator=generator, device=device, dtype=torch.float32))
     return cache
 
 
@@ -90,22 +93,27 @@ def handoff_of(request_id: str, cache, pages: list[int], tokens: int):
     )
 
 
-def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) -> None:
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, ready, starts, device: str) -> None:
     import zmq
 
     from workers.transfer.link import TransferSender
     from workers.transfer.pools import PoolExport
 
     num_pages = 2 * -(-tokens // PAGE_SIZE) + 1
-    cache = kv_cache(shape, num_pages, SEED)
-    pool = PoolExport.of(cache, "bench-sender") if mode == "cuda_ipc" else None
-    torch.cuda.synchronize()
+    cache = kv_cache(shape, num_pages, SEED, device)
+    pool = PoolExport.of(cache, "bench-sender") if mode == "pages" else None
+    _synchronize(device)
     context = zmq.Context()
     sender = TransferSender(context, send_timeout_ms=60_000)
     try:
         for run in range(runs):
             pages = scattered_pages(num_pages, -(-tokens // PAGE_SIZE), SEED + run)
-            starts.get()  # the receiver expects this run
+            ready.get()  # the receiver expects this run
             handoff = handoff_of(f"r{run}", cache, pages, tokens)
             offer = pool.offer(pages, 60.0) if pool is not None else None
             starts.put((run, time.monotonic(), pages))
@@ -119,7 +127,9 @@ def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) -> 
         context.term()
 
 
-def _receive(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) -> tuple[list[float], float | None]:
+def _receive(
+    mode: str, shape, tokens: int, runs: int, endpoint: str, ready, starts, device: str
+) -> tuple[list[float], float | None]:
     import zmq
 
     from workers.engine.kv_handoff import write_layers
@@ -130,18 +140,18 @@ def _receive(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) ->
     from workers.transfer.pools import PoolMaps
 
     num_pages = 2 * -(-tokens // PAGE_SIZE) + 1
-    own = kv_cache(shape, num_pages, None)
-    reference = kv_cache(shape, num_pages, SEED)  # what the sender's cache holds
+    own = kv_cache(shape, num_pages, None, device)
+    reference = kv_cache(shape, num_pages, SEED, device)  # what the sender's cache holds
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.bind(endpoint)
     receiver = TransferReceiver(router, default_timeout_s=600.0)
-    maps, stream = PoolMaps(), torch.cuda.Stream()
+    maps, stream = PoolMaps(), torch.cuda.Stream() if device == "cuda" else None
     seconds, setup_s = [], None
     try:
         for run in range(runs):
             receiver.expect(f"r{run}", b"", None)
-            starts.put("ready")
+            ready.put(run)
             placed = scattered_pages(num_pages, -(-tokens // PAGE_SIZE), 99 + run)
             settled = []
             while not settled:
@@ -160,11 +170,11 @@ def _receive(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) ->
                 receiver.reply(received.sender, received.request_id, REPLY_DONE)
             else:
                 write_layers(own, placed, received.handoff.layers, start=0)
-                torch.cuda.synchronize()
+                _synchronize(device)
             end = time.monotonic()
-            _, start, pages = _start_of(starts, run)
+            _, start, pages = starts.get()
             seconds.append(end - start - (setup_s if run == 0 and setup_s is not None else 0.0))
-            sent, got = torch.tensor(pages, device="cuda"), torch.tensor(placed, device="cuda")
+            sent, got = torch.tensor(pages, device=device), torch.tensor(placed, device=device)
             for (k, v), (own_k, own_v) in zip(reference.layers, own.layers, strict=True):
                 if not (
                     torch.equal(gather_tokens(k, sent, tokens), gather_tokens(own_k, got, tokens))
@@ -177,22 +187,15 @@ def _receive(mode: str, shape, tokens: int, runs: int, endpoint: str, starts) ->
     return seconds, setup_s
 
 
-def _start_of(starts, run: int):
-    while True:
-        item = starts.get()
-        if isinstance(item, tuple) and item[0] == run:
-            return item
-        starts.put(item)
-
-
-def measure(mode: str, shape, tokens: int, runs: int) -> tuple[list[float], float | None]:
+def measure(mode: str, shape, tokens: int, runs: int, device: str) -> tuple[list[float], float | None]:
     spawn = mp.get_context("spawn")
-    starts = spawn.Queue()
+    # One queue each way: the receiver says it expects a run, the sender when it started it.
+    ready, starts = spawn.Queue(), spawn.Queue()
     endpoint = f"ipc:///tmp/sluice-kv-handoff-{mode}"
-    sender = spawn.Process(target=_sender, args=(mode, shape, tokens, runs, endpoint, starts))
+    sender = spawn.Process(target=_sender, args=(mode, shape, tokens, runs, endpoint, ready, starts, device))
     sender.start()
     try:
-        result = _receive(mode, shape, tokens, runs, endpoint, starts)
+        result = _receive(mode, shape, tokens, runs, endpoint, ready, starts, device)
     finally:
         sender.join(timeout=300)
     if sender.exitcode != 0:
@@ -205,28 +208,30 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.kv_handoff needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench.kv_handoff --device cuda needs a CUDA device")
     rows = []
     for name in args.shapes.split(","):
         layers, heads, head_dim = shape = SHAPES[name]
         nbytes = layers * 2 * heads * args.tokens * head_dim * DTYPE.itemsize
         row = {"model_shape": name, "layers": layers, "kv_heads": heads, "head_dim": head_dim, "kv_bytes": nbytes}
         for mode in MODES:
-            seconds, setup_s = measure(mode, shape, args.tokens, args.runs)
+            seconds, setup_s = measure(mode, shape, args.tokens, args.runs, args.device)
             median = statistics.median(seconds)
             row[f"{mode}_s"] = round(median, 5)
             row[f"{mode}_gb_s"] = round(nbytes / median / 1e9, 2)
             if setup_s is not None:
-                row["cuda_ipc_setup_s"] = round(setup_s, 4)
-        row["zmq_over_cuda_ipc"] = round(row["zmq_s"] / row["cuda_ipc_s"], 2)
+                row["pages_setup_s"] = round(setup_s, 4)
+        row["pages_backend"] = "cuda_ipc" if args.device == "cuda" else "host_memory"
+        row["zmq_over_pages"] = round(row["zmq_s"] / row["pages_s"], 2)
         rows.append(row)
     print(
         json.dumps(
             {
                 "benchmark": "kv_handoff",
-                "device": torch.cuda.get_device_name(),
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 "tokens": args.tokens,
                 "runs": args.runs,
                 "dtype": "bfloat16",
