@@ -1,5 +1,6 @@
 """The paged KV cache tensors of one engine."""
 
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -77,9 +78,7 @@ class KVCache:
 
 
 def _shared_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedHostMemory]:
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     num_bytes = numel * torch.empty((), dtype=dtype).element_size()
     fd = os.memfd_create(SHARED_MEMORY_NAME, os.MFD_CLOEXEC)
     try:

@@ -15,6 +15,7 @@ where mapping fails the caller falls back to frames too.
 """
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -71,10 +72,6 @@ class PoolExport:
             return None
         return cls(exporter, f"{exporter}/{uuid.uuid4().hex}", handle, tuple(pages.shape), dtype_name(pages.dtype))
 
-    @property
-    def backend(self) -> str:
-        return CUDA_IPC if isinstance(self.handle, CudaIpcHandle) else HOST_MEMORY
-
     def offer(self, pages: list[int], hold_s: float) -> KVPoolOffer:
         """An offer of `pages`, which the exporter keeps pinned for `hold_s` from now at least."""
         return KVPoolOffer(
@@ -117,9 +114,7 @@ class PoolMaps:
             raise PoolError(str(error)) from None
         if len(offer.shape) != 6 or any(size < 1 for size in offer.shape):
             raise PoolError(f"pool shape {offer.shape} is not [layers, 2, kv_heads, pages, page_size, head_dim]")
-        numel = 1
-        for size in offer.shape:
-            numel *= size
+        numel = math.prod(offer.shape)
         try:
             if isinstance(offer.handle, CudaIpcHandle):
                 pool = _open_cuda_ipc(offer.handle, dtype, numel)
