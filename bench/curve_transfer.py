@@ -27,8 +27,8 @@ import zmq
 
 from workers import curve
 from workers.engine.kv_handoff import KVHandoff
-from workers.engine.sampling_params import SamplingParams
-from workers.protocol import GenerateOutput, GenerateRequest
+from workers.protocol.messages import GenerateOutput, GenerateRequest
+from workers.protocol.sampling_params import SamplingParams
 from workers.transfer.link import TransferReceiver, TransferSender
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M

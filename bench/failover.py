@@ -33,7 +33,7 @@ import zmq
 
 from workers.engine import SamplingParams
 from workers.engine_client import EngineClient
-from workers.protocol import DrainRequest, GenerateRequest, ResumeRequest, WorkerHeartbeat
+from workers.protocol.messages import DrainRequest, GenerateRequest, ResumeRequest, WorkerHeartbeat
 
 MODEL = "smollm2-135m-instruct"
 HEARTBEAT_TIMEOUT_S = 1.0  # how soon the client gives up on a silent worker: part of every recovery

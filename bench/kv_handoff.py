@@ -71,7 +71,7 @@ def scattered_pages(num_pages: int, count: int, seed: int) -> list[int]:
 
 def handoff_of(request_id: str, cache, pages: list[int], tokens: int):
     from workers.engine.kv_handoff import KVHandoff, PagedLayers
-    from workers.engine.sampling_params import SamplingParams
+    from workers.protocol.sampling_params import SamplingParams
 
     layers = PagedLayers(cache, pages, tokens)
     return KVHandoff(
@@ -134,7 +134,7 @@ def _receive(
 
     from workers.engine.kv_handoff import write_layers
     from workers.engine.kv_pages import gather_tokens
-    from workers.protocol import REPLY_DONE
+    from workers.protocol.messages import REPLY_DONE
     from workers.transfer.link import TransferReceiver
     from workers.transfer.page_copy import PageCopy
     from workers.transfer.pools import PoolMaps

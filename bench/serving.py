@@ -36,7 +36,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.model_loader import load_model
 from workers.engine_client import EngineClient
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The served model and the device of the worker and the offline engine: --model and --device.

@@ -12,7 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from controlplane.database_url import parse_database_url
 from recipe.limits import RequestLimits
 from workers.curve import key_file_from_environment
-from workers.protocol import GrammarLimits
+from workers.protocol.messages import GrammarLimits
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("SLUICE_VAR_DIR", BASE_DIR / "var"))
@@ -221,7 +221,7 @@ def _worker_endpoints(value: str) -> list[tuple[str, str]]:
 
 
 def _grammar_limits(environ: Mapping[str, str]) -> GrammarLimits:
-    """The defaults of workers.protocol.GrammarLimits, each overridden by SLUICE_GRAMMAR_<FIELD>."""
+    """The defaults of workers.protocol.messages.GrammarLimits, each overridden by SLUICE_GRAMMAR_<FIELD>."""
     names = {field: f"SLUICE_GRAMMAR_{field.upper()}" for field in GrammarLimits.__struct_fields__}
     overrides = {field: environ[name] for field, name in names.items() if name in environ}
     try:
@@ -293,7 +293,7 @@ SLUICE_HEADER_READ_TIMEOUT_S = float(os.environ.get("SLUICE_HEADER_READ_TIMEOUT_
 # work is done for it; each refusal is a 400 naming the field.
 SLUICE_REQUEST_LIMITS = _request_limits(os.environ)
 # What one request's output constraint (response_format / text.format json_schema or regex, tools)
-# may cost a worker, sent with every constrained request: workers.protocol.GrammarLimits lists the
+# may cost a worker, sent with every constrained request: workers.protocol.messages.GrammarLimits lists the
 # fields, their defaults and what each bounds. A grammar that does not compile within them is a 400;
 # one that exceeds them while generating ends its own request with an error. Each field is
 # overridden by SLUICE_GRAMMAR_<FIELD>, e.g. SLUICE_GRAMMAR_MAX_REGEX_REPEAT=4000 or

@@ -37,7 +37,7 @@ from recipe.errors import ApiError
 from recipe.limits import Path
 from recipe.prompt_encoding import tokens_before
 from recipe.tokenizer import Tokenizer
-from workers.protocol import MAX_CACHE_HINTS, CacheHint
+from workers.protocol.messages import MAX_CACHE_HINTS, CacheHint
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The prompt cache in each API's usage, as those APIs report it, from the engine's first output of a
-choice (its prompt counts are final by then: workers.protocol.GenerateOutput).
+choice (its prompt counts are final by then: workers.protocol.messages.GenerateOutput).
 
 deepseek-recipe renders usage from the prompt and cache-hit counts alone; these reports add what the
 store did with the prompt:
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from recipe.prepared_request import SseEvent
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 # The lifetimes of OpenAI's explicit breakpoints, which Responses usage breaks its cache writes down by.
 BREAKPOINT_TTLS = ("30m", "12h")

@@ -17,7 +17,7 @@ import deepseek_recipe
 from recipe.cache_usage import UsageReport, chat_usage
 from recipe.codec_stream import Accumulator, ChoiceFeed, ChoiceStream, Generator
 from recipe.prepared_request import SseEvent
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 
 class ChatCompletionsResponse:

@@ -21,7 +21,7 @@ import deepseek_recipe
 from recipe.cache_usage import PromptCacheUsage, UsageReport, reported
 from recipe.prepared_request import SseEvent
 from recipe.tool_calls import ToolCallAdapter
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 Generator = (
     deepseek_recipe.ChatCompletionChunkGenerator

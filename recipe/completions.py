@@ -15,9 +15,9 @@ from recipe.errors import invalid_request
 from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest, ResponseBuilder
 from recipe.served_model import ServedModel
-from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import SamplingParams
-from workers.protocol import CacheHint
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.messages import CacheHint
+from workers.protocol.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this API
 MAX_LOGPROBS = 5

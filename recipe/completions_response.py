@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from recipe.cache_usage import chat_usage
 from recipe.prepared_request import SseEvent
 from recipe.tokenizer import Tokenizer
-from workers.engine.logprobs import TokenLogprobs
-from workers.protocol import GenerateOutput
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.messages import GenerateOutput
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 

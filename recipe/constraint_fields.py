@@ -1,7 +1,7 @@
 """The request field an output constraint comes from, by protocol and constraint kind: what an error
 about the constraint's grammar names as its `param`."""
 
-from workers.protocol import OutputConstraintSpec
+from workers.protocol.messages import OutputConstraintSpec
 
 _FORMAT_FIELDS = {"chat.completions": "response_format", "responses": "text.format"}
 TOOLS_FIELD = "tools"  # every protocol's tool list (and Anthropic's only constraint)

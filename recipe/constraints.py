@@ -7,7 +7,7 @@ building; JSON Schema, regular expressions and Lark grammars (with inline `%json
 tool-call grammars need) go through one engine; and masks are fast, computed by walking a token trie
 (measured with SmolLM2's 49K vocabulary: 1-10 ms to compile, 0.1-0.3 ms per token mask).
 
-Kinds (see workers.protocol.OutputConstraintSpec):
+Kinds (see workers.protocol.messages.OutputConstraintSpec):
 - "json": the JSON Schema in `schema`, or any JSON object when it is "" (json_object mode);
 - "regex": the pattern;
 - "tool_call_required": the prompt already ends with `<tool_call>` (recipe.chatml), so the output
@@ -38,8 +38,8 @@ from recipe.chatml import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from recipe.grammar_limits import largest_repeat, parser_limits, schema_patterns
 from recipe.tokenizer import Tokenizer
 from workers.engine.constraints import ConstraintError, TokenConstraint
-from workers.engine.errors import InvalidRequestError
-from workers.protocol import GrammarLimits, OutputConstraintSpec
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.messages import GrammarLimits, OutputConstraintSpec
 
 ANY_JSON_OBJECT = {"type": "object"}
 

@@ -28,9 +28,9 @@ from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest
 from recipe.prompt_encoding import encode_conversation, render_prompt
 from recipe.served_model import ServedModel
-from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from workers.protocol import OutputConstraintSpec
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.messages import OutputConstraintSpec
+from workers.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 ConversationProtocol = Literal["chat.completions", "responses", "messages"]
 LibraryRequest = (

@@ -1,13 +1,13 @@
 """A request's GrammarLimits applied to its output constraint: llguidance's own limits, and our check
 of the counted repetitions in its patterns, which llguidance's lazy lexer would only meet while the
-request runs (see workers.protocol.GrammarLimits)."""
+request runs (see workers.protocol.messages.GrammarLimits)."""
 
 import re
 from collections.abc import Iterator
 
 import llguidance
 
-from workers.protocol import GrammarLimits
+from workers.protocol.messages import GrammarLimits
 
 # {n}, {m,n} and {n,}: a count of repetitions. The count that costs is the largest one it allows:
 # n, or m for {m,} (the unbounded rest is a star, which the lexer does not unroll).

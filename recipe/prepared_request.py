@@ -9,8 +9,8 @@ from typing import Literal
 
 import msgspec
 
-from workers.engine.sampling_params import SamplingParams
-from workers.protocol import CacheHint, GenerateOutput, OutputConstraintSpec
+from workers.protocol.messages import CacheHint, GenerateOutput, OutputConstraintSpec
+from workers.protocol.sampling_params import SamplingParams
 
 ApiProtocol = Literal["chat.completions", "completions", "responses", "messages"]
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 import deepseek_recipe
 
 from recipe.tokenizer import Tokenizer
-from workers.engine.errors import ModelLoadError
+from workers.protocol.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from workers.engine.weights import ModelFiles

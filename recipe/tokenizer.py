@@ -15,7 +15,7 @@ import tokenizers
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from workers.engine.errors import InvalidRequestError, ModelLoadError
+from workers.protocol.errors import InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:
     from workers.engine.weights import ModelFiles

@@ -12,7 +12,7 @@ import msgspec
 import zmq
 
 from workers import curve
-from workers.protocol import ControlAck, ControlRequest, GenerateError, StatusRequest, WorkerOutbound
+from workers.protocol.messages import ControlAck, ControlRequest, GenerateError, StatusRequest, WorkerOutbound
 
 
 class ControlTimeoutError(Exception):

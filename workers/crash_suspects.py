@@ -22,7 +22,7 @@ from collections.abc import Collection
 
 import msgspec
 
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 MAX_SUSPECTS = 4096  # the oldest are forgotten first
 

@@ -36,7 +36,7 @@ from workers.entrypoint.router import Router, cost_model_from_environment, fitte
 from workers.expert_loads import ExpertLoadCounts
 from workers.kvstore.index import BlockIndex
 from workers.prefill_deadlines import DeadlineModel
-from workers.protocol import (
+from workers.protocol.messages import (
     AbortRequest,
     ControlAck,
     GenerateError,

@@ -3,7 +3,7 @@ that worker's previous heartbeat), kept per pool and EP layout version until som
 
 from dataclasses import dataclass, field
 
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 SlotLoads = list[list[int]]  # [layer][rank * slots_per_rank + slot]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from workers import curve
 from workers.control_client import ControlRejectedError, ControlTimeoutError, new_command_id, send_control
-from workers.protocol import ShutdownRequest
+from workers.protocol.messages import ShutdownRequest
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from workers import curve
-from workers.protocol import RegistrationAck, WorkerHeartbeat, WorkerRegistration
+from workers.protocol.messages import RegistrationAck, WorkerHeartbeat, WorkerRegistration
 
 log = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ from workers.engine_client import (
 )
 from workers.entrypoint.prefix_match import store_hit_tokens
 from workers.entrypoint.router import DecodeLoad, expected_peak
-from workers.protocol import (
+from workers.protocol.messages import (
     AbortRequest,
     DeclineMigrationRequest,
     ExpectTransferRequest,

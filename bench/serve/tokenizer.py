@@ -47,8 +47,8 @@ class BenchTokenizer:
 
 
 def _packaged_tokenizer_file(name: str) -> Path:
-    from workers.engine.errors import ModelLoadError
     from workers.engine.weights.registry import find_packaged_model, packaged_model_names
+    from workers.protocol.errors import ModelLoadError
 
     if find_packaged_model(name) is None:
         raise TokenizerNotFound(

@@ -29,7 +29,7 @@ from controlplane.gateway.usage import UsageCount
 from recipe.api import PreparedRequest, SseEvent
 from recipe.constraint_fields import constraint_field
 from workers.engine_client import EngineClient, RequestRejectedError
-from workers.protocol import GenerateOutput, GenerateRequest
+from workers.protocol.messages import GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence
 
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 
 def can_serve(workers: Sequence[WorkerHeartbeat]) -> bool:

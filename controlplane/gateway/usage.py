@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 
 from controlplane.gateway.quota import count_quota_tokens
 from controlplane.tenants.services import tenant_usage_record
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from controlplane.topology.selectors import instances_live
 from controlplane.topology.services import instance_record_control_failure
 from controlplane.topology.tasks import CONTROL_ERRORS, ControlRefusedError, send_checked
 from workers.control_client import new_command_id
-from workers.protocol import ApplyEPLayoutRequest, ControlRequest, SetTTLPolicyRequest
+from workers.protocol.messages import ApplyEPLayoutRequest, ControlRequest, SetTTLPolicyRequest
 
 
 def _push(instances, command: str, make_request) -> None:

@@ -48,7 +48,7 @@ from controlplane.telemetry.snapshot import build_snapshot, kv_store
 from controlplane.telemetry.windows import MinuteTotals, RequestSample, RequestWindow, minute_start
 from controlplane.telemetry.worker_counters import WorkerCounterWindow
 from workers.expert_loads import SlotLoads
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ guard reads the look-back's peak from those rows, as prefill demand comes from T
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 DECODE_ROLES = ("decode", "mixed")
 

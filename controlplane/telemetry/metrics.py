@@ -19,7 +19,7 @@ from controlplane.telemetry import live
 from controlplane.telemetry.serving_time_metrics import serving_time_families
 from controlplane.telemetry.snapshot import pool_of
 from controlplane.telemetry.windows import RequestSample
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 if TYPE_CHECKING:
     from controlplane.telemetry.models import KVStoreGC

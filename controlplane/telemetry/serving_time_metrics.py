@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.utils import floatToGoString
 
 from controlplane.telemetry.snapshot import pool_of
-from workers.protocol import HistogramCounts, WorkerHeartbeat
+from workers.protocol.messages import HistogramCounts, WorkerHeartbeat
 
 HANDOFF_LABELS = ["worker", "pool", "direction", "backend"]
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from controlplane.telemetry.windows import Totals, percentiles
 from controlplane.telemetry.worker_counters import CounterSums, summed
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 if TYPE_CHECKING:
     from controlplane.telemetry.models import KVStoreGC

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from workers.protocol import HandoffTotals, HistogramCounts, WorkerHeartbeat
+from workers.protocol.messages import HandoffTotals, HistogramCounts, WorkerHeartbeat
 
 DIRECTIONS = ("sent", "received")
 NO_HANDOFFS = HandoffTotals(num_transfers=0, num_bytes=0, seconds=0.0)

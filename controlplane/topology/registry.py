@@ -16,7 +16,7 @@ from controlplane.policies.tasks import ttl_policy_push_task
 from controlplane.topology import services
 from controlplane.topology.models import EngineInstance, InstanceState
 from workers.curve import CurveKey
-from workers.protocol import WorkerHeartbeat, WorkerRegistration
+from workers.protocol.messages import WorkerHeartbeat, WorkerRegistration
 from workers.registry import RegistryServer
 
 log = logging.getLogger(__name__)

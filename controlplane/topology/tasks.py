@@ -15,7 +15,7 @@ from workers.control_client import (
     wait_for_state,
 )
 from workers.curve import CurveError
-from workers.protocol import ControlAck, ControlRequest, DrainRequest, ResumeRequest, ShutdownRequest
+from workers.protocol.messages import ControlAck, ControlRequest, DrainRequest, ResumeRequest, ShutdownRequest
 
 # CurveError: this process has no key (or a bad one) for a worker on the network.
 CONTROL_ERRORS = (ControlTimeoutError, ControlRejectedError, CurveError)

@@ -8,7 +8,14 @@ from contextlib import contextmanager
 import msgspec
 import zmq
 
-from workers.protocol import ControlAck, ControlRequest, DrainRequest, ResumeRequest, ShutdownRequest, StatusRequest
+from workers.protocol.messages import (
+    ControlAck,
+    ControlRequest,
+    DrainRequest,
+    ResumeRequest,
+    ShutdownRequest,
+    StatusRequest,
+)
 
 
 class FakeWorker:

@@ -3,7 +3,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from controlplane.settings import _grammar_limits, _positive_int, _request_limits, _worker_endpoints
 from recipe.limits import RequestLimits
-from workers.protocol import GrammarLimits
+from workers.protocol.messages import GrammarLimits
 
 
 def test_worker_endpoints_are_request_heartbeat_pairs():

@@ -17,8 +17,8 @@ import time
 import msgspec
 import zmq
 
-from workers.engine.sampling_params import SamplingParams
-from workers.protocol import GenerateRequest, WorkerRegistration
+from workers.protocol.messages import GenerateRequest, WorkerRegistration
+from workers.protocol.sampling_params import SamplingParams
 
 WAYS = ("plain", "own-keypair", "wrong-key")
 

@@ -38,7 +38,7 @@ from controlplane.management.commands.serve import GATEWAY_HTTP_OPTIONS
 from tests.e2e import netns
 from tests.e2e.conftest import ADMIN_URL, MODEL, ROOT, Stack, manage, wait_until_ready
 from workers import curve
-from workers.protocol import ExpectTransferRequest, GenerateError, StatusRequest, WorkerHeartbeat
+from workers.protocol.messages import ExpectTransferRequest, GenerateError, StatusRequest, WorkerHeartbeat
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import pytest
 from recipe.api import PreparedRequest, ServedModel, SseEvent, prepare_request
 from recipe.detokenizer import IncrementalDetokenizer
 from recipe.tokenizer import Tokenizer
-from workers.engine.logprobs import TokenLogprobs
-from workers.protocol import GenerateOutput
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.messages import GenerateOutput
 
 MODEL = "smollm2-135m-instruct"
 IM_END = 2

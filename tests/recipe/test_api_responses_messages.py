@@ -10,7 +10,7 @@ import pytest
 from recipe.api import PreparedRequest, ServedModel, SseEvent, count_tokens, prepare_request
 from recipe.detokenizer import IncrementalDetokenizer
 from recipe.tokenizer import Tokenizer
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 MODEL = "smollm2-135m-instruct"
 IM_END = 2

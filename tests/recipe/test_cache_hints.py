@@ -7,7 +7,7 @@ import pytest
 from recipe.api import ApiError, ServedModel, count_tokens, prepare_request
 from recipe.limits import RequestLimits
 from recipe.tokenizer import Tokenizer
-from workers.protocol import CacheHint
+from workers.protocol.messages import CacheHint
 
 MODEL = "smollm2-135m-instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]

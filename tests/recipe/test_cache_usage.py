@@ -8,7 +8,7 @@ import pytest
 
 from recipe.api import PreparedRequest, ServedModel, prepare_request
 from recipe.tokenizer import Tokenizer
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 MODEL = "smollm2-135m-instruct"
 HOUR = {"type": "ephemeral", "ttl": "1h"}

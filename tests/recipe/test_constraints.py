@@ -6,8 +6,8 @@ import torch
 from recipe.constraints import compile_constraint
 from recipe.tokenizer import Tokenizer
 from workers.engine.constraints import ConstraintError, TokenConstraint
-from workers.engine.errors import InvalidRequestError
-from workers.protocol import GrammarLimits, OutputConstraintSpec
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.messages import GrammarLimits, OutputConstraintSpec
 
 VOCAB = 49152
 PERSON = {

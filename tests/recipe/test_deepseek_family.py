@@ -12,8 +12,8 @@ from recipe.api import ServedModel, prepare_request
 from recipe.prompt_encoding import encode_conversation
 from recipe.served_model import prompt_family
 from recipe.tokenizer import Tokenizer
-from workers.engine.logprobs import TokenLogprobs
-from workers.protocol import GenerateOutput
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.messages import GenerateOutput
 
 SPECIALS = [
     token.default_str()

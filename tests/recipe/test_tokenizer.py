@@ -9,8 +9,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from recipe.tokenizer import Tokenizer
 from tests.recipe.conftest import TINY_CHAT_TEMPLATE, make_tiny_tokenizer, tiny_tokenizer_json
-from workers.engine.errors import InvalidRequestError, ModelLoadError
 from workers.engine.weights import ModelFiles
+from workers.protocol.errors import InvalidRequestError, ModelLoadError
 
 IM_START, IM_END = 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[2]

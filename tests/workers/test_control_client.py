@@ -14,7 +14,14 @@ from workers.control_client import (
     send_control,
     wait_for_state,
 )
-from workers.protocol import ControlAck, DrainRequest, GenerateError, StatusRequest, WorkerInbound, WorkerOutbound
+from workers.protocol.messages import (
+    ControlAck,
+    DrainRequest,
+    GenerateError,
+    StatusRequest,
+    WorkerInbound,
+    WorkerOutbound,
+)
 
 Answer = Callable[[int, WorkerInbound], WorkerOutbound | None]  # (nth message, message) → reply or silence
 

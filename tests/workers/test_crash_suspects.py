@@ -2,7 +2,7 @@ import msgspec
 
 from workers.crash_suspects import CrashSuspects, leaves_another
 from workers.engine import SamplingParams
-from workers.protocol import GenerateRequest, OutputConstraintSpec
+from workers.protocol.messages import GenerateRequest, OutputConstraintSpec
 
 REQUEST = GenerateRequest("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
 

@@ -27,7 +27,7 @@ from tests.workers.worker_process import (
 )
 from workers.engine import SamplingParams
 from workers.engine_client import EngineClient, RequestRejectedError
-from workers.protocol import GenerateRequest, WorkerHeartbeat
+from workers.protocol.messages import GenerateRequest, WorkerHeartbeat
 
 FAULTY = "tests.workers.faulty_worker"
 MODEL = "tiny"

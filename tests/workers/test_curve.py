@@ -15,7 +15,7 @@ from tests.waiting import wait_until
 from workers import curve
 from workers.curve import CurveError, CurveKey, generate_key
 from workers.engine.kv_handoff import KVHandoff
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 from workers.transfer.link import TransferReceiver, TransferSender
 
 KEY = generate_key(1)

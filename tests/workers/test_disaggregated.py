@@ -25,7 +25,7 @@ from tests.workers.worker_process import (
 )
 from workers.engine import SamplingParams
 from workers.engine_client import EngineClient, RequestRejectedError, WorkerUnavailableError
-from workers.protocol import (
+from workers.protocol.messages import (
     ControlAck,
     ExpectTransferRequest,
     GenerateError,

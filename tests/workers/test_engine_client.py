@@ -10,7 +10,7 @@ import pytest
 from tests.workers.worker_process import LONG, collect, connected_client, start_worker, token_ids, wait_for_heartbeat
 from workers.engine import SamplingParams
 from workers.engine_client import EngineClient, RequestRejectedError, WorkerUnavailableError
-from workers.protocol import GenerateOutput, GenerateRequest
+from workers.protocol.messages import GenerateOutput, GenerateRequest
 
 LONG_GREEDY = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
 

@@ -8,7 +8,7 @@ import zmq
 import zmq.asyncio
 
 from workers.engine_client import EngineClient
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 
 def heartbeat(sent_at: float, expert_load: list[list[int]]) -> WorkerHeartbeat:

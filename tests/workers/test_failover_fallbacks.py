@@ -25,7 +25,7 @@ from tests.workers.worker_process import (
     wait_for_worker_heartbeat,
 )
 from workers.engine import SamplingParams
-from workers.protocol import (
+from workers.protocol.messages import (
     AbortRequest,
     DeclineMigrationRequest,
     DrainRequest,

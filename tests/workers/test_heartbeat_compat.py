@@ -4,7 +4,7 @@ their defaults, and one with them decodes where they are unknown."""
 
 import msgspec
 
-from workers.protocol import HandoffTotals, HistogramCounts, WorkerHeartbeat
+from workers.protocol.messages import HandoffTotals, HistogramCounts, WorkerHeartbeat
 
 SERVING_TIME_FIELDS = {
     "step_seconds",

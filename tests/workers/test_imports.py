@@ -12,7 +12,7 @@ from tests.workers.worker_process import REPO_ROOT
 # The protocol and the gateway-side modules that speak it (recipe.constraints is the worker's: it
 # builds token masks).
 GATEWAY_MODULES = [
-    "workers.protocol",
+    "workers.protocol.messages",
     "workers.engine_client",
     "workers.split_stream",
     "workers.control_client",

@@ -13,7 +13,7 @@ import zmq
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, SamplingParams
 from workers.engine.kv_handoff import KVHandoff
-from workers.protocol import KVTransferChunk, KVTransferHeader
+from workers.protocol.messages import KVTransferChunk, KVTransferHeader
 from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff, send_handoff
 
 NUM_LAYERS = 5

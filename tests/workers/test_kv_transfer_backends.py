@@ -30,7 +30,7 @@ from workers.engine.config import ModelConfig
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.kv_pages import gather_tokens
-from workers.protocol import (
+from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
     REPLY_FRAMES,

@@ -22,7 +22,7 @@ from tests.workers.worker_process import (
 )
 from workers.engine import SamplingParams
 from workers.kvstore.checkpoint_files import FOLDER
-from workers.protocol import (
+from workers.protocol.messages import (
     ControlAck,
     DrainRequest,
     GenerateError,

@@ -26,7 +26,7 @@ from workers.prefill_deadlines import (
     TRANSFER_SLACK_S,
     DeadlineModel,
 )
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 from workers.transfer.link import TransferReceiver
 
 LINEAR = PrefillCostModel(a=0.0, b=0.01, d=0.0, e=0.0)  # 10 ms per token, whatever the chunk

@@ -20,7 +20,7 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
 )
 from workers.engine import LLM, SamplingParams
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,7 +30,7 @@ from tests.workers.worker_process import (
 )
 from workers.engine import LLM, SamplingParams
 from workers.engine_client import RequestRejectedError
-from workers.protocol import (
+from workers.protocol.messages import (
     CacheHint,
     GenerateError,
     GenerateOutput,

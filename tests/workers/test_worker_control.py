@@ -25,7 +25,7 @@ from workers.control_client import new_command_id, send_control, wait_for_state
 from workers.engine import SamplingParams
 from workers.engine_client import WorkerUnavailableError
 from workers.kvstore.ttl import TTLPolicy
-from workers.protocol import (
+from workers.protocol.messages import (
     ApplyEPLayoutRequest,
     ControlAck,
     DrainRequest,

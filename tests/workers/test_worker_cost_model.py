@@ -16,7 +16,7 @@ from tests.workers.worker_process import (
 from workers.args import EngineArgs
 from workers.cost_model import PrefillCostModel
 from workers.engine import SamplingParams
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 
 def test_the_heartbeat_reports_the_cost_models_prediction_error(tmp_path):

@@ -29,7 +29,7 @@ from workers import curve
 from workers.curve import CurveKey, generate_key
 from workers.engine import SamplingParams
 from workers.engine_client import EngineClient
-from workers.protocol import (
+from workers.protocol.messages import (
     ExpectTransferRequest,
     GenerateError,
     GenerateOutput,

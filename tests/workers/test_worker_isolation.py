@@ -15,7 +15,7 @@ from tests.workers.faulty_worker import DETOKENIZER_FAULT, ENGINE_FAULT
 from tests.workers.worker_process import CONFIG, collect, connected_client, role_options, start_worker, token_ids
 from workers.engine import SamplingParams
 from workers.engine_client import EngineClient, RequestRejectedError
-from workers.protocol import GenerateOutput, GenerateRequest, GrammarLimits, OutputConstraintSpec
+from workers.protocol.messages import GenerateOutput, GenerateRequest, GrammarLimits, OutputConstraintSpec
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from tests.workers.worker_process import CONFIG, collect, connected_client, start_worker, token_ids, wait_for_heartbeat
 from workers.engine import SamplingParams
 from workers.engine_client import RequestRejectedError
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPT = [random.Random(1).randrange(CONFIG["vocab_size"]) for _ in range(300)]

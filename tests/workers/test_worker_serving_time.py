@@ -17,7 +17,7 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
 )
 from workers.engine import SamplingParams
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 MODEL = "tiny"  # both workers serve this name, so the prefill worker's KV fits the decode worker
 PROMPT = [random.Random(3).randrange(CONFIG["vocab_size"]) for _ in range(40)]

@@ -16,7 +16,7 @@ import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine_client import EngineClient
-from workers.protocol import GenerateOutput, GenerateRequest, WorkerHeartbeat, WorkerInbound, WorkerOutbound
+from workers.protocol.messages import GenerateOutput, GenerateRequest, WorkerHeartbeat, WorkerInbound, WorkerOutbound
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A long window so that a stream can run for seconds: long enough to abort, cancel or kill it mid-way.

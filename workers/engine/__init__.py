@@ -1,6 +1,6 @@
 """The inference engine: paged KV, continuous batching, sampling. No Django here.
 
-Names load lazily so that light users (the gateway importing `workers.engine.errors`, the recipe
+Names load lazily so that light users (the gateway importing `workers.protocol.errors`, the recipe
 importing the tokenizer's errors) do not pull in torch and the whole engine.
 """
 
@@ -15,15 +15,15 @@ os.environ.setdefault("MKL_CBWR", "AVX2")
 
 _EXPORTS = {
     "LLM": "workers.engine.llm",
-    "SamplingParams": "workers.engine.sampling_params",
+    "SamplingParams": "workers.protocol.sampling_params",
     "RequestOutput": "workers.engine.outputs",
     "CompletionOutput": "workers.engine.outputs",
     "RequestDelta": "workers.engine.outputs",
-    "EngineError": "workers.engine.errors",
-    "EngineOverloadedError": "workers.engine.errors",
-    "InvalidRequestError": "workers.engine.errors",
-    "ModelLoadError": "workers.engine.errors",
-    "UnknownModelError": "workers.engine.errors",
+    "EngineError": "workers.protocol.errors",
+    "EngineOverloadedError": "workers.protocol.errors",
+    "InvalidRequestError": "workers.protocol.errors",
+    "ModelLoadError": "workers.protocol.errors",
+    "UnknownModelError": "workers.protocol.errors",
 }
 
 __all__ = [
@@ -40,16 +40,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from workers.engine.errors import (
+    from workers.engine.llm import LLM
+    from workers.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+    from workers.protocol.errors import (
         EngineError,
         EngineOverloadedError,
         InvalidRequestError,
         ModelLoadError,
         UnknownModelError,
     )
-    from workers.engine.llm import LLM
-    from workers.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
-    from workers.engine.sampling_params import SamplingParams
+    from workers.protocol.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> object:

@@ -9,10 +9,10 @@ import math
 from collections.abc import Sequence
 
 from workers.engine.block_manager import BlockManager
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.engine.sched.scheduler import Scheduler
-from workers.protocol import MAX_CACHE_HINTS, CacheHint
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import MAX_CACHE_HINTS, CacheHint
+from workers.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_TRAFFIC_CLASS_CHARS = 64
 # Prefill-only requests alive at once, computing or finished and pinning their pages until

@@ -8,7 +8,7 @@ import torch
 
 from workers.args import DTYPES, check_engine_limits, default, torch_dtype
 from workers.cost_model import PrefillCostModel
-from workers.engine.errors import ModelLoadError
+from workers.protocol.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -14,10 +14,10 @@ batch once it is there (admit), or gives its pages back (cancel).
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.constraints import TokenConstraint
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff
 from workers.engine.request import Request
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 
 
 class Disaggregation:

@@ -21,7 +21,6 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.constraints import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.engine.disaggregation import Disaggregation, continued_request
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
@@ -32,7 +31,6 @@ from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.engine.resumption import ResumeStats, check_resumable, check_suspendable, with_seed
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
@@ -40,7 +38,9 @@ from workers.engine.step_stats import StepStats
 from workers.engine.store_connector import StoreConnector, StoreStats
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
-from workers.protocol import CacheHint
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import CacheHint
+from workers.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from typing import overload
 
 import torch
 
-from workers.engine.errors import InvalidRequestError
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,11 +9,11 @@ import torch
 
 from workers.args import EngineArgs, dtype_name
 from workers.engine.builder import build_engine
-from workers.engine.errors import InvalidRequestError
 from workers.engine.model_loader import ModelSource
 from workers.engine.outputs import CompletionOutput, RequestOutput
-from workers.engine.sampling_params import SamplingParams
-from workers.protocol import CacheHint
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.messages import CacheHint
+from workers.protocol.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -58,7 +58,7 @@ class LLM:
         cache_hints: Sequence[CacheHint] = (),
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Invalid input raises before any work starts.
-        `cache_hints` apply to every prompt (workers.protocol.CacheHint)."""
+        `cache_hints` apply to every prompt (workers.protocol.messages.CacheHint)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)

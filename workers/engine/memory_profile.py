@@ -40,8 +40,8 @@ from workers.engine.model_loader import LoadedModel
 from workers.engine.request import Request
 from workers.engine.runner.device_sampling import MODES
 from workers.engine.runner.model_runner import ModelRunner
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from workers.engine.sched.scheduler import Scheduler
+from workers.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # CUDA context, kernel images, library handles and graph executables: an estimate with room to spare
 # over a CUDA 12 context with lazy module loading (a fraction of a GiB); test_kv_sizing_cuda checks

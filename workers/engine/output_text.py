@@ -2,7 +2,7 @@
 
 from recipe.detokenizer import IncrementalDetokenizer
 from recipe.tokenizer import Tokenizer
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 
 class OutputText:

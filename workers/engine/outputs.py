@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from workers.engine.logprobs import TokenLogprobs
-from workers.protocol import RequestPhaseTimes
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.messages import RequestPhaseTimes
 
 
 @dataclass(frozen=True, slots=True)

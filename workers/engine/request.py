@@ -7,9 +7,9 @@ from typing import Any
 
 from workers.block_hash import BlockHash
 from workers.engine.constraints import TokenConstraint
-from workers.engine.logprobs import TokenLogprobs
-from workers.engine.sampling_params import SamplingParams
 from workers.kvstore.hints import BlockRetention
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import SamplingParams
 
 # The value an output token holds while it is sampled on the device but not yet read back (async
 # scheduling): the next step's input takes the real id from the device.

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from workers.engine.errors import InvalidRequestError
 from workers.engine.request import PENDING_TOKEN, Request, RequestStatus
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.sampling_params import SamplingParams
 
 SEED_BITS = 64
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import sampling
-from workers.engine.logprobs import TokenLogprobs
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

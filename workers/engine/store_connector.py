@@ -48,7 +48,7 @@ from workers.engine.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
 from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
 from workers.kvstore.store import KVStore
-from workers.protocol import CacheHint
+from workers.protocol.messages import CacheHint
 
 log = logging.getLogger(__name__)
 

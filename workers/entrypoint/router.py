@@ -22,7 +22,7 @@ from pathlib import Path
 from workers.balancers.decode import DecodeBalancer, DecodeWorker
 from workers.balancers.prefill import PrefillBalancer
 from workers.cost_model import PrefillCostModel
-from workers.protocol import GenerateRequest, WorkerHeartbeat
+from workers.protocol.messages import GenerateRequest, WorkerHeartbeat
 
 EXPECTED_OUTPUT_TOKENS = 512
 # Until a model is fitted for the hardware (python -m bench.fit_cost_model, then point

@@ -1,4 +1,4 @@
-"""Which store blocks a request's cache hints keep, and for how long (workers.protocol.CacheHint).
+"""Which store blocks a request's cache hints keep, and for how long (workers.protocol.messages.CacheHint).
 
 A hint covers the prompt's first `prefix_tokens` tokens; the store keeps whole blocks, so a hint
 keeps the blocks that lie wholly inside its prefix. Hints are prefixes of one prompt, so the blocks
@@ -15,7 +15,7 @@ leading prompt tokens for at most that long, however many hints it sends. A cap 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workers.protocol import CacheHint
+from workers.protocol.messages import CacheHint
 
 
 @dataclass(frozen=True, slots=True)

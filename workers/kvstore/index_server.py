@@ -1,5 +1,5 @@
 """Serves one process's block index to the store's other processes: a ROUTER that answers each
-KVIndex* request (workers.protocol) by calling the index, one request at a time.
+KVIndex* request (workers.kvstore.index_messages) by calling the index, one request at a time.
 
 Run by the store's GC process when the store has no shared Redis index, so that every process of
 the store, however many, sees one index: what any of them wrote, read or was asked to keep. The
@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from workers.kvstore.index import BlockIndex
-from workers.protocol import (
+from workers.kvstore.index_messages import (
     KVIndexAdd,
     KVIndexContainsMany,
     KVIndexEntries,

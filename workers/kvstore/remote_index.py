@@ -23,8 +23,7 @@ import zmq
 
 from workers.block_hash import BlockHash
 from workers.kvstore.index import BlockEntry, BlockIndex, IndexUsage
-from workers.kvstore.index_server import check_ipc_endpoint
-from workers.protocol import (
+from workers.kvstore.index_messages import (
     KVIndexAdd,
     KVIndexContainsMany,
     KVIndexEntries,
@@ -38,6 +37,7 @@ from workers.protocol import (
     KVIndexTrafficClasses,
     KVIndexUsage,
 )
+from workers.kvstore.index_server import check_ipc_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import zmq
 from workers.args import DTYPES as ENGINE_DTYPES
 from workers.args import torch_dtype
 from workers.engine.kv_handoff import KVHandoff
-from workers.protocol import KVPoolOffer, KVTransferChunk, KVTransferHeader, KVTransferMessage
+from workers.protocol.messages import KVPoolOffer, KVTransferChunk, KVTransferHeader, KVTransferMessage
 
 # The KV dtypes a transfer may name (those the engine runs in); anything else is refused before it
 # is interpreted.

@@ -39,7 +39,7 @@ import zmq
 from workers import curve
 from workers.engine.constraints import TokenConstraint
 from workers.engine.kv_handoff import KVHandoff
-from workers.protocol import (
+from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
     REPLY_FRAMES,

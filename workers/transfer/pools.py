@@ -27,7 +27,7 @@ import torch
 
 from workers.args import dtype_name, torch_dtype
 from workers.engine.kv_cache import SHARED_MEMORY_NAME, KVCache
-from workers.protocol import CudaIpcHandle, HostMemoryHandle, KVPoolOffer
+from workers.protocol.messages import CudaIpcHandle, HostMemoryHandle, KVPoolOffer
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import msgspec
 
 from workers.engine.request import Request
 from workers.kvstore.checkpoint_files import CHECKPOINT_TTL_S, SUFFIX
-from workers.protocol import DecodingState
+from workers.protocol.messages import DecodingState
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from workers.engine.parallel.placement import Placement, PlacementError
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.ttl import TTLPolicy
-from workers.protocol import (
+from workers.protocol.messages import (
     ApplyEPLayoutRequest,
     ControlAck,
     ControlRequest,

@@ -16,7 +16,7 @@ from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
-from workers.protocol import HistogramCounts, WorkerHeartbeat, WorkerRegistration
+from workers.protocol.messages import HistogramCounts, WorkerHeartbeat, WorkerRegistration
 from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers

@@ -16,7 +16,13 @@ import time
 from collections.abc import Callable
 
 from workers.engine.engine import LLMEngine
-from workers.protocol import DeclineMigrationRequest, GenerateError, GenerateOutput, MigrateRequest, WorkerOutbound
+from workers.protocol.messages import (
+    DeclineMigrationRequest,
+    GenerateError,
+    GenerateOutput,
+    MigrateRequest,
+    WorkerOutbound,
+)
 from workers.worker.control import DRAINING, WorkerControl
 from workers.worker.transfers import Transfers
 

@@ -16,9 +16,9 @@ import msgspec
 
 from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.engine import LLMEngine
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.outputs import RequestDelta
-from workers.protocol import (
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import (
     DecodingState,
     GenerateError,
     OutputConstraintSpec,

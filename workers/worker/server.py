@@ -22,14 +22,13 @@ import zmq
 from workers import curve
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import LLMEngine
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.request import FinishReason
-from workers.engine.sampling_params import invalid_request_from
 from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
 from workers.kvstore.gc import GarbageCollector
-from workers.protocol import (
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import (
     AbortRequest,
     ApplyEPLayoutRequest,
     ControlRequest,
@@ -49,6 +48,7 @@ from workers.protocol import (
     WorkerInbound,
     WorkerOutbound,
 )
+from workers.protocol.sampling_params import invalid_request_from
 from workers.registry import register_until_acknowledged
 from workers.transfer.link import TransferReceiver, TransferSender
 from workers.transfer.pools import PoolExport

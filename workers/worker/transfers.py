@@ -28,8 +28,8 @@ import zmq
 
 from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.engine import LLMEngine
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol import (
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
     ExpectTransferRequest,

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 
-from workers.protocol import GenerateOutput, GenerateRequest
+from workers.protocol.messages import GenerateOutput, GenerateRequest
 
 SMOLLM2 = "smollm2-135m-instruct"
 PATHS = {

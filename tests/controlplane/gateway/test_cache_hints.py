@@ -15,7 +15,7 @@ from controlplane.asgi import application
 from controlplane.tenants.models import Tenant
 from tests.controlplane.gateway.helpers import SMOLLM2, FakeEngine
 from workers.block_hash import scoped_namespace
-from workers.protocol import CacheHint, GenerateOutput
+from workers.protocol.messages import CacheHint, GenerateOutput
 
 HOUR = {"type": "ephemeral", "ttl": "1h"}
 

@@ -17,7 +17,7 @@ from tests.controlplane.gateway.helpers import (  # noqa: E402
     key_headers,
     valid_body,
 )
-from workers.protocol import WorkerHeartbeat  # noqa: E402
+from workers.protocol.messages import WorkerHeartbeat  # noqa: E402
 
 OPENAI_AUTH = "authentication_error"
 HEADERS = ["authorization", "x-api-key"]

@@ -20,7 +20,7 @@ from tests.controlplane.gateway.helpers import (  # noqa: E402
     valid_body,
 )
 from workers.engine_client import RequestRejectedError, WorkerUnavailableError  # noqa: E402
-from workers.protocol import GenerateOutput, GrammarLimits  # noqa: E402
+from workers.protocol.messages import GenerateOutput, GrammarLimits  # noqa: E402
 
 WORDS = ["Hello", " there", "!"]
 

@@ -15,7 +15,7 @@ from tests.controlplane.gateway.helpers import (
     key_headers,
     valid_body,
 )
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 PROMPT_FIELDS = {
     "chat.completions": "messages",

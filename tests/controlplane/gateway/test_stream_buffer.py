@@ -10,7 +10,7 @@ from controlplane.asgi import application
 from controlplane.gateway.tenant_caps import loads
 from tests.controlplane.gateway.helpers import PATHS, key_headers, valid_body
 from tests.controlplane.gateway.test_generation import _asgi_post
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 BUFFER = 8
 

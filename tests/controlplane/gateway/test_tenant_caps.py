@@ -12,7 +12,7 @@ from controlplane.asgi import application
 from controlplane.gateway.tenant_caps import loads
 from controlplane.tenants.models import Tenant
 from tests.controlplane.gateway.helpers import PATHS, assert_error, key_headers, valid_body
-from workers.protocol import GenerateOutput
+from workers.protocol.messages import GenerateOutput
 
 RATE_LIMIT_TYPES = {"chat.completions": "rate_limit_exceeded", "messages": "rate_limit_error"}
 

@@ -21,7 +21,7 @@ from tests.controlplane.gateway.helpers import (  # noqa: E402
     valid_body,
 )
 from tests.controlplane.gateway.live import live_gateway  # noqa: E402
-from workers.protocol import GrammarLimits  # noqa: E402
+from workers.protocol.messages import GrammarLimits  # noqa: E402
 
 # The server's threads only see committed rows.
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]

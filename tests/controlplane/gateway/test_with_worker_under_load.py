@@ -15,7 +15,7 @@ from tests.controlplane.gateway.helpers import PATHS, key_headers, sse_frames, v
 from tests.controlplane.gateway.live import live_gateway
 from tests.waiting import wait_until
 from workers.engine_client import EngineClient
-from workers.protocol import AbortRequest
+from workers.protocol.messages import AbortRequest
 
 # The server's threads only see committed rows.
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]

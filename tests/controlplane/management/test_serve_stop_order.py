@@ -17,7 +17,7 @@ from tests.workers.worker_process import CONFIG, Dealer, endpoints, wait_for_wor
 from workers.engine import SamplingParams
 from workers.kvstore.block_files import BlockFiles
 from workers.kvstore.remote_index import RemoteIndex
-from workers.protocol import GenerateOutput, GenerateRequest
+from workers.protocol.messages import GenerateOutput, GenerateRequest
 
 BLOCK_TOKENS = 16
 PROMPT = [random.Random(2).randrange(CONFIG["vocab_size"]) for _ in range(100)]

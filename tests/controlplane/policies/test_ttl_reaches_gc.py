@@ -12,7 +12,7 @@ from controlplane.policies.services import ttl_policy_set
 from controlplane.topology.models import ScalingEvent
 from tests.workers.worker_process import CONFIG, collect, connected_client, start_worker, wait_for_heartbeat
 from workers.engine import SamplingParams
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("default_ttl_policies")]
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.controlplane.gateway.conftest import api, fake_engine, fresh_rate_limits, no_workers  # noqa: F401
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 
 class FakeClock:

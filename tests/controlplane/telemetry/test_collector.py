@@ -18,7 +18,7 @@ from controlplane.telemetry.collector import (
     telemetry_collector,
 )
 from controlplane.telemetry.windows import RequestSample
-from workers.protocol import HandoffTotals, HistogramCounts
+from workers.protocol.messages import HandoffTotals, HistogramCounts
 
 SNAPSHOT_KEYS = {
     "at",

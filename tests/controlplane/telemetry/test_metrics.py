@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from controlplane.telemetry.metrics import exposition  # noqa: E402
 from tests.controlplane.gateway.helpers import key_headers, three_token_script, valid_body  # noqa: E402
-from workers.protocol import GenerateOutput, HandoffTotals, HistogramCounts, RequestPhaseTimes  # noqa: E402
+from workers.protocol.messages import GenerateOutput, HandoffTotals, HistogramCounts, RequestPhaseTimes  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

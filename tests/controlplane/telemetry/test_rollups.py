@@ -14,7 +14,7 @@ from controlplane.telemetry.models import DecodeLoadRollup, TelemetryRollup
 from controlplane.telemetry.selectors import rollup_series, rollup_token_totals
 from controlplane.telemetry.services import decode_load_rollup_upsert, rollup_upsert
 from controlplane.telemetry.windows import RequestSample
-from workers.protocol import HandoffTotals, HistogramCounts
+from workers.protocol.messages import HandoffTotals, HistogramCounts
 
 pytestmark = pytest.mark.django_db
 

@@ -17,7 +17,7 @@ from workers.engine import SamplingParams
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.ttl import TTLPolicy
-from workers.protocol import GenerateRequest
+from workers.protocol.messages import GenerateRequest
 
 PROMPT = [random.Random(2).randrange(CONFIG["vocab_size"]) for _ in range(200)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -22,7 +22,7 @@ from controlplane.topology.services import instance_drain
 from tests.waiting import wait_until
 from tests.workers.worker_process import Dealer, collect, connected_client, start_worker, token_ids
 from workers.engine import SamplingParams
-from workers.protocol import ControlAck, GenerateError, GenerateRequest, StatusRequest
+from workers.protocol.messages import ControlAck, GenerateError, GenerateRequest, StatusRequest
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -19,7 +19,7 @@ from controlplane.topology.services import (
     instances_fail_silent,
     topology_ensure_local,
 )
-from workers.protocol import WorkerHeartbeat
+from workers.protocol.messages import WorkerHeartbeat
 
 NOW = timezone.now().replace(microsecond=0)
 

@@ -11,7 +11,7 @@ from controlplane.topology.services import instance_drain, instance_resume, inst
 from tests.controlplane.fake_worker import fake_worker
 from workers import control_client
 from workers.kvstore.ttl import TTLPolicy
-from workers.protocol import (
+from workers.protocol.messages import (
     ApplyEPLayoutRequest,
     DrainRequest,
     ResumeRequest,

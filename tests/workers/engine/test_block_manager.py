@@ -1,6 +1,6 @@
 from workers.engine.block_manager import BlockManager
 from workers.engine.request import Request
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 
 def make_request(tokens: list[int], rid: str = "r", extra: bytes = b"m") -> Request:

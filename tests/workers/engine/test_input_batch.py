@@ -9,8 +9,8 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.engine.runner.input_batch import InputBatch, PackedLayout
 from workers.engine.runner.request_states import RequestStates
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.scheduler import Scheduler
+from workers.protocol.sampling_params import SamplingParams
 
 PAGE = 4
 

@@ -20,13 +20,13 @@ import zmq
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.block_hash import hash_chain, namespace_extra, scoped_namespace
 from workers.engine import LLM, SamplingParams, store_connector
-from workers.engine.errors import InvalidRequestError
 from workers.kvstore.directory_index import DirectoryIndex
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index_server import IndexServer
 from workers.kvstore.store import open_store
 from workers.kvstore.ttl import TTLPolicy
-from workers.protocol import CacheHint
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.messages import CacheHint
 
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]  # windowed and full layers, q/k norm
 BLOCK = 32  # store block: two engine pages of 16

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from kernels.moe import experts_reference
-from workers.engine.errors import ModelLoadError
 from workers.engine.layers.moe import GroupedSigmoidRouter, RoutedExperts, SoftmaxTopKRouter, SparseMoeBlock
+from workers.protocol.errors import ModelLoadError
 
 HIDDEN, EXPERTS, GROUPS, TOPK_GROUPS, TOP_K = 16, 16, 4, 2, 3
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.logprobs import TokenLogprobs
 from workers.engine.sampler import Sampler, SamplerOutput, SamplingBatch
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import SamplingParams
 
 DEVICES = [
     "cpu",

@@ -3,8 +3,8 @@ import math
 import msgspec
 import pytest
 
-from workers.engine.errors import InvalidRequestError
-from workers.engine.sampling_params import SamplingParams, decode_sampling_params, invalid_request_from
+from workers.protocol.errors import InvalidRequestError
+from workers.protocol.sampling_params import SamplingParams, decode_sampling_params, invalid_request_from
 
 # (field, rejected value, message it must produce); each boundary from both sides together with ACCEPTED.
 REJECTED = [

@@ -2,9 +2,9 @@ from dataclasses import dataclass
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
+from workers.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The engine's waiting queue: preempted requests first, then tenants by fair share."""
 
 from workers.engine.request import Request
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.fair_share import FORGET_IDLE_AFTER, FairShareClock
 from workers.engine.sched.waiting import WaitingQueue
+from workers.protocol.sampling_params import SamplingParams
 
 
 def make_request(rid: str, tenant: str = "", *, length: int = 10, weight: int = 1) -> Request:

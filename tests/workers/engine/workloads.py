@@ -7,7 +7,7 @@ import random
 import msgspec
 
 from workers.engine.engine import LLMEngine
-from workers.engine.sampling_params import SamplingParams
+from workers.protocol.sampling_params import SamplingParams
 
 ABORTED = "abort-me"
 

@@ -3,7 +3,7 @@ request moving between decode workers is placed only where the KV it already hol
 
 from workers.engine import SamplingParams
 from workers.entrypoint.router import EXPECTED_OUTPUT_TOKENS, NOMINAL_COST_MODEL, DecodeLoad, Router, expected_peak
-from workers.protocol import GenerateRequest, WorkerHeartbeat
+from workers.protocol.messages import GenerateRequest, WorkerHeartbeat
 
 
 def request(prompt_tokens: int, max_tokens: int | None) -> GenerateRequest:

@@ -3,7 +3,7 @@
 import pytest
 
 from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
-from workers.protocol import CacheHint
+from workers.protocol.messages import CacheHint
 
 BLOCK = 32
 NO_CAPS = RetentionCaps(max_tokens=1 << 20, max_retention_s=1e9)

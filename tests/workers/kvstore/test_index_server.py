@@ -15,12 +15,12 @@ import redis
 import zmq
 
 from workers.kvstore.index import IndexUsage
+from workers.kvstore.index_messages import KVIndexReply, KVIndexUsage
 from workers.kvstore.index_server import IndexServer
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.redis_index import RedisIndex
 from workers.kvstore.remote_index import RemoteIndex, RemoteIndexError
 from workers.kvstore.store import open_index
-from workers.protocol import KVIndexReply, KVIndexUsage
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from tests.workers.worker_process import (
 )
 from workers.control_client import new_command_id, send_control
 from workers.engine import LLM, SamplingParams
-from workers.protocol import (
+from workers.protocol.messages import (
     ApplyEPLayoutRequest,
     DrainRequest,
     GenerateOutput,

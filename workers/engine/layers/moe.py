@@ -19,7 +19,7 @@ from torch import nn
 
 from kernels.moe import experts as run_experts
 from workers.engine.config import MoeConfig
-from workers.engine.errors import ModelLoadError
+from workers.protocol.errors import ModelLoadError
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 

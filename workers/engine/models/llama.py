@@ -24,11 +24,11 @@ from torch import nn
 
 from kernels.attention import AttentionBackend, write_kv
 from workers.engine.config import ModelConfig
-from workers.engine.errors import ModelLoadError
 from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
 from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from workers.protocol.errors import ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 RotaryAngles = tuple[torch.Tensor, torch.Tensor]

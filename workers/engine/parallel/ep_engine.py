@@ -33,7 +33,6 @@ from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
 from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import EngineStats
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
 from workers.engine.parallel.in_flight import InFlight, aborted, report_deltas
@@ -47,9 +46,17 @@ from workers.engine.parallel.placement import (
 )
 from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_experts
 from workers.engine.parallel.rank_process import run_rank_process
-from workers.engine.sampling_params import SamplingParams
 from workers.eplb import place_experts
-from workers.protocol import CacheHint, EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, GenerateRequest
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import (
+    CacheHint,
+    EPGroupSpec,
+    EPRankCommand,
+    EPRankMessage,
+    EPRankReport,
+    GenerateRequest,
+)
+from workers.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import msgspec
 
 from workers.engine.constraints import TokenConstraint
 from workers.engine.outputs import RequestDelta, RequestFailure
-from workers.protocol import EPRankReport, GenerateRequest
+from workers.protocol.messages import EPRankReport, GenerateRequest
 
 
 @dataclass(slots=True)

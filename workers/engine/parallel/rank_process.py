@@ -1,5 +1,5 @@
 """The process of an EP rank other than 0: builds its engine, joins the group, then serves rank 0's
-commands (workers.protocol.EPRankCommand) over its pipe until told to stop or the pipe closes.
+commands (workers.protocol.messages.EPRankCommand) over its pipe until told to stop or the pipe closes.
 
 A command whose step fails (a collective broke: another rank died) is answered with the error; the
 rank then waits for a command that re-forms the group. Its requests are rank 0's to resubmit.
@@ -14,13 +14,13 @@ import torch
 
 from workers.args import EngineArgs
 from workers.engine.builder import build_rank_engine
-from workers.engine.errors import EngineOverloadedError, InvalidRequestError
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
 from workers.engine.parallel.rank import RankEngine
 from workers.process_title import set_process_title
-from workers.protocol import (
+from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import (
     EPGroupSpec,
     EPRankCommand,
     EPRankMessage,

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels import sampling
-from workers.engine.logprobs import TokenLogprobs
-from workers.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MODES = ("greedy", "sample", "extras", "logprobs")
 

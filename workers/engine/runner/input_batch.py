@@ -30,8 +30,8 @@ from kernels.attention import NULL_PAGE, DeviceStepTensors
 from kernels.sampling import seed_words
 from workers.engine.runner.device_sampling import SamplingExtras, SamplingTensors, needs_extras
 from workers.engine.runner.request_states import RequestState, RequestStates
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
+from workers.protocol.sampling_params import SamplingParams
 
 # Sections of the packed step buffer, each `tokens`, `seqs` or `samples` long, in this order.
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")

@@ -28,15 +28,15 @@ from kernels.attention import AttentionMetadata, StepBatch, default_backend, get
 from kernels.batch_invariance import min_invariant_rows
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache
-from workers.engine.logprobs import TokenLogprobs
 from workers.engine.models.llama import DecoderForCausalLM
 from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
 from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
-from workers.engine.sampling_params import MAX_LOGPROBS
 from workers.engine.sched.output import SchedulerOutput
+from workers.protocol.logprobs import TokenLogprobs
+from workers.protocol.sampling_params import MAX_LOGPROBS
 
 # Prompt logprobs are computed this many positions at a time, which bounds the [rows, vocab] logits
 # a long prompt chunk would otherwise materialise at once.

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from workers.engine.constraints import TokenConstraint
 from workers.engine.request import token_slice
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sched.output import SchedulerOutput
+from workers.protocol.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, eq=False)

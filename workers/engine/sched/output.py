@@ -17,8 +17,8 @@ Nothing here is a tensor: ids, counts and lists of ints only.
 from dataclasses import dataclass, field
 
 from workers.engine.constraints import TokenConstraint
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.store_connector import KVLoad
+from workers.protocol.sampling_params import SamplingParams
 
 # Block ids of one request, one list per KV-cache group.
 BlockIds = tuple[list[int], ...]

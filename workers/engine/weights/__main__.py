@@ -2,8 +2,8 @@
 
 import sys
 
-from workers.engine.errors import EngineError
 from workers.engine.weights import resolve_model
+from workers.protocol.errors import EngineError
 
 
 def main() -> int:

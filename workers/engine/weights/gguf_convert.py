@@ -18,8 +18,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from workers.engine.errors import ModelLoadError
 from workers.engine.weights.gguf_tokenizer import tokenizer_from_gguf
+from workers.protocol.errors import ModelLoadError
 
 # Bump workers.engine.weights.loader.CONVERTER_VERSION when the output changes, so that caches written by
 # an older converter are rebuilt.

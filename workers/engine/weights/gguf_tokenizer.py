@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from workers.engine.errors import ModelLoadError
+from workers.protocol.errors import ModelLoadError
 
 # llama.cpp's token types (gguf TokenType): NORMAL=1, CONTROL=3, USER_DEFINED=4.
 CONTROL_TOKEN_TYPE = 3

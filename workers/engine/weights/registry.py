@@ -8,7 +8,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.engine.errors import ModelLoadError
+from workers.protocol.errors import ModelLoadError
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@ import torch
 from safetensors.numpy import load_file
 
 from tests.workers.engine.weights.conftest import HEAD_DIM, HEADS, KV_HEADS, TinyGguf, llama_cpp_permute
-from workers.engine.errors import ModelLoadError
 from workers.engine.weights import ModelFiles, load_weights
 from workers.engine.weights.gguf_convert import convert_gguf, unpermute_rotary_rows
+from workers.protocol.errors import ModelLoadError
 
 CONFIG_FIELDS = (
     "hidden_size",

@@ -5,9 +5,9 @@ import pytest
 import tokenizers
 
 from tests.workers.engine.weights.conftest import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, tiny_tokens
-from workers.engine.errors import ModelLoadError
 from workers.engine.weights import ModelFiles
 from workers.engine.weights.gguf_tokenizer import tokenizer_from_gguf
+from workers.protocol.errors import ModelLoadError
 
 SOURCE = Path("tiny.gguf")
 

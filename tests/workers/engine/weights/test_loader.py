@@ -10,9 +10,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.workers.engine.weights.conftest import TinyGguf
-from workers.engine.errors import ModelLoadError, UnknownModelError
 from workers.engine.weights import ModelFiles, default_cache_dir, load_weights, resolve_model
 from workers.engine.weights.loader import MANIFEST_NAME
+from workers.protocol.errors import ModelLoadError, UnknownModelError
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 

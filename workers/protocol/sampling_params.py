@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from workers.engine.errors import InvalidRequestError
+from workers.protocol.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
