@@ -185,8 +185,8 @@ def _use(model: str, device: str) -> None:
 
 def _prompts(stack: _Stack, questions: list[str]) -> list[list[int]]:
     """The prompt token ids the gateway itself makes of each question (Completions echo counts them)."""
-    from recipe.tokenizer import Tokenizer
     from workers.engine.weights import resolve_model
+    from workers.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_files(resolve_model(MODEL))
     return [

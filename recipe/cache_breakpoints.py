@@ -36,8 +36,8 @@ from recipe.chatml import PromptText
 from recipe.errors import ApiError
 from recipe.limits import Path
 from recipe.prompt_encoding import tokens_before
-from recipe.tokenizer import Tokenizer
 from workers.protocol.messages import MAX_CACHE_HINTS, CacheHint
+from workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

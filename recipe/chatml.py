@@ -6,7 +6,7 @@ system prompt such templates insert when the first message is not a system messa
 templates lack is added in one native format: a tools section in the system prompt, assistant tool
 calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (one call per block), and
 a prompt that already opens `<tool_call>` when the request requires a call, so that the grammar
-(recipe.constraints) only has to produce the body.
+(workers.engine.structured.grammar) only has to produce the body.
 
 Tool results become user turns that wrap each result in `<tool_response>` tags, not turns of a
 `tool` role: SmolLM2's template and training know only system, user and assistant turns, so a user
@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import deepseek_recipe
 
-from recipe.tokenizer import Tokenizer
+from workers.protocol.messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from workers.text.tokenizer import Tokenizer
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
 
 TOOLS_SECTION = """# Tools
 

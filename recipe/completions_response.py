@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from recipe.cache_usage import chat_usage
 from recipe.prepared_request import SseEvent
-from recipe.tokenizer import Tokenizer
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.messages import GenerateOutput
+from workers.text.tokenizer import Tokenizer
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
 

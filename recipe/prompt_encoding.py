@@ -18,7 +18,7 @@ import numpy as np
 
 from recipe.chatml import PromptText, default_system_prompt, render_chatml
 from recipe.served_model import ServedModel
-from recipe.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 
 def encode_conversation(conversation: deepseek_recipe.Conversation, model: ServedModel) -> list[int]:

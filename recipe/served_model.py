@@ -5,8 +5,8 @@ from typing import TYPE_CHECKING, Literal
 
 import deepseek_recipe
 
-from recipe.tokenizer import Tokenizer
 from workers.protocol.errors import ModelLoadError
+from workers.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from workers.engine.weights import ModelFiles

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import deepseek_recipe
 
-from recipe.chatml import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from workers.protocol.messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 DEFAULT_DSML = deepseek_recipe.SpecialToken.Dsml.default_str()
 

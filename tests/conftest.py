@@ -16,9 +16,10 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
 
 import pytest  # noqa: E402
 
-from recipe.tokenizer import Tokenizer
+from tests.workers.text.tiny_tokenizer import make_tiny_tokenizer
 from workers.engine.weights import ModelFiles, resolve_model
 from workers.engine.weights.registry import find_packaged_model
+from workers.text.tokenizer import Tokenizer
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -27,6 +28,12 @@ SMOLLM2 = "smollm2-135m-instruct"
 def smollm2_files() -> ModelFiles:
     """The real model, converted once into the default cache ($SLUICE_CACHE_DIR or ~/.cache/sluice)."""
     return resolve_model(SMOLLM2, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer built in memory (tests.workers.text.tiny_tokenizer)."""
+    return make_tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")

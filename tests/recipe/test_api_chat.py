@@ -7,10 +7,10 @@ import deepseek_recipe as dr
 import pytest
 
 from recipe.api import PreparedRequest, ServedModel, SseEvent, prepare_request
-from recipe.detokenizer import IncrementalDetokenizer
-from recipe.tokenizer import Tokenizer
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.messages import GenerateOutput
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 IM_END = 2

@@ -4,7 +4,7 @@ import deepseek_recipe as dr
 import pytest
 
 from recipe.api import ApiError, ServedModel, count_tokens, list_models, prepare_request
-from recipe.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 512

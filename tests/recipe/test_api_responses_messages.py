@@ -8,9 +8,9 @@ import deepseek_recipe as dr
 import pytest
 
 from recipe.api import PreparedRequest, ServedModel, SseEvent, count_tokens, prepare_request
-from recipe.detokenizer import IncrementalDetokenizer
-from recipe.tokenizer import Tokenizer
 from workers.protocol.messages import GenerateOutput
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 IM_END = 2

@@ -5,7 +5,7 @@ import deepseek_recipe as dr
 import pytest
 
 from recipe.api import PreparedRequest, ServedModel, prepare_request
-from recipe.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 HOUR = {"type": "ephemeral", "ttl": "1h"}

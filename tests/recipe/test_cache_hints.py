@@ -6,8 +6,8 @@ import pytest
 
 from recipe.api import ApiError, ServedModel, count_tokens, prepare_request
 from recipe.limits import RequestLimits
-from recipe.tokenizer import Tokenizer
 from workers.protocol.messages import CacheHint
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]

@@ -7,8 +7,8 @@ import deepseek_recipe as dr
 import pytest
 
 from recipe.api import PreparedRequest, ServedModel, prepare_request
-from recipe.tokenizer import Tokenizer
 from workers.protocol.messages import GenerateOutput
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 HOUR = {"type": "ephemeral", "ttl": "1h"}

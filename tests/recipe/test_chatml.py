@@ -4,8 +4,8 @@ import deepseek_recipe as dr
 import pytest
 
 from recipe.chatml import IM_END, IM_START, PromptText, default_system_prompt, render_chatml
-from recipe.tokenizer import Tokenizer
-from tests.recipe.conftest import make_tiny_tokenizer
+from tests.workers.text.tiny_tokenizer import make_tiny_tokenizer
+from workers.text.tokenizer import Tokenizer
 
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 WEATHER = dr.ToolDefinition(

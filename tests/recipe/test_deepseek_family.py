@@ -11,9 +11,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 from recipe.api import ServedModel, prepare_request
 from recipe.prompt_encoding import encode_conversation
 from recipe.served_model import prompt_family
-from recipe.tokenizer import Tokenizer
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.messages import GenerateOutput
+from workers.text.tokenizer import Tokenizer
 
 SPECIALS = [
     token.default_str()

@@ -6,8 +6,8 @@ import pytest
 
 from recipe.api import ApiError, RequestLimits, ServedModel, count_tokens, prepare_request
 from recipe.limits import field_name
-from recipe.tokenizer import Tokenizer
 from workers.protocol.errors import InvalidRequestError
+from workers.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 USER = [{"role": "user", "content": "Hi"}]

@@ -4,8 +4,8 @@ import pytest
 from recipe.chatml import PromptText, render_chatml
 from recipe.prompt_encoding import encode_conversation, encode_prompt_text
 from recipe.served_model import ServedModel, prompt_family
-from recipe.tokenizer import Tokenizer
-from tests.recipe.conftest import make_tiny_tokenizer
+from tests.workers.text.tiny_tokenizer import make_tiny_tokenizer
+from workers.text.tokenizer import Tokenizer
 
 IM_START, IM_END = 1, 2  # in SmolLM2's vocabulary and in the tiny tokenizer's
 

@@ -9,10 +9,13 @@ import pytest
 
 from tests.workers.worker_process import REPO_ROOT
 
-# The protocol and the gateway-side modules that speak it (recipe.constraints is the worker's: it
-# builds token masks).
+# The protocol, the text layer and the gateway-side modules that speak them.
 GATEWAY_MODULES = [
     "workers.protocol.messages",
+    "workers.protocol.sampling_params",
+    "workers.protocol.errors",
+    "workers.text.tokenizer",
+    "workers.text.detokenizer",
     "workers.engine_client",
     "workers.split_stream",
     "workers.control_client",

@@ -13,10 +13,10 @@ batch once it is there (admit), or gives its pages back (cancel).
 """
 
 from workers.engine.block_manager import BlockManager
-from workers.engine.constraints import TokenConstraint
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff
 from workers.engine.request import Request
+from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 
 

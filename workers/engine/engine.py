@@ -19,7 +19,6 @@ from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.constraints import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.engine.disaggregation import Disaggregation, continued_request
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
@@ -36,6 +35,7 @@ from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.step_stats import StepStats
 from workers.engine.store_connector import StoreConnector, StoreStats
+from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from recipe.tokenizer import Tokenizer
 from workers.engine.config import ModelConfig
 from workers.engine.models.llama import DecoderForCausalLM
 from workers.engine.weights import load_weights, resolve_model
 from workers.protocol.errors import ModelLoadError
+from workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

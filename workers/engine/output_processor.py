@@ -9,13 +9,13 @@ engine releases the request.
 
 import time
 
-from recipe.tokenizer import Tokenizer
 from workers.engine.output_text import OutputText
 from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.request import FinishReason, Request
 from workers.engine.runner.model_runner import SampledToken
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.messages import RequestPhaseTimes
+from workers.text.tokenizer import Tokenizer
 
 
 class OutputProcessor:

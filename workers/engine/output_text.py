@@ -1,8 +1,8 @@
 """A request's output text: incremental detokenization, stop strings, and what may be streamed yet."""
 
-from recipe.detokenizer import IncrementalDetokenizer
-from recipe.tokenizer import Tokenizer
 from workers.protocol.sampling_params import SamplingParams
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 
 class OutputText:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.block_hash import BlockHash
-from workers.engine.constraints import TokenConstraint
+from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.hints import BlockRetention
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams

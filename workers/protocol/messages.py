@@ -23,7 +23,7 @@ from workers.protocol.sampling_params import SamplingParams
 
 
 class GrammarLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one request's output constraint may cost a worker (recipe.constraints). A grammar that
+    """What one request's output constraint may cost a worker (workers.engine.structured.grammar). A grammar that
     does not compile within them is refused before any token is generated; one that exceeds them
     while the request runs ends that request alone.
 
@@ -48,6 +48,12 @@ class GrammarLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_items_in_row: Annotated[int, msgspec.Meta(ge=1)] = 2000
     max_lexer_states: Annotated[int, msgspec.Meta(ge=1)] = 250_000
     max_grammar_size: Annotated[int, msgspec.Meta(ge=1)] = 500_000
+
+
+# The tags around a tool call in the chat format (recipe.chatml writes them into prompts and parses
+# them out of outputs); the "tool_call" kinds' grammars are the text between them.
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
 
 
 class OutputConstraintSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

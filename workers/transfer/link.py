@@ -37,8 +37,8 @@ import msgspec
 import zmq
 
 from workers import curve
-from workers.engine.constraints import TokenConstraint
 from workers.engine.kv_handoff import KVHandoff
+from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,

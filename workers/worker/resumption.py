@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestDelta
+from workers.engine.structured.constraint import ConstraintError, TokenConstraint
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol.messages import (
     DecodingState,

@@ -20,11 +20,11 @@ import msgspec
 import zmq
 
 from workers import curve
-from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.request import FinishReason
+from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
 from workers.kvstore.gc import GarbageCollector
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
@@ -307,7 +307,7 @@ class Worker:
 
     def _compile_constraint(self, spec: OutputConstraintSpec) -> TokenConstraint:
         # Imported here: grammar compilation is recipe's job and only constrained requests need it.
-        from recipe.constraints import compile_constraint
+        from workers.engine.structured.grammar import compile_constraint
 
         if self.engine.tokenizer is None:
             raise InvalidRequestError("output constraints need a tokenizer; this model was loaded without one")

@@ -26,8 +26,8 @@ from typing import NamedTuple
 import torch
 import zmq
 
-from workers.engine.constraints import ConstraintError, TokenConstraint
 from workers.engine.engine import LLMEngine
+from workers.engine.structured.constraint import ConstraintError, TokenConstraint
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol.messages import (
     REPLY_DONE,

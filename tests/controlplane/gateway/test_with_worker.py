@@ -113,9 +113,9 @@ def test_a_client_that_hangs_up_stops_its_request_in_the_engine(client, make_api
 
 
 def test_special_token_text_from_a_user_reaches_the_engine_as_plain_text(client, make_api_key, monkeypatch):
-    from recipe.tokenizer import Tokenizer
     from workers.engine.weights import resolve_model
     from workers.engine_client import EngineClient
+    from workers.text.tokenizer import Tokenizer
 
     sent = []
     generate = EngineClient.generate
@@ -174,8 +174,8 @@ def responses_body() -> dict:
 
 def toward_bs() -> dict[str, float]:
     """A logit bias that makes any model write `{"s": "bbbb` where the grammar lets it."""
-    from recipe.tokenizer import Tokenizer
     from workers.engine.weights import resolve_model
+    from workers.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_files(resolve_model(SMOLLM2))
     return {str(token): 100 for token in tokenizer.encode('{"s": "bbbb', allow_special=False)}

@@ -8,8 +8,8 @@ import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, RequestDelta, SamplingParams
-from workers.engine.constraints import ConstraintError
 from workers.engine.engine import LLMEngine
+from workers.engine.structured.constraint import ConstraintError
 
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]
 VOCAB = CONFIG["vocab_size"]

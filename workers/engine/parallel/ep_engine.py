@@ -31,7 +31,6 @@ import torch
 from workers.args import EngineArgs
 from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
-from workers.engine.constraints import TokenConstraint
 from workers.engine.engine import EngineStats
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
@@ -46,6 +45,7 @@ from workers.engine.parallel.placement import (
 )
 from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_experts
 from workers.engine.parallel.rank_process import run_rank_process
+from workers.engine.structured.constraint import TokenConstraint
 from workers.eplb import place_experts
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol.messages import (

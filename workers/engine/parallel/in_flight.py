@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from workers.engine.constraints import TokenConstraint
 from workers.engine.outputs import RequestDelta, RequestFailure
+from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.messages import EPRankReport, GenerateRequest
 
 

@@ -8,9 +8,9 @@ and the host-driven sampler read.
 
 from dataclasses import dataclass
 
-from workers.engine.constraints import TokenConstraint
 from workers.engine.request import token_slice
 from workers.engine.sched.output import SchedulerOutput
+from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams
 
 

@@ -16,8 +16,8 @@ Nothing here is a tensor: ids, counts and lists of ints only.
 
 from dataclasses import dataclass, field
 
-from workers.engine.constraints import TokenConstraint
 from workers.engine.store_connector import KVLoad
+from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams
 
 # Block ids of one request, one list per KV-cache group.

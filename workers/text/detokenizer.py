@@ -9,7 +9,7 @@ sequence until the bytes that finish it arrive. The work per token is constant, 
 import codecs
 from collections.abc import Sequence
 
-from recipe.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -3,11 +3,11 @@ import json
 import pytest
 import torch
 
-from recipe.constraints import compile_constraint
-from recipe.tokenizer import Tokenizer
-from workers.engine.constraints import ConstraintError, TokenConstraint
+from workers.engine.structured.constraint import ConstraintError, TokenConstraint
+from workers.engine.structured.grammar import compile_constraint
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.messages import GrammarLimits, OutputConstraintSpec
+from workers.text.tokenizer import Tokenizer
 
 VOCAB = 49152
 PERSON = {

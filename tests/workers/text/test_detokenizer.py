@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from recipe.detokenizer import IncrementalDetokenizer
-from recipe.tokenizer import Tokenizer
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.tokenizer import Tokenizer
 
 MULTILINGUAL_TEXT = (
     "Hello! Grüße aus München. Привет, мир. 日本語のテキストと中文文本，한국어 텍스트. "

@@ -2,7 +2,7 @@
 
 Built on the `tokenizers` library with the model's `tokenizer.json`. User text never becomes a control
 token unless the caller asks for it, and every token maps to the exact bytes it stands for, so that
-output can be decoded incrementally (see `recipe.detokenizer`).
+output can be decoded incrementally (see `workers.text.detokenizer`).
 """
 
 import json

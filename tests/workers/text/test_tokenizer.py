@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 
-from recipe.tokenizer import Tokenizer
-from tests.recipe.conftest import TINY_CHAT_TEMPLATE, make_tiny_tokenizer, tiny_tokenizer_json
+from tests.workers.text.tiny_tokenizer import TINY_CHAT_TEMPLATE, make_tiny_tokenizer, tiny_tokenizer_json
 from workers.engine.weights import ModelFiles
 from workers.protocol.errors import InvalidRequestError, ModelLoadError
+from workers.text.tokenizer import Tokenizer
 
 IM_START, IM_END = 1, 2
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 DIGIT_FREE_TEXTS = [
     "Hello, world! How are you doing today?",
@@ -47,9 +47,9 @@ CONVERSATIONS = [
 
 
 def test_modules_import_on_their_own() -> None:
-    """The gateway imports recipe without having imported the engine first."""
+    """The gateway imports the text layer without having imported the engine first."""
     imported = subprocess.run(
-        [sys.executable, "-c", "import recipe.tokenizer, recipe.detokenizer"],
+        [sys.executable, "-c", "import workers.text.tokenizer, workers.text.detokenizer"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -1,6 +1,6 @@
 import pytest
 
-from recipe.grammar_limits import largest_repeat, schema_patterns
+from workers.engine.structured.grammar_limits import largest_repeat, schema_patterns
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,11 @@
-"""Fixtures: a tiny byte-level tokenizer built in memory (fast), and the real SmolLM2 tokenizer (slow)."""
+"""A tiny byte-level tokenizer built in memory (fast), for tests that need a tokenizer but not the real one."""
 
 from pathlib import Path
 
-import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from recipe.tokenizer import Tokenizer
+from workers.text.tokenizer import Tokenizer
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_CHAT_TEMPLATE = (
@@ -40,8 +39,3 @@ def make_tiny_tokenizer(
         chat_template=chat_template,
         source=Path("tiny/tokenizer.json"),
     )
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer() -> Tokenizer:
-    return make_tiny_tokenizer()

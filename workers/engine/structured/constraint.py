@@ -1,9 +1,9 @@
 """What the engine needs from an output constraint (a JSON schema, a regex, a tool-call grammar), and
 how it keeps a constraint's failure to the request that has it.
 
-The engine does not know grammars: `recipe` compiles a request's constraint into an object with
-these three methods, and the engine asks it for a token mask before each sampled token and tells
-it which token was chosen. A constraint belongs to one request and is only used from the engine's
+The engine loop does not know grammars: `structured.grammar` compiles a request's constraint into
+an object with these three methods, and the engine asks it for a token mask before each sampled
+token and tells it which token was chosen. A constraint belongs to one request and is only used from the engine's
 thread.
 
 A constraint may fail while the request runs (its grammar hits a resource limit on the text the

@@ -18,7 +18,7 @@ Kinds (see workers.protocol.messages.OutputConstraintSpec):
   a call as above; more calls may follow, separated by at most a newline, and nothing else.
 Once the grammar is complete, only an end-of-sequence token may follow.
 
-Bounds (the spec's GrammarLimits, see recipe.grammar_limits): a constraint that does not compile
+Bounds (the spec's GrammarLimits, see workers.engine.structured.grammar_limits): a constraint that does not compile
 within them, or whose first mask fails, raises InvalidRequestError here, before any token is
 generated; one that exceeds them later, on the text generated so far, raises ConstraintError from
 allowed_tokens() or advance(), and the engine ends that request alone.
@@ -34,12 +34,11 @@ import llguidance
 import numpy as np
 import torch
 
-from recipe.chatml import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from recipe.grammar_limits import largest_repeat, parser_limits, schema_patterns
-from recipe.tokenizer import Tokenizer
-from workers.engine.constraints import ConstraintError, TokenConstraint
+from workers.engine.structured.constraint import ConstraintError, TokenConstraint
+from workers.engine.structured.grammar_limits import largest_repeat, parser_limits, schema_patterns
 from workers.protocol.errors import InvalidRequestError
-from workers.protocol.messages import GrammarLimits, OutputConstraintSpec
+from workers.protocol.messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, GrammarLimits, OutputConstraintSpec
+from workers.text.tokenizer import Tokenizer
 
 ANY_JSON_OBJECT = {"type": "object"}
 
