@@ -9,16 +9,13 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import tokenizers
 from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from workers.protocol.errors import InvalidRequestError, ModelLoadError
-
-if TYPE_CHECKING:
-    from workers.engine.weights import ModelFiles
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where newer transformers versions save the template
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -35,6 +32,15 @@ def _byte_level_chars() -> dict[str, int]:
 
 
 BYTE_LEVEL_CHARS = _byte_level_chars()
+
+
+class TokenizerFiles(Protocol):
+    """What a tokenizer is read from: a model directory's files (workers.engine.weights.ModelFiles)."""
+
+    directory: Path
+    tokenizer_file: Path | None
+    tokenizer_config: dict
+    generation_config: dict
 
 
 class Tokenizer:
@@ -72,7 +78,7 @@ class Tokenizer:
         self._compiled_template = _compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
-    def from_model_files(cls, files: "ModelFiles") -> "Tokenizer":
+    def from_model_files(cls, files: "TokenizerFiles") -> "Tokenizer":
         if files.tokenizer_file is None:
             raise ModelLoadError(f"{files.directory}: no tokenizer.json")
         try:
@@ -188,7 +194,7 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _find_chat_template(files: "ModelFiles") -> str | None:
+def _find_chat_template(files: "TokenizerFiles") -> str | None:
     template = files.tokenizer_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         template = next((entry.get("template") for entry in template if entry.get("name") == "default"), None)
