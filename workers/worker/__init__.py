@@ -18,9 +18,7 @@ The parts, one job each: `process` (the entry point: title, parent death, crash 
 prefill, KV expected and taken in for decode), `heartbeats` (load reports and the registration),
 `control` (drain state and control commands), `config` (WorkerConfig and its flags).
 
-Run it with `run_worker_process(WorkerConfig(...))` or `python -m workers.worker --model ...`.
+Run it with `workers.worker.process.run_worker_process(WorkerConfig(...))` or
+`python -m workers.worker --model ...`. The package itself imports nothing, so the control plane can
+read the worker's settings (`config`) without loading torch.
 """
-
-from workers.worker.process import configure_logging, main, run_worker_process
-
-__all__ = ["configure_logging", "main", "run_worker_process"]
