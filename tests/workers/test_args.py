@@ -12,7 +12,7 @@ from workers.cost_model import PrefillCostModel
 from workers.engine import LLM
 from workers.engine.builder import build_engine, engine_config
 from workers.engine.config import EngineConfig
-from workers.worker.config import add_worker_arguments, config_from_arguments
+from workers.worker.args import add_worker_arguments, config_from_arguments
 
 
 def parse(argv: list[str], **defaults) -> EngineArgs:

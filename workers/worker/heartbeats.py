@@ -17,7 +17,7 @@ from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
 from workers.protocol import HistogramCounts, WorkerHeartbeat, WorkerRegistration
-from workers.worker.config import WorkerConfig
+from workers.worker.args import WorkerConfig
 from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers
 

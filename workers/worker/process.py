@@ -19,7 +19,7 @@ from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import KVStore
 from workers.kvstore.ttl import TTLPolicy
 from workers.process_title import set_process_title
-from workers.worker.config import WorkerConfig, add_worker_arguments, config_from_arguments
+from workers.worker.args import WorkerConfig, add_worker_arguments, config_from_arguments
 from workers.worker.server import CLOSE_LINGER_MS, Worker
 
 log = logging.getLogger(__name__)

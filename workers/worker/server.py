@@ -52,8 +52,8 @@ from workers.protocol import (
 from workers.registry import register_until_acknowledged
 from workers.transfer.link import TransferReceiver, TransferSender
 from workers.transfer.pools import PoolExport
+from workers.worker.args import WorkerConfig
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
-from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
 from workers.worker.migration import Migration

@@ -4,7 +4,7 @@ import argparse
 
 from django.core.management.base import BaseCommand
 
-from workers.worker.config import add_worker_arguments, config_from_arguments
+from workers.worker.args import add_worker_arguments, config_from_arguments
 from workers.worker.process import configure_logging, run_worker_process
 
 

@@ -10,7 +10,7 @@ from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.builder import build_engine
 from workers.engine.parallel.placement import PlacementError
-from workers.worker.config import WorkerConfig
+from workers.worker.args import WorkerConfig
 
 
 @pytest.mark.parametrize(
