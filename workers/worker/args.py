@@ -1,4 +1,4 @@
-"""An engine worker's configuration: the WorkerConfig struct, which validates itself, and the
+"""An engine worker's configuration: the WorkerArgs struct, which validates itself, and the
 command-line options that build it (shared by `python -m workers.worker` and `manage.py run_worker`).
 The engine's settings are an EngineArgs (workers.args), options and all."""
 
@@ -19,7 +19,7 @@ ROLES = ("mixed", "prefill", "decode")
 TRANSFER_TIMEOUT_S = 120.0
 
 
-class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's own settings; its engine's are `engine` (workers.args)."""
 
     engine: EngineArgs
@@ -106,8 +106,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_arguments(args: argparse.Namespace) -> WorkerConfig:
-    return WorkerConfig(
+def config_from_arguments(args: argparse.Namespace) -> WorkerArgs:
+    return WorkerArgs(
         engine=EngineArgs.from_namespace(args),
         role=args.role,
         request_endpoint=args.request_endpoint,
