@@ -12,7 +12,7 @@ from workers.cost_model import PrefillCostModel
 from workers.engine import LLM
 from workers.engine.builder import build_engine, engine_config
 from workers.engine.config import EngineConfig
-from workers.worker.args import add_worker_arguments, config_from_arguments
+from workers.worker.args import WorkerArgs, add_worker_arguments
 
 
 def parse(argv: list[str], **defaults) -> EngineArgs:
@@ -121,7 +121,7 @@ def test_the_worker_config_holds_the_engine_args():
     add_worker_arguments(parser)
     argv = ["--model=m", "--request-endpoint=ipc:///a", "--heartbeat-endpoint=ipc:///b", "--enforce-eager"]
 
-    config = config_from_arguments(parser.parse_args([*argv, "--role=prefill", "--max-num-seqs=4"]))
+    config = WorkerArgs.from_namespace(parser.parse_args([*argv, "--role=prefill", "--max-num-seqs=4"]))
 
     assert config.role == "prefill"
     assert config.engine == EngineArgs(model="m", max_num_seqs=4, enforce_eager=True)

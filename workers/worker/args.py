@@ -1,17 +1,27 @@
-"""An engine worker's configuration: the WorkerArgs struct, which validates itself, and the
-command-line options that build it (shared by `python -m workers.worker` and `manage.py run_worker`).
-The engine's settings are an EngineArgs (workers.args), options and all."""
+"""WorkerArgs: every setting of an engine worker once — name, type, default, validation, help and
+command-line flag — beside its engine's, which are an EngineArgs (workers.args), options and all.
+
+`python -m workers.worker` and `manage.py run_worker` parse a WorkerArgs from their command line
+(`add_worker_arguments`, `WorkerArgs.from_namespace`); `serve` and the node agent write one back as
+that command line (`to_argv()`) for each worker they start. Torch-free, so the control plane can
+build worker command lines without loading the engine.
+"""
 
 import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
-import msgspec
-
-from workers.args import EngineArgs, add_engine_arguments
+from workers.args import EngineArgs, add_engine_arguments, add_setting_arguments, setting, setting_argv
 from workers.curve import KEY_FILE_VARIABLE, key_file_from_environment
 from workers.kvstore.eviction import POLICIES
-from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTERVAL_S, add_gc_arguments
+from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTERVAL_S
 
 ROLES = ("mixed", "prefill", "decode")
+HEARTBEAT_INTERVAL_S = 0.1
+# How long a worker may send no heartbeat before its clients (gateways) and the registry take it for
+# dead: thirty heartbeats at the default interval, room for a loaded host's late ones.
+HEARTBEAT_TIMEOUT_S = 3.0
 # Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
 # names no timeout of its own (the gateway's name the request's predicted prefill and transfer, see
 # workers.prefill_deadlines). It counts from the expectation, which comes before the prefill is even
@@ -19,29 +29,49 @@ ROLES = ("mixed", "prefill", "decode")
 TRANSFER_TIMEOUT_S = 120.0
 
 
-class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's own settings; its engine's are `engine` (workers.args)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerArgs:
+    """A worker's own settings and its engine's (`engine`); validated on construction (ValueError)."""
 
     engine: EngineArgs
-    request_endpoint: str  # bound by the ROUTER, e.g. "tcp://*:7100" or "ipc:///run/sluice/w0.req"
-    heartbeat_endpoint: str  # bound by the PUB
-    worker_id: str = ""  # "" = "<hostname>-<pid>"
-    role: str = "mixed"
-    heartbeat_interval_s: float = 0.1
+    request_endpoint: str = setting(help='bind the ROUTER requests arrive on here, e.g. "tcp://*:7100"')
+    heartbeat_endpoint: str = setting(help="bind the PUB heartbeats go out on here")
+    worker_id: str = setting("", help="the worker's name", none="<hostname>-<pid>")
+    role: str = setting("mixed", choices=ROLES, help="mixed: prefill and decode in one process")
+    heartbeat_interval_s: float = setting(HEARTBEAT_INTERVAL_S, flag="--heartbeat-interval", help="seconds")
     # The GC of the store, run by this worker every kv_gc_interval_s (0: another process runs it).
-    kv_gc_interval_s: float = GC_INTERVAL_S
-    kv_store_capacity_bytes: int = CAPACITY_BYTES
-    kv_eviction_policy: str = EVICTION_POLICY
-    pool: str = ""  # the pool the control plane scales this worker in
-    registry_endpoint: str | None = None  # where to register (a RegistryServer); None: nowhere
-    transfer_endpoint: str | None = None  # a decode worker's ROUTER for KV transfers (bound)
-    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
-    # The host name or address peers on other hosts reach this worker at: wildcard binds
-    # ("tcp://*:7100") are advertised under it. "": this host's name.
-    advertise_host: str = ""
-    # The cluster's CURVE key file (workers.curve): "" for none, when every endpoint is ipc:// or
-    # loopback tcp://.
-    curve_key_file: str = ""
+    kv_gc_interval_s: float = setting(
+        GC_INTERVAL_S,
+        flag="--kv-gc-interval",
+        help="seconds between runs of the store's GC in this worker; 0: none (run_kv_gc runs it)",
+    )
+    kv_store_capacity_bytes: int = setting(
+        CAPACITY_BYTES,
+        help="bytes the store may hold: the GC evicts from its high watermark down to its low one, fractions of this",
+    )
+    kv_eviction_policy: str = setting(
+        EVICTION_POLICY, choices=sorted(POLICIES), help="which blocks the GC evicts first"
+    )
+    pool: str = setting("", help="the pool the control plane scales this worker in")
+    registry_endpoint: str | None = setting(None, help="register with the control plane's registry there")
+    transfer_endpoint: str | None = setting(None, help="decode workers: bind the socket KV transfers arrive on here")
+    transfer_timeout_s: float = setting(
+        TRANSFER_TIMEOUT_S,
+        flag="--transfer-timeout",
+        help="seconds a decode worker waits for KV when the expectation names no timeout",
+    )
+    advertise_host: str = setting(
+        "",
+        help="the host name or address other hosts reach this worker at: wildcard binds (tcp://*:7100) are "
+        "registered under it",
+        none="this host's name",
+    )
+    curve_key_file: str = setting(
+        "",
+        help="the cluster's CURVE key file; every tcp:// socket is then authenticated and encrypted, and "
+        "without it only loopback tcp:// is allowed",
+        none=f"${KEY_FILE_VARIABLE}",
+    )
 
     def endpoints(self) -> list[str]:
         """Every endpoint the worker binds or connects to at start."""
@@ -68,59 +98,52 @@ class WorkerArgs(msgspec.Struct, frozen=True, kw_only=True):
         if self.kv_eviction_policy not in POLICIES:
             raise ValueError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from {sorted(POLICIES)}")
 
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "WorkerArgs":
+        """The settings parsed by a parser that add_worker_arguments set up."""
+        own = {f.name: getattr(namespace, f.name) for f in fields(cls) if f.name != "engine"}
+        return cls(engine=EngineArgs.from_namespace(namespace), **own)
 
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker's command-line options, shared by this module's CLI and `manage.py run_worker`:
-    the engine's (workers.args) and the worker's own."""
-    add_engine_arguments(parser)
-    parser.add_argument(
-        "--role", default="mixed", choices=ROLES, help="mixed: prefill and decode in one process (default)"
-    )
-    parser.add_argument("--request-endpoint", required=True)
-    parser.add_argument("--heartbeat-endpoint", required=True)
-    parser.add_argument("--worker-id", default="")
-    parser.add_argument("--heartbeat-interval", type=float, default=0.1, help="seconds")
-    add_gc_arguments(
-        parser, interval_help="seconds between runs of the store's GC in this worker; 0: none (run_kv_gc runs it)"
-    )
-    parser.add_argument("--pool", default="", help="the pool the control plane scales this worker in")
-    parser.add_argument("--registry-endpoint", help="register with the control plane's registry there")
-    parser.add_argument("--transfer-endpoint", help="decode workers: bind the socket KV transfers arrive on here")
-    parser.add_argument(
-        "--transfer-timeout",
-        type=float,
-        default=TRANSFER_TIMEOUT_S,
-        help="seconds a decode worker waits for KV when the expectation names no timeout",
-    )
-    parser.add_argument(
-        "--advertise-host",
-        default="",
-        help="the host name or address other hosts reach this worker at: wildcard binds (tcp://*:7100) are "
-        "registered under it (default: this host's name)",
-    )
-    parser.add_argument(
-        "--curve-key-file",
-        default=key_file_from_environment(),
-        help=f"the cluster's CURVE key file (default: ${KEY_FILE_VARIABLE}); every tcp:// socket is then "
-        "authenticated and encrypted, and without it only loopback tcp:// is allowed",
-    )
+    @classmethod
+    def from_argv(cls, argv: Sequence[str], **given: Any) -> "WorkerArgs":
+        """The settings of a worker started with the options `argv` followed by options giving `given`
+        (settings of the worker or of its engine, by name; no flags): the last given wins, as on a
+        command line. Bad options raise ValueError. The CURVE key file is not taken from this process's
+        environment: a worker started without one reads its own."""
+        engine_names = {f.name for f in fields(EngineArgs)}
+        parser = _RaisingParser(add_help=False)
+        add_worker_arguments(
+            parser,
+            engine_defaults={name: value for name, value in given.items() if name in engine_names},
+            defaults={
+                "curve_key_file": "",
+                **{name: value for name, value in given.items() if name not in engine_names},
+            },
+        )
+        namespace = parser.parse_args(list(argv))
+        for name, value in given.items():
+            setattr(namespace, name, value)
+        return cls.from_namespace(namespace)
+
+    def to_argv(self) -> list[str]:
+        """The command-line options that give these settings (those left at their default are left out)."""
+        return [*self.engine.to_argv(), *setting_argv(self)]
 
 
-def config_from_arguments(args: argparse.Namespace) -> WorkerArgs:
-    return WorkerArgs(
-        engine=EngineArgs.from_namespace(args),
-        role=args.role,
-        request_endpoint=args.request_endpoint,
-        heartbeat_endpoint=args.heartbeat_endpoint,
-        worker_id=args.worker_id,
-        heartbeat_interval_s=args.heartbeat_interval,
-        kv_gc_interval_s=args.kv_gc_interval,
-        kv_store_capacity_bytes=args.kv_store_capacity_bytes,
-        kv_eviction_policy=args.kv_eviction_policy,
-        pool=args.pool,
-        registry_endpoint=args.registry_endpoint,
-        transfer_endpoint=args.transfer_endpoint,
-        transfer_timeout_s=args.transfer_timeout,
-        advertise_host=args.advertise_host,
-        curve_key_file=args.curve_key_file,
-    )
+def add_worker_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    engine_defaults: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """The worker's command-line options, shared by `python -m workers.worker` and `manage.py
+    run_worker`: the engine's (workers.args) and the worker's own. `engine_defaults` and `defaults`
+    replace some defaults of the engine's settings and of the worker's; the CURVE key file defaults
+    to the environment's."""
+    add_engine_arguments(parser, defaults=engine_defaults)
+    add_setting_arguments(parser, WorkerArgs, {"curve_key_file": key_file_from_environment(), **(defaults or {})})
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ValueError(message)

@@ -19,7 +19,7 @@ from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import KVStore
 from workers.kvstore.ttl import TTLPolicy
 from workers.process_title import set_process_title
-from workers.worker.args import WorkerArgs, add_worker_arguments, config_from_arguments
+from workers.worker.args import WorkerArgs, add_worker_arguments
 from workers.worker.server import CLOSE_LINGER_MS, Worker
 
 log = logging.getLogger(__name__)
@@ -102,4 +102,4 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_worker_arguments(parser)
     configure_logging()
-    run_worker_process(config_from_arguments(parser.parse_args(argv)))
+    run_worker_process(WorkerArgs.from_namespace(parser.parse_args(argv)))
