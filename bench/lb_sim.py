@@ -57,13 +57,13 @@ from workers.balancers.baselines import LeastRequestsDecode, LeastRequestsPrefil
 from workers.balancers.decode import DecodeBalancer, DecodeWorker, new_workers
 from workers.balancers.prefill import DEFAULT_TIERS, PrefillBalancer
 from workers.cost_model import PrefillCostModel
+from workers.entrypoint.router import CHUNK_LIMIT
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 DEFAULT_COST_MODEL = Path("var/cost_model.json")
 TRACE_BLOCK_TOKENS = 512
 TRACE_CONTEXT = 131072
 CONTEXT = SMOLLM2_135M_CONFIG["max_position_embeddings"]
-CHUNK_LIMIT = 2048  # the engine's default max_num_batched_tokens
 MAX_DECODE_REQUESTS = 64  # the engine's default max_num_seqs
 # float32 K and V per token: 2 x layers x kv heads x head dim x 4 bytes.
 KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
