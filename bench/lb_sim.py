@@ -53,21 +53,22 @@ from typing import Protocol
 import numpy as np
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
+from workers.args import CPU_KV_CACHE_BYTES, default
 from workers.balancers.baselines import LeastRequestsDecode, LeastRequestsPrefill, RoundRobinDecode, RoundRobinPrefill
 from workers.balancers.decode import DecodeBalancer, DecodeWorker, new_workers
 from workers.balancers.prefill import DEFAULT_TIERS, PrefillBalancer
 from workers.cost_model import PrefillCostModel
+from workers.entrypoint.router import CHUNK_LIMIT
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 DEFAULT_COST_MODEL = Path("var/cost_model.json")
 TRACE_BLOCK_TOKENS = 512
 TRACE_CONTEXT = 131072
 CONTEXT = SMOLLM2_135M_CONFIG["max_position_embeddings"]
-CHUNK_LIMIT = 2048  # the engine's default max_num_batched_tokens
-MAX_DECODE_REQUESTS = 64  # the engine's default max_num_seqs
+MAX_DECODE_REQUESTS = default("max_num_seqs")
 # float32 K and V per token: 2 x layers x kv heads x head dim x 4 bytes.
 KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
-DECODE_KV_CAPACITY = (1 << 30) // KV_BYTES_PER_TOKEN  # the engine's default 1 GiB cache
+DECODE_KV_CAPACITY = CPU_KV_CACHE_BYTES // KV_BYTES_PER_TOKEN  # the engine's default cache on a CPU
 QUICK_REQUESTS = 300
 # The tier re-sizing window, in mean requests' worth of compute: long enough to measure demand.
 DEFAULT_WINDOW_REQUESTS = 100

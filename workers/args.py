@@ -5,7 +5,8 @@ The offline `LLM(...)`, the worker (`python -m workers.worker`, `manage.py run_w
 `manage.py serve` all start from an EngineArgs, and workers.engine.builder turns one into an engine.
 The command-line options are generated from the fields (`add_engine_arguments`,
 `EngineArgs.from_namespace`); `to_argv()` writes settings back as options, which is how `serve`
-hands its settings to the workers it starts.
+hands its settings to the workers it starts. The worker's own settings (workers.worker.args) are
+defined the same way, with `setting`, `add_setting_arguments` and `setting_argv`.
 
 Torch-free, so the control plane can parse and check engine settings without loading the engine.
 """
@@ -49,7 +50,7 @@ def dtype_name(dtype: "str | torch.dtype") -> str:
     return name
 
 
-def _setting(
+def setting(
     default: Any = dataclasses.MISSING,
     *,
     help: str,
@@ -57,8 +58,9 @@ def _setting(
     flag: str | None = None,
     **argparse_options: Any,
 ) -> Any:
-    """A field of EngineArgs: its default and what its command-line option needs. `none` says what
-    None means; `flag` defaults to the name with dashes (--max-num-seqs); a bool's flag flips its default."""
+    """A field of a settings dataclass (EngineArgs, WorkerArgs): its default and what its command-line
+    option needs. `none` says what a None or "" default means; `flag` defaults to the name with dashes
+    (--max-num-seqs); a bool's flag flips its default."""
     return field(default=default, metadata={"help": help, "none": none, "flag": flag, "options": argparse_options})
 
 
@@ -66,86 +68,86 @@ def _setting(
 class EngineArgs:
     """The settings of one engine; validated on construction (ValueError naming the setting)."""
 
-    model: str | os.PathLike | dict[str, Any] = _setting(
+    model: str | os.PathLike | dict[str, Any] = setting(
         help="packaged model name, Hugging Face directory, or config JSON (random weights from --seed)"
     )
-    tokenizer: str | os.PathLike | None = _setting(
+    tokenizer: str | os.PathLike | None = setting(
         None, help="a model name or directory to take the tokenizer from", none="the model's own"
     )
-    device: str = _setting("cpu", help="torch device to run on")
-    dtype: str | None = _setting(
+    device: str = setting("cpu", help="torch device to run on")
+    dtype: str | None = setting(
         None, help="model and KV dtype", none="float32 on the CPU, bfloat16 on CUDA", choices=DTYPES
     )
-    seed: int = _setting(0, help="seed of the sampler, and of the weights of a model built from a config")
-    attention_backend: str | None = _setting(None, help="attention kernels", none="the device's default")
-    page_size: int = _setting(16, help="tokens per KV page (a power of two)")
-    num_pages: int | None = _setting(
+    seed: int = setting(0, help="seed of the sampler, and of the weights of a model built from a config")
+    attention_backend: str | None = setting(None, help="attention kernels", none="the device's default")
+    page_size: int = setting(16, help="tokens per KV page (a power of two)")
+    num_pages: int | None = setting(
         None,
         help="KV pages, whatever the other KV settings say",
         none="sized by --kv-cache-bytes or --gpu-memory-utilization",
     )
-    kv_cache_bytes: int | None = _setting(
+    kv_cache_bytes: int | None = setting(
         None,
         help="bytes of KV cache, when --num-pages is not given; given, it also holds on CUDA, where "
         "--gpu-memory-utilization then does not apply",
         none=f"on CUDA, what --gpu-memory-utilization leaves; elsewhere {CPU_KV_CACHE_BYTES >> 30} GiB",
     )
-    gpu_memory_utilization: float = _setting(
+    gpu_memory_utilization: float = setting(
         0.9,
         help="on CUDA, the fraction of the device's total memory this engine may use in all (weights, "
         "activations, CUDA graphs and KV cache): the KV cache gets what the rest leaves of it. Engines "
         "sharing a device each take their own fraction (manage.py serve divides it among its workers). "
         "Applies only when neither --num-pages nor --kv-cache-bytes is given",
     )
-    max_num_seqs: int = _setting(64, help="requests running at once")
-    max_num_batched_tokens: int = _setting(2048, help="tokens computed per step")
-    max_model_len: int | None = _setting(None, help="context window", none="the model's")
-    enable_prefix_caching: bool = _setting(True, flag="--no-prefix-caching", help="do not reuse cached prefix pages")
-    max_waiting: int | None = _setting(
+    max_num_seqs: int = setting(64, help="requests running at once")
+    max_num_batched_tokens: int = setting(2048, help="tokens computed per step")
+    max_model_len: int | None = setting(None, help="context window", none="the model's")
+    enable_prefix_caching: bool = setting(True, flag="--no-prefix-caching", help="do not reuse cached prefix pages")
+    max_waiting: int | None = setting(
         None, help='requests allowed to wait; past it requests are refused as "overloaded"', none="unbounded"
     )
-    kv_store: str | os.PathLike | None = _setting(None, help="directory of the global KV block store", none="no store")
-    kv_store_index: str = _setting(
+    kv_store: str | os.PathLike | None = setting(None, help="directory of the global KV block store", none="no store")
+    kv_store_index: str = setting(
         "memory",
         help='index of the KV store: "memory" (this process\'s own), redis://host:port/db, or ipc://PATH where the '
         "store's GC process serves its index (manage.py run_kv_gc --serve-index)",
     )
-    kv_block_tokens: int = _setting(128, help="tokens per block of the KV store (a multiple of --page-size)")
-    kv_store_max_retained_tokens: int = _setting(
+    kv_block_tokens: int = setting(128, help="tokens per block of the KV store (a multiple of --page-size)")
+    kv_store_max_retained_tokens: int = setting(
         32768,
         help="leading prompt tokens one request's cache hints (cache_control, prompt_cache_retention) may keep "
         "in the KV store; 0 ignores hints",
     )
-    kv_store_max_retention_s: float = _setting(
+    kv_store_max_retention_s: float = setting(
         86400.0, help="seconds a cache hint may keep blocks at most (24 h: OpenAI's longest); 0 ignores hints"
     )
     # A path from the command line; from Python, the fitted model itself will do.
-    cost_model: str | os.PathLike | PrefillCostModel | None = _setting(
+    cost_model: str | os.PathLike | PrefillCostModel | None = setting(
         None, help="fitted step-time model JSON (python -m bench.fit_cost_model)", none="none"
     )
-    step_budget_ms: float | None = _setting(
+    step_budget_ms: float | None = setting(
         None, help="cap each step's predicted time, in milliseconds (needs --cost-model)", none="no cap"
     )
-    enforce_eager: bool = _setting(False, help="run the decode forward eagerly instead of replaying CUDA graphs")
-    async_scheduling: bool = _setting(
+    enforce_eager: bool = setting(False, help="run the decode forward eagerly instead of replaying CUDA graphs")
+    async_scheduling: bool = setting(
         True,
         flag="--no-async-scheduling",
         help="wait for each step before scheduling the next (by default the host schedules step N+1 while "
         "the device runs step N, on the Triton backend)",
     )
-    kv_transfer: str = _setting(
+    kv_transfer: str = setting(
         "auto",
         choices=KV_TRANSFERS,
         help="how a request's KV moves between workers. auto: workers of one host copy it page to page "
         "(CUDA IPC between GPU processes, shared memory between CPU ones; the KV cache is allocated "
         "shareable), other hosts get it as frames over ZMQ; zmq: always as frames through host memory",
     )
-    ep_size: int = _setting(
+    ep_size: int = setting(
         1,
         help="expert-parallel ranks: processes that serve a mixture-of-experts model as one worker (attention "
         "data-parallel, experts spread over the ranks)",
     )
-    ep_slots_per_rank: int | None = _setting(
+    ep_slots_per_rank: int | None = setting(
         None,
         help="expert slots on each EP rank; slots past one per expert hold replicas of experts",
         none="the experts divided by --ep-size, rounded up",
@@ -184,20 +186,7 @@ class EngineArgs:
 
     def to_argv(self) -> list[str]:
         """The command-line options that give these settings (those left at their default are left out)."""
-        argv = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.default is not dataclasses.MISSING and value == f.default:
-                continue
-            if f.type is bool:
-                argv.append(_flag(f))
-                continue
-            if isinstance(value, os.PathLike):
-                value = os.fspath(value)
-            if not isinstance(value, str | int | float):
-                raise ValueError(f"{f.name} cannot be given on a command line: {value!r}")
-            argv.append(f"{_flag(f)}={value}")
-        return argv
+        return setting_argv(self)
 
 
 def default(name: str) -> Any:
@@ -246,8 +235,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[s
         raise ValueError(f"no engine settings named {sorted(unknown)}")
     if flags := [name for name in defaults if names[name].type is bool]:
         raise ValueError(f"{flags}: a flag's default is fixed (the flag flips it)")
-    group = parser.add_argument_group("engine")
-    for f in fields(EngineArgs):
+    add_setting_arguments(parser.add_argument_group("engine"), EngineArgs, defaults)
+
+
+def add_setting_arguments(
+    group: argparse._ActionsContainer, settings: type, defaults: Mapping[str, Any] | None = None
+) -> None:
+    """One option per field of a settings dataclass made with `setting` (other fields are skipped),
+    `defaults` replacing some of their defaults."""
+    defaults = defaults or {}
+    for f in _setting_fields(settings):
         value = defaults.get(f.name, f.default)
         options = dict(f.metadata["options"])
         if f.type is bool:
@@ -259,11 +256,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[s
         else:
             options["default"] = value
         help = f.metadata["help"]
-        if value is None and f.metadata["none"]:
+        if value in (None, "") and f.metadata["none"]:
             help += f" (default: {f.metadata['none']})"
-        elif value not in (None, dataclasses.MISSING):
+        elif value not in (None, "", dataclasses.MISSING):
             help += " (default: %(default)s)"
         group.add_argument(_flag(f), dest=f.name, type=_option_type(f.type), help=help, **options)
+
+
+def setting_argv(settings: Any) -> list[str]:
+    """The command-line options that give a settings dataclass's `setting` fields (those left at their
+    default are left out)."""
+    argv = []
+    for f in _setting_fields(type(settings)):
+        value = getattr(settings, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        if f.type is bool:
+            argv.append(_flag(f))
+            continue
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str | int | float):
+            raise ValueError(f"{f.name} cannot be given on a command line: {value!r}")
+        argv.append(f"{_flag(f)}={value}")
+    return argv
+
+
+def _setting_fields(settings: type) -> list[dataclasses.Field]:
+    return [f for f in fields(settings) if "help" in f.metadata]
 
 
 def _flag(f: dataclasses.Field) -> str:

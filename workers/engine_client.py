@@ -46,10 +46,10 @@ from workers.protocol.messages import (
     WorkerInbound,
     WorkerOutbound,
 )
+from workers.worker.args import HEARTBEAT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT_S = 3.0
 READY = "ready"  # WorkerHeartbeat.state of a worker that takes new requests
 CLOSE_LINGER_MS = 200  # time to deliver the aborts of streams still open at close
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from workers import curve
 from workers.control_client import ControlRejectedError, ControlTimeoutError, new_command_id, send_control
 from workers.protocol.messages import ShutdownRequest
+from workers.worker.args import WorkerArgs
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,13 @@ class NodeAgent:
         advertise_host: str = "",
     ) -> None:
         """`worker_options(role)`: the engine and worker flags this host gives a worker of that role
-        (device, KV cache size, KV store...); the agent adds identity, pool, model and endpoints, and
-        `curve_key_file`, the agent's own copy of the cluster's CURVE key (workers.curve), which its
-        workers need to register with a registry on the network. `advertise_host`: the name or
-        address other hosts reach this one by; its workers then listen on tcp ports of every
-        interface and register under that name, so gateways and prefill workers elsewhere reach
-        them (which needs the key). Empty: ipc sockets in `runtime_dir`, reachable from this host only."""
+        (device, KV cache size, KV store...), checked when a worker starts (ValueError); the agent
+        adds identity, pool, model and endpoints, and `curve_key_file`, the agent's own copy of the
+        cluster's CURVE key (workers.curve), which its workers need to register with a registry on
+        the network. `advertise_host`: the name or address other hosts reach this one by; its
+        workers then listen on tcp ports of every interface and register under that name, so
+        gateways and prefill workers elsewhere reach them (which needs the key). Empty: ipc sockets
+        in `runtime_dir`, reachable from this host only."""
         self.runtime_dir = runtime_dir
         self.registry_endpoint = registry_endpoint
         self.worker_options = worker_options
@@ -108,23 +110,20 @@ class NodeAgent:
             reached = [f"tcp://{self.advertise_host}:{port}" for port in ports]
         else:
             binds = reached = [f"ipc://{self.runtime_dir}/{launch.worker_id}.{kind}" for kind in kinds]
-        argv = [
-            sys.executable,
-            "-m",
-            "workers.worker",
-            *self.worker_options(launch.role),
-            f"--model={launch.model}",
-            f"--role={launch.role}",
-            f"--pool={launch.pool}",
-            f"--worker-id={launch.worker_id}",
-            f"--request-endpoint={binds[0]}",
-            f"--heartbeat-endpoint={binds[1]}",
-            f"--registry-endpoint={self.registry_endpoint}",
-            *([f"--transfer-endpoint={binds[2]}"] if launch.role == "decode" else []),
-            *([f"--advertise-host={self.advertise_host}"] if self.advertise_host else []),
-            *([f"--curve-key-file={self.curve_key_file}"] if self.curve_key_file else []),
-        ]
-        process = subprocess.Popen(argv, env=self.env, cwd=self.cwd)
+        args = WorkerArgs.from_argv(
+            self.worker_options(launch.role),
+            model=launch.model,
+            role=launch.role,
+            pool=launch.pool,
+            worker_id=launch.worker_id,
+            request_endpoint=binds[0],
+            heartbeat_endpoint=binds[1],
+            registry_endpoint=self.registry_endpoint,
+            **({"transfer_endpoint": binds[2]} if launch.role == "decode" else {}),
+            **({"advertise_host": self.advertise_host} if self.advertise_host else {}),
+            **({"curve_key_file": self.curve_key_file} if self.curve_key_file else {}),
+        )
+        process = subprocess.Popen(worker_command(args), env=self.env, cwd=self.cwd)
         started = StartedWorker(pid=process.pid, request_endpoint=reached[0], heartbeat_endpoint=reached[1])
         with self._lock:
             self._held[launch.instance_id] = _Held(launch, process, started)
@@ -185,6 +184,11 @@ class NodeAgent:
         if not held.stop_requested:
             log.error("worker %s (pid %d) exited with code %d", held.launch.worker_id, held.started.pid, code)
         self.on_exit(instance_id, code, held.stop_requested)
+
+
+def worker_command(args: WorkerArgs) -> list[str]:
+    """The command that starts a worker with `args`."""
+    return [sys.executable, "-m", "workers.worker", *args.to_argv()]
 
 
 def _free_tcp_port() -> int:

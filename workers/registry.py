@@ -19,12 +19,12 @@ import zmq
 
 from workers import curve
 from workers.protocol.messages import RegistrationAck, WorkerHeartbeat, WorkerRegistration
+from workers.worker.args import HEARTBEAT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
 REGISTRATION_RETRY_S = 2.0
 POLL_S = 0.1
-HEARTBEAT_TIMEOUT_S = 3.0
 
 
 def register_until_acknowledged(

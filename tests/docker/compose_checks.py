@@ -122,7 +122,7 @@ def command_problems(compose: dict) -> list[str]:
 
     from controlplane.celery import app as celery_app
     from controlplane.topology.services import node_queue
-    from workers.worker.config import add_worker_arguments
+    from workers.worker.args import add_worker_arguments
 
     problems = []
     for name, service in _sluice_services(compose).items():

@@ -1,5 +1,5 @@
 """EngineArgs: one definition of every engine setting, from which the command line, the offline LLM,
-the worker's config and the engine's config are all built."""
+the worker's settings and the engine's config are all built; WorkerArgs, the worker's own, the same way."""
 
 import argparse
 
@@ -12,7 +12,7 @@ from workers.cost_model import PrefillCostModel
 from workers.engine import LLM
 from workers.engine.builder import build_engine, engine_config
 from workers.engine.config import EngineConfig
-from workers.worker.config import add_worker_arguments, config_from_arguments
+from workers.worker.args import WorkerArgs, add_worker_arguments
 
 
 def parse(argv: list[str], **defaults) -> EngineArgs:
@@ -121,10 +121,58 @@ def test_the_worker_config_holds_the_engine_args():
     add_worker_arguments(parser)
     argv = ["--model=m", "--request-endpoint=ipc:///a", "--heartbeat-endpoint=ipc:///b", "--enforce-eager"]
 
-    config = config_from_arguments(parser.parse_args([*argv, "--role=prefill", "--max-num-seqs=4"]))
+    config = WorkerArgs.from_namespace(parser.parse_args([*argv, "--role=prefill", "--max-num-seqs=4"]))
 
     assert config.role == "prefill"
     assert config.engine == EngineArgs(model="m", max_num_seqs=4, enforce_eager=True)
+
+
+def test_worker_args_round_trip_through_their_command_line():
+    # given a worker with every one of its own settings away from its default
+    args = WorkerArgs(
+        engine=EngineArgs(model="m", max_num_seqs=4, enforce_eager=True),
+        request_endpoint="tcp://*:7100",
+        heartbeat_endpoint="tcp://*:7101",
+        worker_id="decode-3",
+        role="decode",
+        heartbeat_interval_s=0.25,
+        kv_gc_interval_s=0,
+        kv_store_capacity_bytes=1 << 20,
+        kv_eviction_policy="lru",
+        pool="decode",
+        registry_endpoint="tcp://registry:7000",
+        transfer_endpoint="tcp://*:7102",
+        transfer_timeout_s=30.0,
+        advertise_host="decode-host",
+        curve_key_file="/keys/cluster.key",
+    )
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+
+    # when the worker's parser reads the command line they give, and when from_argv does
+    parsed = WorkerArgs.from_namespace(parser.parse_args(args.to_argv()))
+
+    # then both give the same settings back
+    assert parsed == args
+    assert WorkerArgs.from_argv(args.to_argv()) == args
+
+
+def test_a_worker_left_at_its_defaults_gives_only_what_it_needs():
+    args = WorkerArgs(engine=EngineArgs(model="m"), request_endpoint="ipc:///r", heartbeat_endpoint="ipc:///h")
+
+    assert args.to_argv() == ["--model=m", "--request-endpoint=ipc:///r", "--heartbeat-endpoint=ipc:///h"]
+
+
+def test_from_argv_lets_the_given_settings_win_and_refuses_bad_options():
+    host_options = ["--kv-cache-bytes=4096", "--model=other", "--role=prefill"]
+
+    args = WorkerArgs.from_argv(host_options, model="m", role="mixed", request_endpoint="r", heartbeat_endpoint="h")
+
+    assert args == WorkerArgs(
+        engine=EngineArgs(model="m", kv_cache_bytes=4096), request_endpoint="r", heartbeat_endpoint="h"
+    )
+    with pytest.raises(ValueError, match="--no-such-option"):
+        WorkerArgs.from_argv(["--no-such-option"], model="m", request_endpoint="r", heartbeat_endpoint="h")
 
 
 def test_engine_config_resolves_the_settings():

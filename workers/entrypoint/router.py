@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.args import default
 from workers.balancers.decode import DecodeBalancer, DecodeWorker
 from workers.balancers.prefill import PrefillBalancer
 from workers.cost_model import PrefillCostModel
@@ -31,7 +32,7 @@ EXPECTED_OUTPUT_TOKENS = 512
 NOMINAL_COST_MODEL = PrefillCostModel(a=0.07, b=1.6e-3, d=2e-7, e=1.4e-6)
 # The time budget of one prefill step, which `serve` also gives its workers (--step-budget-ms).
 STEP_BUDGET_S = 1.0
-CHUNK_LIMIT = 2048  # a worker's default max_num_batched_tokens: the most one step prefills
+CHUNK_LIMIT = default("max_num_batched_tokens")  # the most one step of a worker at its defaults prefills
 
 
 def cost_model_from_environment() -> PrefillCostModel:

@@ -1,5 +1,5 @@
 """The store GC's settings, defined once for both places a GC runs: a thread of an engine worker
-(workers.worker.config, `--kv-gc-interval` > 0) and the store's own GC process
+(workers.worker.args, `--kv-gc-interval` > 0) and the store's own GC process
 (workers.kvstore.gc_process, `manage.py run_kv_gc`). Run one GC per store: two on one shared index
 would each evict for the same excess, and GCs on separate indexes would each see part of the store."""
 

@@ -16,11 +16,9 @@ has lost all of its other half keeps serving.
 The parts, one job each: `process` (the entry point: title, parent death, crash report), `server`
 (sockets, the loop and the handler table), `transfers` (the disaggregation side: KV sent after
 prefill, KV expected and taken in for decode), `heartbeats` (load reports and the registration),
-`control` (drain state and control commands), `config` (WorkerConfig and its flags).
+`control` (drain state and control commands), `args` (WorkerArgs and its flags).
 
-Run it with `run_worker_process(WorkerConfig(...))` or `python -m workers.worker --model ...`.
+Run it with `workers.worker.process.run_worker_process(WorkerArgs(...))` or
+`python -m workers.worker --model ...`. The package itself imports nothing, so the control plane can
+read the worker's settings (`args`) without loading torch.
 """
-
-from workers.worker.process import configure_logging, main, run_worker_process
-
-__all__ = ["configure_logging", "main", "run_worker_process"]

@@ -17,7 +17,7 @@ from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
 from workers.protocol.messages import HistogramCounts, WorkerHeartbeat, WorkerRegistration
-from workers.worker.config import WorkerConfig
+from workers.worker.args import WorkerArgs
 from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers
 
@@ -42,7 +42,7 @@ class Heartbeats:
     def __init__(
         self,
         identity: WorkerIdentity,
-        config: WorkerConfig,
+        config: WorkerArgs,
         engine: LLMEngine | EPEngine,
         control: WorkerControl,
         collector: GarbageCollector | None,
@@ -170,7 +170,7 @@ def histogram_counts(buckets: Buckets) -> HistogramCounts:
     return HistogramCounts(bounds=buckets.bounds, counts=tuple(buckets.counts), total=buckets.total)
 
 
-def registration(identity: WorkerIdentity, config: WorkerConfig, engine: LLMEngine | EPEngine) -> WorkerRegistration:
+def registration(identity: WorkerIdentity, config: WorkerArgs, engine: LLMEngine | EPEngine) -> WorkerRegistration:
     """One registration for the worker, however many EP ranks (one device each) it runs."""
     device = torch.device(config.engine.device)
     on_cuda = device.type == "cuda"

@@ -19,7 +19,7 @@ from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import KVStore
 from workers.kvstore.ttl import TTLPolicy
 from workers.process_title import set_process_title
-from workers.worker.config import WorkerConfig, add_worker_arguments, config_from_arguments
+from workers.worker.args import WorkerArgs, add_worker_arguments
 from workers.worker.server import CLOSE_LINGER_MS, Worker
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ PROCESS_TITLE = "sluice-worker"  # /proc/self/comm keeps 15 bytes
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def run_worker_process(config: WorkerConfig) -> None:
+def run_worker_process(config: WorkerArgs) -> None:
     """The worker's entry point: returns after SIGTERM/SIGINT or a ShutdownRequest; a crash is logged
     and exits 1."""
     set_process_title(PROCESS_TITLE)
@@ -52,7 +52,7 @@ def run_worker_process(config: WorkerConfig) -> None:
         raise SystemExit(1) from None
 
 
-def _curve_key(config: WorkerConfig) -> curve.CurveKey | None:
+def _curve_key(config: WorkerArgs) -> curve.CurveKey | None:
     """The key the worker's sockets use, checked against its endpoints before the model loads."""
     try:
         key = curve.load_key_file(config.curve_key_file) if config.curve_key_file else None
@@ -64,7 +64,7 @@ def _curve_key(config: WorkerConfig) -> curve.CurveKey | None:
     return key
 
 
-def _start_store_gc(store: KVStore, config: WorkerConfig, stop: threading.Event) -> GarbageCollector:
+def _start_store_gc(store: KVStore, config: WorkerArgs, stop: threading.Event) -> GarbageCollector:
     collector = GarbageCollector(
         store.index,
         TTLPolicy(),
@@ -102,4 +102,4 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_worker_arguments(parser)
     configure_logging()
-    run_worker_process(config_from_arguments(parser.parse_args(argv)))
+    run_worker_process(WorkerArgs.from_namespace(parser.parse_args(argv)))

@@ -52,8 +52,8 @@ from workers.protocol.sampling_params import invalid_request_from
 from workers.registry import register_until_acknowledged
 from workers.transfer.link import TransferReceiver, TransferSender
 from workers.transfer.pools import PoolExport
+from workers.worker.args import WorkerArgs
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
-from workers.worker.config import WorkerConfig
 from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
 from workers.worker.migration import Migration
@@ -71,7 +71,7 @@ COPY_POLL_MS = 1  # how often an idle worker looks whether KV being copied in is
 class Worker:
     def __init__(
         self,
-        config: WorkerConfig,
+        config: WorkerArgs,
         engine: LLMEngine,
         context: zmq.Context,
         stop: threading.Event,
@@ -410,7 +410,7 @@ class Worker:
         self.heartbeats.publisher.close(linger=0)
 
 
-def _checkpoints(config: WorkerConfig, engine: LLMEngine) -> Checkpoints | None:
+def _checkpoints(config: WorkerArgs, engine: LLMEngine) -> Checkpoints | None:
     """A decode worker with a KV store checkpoints its requests where the store's index is: in Redis
     with the Redis index, beside the block files otherwise."""
     if config.role != "decode" or engine.store is None or config.engine.kv_store is None:

@@ -15,6 +15,7 @@ from controlplane.common.data_plane import data_plane_key
 from controlplane.common.migrated import MigratedDatabaseCommand
 from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 from workers.curve import CurveError, check_endpoints
+from workers.worker.args import HEARTBEAT_TIMEOUT_S
 
 # The database needs a worker's load a few times a minute, not the ten heartbeats a second it sends.
 HEARTBEAT_REPORT_INTERVAL_S = 1.0
@@ -25,7 +26,7 @@ class Command(MigratedDatabaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--endpoint", required=True, help="ZMQ endpoint to bind, e.g. tcp://*:7000")
-        parser.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds")
+        parser.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S, help="seconds")
 
     def handle(self, *args, endpoint: str, heartbeat_timeout: float, **options) -> None:
         try:

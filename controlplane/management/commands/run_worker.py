@@ -4,8 +4,8 @@ import argparse
 
 from django.core.management.base import BaseCommand
 
-from workers.worker import configure_logging, run_worker_process
-from workers.worker.config import add_worker_arguments, config_from_arguments
+from workers.worker.args import WorkerArgs, add_worker_arguments
+from workers.worker.process import configure_logging, run_worker_process
 
 
 class Command(BaseCommand):
@@ -16,4 +16,4 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:
         configure_logging()
-        run_worker_process(config_from_arguments(argparse.Namespace(**options)))
+        run_worker_process(WorkerArgs.from_namespace(argparse.Namespace(**options)))

@@ -39,6 +39,7 @@ from workers.entrypoint.router import STEP_BUDGET_S
 from workers.kvstore.gc_options import add_gc_arguments
 from workers.kvstore.gc_process import StoreGCConfig
 from workers.node_agent import NodeAgent
+from workers.worker.args import WorkerArgs
 
 # uvicorn's handling of the gateway's connections (README, "Request limits"): each request head has a
 # deadline (SLUICE_HEADER_READ_TIMEOUT_S, in the protocol class), an idle keep-alive connection is
@@ -164,26 +165,26 @@ class Command(BaseCommand):
         topology_ensure_local(hostname=hostname, model=model, pools=pools)
         names = [_worker_name(role, roles[:index].count(role)) for index, role in enumerate(roles)]
         endpoints = [(f"ipc://{runtime}/{name}.requests", f"ipc://{runtime}/{name}.heartbeats") for name in names]
+        try:
+            workers = [
+                WorkerArgs(
+                    engine=decode_engine if role == "decode" else engine,
+                    role=role,
+                    worker_id=name,
+                    request_endpoint=requests,
+                    heartbeat_endpoint=heartbeats,
+                    transfer_endpoint=f"ipc://{runtime}/{name}.kv" if role == "decode" else None,
+                    pool=role,
+                    registry_endpoint=registry_endpoint,
+                    kv_gc_interval_s=0,  # one GC per store: its own process, below
+                )
+                for name, role, (requests, heartbeats) in zip(names, roles, endpoints)
+            ]
+        except ValueError as error:
+            raise CommandError(str(error)) from None
         children = [
-            Child(
-                name=name,
-                argv=manage_py(
-                    "run_worker",
-                    f"--role={role}",
-                    *(decode_engine if role == "decode" else engine).to_argv(),
-                    f"--worker-id={name}",
-                    f"--request-endpoint={requests}",
-                    f"--heartbeat-endpoint={heartbeats}",
-                    *([f"--transfer-endpoint=ipc://{runtime}/{name}.kv"] if role == "decode" else []),
-                    f"--pool={role}",
-                    f"--registry-endpoint={registry_endpoint}",
-                    # One GC per store: its own process, below.
-                    "--kv-gc-interval=0",
-                ),
-                env=child_env(),
-                stop_stage=STOP_WORKERS,
-            )
-            for name, role, (requests, heartbeats) in zip(names, roles, endpoints)
+            Child(name=args.worker_id, argv=worker_command(args), env=child_env(), stop_stage=STOP_WORKERS)
+            for args in workers
         ]
         if engine.kv_store:
             served = kv_store_index == "memory"
@@ -346,6 +347,11 @@ def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) 
     if prefill < 1 or decode < 1:
         raise CommandError(f"--prefill and --decode must be at least 1, got {prefill} and {decode}")
     return ["prefill"] * prefill + ["decode"] * decode
+
+
+def worker_command(args: WorkerArgs) -> list[str]:
+    """The command that starts one of serve's workers with `args`."""
+    return manage_py("run_worker", *args.to_argv())
 
 
 def _worker_name(role: str, index: int) -> str:

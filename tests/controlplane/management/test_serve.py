@@ -1,13 +1,18 @@
-"""What `serve` works out for its workers before and after they start: each worker's share of a CUDA
-device they share, and the line that reports their KV caches once they are up."""
+"""What `serve` works out for its workers before and after they start: their command line (the node
+agent's too), each worker's share of a CUDA device they share, and the line that reports their KV
+caches once they are up."""
 
 import io
 
 import pytest
 from django.core.management.base import OutputWrapper
 
+from controlplane.management.commands import serve
 from controlplane.management.commands.serve import KVCacheReport, with_device_share
+from workers import node_agent
 from workers.args import EngineArgs
+from workers.node_agent import NodeAgent, WorkerLaunch
+from workers.worker.args import WorkerArgs
 
 
 @pytest.mark.parametrize(
@@ -34,6 +39,43 @@ def test_each_workers_share_reaches_its_command_line():
     argv = with_device_share(engine, 4).to_argv()
 
     assert "--gpu-memory-utilization=0.2" in argv
+
+
+def test_serve_and_the_node_agent_start_a_worker_with_the_command_line_of_one_worker_args(tmp_path, monkeypatch):
+    # given a node agent with the options serve gives the workers it adds, its worker processes caught
+    engine = EngineArgs(model="m", max_num_seqs=4, kv_store="/kv")
+    started = []
+    monkeypatch.setattr(node_agent.subprocess, "Popen", lambda argv, **_: started.append(argv) or FakeProcess())
+    agent = NodeAgent(
+        runtime_dir=tmp_path,
+        registry_endpoint="ipc:///registry",
+        worker_options=lambda role: [*engine.to_argv(), "--kv-gc-interval=0"],
+        on_exit=lambda *exit: None,
+    )
+
+    # when it starts a decode worker
+    agent.start(WorkerLaunch(1, "decode-1", "decode", "decode", "m"))
+
+    # then its command line is that of the worker's WorkerArgs, and serve's for the same worker differs
+    # only in how the worker is run
+    args = WorkerArgs(
+        engine=engine,
+        role="decode",
+        pool="decode",
+        worker_id="decode-1",
+        request_endpoint=f"ipc://{tmp_path}/decode-1.req",
+        heartbeat_endpoint=f"ipc://{tmp_path}/decode-1.hb",
+        transfer_endpoint=f"ipc://{tmp_path}/decode-1.kv",
+        registry_endpoint="ipc:///registry",
+        kv_gc_interval_s=0.0,
+    )
+    assert started == [node_agent.worker_command(args)]
+    assert started[0][1:3] == ["-m", "workers.worker"]
+    assert serve.worker_command(args)[2:] == ["run_worker", *started[0][3:]]
+
+
+class FakeProcess:
+    pid = 4242
 
 
 def test_the_kv_cache_line_waits_for_every_worker_to_report_its_capacity(make_pool, make_instance):

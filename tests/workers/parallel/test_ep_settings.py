@@ -10,7 +10,7 @@ from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.builder import build_engine
 from workers.engine.parallel.placement import PlacementError
-from workers.worker.config import WorkerConfig
+from workers.worker.args import WorkerArgs
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_ep_flags_parse_and_round_trip():
 
 def test_an_ep_worker_serves_whole_requests_only():
     with pytest.raises(ValueError, match="serves role mixed only"):
-        WorkerConfig(
+        WorkerArgs(
             engine=EngineArgs(model=QWEN3_MOE, ep_size=2),
             request_endpoint="ipc:///tmp/x.req",
             heartbeat_endpoint="ipc:///tmp/x.hb",

@@ -1,0 +1,149 @@
+"""WorkerArgs: every setting of an engine worker once — name, type, default, validation, help and
+command-line flag — beside its engine's, which are an EngineArgs (workers.args), options and all.
+
+`python -m workers.worker` and `manage.py run_worker` parse a WorkerArgs from their command line
+(`add_worker_arguments`, `WorkerArgs.from_namespace`); `serve` and the node agent write one back as
+that command line (`to_argv()`) for each worker they start. Torch-free, so the control plane can
+build worker command lines without loading the engine.
+"""
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from workers.args import EngineArgs, add_engine_arguments, add_setting_arguments, setting, setting_argv
+from workers.curve import KEY_FILE_VARIABLE, key_file_from_environment
+from workers.kvstore.eviction import POLICIES
+from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTERVAL_S
+
+ROLES = ("mixed", "prefill", "decode")
+HEARTBEAT_INTERVAL_S = 0.1
+# How long a worker may send no heartbeat before its clients (gateways) and the registry take it for
+# dead: thirty heartbeats at the default interval, room for a loaded host's late ones.
+HEARTBEAT_TIMEOUT_S = 3.0
+# Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
+# names no timeout of its own (the gateway's name the request's predicted prefill and transfer, see
+# workers.prefill_deadlines). It counts from the expectation, which comes before the prefill is even
+# scheduled: a backstop for a gateway that vanished (a gateway fails a stalled transfer itself).
+TRANSFER_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerArgs:
+    """A worker's own settings and its engine's (`engine`); validated on construction (ValueError)."""
+
+    engine: EngineArgs
+    request_endpoint: str = setting(help='bind the ROUTER requests arrive on here, e.g. "tcp://*:7100"')
+    heartbeat_endpoint: str = setting(help="bind the PUB heartbeats go out on here")
+    worker_id: str = setting("", help="the worker's name", none="<hostname>-<pid>")
+    role: str = setting("mixed", choices=ROLES, help="mixed: prefill and decode in one process")
+    heartbeat_interval_s: float = setting(HEARTBEAT_INTERVAL_S, flag="--heartbeat-interval", help="seconds")
+    # The GC of the store, run by this worker every kv_gc_interval_s (0: another process runs it).
+    kv_gc_interval_s: float = setting(
+        GC_INTERVAL_S,
+        flag="--kv-gc-interval",
+        help="seconds between runs of the store's GC in this worker; 0: none (run_kv_gc runs it)",
+    )
+    kv_store_capacity_bytes: int = setting(
+        CAPACITY_BYTES,
+        help="bytes the store may hold: the GC evicts from its high watermark down to its low one, fractions of this",
+    )
+    kv_eviction_policy: str = setting(
+        EVICTION_POLICY, choices=sorted(POLICIES), help="which blocks the GC evicts first"
+    )
+    pool: str = setting("", help="the pool the control plane scales this worker in")
+    registry_endpoint: str | None = setting(None, help="register with the control plane's registry there")
+    transfer_endpoint: str | None = setting(None, help="decode workers: bind the socket KV transfers arrive on here")
+    transfer_timeout_s: float = setting(
+        TRANSFER_TIMEOUT_S,
+        flag="--transfer-timeout",
+        help="seconds a decode worker waits for KV when the expectation names no timeout",
+    )
+    advertise_host: str = setting(
+        "",
+        help="the host name or address other hosts reach this worker at: wildcard binds (tcp://*:7100) are "
+        "registered under it",
+        none="this host's name",
+    )
+    curve_key_file: str = setting(
+        "",
+        help="the cluster's CURVE key file; every tcp:// socket is then authenticated and encrypted, and "
+        "without it only loopback tcp:// is allowed",
+        none=f"${KEY_FILE_VARIABLE}",
+    )
+
+    def endpoints(self) -> list[str]:
+        """Every endpoint the worker binds or connects to at start."""
+        return [
+            self.request_endpoint,
+            self.heartbeat_endpoint,
+            *([self.transfer_endpoint] if self.transfer_endpoint else []),
+            *([self.registry_endpoint] if self.registry_endpoint else []),
+        ]
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if (self.role == "decode") != bool(self.transfer_endpoint):
+            raise ValueError("a decode worker needs a transfer_endpoint, and only a decode worker has one")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
+        if self.engine.ep_size > 1 and self.role != "mixed":
+            raise ValueError(f"an expert-parallel worker (ep_size {self.engine.ep_size}) serves role mixed only")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
+        if self.kv_gc_interval_s < 0:
+            raise ValueError(f"kv_gc_interval_s must be >= 0, got {self.kv_gc_interval_s}")
+        if self.kv_eviction_policy not in POLICIES:
+            raise ValueError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from {sorted(POLICIES)}")
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "WorkerArgs":
+        """The settings parsed by a parser that add_worker_arguments set up."""
+        own = {f.name: getattr(namespace, f.name) for f in fields(cls) if f.name != "engine"}
+        return cls(engine=EngineArgs.from_namespace(namespace), **own)
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str], **given: Any) -> "WorkerArgs":
+        """The settings of a worker started with the options `argv` followed by options giving `given`
+        (settings of the worker or of its engine, by name; no flags): the last given wins, as on a
+        command line. Bad options raise ValueError. The CURVE key file is not taken from this process's
+        environment: a worker started without one reads its own."""
+        engine_names = {f.name for f in fields(EngineArgs)}
+        parser = _RaisingParser(add_help=False)
+        add_worker_arguments(
+            parser,
+            engine_defaults={name: value for name, value in given.items() if name in engine_names},
+            defaults={
+                "curve_key_file": "",
+                **{name: value for name, value in given.items() if name not in engine_names},
+            },
+        )
+        namespace = parser.parse_args(list(argv))
+        for name, value in given.items():
+            setattr(namespace, name, value)
+        return cls.from_namespace(namespace)
+
+    def to_argv(self) -> list[str]:
+        """The command-line options that give these settings (those left at their default are left out)."""
+        return [*self.engine.to_argv(), *setting_argv(self)]
+
+
+def add_worker_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    engine_defaults: Mapping[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """The worker's command-line options, shared by `python -m workers.worker` and `manage.py
+    run_worker`: the engine's (workers.args) and the worker's own. `engine_defaults` and `defaults`
+    replace some defaults of the engine's settings and of the worker's; the CURVE key file defaults
+    to the environment's."""
+    add_engine_arguments(parser, defaults=engine_defaults)
+    add_setting_arguments(parser, WorkerArgs, {"curve_key_file": key_file_from_environment(), **(defaults or {})})
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ValueError(message)
