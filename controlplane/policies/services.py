@@ -10,7 +10,7 @@ from django.utils import timezone
 from controlplane.common.actors import actor_label, actor_user
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
-from controlplane.policies import tasks
+from controlplane.policies import task_names
 from controlplane.policies.models import EPLayout, EPRebalancePolicy, TrafficClass, TTLPolicy
 from controlplane.policies.validation import ep_layout_errors
 from controlplane.topology.models import Pool, ScalingAction
@@ -43,7 +43,7 @@ def ttl_policy_set(*, traffic_class: TrafficClass, ttl_seconds: int, actor: Any,
         created_by_label=actor_label(actor),
         reason=reason,
     )
-    queue_task(tasks.ttl_policy_push_task)
+    queue_task(task_names.TTL_POLICY_PUSH)
     return policy
 
 
@@ -116,7 +116,7 @@ def ep_layout_activate(*, layout: EPLayout, actor: Any, reason: str = "", now: d
         },
         now=now,
     )
-    queue_task(tasks.ep_layout_push_task, locked.pk)
+    queue_task(task_names.EP_LAYOUT_PUSH, locked.pk)
     return locked
 
 
