@@ -2,7 +2,7 @@
 recorded as a control_failed event of that instance. Tasks take ids and hold no rules."""
 
 from controlplane.celery import app
-from controlplane.policies import selectors, task_names
+from controlplane.policies import selectors, services, task_names
 from controlplane.policies.models import EPLayout
 from controlplane.topology.models import Pool
 from controlplane.topology.selectors import instances_live
@@ -54,16 +54,11 @@ def ep_layout_push_task(layout_id: int) -> None:
 
 @app.task(name=task_names.EP_REBALANCE)
 def ep_rebalance_task(pool_id: int) -> None:
-    # Imported here: the rebalance rules import the services, which import this module.
-    from controlplane.policies.rebalance import ep_rebalance_run
-
-    ep_rebalance_run(pool=Pool.objects.get(pk=pool_id))
+    services.ep_rebalance_run(pool=Pool.objects.get(pk=pool_id))
 
 
 @app.task(name=task_names.EP_REBALANCE_TICK)
 def ep_rebalance_tick_task() -> None:
     """Runs the EPLB of every pool that is due (the supervisor's timer or Celery beat calls this)."""
-    from controlplane.policies.rebalance import ep_rebalance_due
-
-    for pool_id in ep_rebalance_due():
+    for pool_id in selectors.ep_rebalance_due():
         ep_rebalance_task.delay(pool_id)
