@@ -20,7 +20,8 @@ class Admission:
     tenant: Tenant
     body: bytes  # as received: parsed where it is prepared (preparation)
     catalog: Catalog
-    # The call's part of its tenant's caps; whoever ends the call releases it.
+    # The call's part of its tenant's caps and its place in the fair queues; whoever ends the call
+    # releases it.
     hold: TenantHold
 
 
@@ -44,11 +45,11 @@ async def admit(request: HttpRequest) -> Admission:
 async def prepare(admission: Admission, *, protocol: str) -> PreparedRequest:
     """Raises the recipe's ApiError for invalid fields, bodies past SLUICE_REQUEST_LIMITS and prompts
     over the context window, and a 429 when its prompts would pass the tenant's queued-token cap."""
-    prepared = await prepare_generation(admission, protocol=protocol)
+    prepared = await prepare_generation(admission.body, protocol=protocol, hold=admission.hold)
     admission.hold.queue_prompt(len(prepared.prompt_token_ids) * prepared.n)
     return prepared
 
 
 async def count_prompt_tokens(admission: Admission) -> int:
     """Anthropic's count_tokens, held to the same limits as a generation."""
-    return await prepare_count(admission)
+    return await prepare_count(admission.body, hold=admission.hold)

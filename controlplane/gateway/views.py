@@ -17,7 +17,6 @@ from controlplane.gateway.engine import engine_client
 from controlplane.gateway.errors import GatewayError, as_gateway_error, error_response, unknown_path_protocol
 from controlplane.gateway.generation import Generation
 from controlplane.gateway.health import can_serve, health_report
-from controlplane.gateway.tenant_caps import fair_share_of
 from controlplane.gateway.usage import UsageCount, record_usage
 from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
@@ -60,7 +59,7 @@ def api_view(*methods: str) -> Callable[[View], View]:
 async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
     admission = await admit(request)
     tenant_id = admission.tenant.pk
-    fair_share, weight = fair_share_of(admission.tenant)
+    share = admission.hold.fair_share
     try:
         prepared = await prepare(admission, protocol=protocol)
         generation = Generation(
@@ -69,8 +68,8 @@ async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
             protocol=protocol,
             cache_namespace=scoped_namespace(admission.tenant.prefix_cache_namespace, prepared.prompt_cache_key),
             hold=admission.hold,
-            tenant=fair_share,
-            tenant_weight=weight,
+            tenant=share.tenant,
+            tenant_weight=share.weight,
             on_end=lambda usage: _generation_ended(tenant_id, usage),
         )
     except BaseException:
