@@ -11,7 +11,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
-from controlplane.gateway.admission import admit, admit_caller, count_prompt_tokens, prepare
+from controlplane.gateway.admission import admit_caller, admit_count, admit_generation
 from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import engine_client
 from controlplane.gateway.errors import GatewayError, as_gateway_error, error_response, unknown_path_protocol
@@ -57,11 +57,10 @@ def api_view(*methods: str) -> Callable[[View], View]:
 
 @api_view("POST")
 async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
-    admission = await admit(request)
+    admission, prepared = await admit_generation(request, protocol=protocol)
     tenant_id = admission.tenant.pk
     share = admission.hold.fair_share
     try:
-        prepared = await prepare(admission, protocol=protocol)
         generation = Generation(
             await engine_client(),
             prepared,
@@ -102,11 +101,7 @@ async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
 
 @api_view("POST")
 async def count_tokens(request: HttpRequest, *, protocol: str) -> HttpResponse:
-    admission = await admit(request)
-    try:
-        return JsonResponse({"input_tokens": await count_prompt_tokens(admission)})
-    finally:
-        admission.hold.release()
+    return JsonResponse({"input_tokens": await admit_count(request)})
 
 
 @api_view("GET")
