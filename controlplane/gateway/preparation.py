@@ -18,7 +18,6 @@ body's bytes), so a tenant's backlog of large bodies delays another tenant's by 
 import asyncio
 import contextlib
 import threading
-from typing import TYPE_CHECKING
 
 from django.conf import settings
 
@@ -26,11 +25,8 @@ from controlplane.gateway.catalog import load_catalog
 from controlplane.gateway.fair_work import FairWorkers
 from controlplane.gateway.prepare_jobs import PrepareJob, run_job
 from controlplane.gateway.prepare_pool import prepare_pool
-from controlplane.gateway.tenant_caps import fair_share_of
+from controlplane.gateway.tenant_caps import TenantHold
 from recipe.api import PreparedRequest
-
-if TYPE_CHECKING:
-    from controlplane.gateway.admission import Admission
 
 _lock = threading.Lock()
 _threads: FairWorkers | None = None
@@ -74,30 +70,31 @@ def close_preparation() -> None:
             each.close()
 
 
-async def prepare_generation(admission: "Admission", *, protocol: str) -> PreparedRequest:
-    job = PrepareJob("generation", protocol, admission.body, settings.SLUICE_REQUEST_LIMITS)
+async def prepare_generation(body: bytes, *, protocol: str, hold: TenantHold) -> PreparedRequest:
+    """`hold`, the call's on its tenant's caps, places its jobs in the fair queues."""
+    job = PrepareJob("generation", protocol, body, settings.SLUICE_REQUEST_LIMITS)
     if _is_large(job):
-        await _done_by(_process_workers(), job, admission)
-    return await _done_by(_thread_workers(), job, admission)
+        await _done_by(_process_workers(), job, hold)
+    return await _done_by(_thread_workers(), job, hold)
 
 
-async def prepare_count(admission: "Admission") -> int:
-    job = PrepareJob("count_tokens", "messages.count_tokens", admission.body, settings.SLUICE_REQUEST_LIMITS)
-    return await _done_by(_process_workers() if _is_large(job) else _thread_workers(), job, admission)
+async def prepare_count(body: bytes, *, hold: TenantHold) -> int:
+    job = PrepareJob("count_tokens", "messages.count_tokens", body, settings.SLUICE_REQUEST_LIMITS)
+    return await _done_by(_process_workers() if _is_large(job) else _thread_workers(), job, hold)
 
 
 def _is_large(job: PrepareJob) -> bool:
     return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES
 
 
-async def _done_by(workers: FairWorkers, job: PrepareJob, admission: "Admission") -> PreparedRequest | int | None:
-    tenant, weight = fair_share_of(admission.tenant)
-    work = workers.submit(job, tenant=tenant, weight=weight, cost=len(job.body))
+async def _done_by(workers: FairWorkers, job: PrepareJob, hold: TenantHold) -> PreparedRequest | int | None:
+    share = hold.fair_share
+    work = workers.submit(job, tenant=share.tenant, weight=share.weight, cost=len(job.body))
     try:
         return await asyncio.wrap_future(work)
     except asyncio.CancelledError:
         # The client went away. Work not yet started is dropped; work that runs keeps counting
         # against the tenant's cap until it ends.
         if not work.done():
-            admission.hold.release_after(work)
+            hold.release_after(work)
         raise

@@ -35,7 +35,8 @@ class TenantLoads:
         self._loads: dict[int, _Load] = {}
 
     def admit(self, tenant: Tenant) -> "TenantHold":
-        """Counts one more call in flight for the tenant, or raises the 429."""
+        """Counts one more call in flight for the tenant, or raises the 429; the hold also carries the
+        tenant's place in the fair queues."""
         cap = _cap(tenant.max_requests_in_flight, settings.SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT)
         with self._lock:
             load = self._loads.setdefault(tenant.pk, _Load())
@@ -43,7 +44,7 @@ class TenantLoads:
                 raise _refusal(f"This API key's tenant has {load.in_flight} requests in flight, its limit")
             load.in_flight += 1
         queued_cap = _cap(tenant.max_queued_prompt_tokens, settings.SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS)
-        return TenantHold(self, tenant.pk, queued_cap)
+        return TenantHold(self, tenant.pk, queued_cap, _fair_share_of(tenant))
 
     def load(self, tenant_id: int) -> tuple[int, int]:
         """(calls in flight, queued prompt tokens) of a tenant."""
@@ -75,12 +76,22 @@ class TenantLoads:
                 del self._loads[tenant_id]
 
 
+@dataclass(frozen=True, slots=True)
+class FairShare:
+    """The tenant as the fair queues know it (the gateway's preparation queues, the engines' waiting
+    queues): its id and its weight."""
+
+    tenant: str
+    weight: int
+
+
 class TenantHold:
     """One admitted call's part of its tenant's load. Released once, however the call ends; a
     release while the call's preparation still runs (its client went away) waits for it, so that a
     client cannot leave CPU work behind that its tenant's cap no longer counts."""
 
-    def __init__(self, loads: TenantLoads, tenant_id: int, queued_cap: int | None) -> None:
+    def __init__(self, loads: TenantLoads, tenant_id: int, queued_cap: int | None, fair_share: FairShare) -> None:
+        self.fair_share = fair_share
         self._loads = loads
         self._tenant_id = tenant_id
         self._queued_cap = queued_cap
@@ -128,12 +139,11 @@ def _refusal(reason: str) -> GatewayError:
     return GatewayError("rate_limit", f"{reason}; retry after {retry_after} s.", retry_after=retry_after)
 
 
-def fair_share_of(tenant: Tenant) -> tuple[str, int]:
-    """The tenant as the fair queues know it (its id, its weight); with fair admission off, every
-    tenant is the same one."""
+def _fair_share_of(tenant: Tenant) -> FairShare:
+    """With fair admission off, every tenant is the same one."""
     if not settings.SLUICE_FAIR_ADMISSION:
-        return "", 1
-    return str(tenant.pk), tenant.fair_share_weight
+        return FairShare("", 1)
+    return FairShare(str(tenant.pk), tenant.fair_share_weight)
 
 
 loads = TenantLoads()

@@ -11,13 +11,12 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
-from controlplane.gateway.admission import admit, admit_caller, count_prompt_tokens, prepare
+from controlplane.gateway.admission import admit_caller, admit_count, admit_generation
 from controlplane.gateway.catalog import served_catalog
 from controlplane.gateway.engine import engine_client
 from controlplane.gateway.errors import GatewayError, as_gateway_error, error_response, unknown_path_protocol
 from controlplane.gateway.generation import Generation
 from controlplane.gateway.health import can_serve, health_report
-from controlplane.gateway.tenant_caps import fair_share_of
 from controlplane.gateway.usage import UsageCount, record_usage
 from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
@@ -58,19 +57,18 @@ def api_view(*methods: str) -> Callable[[View], View]:
 
 @api_view("POST")
 async def generate(request: HttpRequest, *, protocol: str) -> HttpResponse:
-    admission = await admit(request)
+    admission, prepared = await admit_generation(request, protocol=protocol)
     tenant_id = admission.tenant.pk
-    fair_share, weight = fair_share_of(admission.tenant)
+    share = admission.hold.fair_share
     try:
-        prepared = await prepare(admission, protocol=protocol)
         generation = Generation(
             await engine_client(),
             prepared,
             protocol=protocol,
             cache_namespace=scoped_namespace(admission.tenant.prefix_cache_namespace, prepared.prompt_cache_key),
             hold=admission.hold,
-            tenant=fair_share,
-            tenant_weight=weight,
+            tenant=share.tenant,
+            tenant_weight=share.weight,
             on_end=lambda usage: _generation_ended(tenant_id, usage),
         )
     except BaseException:
@@ -103,11 +101,7 @@ async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
 
 @api_view("POST")
 async def count_tokens(request: HttpRequest, *, protocol: str) -> HttpResponse:
-    admission = await admit(request)
-    try:
-        return JsonResponse({"input_tokens": await count_prompt_tokens(admission)})
-    finally:
-        admission.hold.release()
+    return JsonResponse({"input_tokens": await admit_count(request)})
 
 
 @api_view("GET")

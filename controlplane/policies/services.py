@@ -1,8 +1,14 @@
-"""Writes to the policies: TTL versions (never edited) and EP layouts (validated, activated one per pool)."""
+"""Writes to the policies: TTL versions (never edited) and EP layouts (validated, activated one per pool).
 
-from datetime import datetime
+The periodic EPLB run (ep_rebalance_run): a MoE pool's expert loads over its policy's window become a
+proposed EP layout, re-placed from the layout in force so that few experts move; activated at once
+(mode auto) or left inactive for an admin to activate (mode propose) through ep_layout_activate."""
+
+import logging
+from datetime import datetime, timedelta
 from typing import Any
 
+import numpy as np
 from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
@@ -10,12 +16,18 @@ from django.utils import timezone
 from controlplane.common.actors import actor_label, actor_user
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
-from controlplane.policies import tasks
-from controlplane.policies.models import EPLayout, EPRebalancePolicy, TrafficClass, TTLPolicy
+from controlplane.policies import task_names
+from controlplane.policies.models import EPLayout, EPRebalanceMode, EPRebalancePolicy, TrafficClass, TTLPolicy
+from controlplane.policies.selectors import ep_layout_active, expert_loads_logical
 from controlplane.policies.validation import ep_layout_errors
 from controlplane.topology.models import Pool, ScalingAction
 from controlplane.topology.selectors import pool_live_ranks
 from controlplane.topology.services import queue_task, scaling_event_record
+from workers.eplb import PlacementInputError, layer_balance, rebalance_experts, slots_changed
+
+log = logging.getLogger(__name__)
+
+EPLB_ACTOR = None  # proposals and automatic activations are the system's
 
 
 @transaction.atomic
@@ -43,7 +55,7 @@ def ttl_policy_set(*, traffic_class: TrafficClass, ttl_seconds: int, actor: Any,
         created_by_label=actor_label(actor),
         reason=reason,
     )
-    queue_task(tasks.ttl_policy_push_task)
+    queue_task(task_names.TTL_POLICY_PUSH)
     return policy
 
 
@@ -116,7 +128,7 @@ def ep_layout_activate(*, layout: EPLayout, actor: Any, reason: str = "", now: d
         },
         now=now,
     )
-    queue_task(tasks.ep_layout_push_task, locked.pk)
+    queue_task(task_names.EP_LAYOUT_PUSH, locked.pk)
     return locked
 
 
@@ -130,3 +142,67 @@ def ep_rebalance_policy_set(*, pool: Pool, **fields: Any) -> EPRebalancePolicy:
     full_clean_or_raise(policy, exclude=["pool"] if policy.pk else None)
     policy.save()
     return policy
+
+
+@transaction.atomic
+def ep_rebalance_run(*, pool: Pool, now: datetime | None = None) -> EPLayout | None:
+    """One run of the pool's EPLB: the proposed layout (activated in mode auto), or None when the
+    rule did not fire (mode off, no layout in force, too few tokens, balanced enough already)."""
+    now = now or timezone.now()
+    policy = EPRebalancePolicy.objects.select_for_update().filter(pool=pool).first()
+    if policy is None or policy.mode == EPRebalanceMode.OFF:
+        return None
+    policy.last_run_at = now
+    policy.save(update_fields=["last_run_at", "updated_at"])
+    current = ep_layout_active(pool_id=pool.pk)
+    if current is None:
+        return None
+    since = now - timedelta(seconds=policy.window_s)
+    loads, minutes = expert_loads_logical(pool=pool, since=since)
+    if loads is None or loads.sum() < policy.min_window_tokens:
+        return None
+    previous = np.asarray(current.placement)
+    layers, ranks, slots_per_rank = previous.shape
+    before = layer_balance(previous, loads)
+    if before.mean() <= policy.target_balance:
+        return None
+    try:
+        placement = rebalance_experts(
+            loads, previous, gpus=ranks, slots=ranks * slots_per_rank, target_balance=policy.target_balance
+        )
+    except PlacementInputError as error:
+        log.warning("EPLB for pool %s: %s", pool.name, error)
+        return None
+    after = layer_balance(placement, loads)
+    rationale = {
+        "rule": f"max_over_mean {before.mean():.4f} above the policy's target {policy.target_balance}",
+        "mode": policy.mode,
+        "window": {
+            "since": since.isoformat(),
+            "until": now.isoformat(),
+            "minutes": minutes,
+            "tokens": int(loads.sum()),
+        },
+        "before": {"layout_version": current.version, "max_over_mean": _rounded(before.mean())},
+        "after": {"max_over_mean": _rounded(after.mean()), "worst_layer": _rounded(after.max())},
+        "slots_changed": _rounded(slots_changed(previous, placement)),
+    }
+    try:
+        layout = ep_layout_create(
+            pool=pool, num_logical_experts=current.num_logical_experts, placement=placement.tolist(), actor=EPLB_ACTOR
+        )
+    except DomainValidationError as error:
+        # The pool changed under the layout in force (fewer ranks, another model): the operator's move.
+        log.warning("EPLB for pool %s: the proposal does not fit the pool: %s", pool.name, error.fields)
+        return None
+    layout.rationale = rationale
+    layout.save(update_fields=["rationale"])
+    if policy.mode == EPRebalanceMode.AUTO:
+        layout = ep_layout_activate(
+            layout=layout, actor=EPLB_ACTOR, reason=f"EPLB (auto): {rationale['rule']}", now=now
+        )
+    return layout
+
+
+def _rounded(value: float) -> float:
+    return round(float(value), 5)

@@ -2,7 +2,7 @@
 recorded as a control_failed event of that instance. Tasks take ids and hold no rules."""
 
 from controlplane.celery import app
-from controlplane.policies import selectors
+from controlplane.policies import selectors, services, task_names
 from controlplane.policies.models import EPLayout
 from controlplane.topology.models import Pool
 from controlplane.topology.selectors import instances_live
@@ -23,7 +23,7 @@ def _push(instances, command: str, make_request) -> None:
             )
 
 
-@app.task
+@app.task(name=task_names.TTL_POLICY_PUSH)
 def ttl_policy_push_task(instance_id: int | None = None) -> None:
     """To every live instance, or to one (a worker that just registered)."""
     # Read when the task runs, not when it was queued: a late push never sends an older policy.
@@ -37,7 +37,7 @@ def ttl_policy_push_task(instance_id: int | None = None) -> None:
     )
 
 
-@app.task
+@app.task(name=task_names.EP_LAYOUT_PUSH)
 def ep_layout_push_task(layout_id: int) -> None:
     layout = EPLayout.objects.get(pk=layout_id)
     _push(
@@ -52,18 +52,13 @@ def ep_layout_push_task(layout_id: int) -> None:
     )
 
 
-@app.task
+@app.task(name=task_names.EP_REBALANCE)
 def ep_rebalance_task(pool_id: int) -> None:
-    # Imported here: the rebalance rules import the services, which import this module.
-    from controlplane.policies.rebalance import ep_rebalance_run
-
-    ep_rebalance_run(pool=Pool.objects.get(pk=pool_id))
+    services.ep_rebalance_run(pool=Pool.objects.get(pk=pool_id))
 
 
-@app.task
+@app.task(name=task_names.EP_REBALANCE_TICK)
 def ep_rebalance_tick_task() -> None:
     """Runs the EPLB of every pool that is due (the supervisor's timer or Celery beat calls this)."""
-    from controlplane.policies.rebalance import ep_rebalance_due
-
-    for pool_id in ep_rebalance_due():
+    for pool_id in selectors.ep_rebalance_due():
         ep_rebalance_task.delay(pool_id)

@@ -5,7 +5,7 @@ from django.conf import settings
 
 from controlplane.celery import app
 from controlplane.common.data_plane import data_plane_key
-from controlplane.topology import node_agent, services
+from controlplane.topology import node_agent, services, task_names
 from controlplane.topology.models import EngineInstance
 from workers.control_client import (
     ControlRejectedError,
@@ -38,7 +38,7 @@ def _record_failure(instance_id: int, command: str, error: Exception) -> None:
     )
 
 
-@app.task
+@app.task(name=task_names.INSTANCE_DRAIN)
 def instance_drain_task(instance_id: int, grace_s: float | None = None) -> None:
     endpoint = EngineInstance.objects.values_list("request_endpoint", flat=True).get(pk=instance_id)
     try:
@@ -56,7 +56,7 @@ def instance_drain_task(instance_id: int, grace_s: float | None = None) -> None:
     services.instance_mark_drained(instance_id=instance_id)
 
 
-@app.task
+@app.task(name=task_names.INSTANCE_STOP)
 def instance_stop_task(instance_id: int) -> None:
     endpoint = EngineInstance.objects.values_list("request_endpoint", flat=True).get(pk=instance_id)
     try:
@@ -67,7 +67,7 @@ def instance_stop_task(instance_id: int) -> None:
     services.instance_mark_stopped(instance_id=instance_id)
 
 
-@app.task
+@app.task(name=task_names.INSTANCE_RESUME)
 def instance_resume_task(instance_id: int) -> None:
     endpoint = EngineInstance.objects.values_list("request_endpoint", flat=True).get(pk=instance_id)
     try:
@@ -76,19 +76,19 @@ def instance_resume_task(instance_id: int) -> None:
         _record_failure(instance_id, "resume", error)
 
 
-@app.task
+@app.task(name=task_names.NODE_START_INSTANCE)
 def node_start_instance_task(instance_id: int) -> None:
     """On a node's queue (node.<name>): start the instance's worker process here."""
     node_agent.agent_start(node_agent.node_agent(), instance_id)
 
 
-@app.task
+@app.task(name=task_names.NODE_STOP_INSTANCE)
 def node_stop_instance_task(instance_id: int) -> None:
     """On a node's queue: end the instance's (drained or stopped) worker process here."""
     node_agent.agent_stop(node_agent.node_agent(), instance_id)
 
 
-@app.task
+@app.task(name=task_names.AUTOSCALE_TICK)
 def autoscale_tick_task() -> None:
     """Celery beat's autoscaler tick (the embedded default runs it from serve's supervisor)."""
     services.autoscale_tick()

@@ -9,7 +9,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from controlplane.common.errors import DomainValidationError
-from controlplane.topology import selectors, tasks
+from controlplane.topology import selectors, task_names
 from controlplane.topology.models import (
     LIVE_STATES,
     EngineInstance,
@@ -60,7 +60,7 @@ def instance_start(
         after={"state": InstanceState.STARTING, "node": node.hostname, "worker_id": instance.worker_id},
         now=now,
     )
-    queue_node_task(tasks.node_start_instance_task, node_queue(node.hostname), instance.pk)
+    queue_node_task(task_names.NODE_START_INSTANCE, node_queue(node.hostname), instance.pk)
     return instance
 
 

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.celery import app
 from controlplane.common.actors import actor_label, actor_user
 from controlplane.topology.models import (
     EngineInstance,
@@ -16,13 +17,14 @@ from controlplane.topology.models import (
 )
 
 
-def queue_task(task: Any, *args: Any) -> None:
-    """Queues a Celery task once the current transaction commits.
+def queue_task(name: str, *args: Any) -> None:
+    """Queues the Celery task registered as `name` (a task_names constant) once the current
+    transaction commits.
 
     robust: a broker that is down (or an eager task that fails) is logged instead of failing the
     caller after its change was already committed.
     """
-    transaction.on_commit(partial(task.delay, *args), robust=True)
+    transaction.on_commit(partial(app.tasks[name].delay, *args), robust=True)
 
 
 def node_queue(hostname: str) -> str:
@@ -30,17 +32,20 @@ def node_queue(hostname: str) -> str:
     return f"node.{hostname}"
 
 
-def queue_node_task(task: Any, queue: str, *args: Any) -> None:
-    """Queues a node agent's task on its node's queue once the current transaction commits; it expires
-    unconsumed after SLUICE_INSTANCE_START_TIMEOUT_S, when the instance is failed for want of an agent.
+def queue_node_task(name: str, queue: str, *args: Any) -> None:
+    """Queues a node agent's task (registered as `name`) on its node's queue once the current
+    transaction commits; it expires unconsumed after SLUICE_INSTANCE_START_TIMEOUT_S, when the
+    instance is failed for want of an agent.
 
     Without a broker (the embedded default) nothing is queued: an eager task would run in whichever
     process asked (the gateway, the registry), which must not own workers. There the local agent runs
     in `serve`'s supervisor and finds the same work in the database (controlplane.topology.node_agent).
     """
-    if task.app.conf.task_always_eager:
+    if app.conf.task_always_eager:
         return
-    send = partial(task.apply_async, args=args, queue=queue, expires=settings.SLUICE_INSTANCE_START_TIMEOUT_S)
+    send = partial(
+        app.tasks[name].apply_async, args=args, queue=queue, expires=settings.SLUICE_INSTANCE_START_TIMEOUT_S
+    )
     transaction.on_commit(send, robust=True)
 
 

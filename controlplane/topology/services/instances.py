@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
-from controlplane.topology import selectors, tasks
+from controlplane.topology import selectors, task_names
 from controlplane.topology.models import (
     ALLOWED_TRANSITIONS,
     LIVE_STATES,
@@ -41,7 +41,7 @@ def _locked_instance(instance_id: int) -> EngineInstance:
 
 
 def _request_transition(
-    *, instance: EngineInstance, to_state: str, action: str, task: Any, actor: Any, reason: str, now: datetime | None
+    *, instance: EngineInstance, to_state: str, action: str, task: str, actor: Any, reason: str, now: datetime | None
 ) -> EngineInstance:
     locked = _locked_instance(instance.pk)
     from_state = transition_locked(locked, to_state)
@@ -82,7 +82,7 @@ def instance_drain(
         after={"state": InstanceState.DRAINING, "grace_s": grace_s},
         now=now,
     )
-    queue_task(tasks.instance_drain_task, locked.pk, grace_s)
+    queue_task(task_names.INSTANCE_DRAIN, locked.pk, grace_s)
     return locked
 
 
@@ -95,7 +95,7 @@ def instance_stop(
         instance=instance,
         to_state=InstanceState.STOPPED,
         action=ScalingAction.INSTANCE_STOP_REQUESTED,
-        task=tasks.instance_stop_task,
+        task=task_names.INSTANCE_STOP,
         actor=actor,
         reason=reason,
         now=now,
@@ -114,7 +114,7 @@ def instance_resume(
         instance=locked,
         to_state=InstanceState.READY,
         action=ScalingAction.INSTANCE_RESUMED,
-        task=tasks.instance_resume_task,
+        task=task_names.INSTANCE_RESUME,
         actor=actor,
         reason=reason,
         now=now,
@@ -306,7 +306,7 @@ def instance_mark_drained(
         )
     if instance.pid is not None and instance.node is not None:
         # A node agent started it, so that agent ends the idle process.
-        queue_node_task(tasks.node_stop_instance_task, node_queue(instance.node.hostname), instance.pk)
+        queue_node_task(task_names.NODE_STOP_INSTANCE, node_queue(instance.node.hostname), instance.pk)
     return True
 
 

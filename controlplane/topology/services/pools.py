@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
-from controlplane.topology import selectors, tasks
+from controlplane.topology import selectors, task_names
 from controlplane.topology.models import (
     Cluster,
     InstanceState,
@@ -196,7 +196,7 @@ def _drain_surplus(*, pool: Pool, actor: Any, reason: str, now: datetime) -> Non
             after={"state": InstanceState.DRAINING},
             now=now,
         )
-        queue_task(tasks.instance_drain_task, instance.pk)
+        queue_task(task_names.INSTANCE_DRAIN, instance.pk)
 
 
 @transaction.atomic

@@ -8,8 +8,7 @@ import pytest
 
 from controlplane.policies import tasks
 from controlplane.policies.models import EPLayout, EPRebalancePolicy
-from controlplane.policies.rebalance import ep_rebalance_run
-from controlplane.policies.services import ep_layout_activate, ep_layout_create
+from controlplane.policies.services import ep_layout_activate, ep_layout_create, ep_rebalance_run
 from controlplane.telemetry.models import ExpertLoadRollup
 from controlplane.topology.models import ScalingEvent
 from tests.controlplane.api.helpers import assert_error

@@ -5,8 +5,8 @@ import pytest
 
 from controlplane.policies import tasks
 from controlplane.policies.models import EPLayout, EPRebalancePolicy
-from controlplane.policies.rebalance import ep_rebalance_due, ep_rebalance_run, expert_loads_logical
-from controlplane.policies.services import ep_layout_activate, ep_layout_create
+from controlplane.policies.selectors import ep_rebalance_due, expert_loads_logical
+from controlplane.policies.services import ep_layout_activate, ep_layout_create, ep_rebalance_run
 from controlplane.telemetry.models import ExpertLoadRollup
 from controlplane.topology.models import ScalingEvent
 
