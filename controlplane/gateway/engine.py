@@ -9,8 +9,10 @@ from django.conf import settings
 from controlplane.common.data_plane import data_plane_key
 from controlplane.gateway.worker_discovery import follow_registered_workers
 from workers.engine_client import EngineClient
+from workers.expert_loads import SlotLoads
 from workers.kvstore.index import BlockIndex
 from workers.kvstore.store import open_index
+from workers.protocol.messages import WorkerHeartbeat
 
 # A new client knows no worker as healthy until their first heartbeats (every ~0.1 s) arrive; the
 # first request waits this long for one rather than being refused at once.
@@ -73,3 +75,13 @@ async def close_engine_client() -> None:
         _discovery = None
     if _usable(task):
         await (await task).close()
+
+
+async def gateway_heartbeats() -> list[WorkerHeartbeat]:
+    """The latest heartbeat of each worker the engine client holds healthy (the telemetry's source)."""
+    return (await engine_client()).healthy_workers()
+
+
+async def gateway_expert_loads() -> dict[tuple[str, int], SlotLoads]:
+    """The expert loads the engine client summed from heartbeats since the last call."""
+    return (await engine_client()).expert_loads.take()

@@ -11,7 +11,7 @@ from django.db import connections
 
 from controlplane.gateway.auth import warn_open_mode
 from controlplane.gateway.catalog import served_catalog
-from controlplane.gateway.engine import close_engine_client, engine_client
+from controlplane.gateway.engine import close_engine_client, engine_client, gateway_expert_loads, gateway_heartbeats
 from controlplane.gateway.preparation import close_preparation, start_preparation
 from controlplane.telemetry.collector import close_telemetry_collector, telemetry_collector
 from controlplane.tenants.selectors import api_keys_exist
@@ -32,7 +32,7 @@ async def _start() -> None:
     await served_catalog()
     await engine_client()
     start_preparation()
-    await telemetry_collector()
+    await telemetry_collector(gateway_heartbeats, expert_loads=gateway_expert_loads)
     if await sync_to_async(_gateway_is_open)():
         warn_open_mode()
 

@@ -13,10 +13,10 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
+from controlplane.common import task_names
 from controlplane.common.actors import actor_label, actor_user
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
-from controlplane.policies import task_names
 from controlplane.policies.models import EPLayout, EPRebalanceMode, EPRebalancePolicy, TrafficClass, TTLPolicy
 from controlplane.policies.selectors import ep_layout_active, expert_loads_logical
 from controlplane.policies.validation import ep_layout_errors

@@ -2,7 +2,8 @@
 recorded as a control_failed event of that instance. Tasks take ids and hold no rules."""
 
 from controlplane.celery import app
-from controlplane.policies import selectors, services, task_names
+from controlplane.common import task_names
+from controlplane.policies import selectors, services
 from controlplane.policies.models import EPLayout
 from controlplane.topology.models import Pool
 from controlplane.topology.selectors import instances_live

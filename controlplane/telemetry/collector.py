@@ -31,7 +31,6 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from controlplane.common.connections import close_stale_connections
-from controlplane.gateway.engine import engine_client
 from controlplane.telemetry import live
 from controlplane.telemetry.decode_loads import DecodeLoadPeaks, DecodePeak
 from controlplane.telemetry.expert_loads import ExpertLoadWindow
@@ -61,14 +60,6 @@ ExpertLoads = Callable[[], Awaitable[dict[tuple[str, int], SlotLoads]]]
 StoreGCs = Callable[[], Awaitable[list[KVStoreGC]]]
 
 
-async def gateway_heartbeats() -> list[WorkerHeartbeat]:
-    return (await engine_client()).healthy_workers()
-
-
-async def gateway_expert_loads() -> dict[tuple[str, int], SlotLoads]:
-    return (await engine_client()).expert_loads.take()
-
-
 async def _none() -> dict[tuple[str, int], SlotLoads]:
     return {}
 
@@ -81,7 +72,7 @@ async def reporting_store_gcs() -> list[KVStoreGC]:
 class TelemetryCollector:
     def __init__(
         self,
-        heartbeats: Heartbeats = gateway_heartbeats,
+        heartbeats: Heartbeats,
         *,
         expert_loads: ExpertLoads | None = None,
         store_gcs: StoreGCs = reporting_store_gcs,
@@ -96,7 +87,7 @@ class TelemetryCollector:
         self._heartbeats = heartbeats
         # The gateway's engine client sums expert loads from the heartbeats it reads; a collector fed
         # other heartbeats (a test's) has none unless given a source.
-        self._expert_loads = expert_loads or (gateway_expert_loads if heartbeats is gateway_heartbeats else _none)
+        self._expert_loads = expert_loads or _none
         self._store_gcs = store_gcs
         self._store_gc_reports: list[KVStoreGC] = []
         self._clock = clock
@@ -238,12 +229,13 @@ def _in_tidy_connection(work: Callable[..., Any], **kwargs: Any) -> Any:
 _current: tuple[asyncio.AbstractEventLoop, TelemetryCollector, asyncio.Task] | None = None
 
 
-async def telemetry_collector() -> TelemetryCollector:
-    """This loop's collector, started on first use (the gateway's lifespan starts it)."""
+async def telemetry_collector(heartbeats: Heartbeats, *, expert_loads: ExpertLoads) -> TelemetryCollector:
+    """This loop's collector, started on first use (the gateway's lifespan starts it, with its engine
+    client's heartbeats and expert loads as the sources)."""
     global _current
     loop = asyncio.get_running_loop()
     if _current is None or _current[0] is not loop or _current[2].done():
-        collector = TelemetryCollector()
+        collector = TelemetryCollector(heartbeats, expert_loads=expert_loads)
         _current = (loop, collector, loop.create_task(collector.run(), name="telemetry-collector"))
     return _current[1]
 

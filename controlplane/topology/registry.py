@@ -11,8 +11,9 @@ from datetime import timedelta
 from django.db import close_old_connections, connections
 from django.utils import timezone
 
+from controlplane.celery import app
+from controlplane.common import task_names
 from controlplane.common.errors import DomainValidationError
-from controlplane.policies.tasks import ttl_policy_push_task
 from controlplane.topology import services
 from controlplane.topology.models import EngineInstance, InstanceState
 from workers.curve import CurveKey
@@ -50,7 +51,7 @@ class TopologyRecorder:
         except DomainValidationError as error:
             return error.message
         # A new worker starts with the built-in TTL defaults: give it the policy in force.
-        ttl_policy_push_task.delay(instance.pk)
+        app.tasks[task_names.TTL_POLICY_PUSH].delay(instance.pk)
         return None
 
     def on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:

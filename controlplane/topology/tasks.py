@@ -4,8 +4,9 @@ recorded through the services. Tasks take ids and hold no rules."""
 from django.conf import settings
 
 from controlplane.celery import app
+from controlplane.common import task_names
 from controlplane.common.data_plane import data_plane_key
-from controlplane.topology import node_agent, services, task_names
+from controlplane.topology import node_agent, services
 from controlplane.topology.models import EngineInstance
 from workers.control_client import (
     ControlRejectedError,

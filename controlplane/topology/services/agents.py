@@ -8,8 +8,9 @@ from uuid import uuid4
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.common import task_names
 from controlplane.common.errors import DomainValidationError
-from controlplane.topology import selectors, task_names
+from controlplane.topology import selectors
 from controlplane.topology.models import (
     LIVE_STATES,
     EngineInstance,

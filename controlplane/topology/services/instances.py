@@ -8,9 +8,10 @@ from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from controlplane.common import task_names
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
-from controlplane.topology import selectors, task_names
+from controlplane.topology import selectors
 from controlplane.topology.models import (
     ALLOWED_TRANSITIONS,
     LIVE_STATES,

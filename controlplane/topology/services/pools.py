@@ -6,9 +6,10 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.common import task_names
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.common.validation import full_clean_or_raise
-from controlplane.topology import selectors, task_names
+from controlplane.topology import selectors
 from controlplane.topology.models import (
     Cluster,
     InstanceState,

@@ -8,7 +8,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from pytest import approx
 
-from controlplane.gateway.engine import close_engine_client
+from controlplane.gateway.engine import close_engine_client, gateway_expert_loads, gateway_heartbeats
 from controlplane.telemetry import live
 from controlplane.telemetry.collector import (
     GROUP,
@@ -266,7 +266,7 @@ def test_each_tick_reaches_the_channels_group(collector, make_heartbeat, heartbe
 
 def test_the_gateways_requests_reach_this_loops_collector(db, no_workers):
     async def record_then_tick() -> dict:
-        collector = await telemetry_collector()
+        collector = await telemetry_collector(gateway_heartbeats, expert_loads=gateway_expert_loads)
         try:
             record_finished_request(sample(0.3, prompt=10, cached=5, generated=2))
             return await collector.tick()

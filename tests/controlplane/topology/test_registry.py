@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import zmq
 
+from controlplane.policies import tasks as policy_tasks
 from controlplane.policies.selectors import ttl_policy_current
-from controlplane.topology import registry as registry_module
 from controlplane.topology.models import EngineInstance, InstanceState
 from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 from controlplane.topology.services import topology_ensure_local
@@ -100,7 +100,7 @@ def test_over_the_network_only_a_worker_with_the_cluster_key_gets_a_row_with_its
     # given a registry on tcp:// holding the cluster's key, and workers announcing decode instances
     # (no process behind them to take the TTL policy the registry pushes to each new instance)
     pushed = []
-    monkeypatch.setattr(registry_module.ttl_policy_push_task, "delay", pushed.append)
+    monkeypatch.setattr(policy_tasks.ttl_policy_push_task, "delay", pushed.append)
     topology_ensure_local(hostname="here", model="tiny", pools=[("decode", "decode", 2)])
     key, other = generate_key(1), generate_key(1)
     registry = start_registry("tcp://127.0.0.1:0", key=key)
