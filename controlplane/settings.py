@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 from django.core.exceptions import ImproperlyConfigured
 
+from controlplane.common import task_names
 from controlplane.database_url import parse_database_url
 from recipe.limits import RequestLimits
 from workers.curve import key_file_from_environment
@@ -157,12 +158,6 @@ CELERY_ACCEPT_CONTENT = ["json"]
 # How often the EPLB tick looks for MoE pools whose rebalancing interval has passed: the `serve`
 # supervisor's timer in the embedded default, Celery beat with a broker.
 SLUICE_EP_REBALANCE_TICK_S = float(os.environ.get("SLUICE_EP_REBALANCE_TICK_S", 30))
-CELERY_BEAT_SCHEDULE = {
-    "ep-rebalance-tick": {
-        "task": "controlplane.policies.tasks.ep_rebalance_tick_task",
-        "schedule": SLUICE_EP_REBALANCE_TICK_S,
-    }
-}
 # How long a drain may take before the task gives up and records control_failed.
 SLUICE_DRAIN_TIMEOUT_S = float(os.environ.get("SLUICE_DRAIN_TIMEOUT_S", 600))
 
@@ -191,11 +186,10 @@ SLUICE_CURVE_KEY_FILE = key_file_from_environment()
 # telemetry it reads the prefill demand from.
 SLUICE_AUTOSCALE_INTERVAL_S = float(os.environ.get("SLUICE_AUTOSCALE_INTERVAL_S", 15))
 SLUICE_AUTOSCALE_LOOKBACK_MINUTES = int(os.environ.get("SLUICE_AUTOSCALE_LOOKBACK_MINUTES", 5))
+# Celery beat's periodic tasks, with a broker (serve's supervisor times them without one).
 CELERY_BEAT_SCHEDULE = {
-    "autoscale-tick": {
-        "task": "controlplane.topology.tasks.autoscale_tick_task",
-        "schedule": SLUICE_AUTOSCALE_INTERVAL_S,
-    }
+    "autoscale-tick": {"task": task_names.AUTOSCALE_TICK, "schedule": SLUICE_AUTOSCALE_INTERVAL_S},
+    "ep-rebalance-tick": {"task": task_names.EP_REBALANCE_TICK, "schedule": SLUICE_EP_REBALANCE_TICK_S},
 }
 
 LOGGING = {

@@ -59,3 +59,12 @@ def test_a_count_setting_is_its_default_unless_the_environment_sets_it():
 def test_a_count_setting_that_is_not_a_positive_integer_is_refused_at_start(value):
     with pytest.raises(ImproperlyConfigured, match="SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT"):
         _positive_int({"SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT": value}, "SLUICE_TENANT_MAX_REQUESTS_IN_FLIGHT", 32)
+
+
+def test_celery_beat_runs_both_periodic_ticks_and_each_names_a_registered_task():
+    from controlplane.celery import app
+
+    schedule = app.conf.beat_schedule
+
+    assert set(schedule) == {"autoscale-tick", "ep-rebalance-tick"}
+    assert all(entry["task"] in app.tasks for entry in schedule.values())
