@@ -27,9 +27,9 @@ from tests.workers.worker_process import (
 )
 from workers.engine import SamplingParams
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_pages import gather_tokens
 from workers.engine.kv_handoff import KVHandoff
-from workers.engine.kv_pages import gather_tokens
 from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
@@ -286,7 +286,7 @@ def test_a_sender_that_dies_mid_frames_fails_the_request_at_its_timeout_and_the_
 DEAD_EXPORTER = """
 import sys, torch
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.transfer.pools import PoolExport
 import json
 config = ModelConfig.from_hf_config(json.loads(sys.argv[1]))

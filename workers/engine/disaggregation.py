@@ -12,9 +12,9 @@ transfer backend while the engine steps on (workers.transfer), and the request j
 batch once it is there (admit), or gives its pages back (cancel).
 """
 
-from workers.engine.block_manager import BlockManager
 from workers.engine.constraints import TokenConstraint
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.block_manager import BlockManager
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff
 from workers.engine.request import Request
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError

@@ -24,8 +24,8 @@ from typing import overload
 
 import torch
 
-from workers.engine.kv_cache import KVCache
-from workers.engine.kv_pages import gather_tokens, scatter_tokens
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.sampling_params import SamplingParams

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.block_manager import BlockManager
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import LoadedModel
 from workers.engine.request import Request
 from workers.engine.runner.device_sampling import MODES

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
-from workers.engine.kv_cache import KVCache
-from workers.engine.kv_pages import gather_tokens, scatter_tokens
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
 from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
 from workers.kvstore.store import KVStore

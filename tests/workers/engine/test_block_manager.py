@@ -1,4 +1,4 @@
-from workers.engine.block_manager import BlockManager
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.protocol.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, EngineOverloadedError, InvalidRequestError, RequestDelta, SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import load_model
 
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]

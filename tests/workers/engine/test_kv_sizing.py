@@ -9,10 +9,11 @@ import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.args import CPU_KV_CACHE_BYTES
-from workers.engine import LLM, kv_sizing
+from workers.engine import LLM
 from workers.engine.config import EngineConfig
-from workers.engine.kv_cache import KVCache
-from workers.engine.kv_sizing import kv_cache_size
+from workers.engine.kv import kv_sizing
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_sizing import kv_cache_size
 from workers.engine.memory_profile import (
     DeviceMemory,
     profile_prompt_lengths,

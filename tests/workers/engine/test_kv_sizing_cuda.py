@@ -9,7 +9,7 @@ import torch
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
 from workers.engine import LLM, SamplingParams
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.memory_profile import NON_TORCH_BYTES
 
 pytestmark = [

@@ -7,7 +7,7 @@ from kernels.attention import TORCH_BACKENDS, AttentionMetadata, get_backend
 from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.models.llama import DecoderForCausalLM
 
 

@@ -8,7 +8,7 @@ from kernels.attention import AttentionMetadata, get_backend
 from tests.workers.engine.hf_moe_reference import TINY_MOE_CONFIGS, build_hf_moe_model
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import load_model
 from workers.engine.weights import load_weights, resolve_model
 from workers.protocol.errors import ModelLoadError

@@ -16,7 +16,7 @@ of ints; it never touches tensors.
 import time
 
 from workers.block_hash import BlockHash
-from workers.engine.block_manager import BlockManager
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import NewRequestData, SchedulerOutput
 from workers.engine.sched.step_budget import StepBudget

@@ -11,7 +11,7 @@ import torch
 
 from workers.args import CPU_KV_CACHE_BYTES
 from workers.engine.config import EngineConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.memory_profile import check_room, format_bytes, profile_device_memory
 from workers.engine.model_loader import LoadedModel
 
