@@ -54,7 +54,7 @@ def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, devi
             "max_position_embeddings": 1 << 20,
         }
     )
-    cache = KVCache(
+    cache = KVCache.for_model(
         config, num_pages=num_pages, page_size=PAGE_SIZE, dtype=DTYPE, device=torch.device(device), shareable=True
     )
     if seed is not None:

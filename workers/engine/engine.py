@@ -110,7 +110,7 @@ class LLMEngine:
         kv_size = kv_cache_size(loaded, config, dtype=dtype, device=device)
         log.info("KV cache: %s", kv_size)
         num_pages = kv_size.num_pages
-        kv_cache = KVCache(
+        kv_cache = KVCache.for_model(
             loaded.config,
             num_pages=num_pages,
             page_size=config.page_size,

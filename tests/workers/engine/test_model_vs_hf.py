@@ -22,7 +22,7 @@ def test_prefill_logits_match_hf(hf_model, backend):
     model = DecoderForCausalLM(config, max_positions=256).eval()
     model.load_weights(hf_model.state_dict().items())
     tokens = torch.randint(0, config.vocab_size, (45,), generator=torch.Generator().manual_seed(1))
-    kv = KVCache(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVCache.for_model(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
     table = [3, 1, 4]  # pages out of order on purpose
     metadata = AttentionMetadata.build(
         query_lens=[45],

@@ -28,7 +28,7 @@ def test_prefill_logits_match_hf(hf_checkpoint):
     config, model = loaded.config, loaded.model
     assert config.moe is not None and any(config.moe.sparse_layers) and not all(config.moe.sparse_layers)
     tokens = torch.randint(0, config.vocab_size, (45,), generator=torch.Generator().manual_seed(1))
-    kv = KVCache(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVCache.for_model(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
     metadata = AttentionMetadata.build(
         query_lens=[45], seq_lens=[45], block_tables=[[3, 1, 4]], page_size=16, device=torch.device("cpu")
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.config import ModelConfig
+from workers.engine.kv.spec import KVCacheSpecs, KVKind
 
 SHARED_MEMORY_NAME = "sluice-kv-cache"  # a shareable CPU cache's memfd, as /proc/<pid>/fd/ shows it
 
@@ -27,15 +28,43 @@ class SharedHostMemory:
 class KVCache:
     """Per-layer key and value page tensors: [kv_heads, num_pages, page_size, head_dim].
 
-    Head-major, so gathering a sequence's pages yields each KV head's keys contiguously. Every layer's
-    keys and values are views of one tensor, `pages` ([layers, 2, kv_heads, num_pages, page_size,
-    head_dim]), so the whole cache is shared with a process on the same host by one handle
-    (workers.transfer.pools): a CUDA IPC handle on a GPU; on the CPU, a `shareable` cache lives in
-    shared memory (`shared_memory`).
+    Head-major, so gathering a sequence's pages yields each KV head's keys contiguously. Each KV group's
+    (workers.engine.kv.spec) layers are views of one tensor, [group layers, 2, kv_heads, num_pages,
+    page_size, head_dim]; a model of one group (every model today) has its whole cache in `pages`,
+    which is shared with a process on the same host by one handle (workers.transfer.pools): a CUDA
+    IPC handle on a GPU; on the CPU, a `shareable` cache lives in shared memory (`shared_memory`).
     """
 
-    def __init__(
-        self,
+    def __init__(self, specs: KVCacheSpecs, *, num_pages: int, device: torch.device, shareable: bool = False):
+        for spec in specs.groups:
+            if spec.kind is KVKind.LATENT:
+                raise ValueError(f"the device cache has no latent layout yet: {spec.layout}")
+        if shareable and len(specs.groups) > 1:
+            raise ValueError(f"a cache of {len(specs.groups)} KV groups is not one tensor to share")
+        self.specs = specs
+        self.shared_memory: SharedHostMemory | None = None
+        self.group_pages: list[torch.Tensor] = []
+        by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for spec in specs.groups:
+            shape = (len(spec.layers), 2, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+            # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs);
+            # a fresh memfd reads as zeros.
+            if shareable and device.type == "cpu":
+                pages, self.shared_memory = _shared_host_tensor(shape, spec.dtype)
+                # The descriptor is how peers find the memory: open while the cache lives.
+                weakref.finalize(self, os.close, self.shared_memory.fd)
+            else:
+                pages = torch.zeros(shape, dtype=spec.dtype, device=device)
+            self.group_pages.append(pages)
+            for i, layer in enumerate(spec.layers):
+                by_layer[layer] = (pages[i, 0], pages[i, 1])
+        self.layers = [by_layer[layer] for layer in range(specs.num_layers)]
+        self.num_pages = num_pages
+        self.page_size = specs.page_size
+
+    @classmethod
+    def for_model(
+        cls,
         config: ModelConfig,
         *,
         num_pages: int,
@@ -43,38 +72,25 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         shareable: bool = False,
-    ):
-        shape = (config.num_layers, 2, config.num_kv_heads, num_pages, page_size, config.head_dim)
-        self.shared_memory: SharedHostMemory | None = None
-        # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs);
-        # a fresh memfd reads as zeros.
-        if shareable and device.type == "cpu":
-            self.pages, self.shared_memory = _shared_host_tensor(shape, dtype)
-            # The descriptor is how peers find the memory: open while the cache lives.
-            weakref.finalize(self, os.close, self.shared_memory.fd)
-        else:
-            self.pages = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = [(self.pages[i, 0], self.pages[i, 1]) for i in range(config.num_layers)]
-        self.num_pages = num_pages
-        self.page_size = page_size
+    ) -> "KVCache":
+        specs = KVCacheSpecs.of_model(config, dtype=dtype, page_size=page_size)
+        return cls(specs, num_pages=num_pages, device=device, shareable=shareable)
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """The whole cache as one tensor, [layers, 2, kv_heads, num_pages, page_size, head_dim]: a
+        cache of one KV group."""
+        if len(self.group_pages) != 1:
+            raise ValueError(f"a cache of {len(self.group_pages)} KV groups is not one tensor")
+        return self.group_pages[0]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.pages.dtype
+        return self.group_pages[0].dtype
 
     @property
     def device(self) -> torch.device:
-        return self.pages.device
-
-    @staticmethod
-    def page_bytes(config: ModelConfig, *, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one page over every layer, keys and values."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * element
-
-    @staticmethod
-    def pages_for_bytes(config: ModelConfig, *, num_bytes: int, page_size: int, dtype: torch.dtype) -> int:
-        return max(num_bytes // KVCache.page_bytes(config, page_size=page_size, dtype=dtype), 2)
+        return self.group_pages[0].device
 
 
 def _shared_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedHostMemory]:
