@@ -4,7 +4,7 @@
     python3 -m bench.kv_handoff [--tokens 8192] [--runs 5] [--device cpu]
 
 Two processes, a sender (the prefill side) and a receiver (the decode side), each with its own paged
-KV cache (workers.engine.kv_cache, no model; on a GPU each with its own CUDA context), the sender's
+KV cache (workers.engine.kv.kv_cache, no model; on a GPU each with its own CUDA context), the sender's
 filled from a seeded generator. Each run hands one request's KV, `--tokens` tokens, from pages scattered over the
 sender's cache into pages of the receiver's, as a worker does:
 - `zmq`: frames through host memory: the sender's TransferSender reads the pages layer by layer
@@ -38,7 +38,7 @@ MODES = ("zmq", "pages")
 
 def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, device: str):
     from workers.engine.config import ModelConfig
-    from workers.engine.kv_cache import KVCache
+    from workers.engine.kv.kv_cache import KVCache
 
     layers, heads, head_dim = shape
     config = ModelConfig.from_hf_config(
@@ -54,7 +54,7 @@ def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, devi
             "max_position_embeddings": 1 << 20,
         }
     )
-    cache = KVCache(
+    cache = KVCache.for_model(
         config, num_pages=num_pages, page_size=PAGE_SIZE, dtype=DTYPE, device=torch.device(device), shareable=True
     )
     if seed is not None:
@@ -132,8 +132,8 @@ def _receive(
 ) -> tuple[list[float], float | None]:
     import zmq
 
+    from workers.engine.kv.kv_pages import gather_tokens
     from workers.engine.kv_handoff import write_layers
-    from workers.engine.kv_pages import gather_tokens
     from workers.protocol.messages import REPLY_DONE
     from workers.transfer.link import TransferReceiver
     from workers.transfer.page_copy import PageCopy

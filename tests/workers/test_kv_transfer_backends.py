@@ -27,9 +27,9 @@ from tests.workers.worker_process import (
 )
 from workers.engine import SamplingParams
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_pages import gather_tokens
 from workers.engine.kv_handoff import KVHandoff
-from workers.engine.kv_pages import gather_tokens
 from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
@@ -91,7 +91,7 @@ def request_handoff(request_id: str, *, heads: int = HEADS, layers: list[torch.T
 
 def shared_cache(heads: int = HEADS, page_size: int = PAGE) -> KVCache:
     config = ModelConfig.from_hf_config({**CONFIG, "num_key_value_heads": heads})
-    cache = KVCache(
+    cache = KVCache.for_model(
         config, num_pages=8, page_size=page_size, dtype=torch.float32, device=torch.device("cpu"), shareable=True
     )
     cache.pages.copy_(torch.randn(cache.pages.shape, generator=torch.Generator().manual_seed(1)))
@@ -286,11 +286,12 @@ def test_a_sender_that_dies_mid_frames_fails_the_request_at_its_timeout_and_the_
 DEAD_EXPORTER = """
 import sys, torch
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.transfer.pools import PoolExport
 import json
 config = ModelConfig.from_hf_config(json.loads(sys.argv[1]))
-cache = KVCache(config, num_pages=8, page_size=16, dtype=torch.float32, device=torch.device("cpu"), shareable=True)
+cpu = torch.device("cpu")
+cache = KVCache.for_model(config, num_pages=8, page_size=16, dtype=torch.float32, device=cpu, shareable=True)
 handle = PoolExport.of(cache, "dead").handle
 print(handle.pid, handle.fd, handle.num_bytes)
 """

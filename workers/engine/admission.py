@@ -8,7 +8,7 @@ the request can never run here; EngineOverloadedError means not now (the caller 
 import math
 from collections.abc import Sequence
 
-from workers.engine.block_manager import BlockManager
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.sched.scheduler import Scheduler
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol.messages import MAX_CACHE_HINTS, CacheHint

@@ -291,7 +291,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # None: float32 on the CPU, bfloat16 on CUDA
     attention_backend: str | None = default("attention_backend")  # None: the device's default (see kernels.attention)
     page_size: int = default("page_size")
-    num_pages: int | None = default("num_pages")  # None: sized by workers.engine.kv_sizing
+    num_pages: int | None = default("num_pages")  # None: sized by workers.engine.kv.kv_sizing
     kv_cache_bytes: int | None = default("kv_cache_bytes")  # None: from the device's memory on CUDA
     gpu_memory_utilization: float = default("gpu_memory_utilization")
     max_num_seqs: int = default("max_num_seqs")

@@ -12,8 +12,8 @@ transfer backend while the engine steps on (workers.transfer), and the request j
 batch once it is there (admit), or gives its pages back (cancel).
 """
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.block_manager import BlockManager
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff
 from workers.engine.request import Request
 from workers.engine.structured.constraint import TokenConstraint

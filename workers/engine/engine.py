@@ -17,13 +17,13 @@ import torch
 from workers.block_hash import namespace_extra
 from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
-from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.disaggregation import Disaggregation, continued_request
-from workers.engine.host_memory import reuse_freed_memory
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.block_manager import BlockManager
+from workers.engine.kv.host_memory import reuse_freed_memory
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_sizing import kv_cache_size
 from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
-from workers.engine.kv_sizing import kv_cache_size
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
@@ -110,7 +110,7 @@ class LLMEngine:
         kv_size = kv_cache_size(loaded, config, dtype=dtype, device=device)
         log.info("KV cache: %s", kv_size)
         num_pages = kv_size.num_pages
-        kv_cache = KVCache(
+        kv_cache = KVCache.for_model(
             loaded.config,
             num_pages=num_pages,
             page_size=config.page_size,

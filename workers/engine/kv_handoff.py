@@ -24,8 +24,9 @@ from typing import overload
 
 import torch
 
-from workers.engine.kv_cache import KVCache
-from workers.engine.kv_pages import gather_tokens, scatter_tokens
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
+from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
 from workers.engine.request import Request
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.sampling_params import SamplingParams
@@ -153,14 +154,9 @@ def check_handoff(handoff: KVHandoff, *, kv_model_id: str, vocab_size: int, max_
         raise InvalidRequestError(
             f"handoff {name!r} reports {handoff.num_cached_tokens} cached tokens for a prompt of {len(prompt)}"
         )
-    key_cache, _ = kv_cache.layers[0]
-    num_kv_heads, _, _, head_dim = key_cache.shape
-    ours = (len(kv_cache.layers), kv_cache.dtype, num_kv_heads, head_dim)
-    theirs = (handoff.num_layers, handoff.kv_dtype, handoff.num_kv_heads, handoff.head_dim)
-    if theirs != ours:
-        raise InvalidRequestError(
-            f"handoff {name!r} holds {_layout(*theirs)}; this engine's cache holds {_layout(*ours)}"
-        )
+    theirs = _layout(handoff, kv_cache.page_size)
+    if theirs != kv_cache.specs.layout:
+        raise InvalidRequestError(f"handoff {name!r} holds {theirs}; this engine's cache holds {kv_cache.specs.layout}")
 
 
 def check_layers(handoff: KVHandoff) -> list[torch.Tensor]:
@@ -182,8 +178,20 @@ def check_layers(handoff: KVHandoff) -> list[torch.Tensor]:
     return layers
 
 
-def _layout(num_layers: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> str:
-    return f"{num_layers} layers of {num_kv_heads} KV heads of {head_dim} ({str(dtype).removeprefix('torch.')})"
+def _layout(handoff: KVHandoff, page_size: int) -> str:
+    """The layout of the handoff's KV (KVCacheSpecs.layout): one full-attention group of its layers."""
+    try:
+        spec = KVCacheSpec(
+            KVKind.FULL,
+            tuple(range(handoff.num_layers)),
+            handoff.kv_dtype,
+            page_size,
+            num_kv_heads=handoff.num_kv_heads,
+            head_dim=handoff.head_dim,
+        )
+    except (TypeError, ValueError) as error:
+        raise InvalidRequestError(f"handoff {handoff.request_id!r} has no valid KV layout: {error}") from None
+    return KVCacheSpecs((spec,)).layout
 
 
 @torch.inference_mode()

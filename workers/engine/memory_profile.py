@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.block_manager import BlockManager
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.spec import KVCacheSpecs
 from workers.engine.model_loader import LoadedModel
 from workers.engine.request import Request
 from workers.engine.runner.device_sampling import MODES
@@ -197,13 +198,14 @@ def _profile_steps(
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     num_pages = temporary_num_pages(lengths, config.page_size)
-    kv_cache = KVCache(loaded.config, num_pages=num_pages, page_size=config.page_size, dtype=dtype, device=device)
+    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.page_size)
+    kv_cache = KVCache(specs, num_pages=num_pages, device=device)
     runner = ModelRunner.for_engine(
         loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=True
     )
     run_largest_step(runner, lengths, vocab_size=loaded.config.vocab_size)
     torch.cuda.synchronize(device)
-    kv_bytes = num_pages * KVCache.page_bytes(loaded.config, page_size=config.page_size, dtype=dtype)
+    kv_bytes = num_pages * specs.page_bytes
     activations = torch.cuda.max_memory_allocated(device) - before - kv_bytes
     if not runner.supports_cuda_graphs or config.enforce_eager:
         return activations, 0

@@ -1,7 +1,9 @@
 """Moves KV between the engine's pages and the global block store (workers.kvstore).
 
 A store block is `block_tokens` tokens (a multiple of the page size), keyed by the same chained
-hash as the engine's pages (workers.block_hash) with the same `extra`, only over longer blocks.
+hash as the engine's pages (workers.block_hash) with the same `extra`, only over longer blocks. It
+holds the KV of the cache's first group (workers.engine.kv.spec), the one the global store keeps, and
+its file records that group's layout: a block of another layout ends a fetch as a corrupt one does.
 
 Reads: when a request arrives, the index says how many of its prompt's blocks the store holds
 (no data read). If that beats the engine-local prefix cache, a reader thread fetches the blocks
@@ -39,12 +41,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
-from workers.engine.kv_cache import KVCache
-from workers.engine.kv_pages import gather_tokens, scatter_tokens
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
 from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
 from workers.kvstore.store import KVStore
@@ -70,8 +71,8 @@ class LoadedBlocks:
 
     first_page: int
     num_pages: int
-    # One tensor per block: [layers, 2 (key, value), kv_heads, block_tokens, head_dim]; a prompt
-    # tail, last, holds fewer tokens (whole pages).
+    # One tensor per block: [layers, 2 (key, value), kv_heads, block_tokens, head_dim] of the stored
+    # group's layers; a prompt tail, last, holds fewer tokens (whole pages).
     blocks: list[torch.Tensor]
 
 
@@ -124,14 +125,17 @@ class StoreConnector:
         self.block_tokens = block_tokens
         self.retention_caps = retention_caps
         self.pages_per_block = block_tokens // kv_cache.page_size
-        key_cache, _ = kv_cache.layers[0]
-        num_kv_heads, _, _, head_dim = key_cache.shape
-        self.block_shape = (len(kv_cache.layers), 2, num_kv_heads, block_tokens, head_dim)
-        self.dtype = key_cache.dtype
-        self.block_bytes = int(np.prod(self.block_shape)) * key_cache.element_size()
+        # The request's pages are the first group's: the store keeps that group, and no other.
+        self.spec = kv_cache.specs.groups[0]
+        stored = [group for group in kv_cache.specs.groups if group.stored_globally]
+        if stored != [self.spec]:
+            raise ValueError(f"the store keeps the first KV group only; these are stored: {[g.layout for g in stored]}")
+        self.block_shape = self.spec.run_shape(block_tokens)
+        self.dtype = self.spec.dtype
+        self.block_bytes = self.spec.bytes_per_token * block_tokens
         self.readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-read")
         self.pending_writes: queue.Queue[_Write | _Retain | None] = queue.Queue(MAX_PENDING_WRITES)
-        self.device = key_cache.device
+        self.device = kv_cache.device
         # Free pinned staging buffers (GPU caches only: a CPU cache's blocks are plain copies).
         self.staging: queue.SimpleQueue[torch.Tensor] | None = None
         if self.device.type == "cuda":
@@ -200,9 +204,9 @@ class StoreConnector:
             self.num_hit_tokens += len(load.pages) * page_size
             self.num_blocks_read += len(load.blocks)
             pages = torch.tensor(load.pages, device=self.kv_cache.layers[0][0].device)
-            for layer, (key_cache, value_cache) in enumerate(self.kv_cache.layers):
-                for kind, cache in ((0, key_cache), (1, value_cache)):
-                    scatter_tokens(cache, pages, torch.cat([block[layer, kind] for block in load.blocks], dim=1))
+            for index, layer in enumerate(self.spec.layers):
+                for kind, cache in enumerate(self.kv_cache.layers[layer]):
+                    scatter_tokens(cache, pages, torch.cat([block[index, kind] for block in load.blocks], dim=1))
 
     @torch.inference_mode()
     def save_completed_blocks(self, requests: Sequence[Request]) -> None:
@@ -340,10 +344,13 @@ class StoreConnector:
         return index, tokens, hash_block(parent, tail_tokens, request.hash_extra + TAIL_EXTRA)
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
-        """[layers, 2 (key, value), heads, tokens of the pages, dim] on the cache's device."""
+        """[stored layers, 2 (key, value), heads, tokens of the pages, dim] on the cache's device."""
         index = torch.tensor(pages, device=self.device)
         tokens = len(pages) * self.kv_cache.page_size
-        per_layer = [torch.stack([gather_tokens(cache, index, tokens) for cache in kv]) for kv in self.kv_cache.layers]
+        per_layer = [
+            torch.stack([gather_tokens(cache, index, tokens) for cache in self.kv_cache.layers[layer]])
+            for layer in self.spec.layers
+        ]
         return torch.stack(per_layer)
 
     def _fetch(
@@ -366,7 +373,7 @@ class StoreConnector:
 
     def _read_blocks(self, keys: list[BlockHash], tokens: int) -> list[torch.Tensor]:
         """Blocks of `tokens` tokens each, up to the first missing or bad one."""
-        shape = (*self.block_shape[:3], tokens, self.block_shape[4])
+        shape = self.spec.run_shape(tokens)
         expected = self.block_bytes // self.block_tokens * tokens
         blocks: list[torch.Tensor] = []
 
@@ -379,7 +386,7 @@ class StoreConnector:
             return memoryview(blocks[-1].view(-1).view(torch.uint8).numpy())
 
         try:
-            payloads = self.store.read(keys, into)
+            payloads = self.store.read(keys, into, layout=self.spec.layout)
         except Exception:
             # An unreachable index or disk costs the hit, never the request.
             log.exception("fetching KV blocks from the store failed; recomputing")
@@ -403,6 +410,7 @@ class StoreConnector:
                     traffic_class=item.traffic_class,
                     retain_until=item.retain_until,
                     new_chain=item.new_chain,
+                    layout=self.spec.layout,
                 )
                 if written:
                     self.num_blocks_written += 1

@@ -23,6 +23,11 @@ cover are checked on their own (magic, version, and meta_len + payload_len again
 The key is stored inside the file so that a file under the wrong name is caught. Bad files are
 deleted on read: the caller then sees a miss and recomputes, and the block is rewritten later.
 
+The metadata records the KV layout of the payload (workers.engine.kv.spec.KVCacheSpec.layout). A
+reader that names its layout gets BlockLayoutError for a block of another one, before its payload is
+read; the file is sound, so it stays for the readers it fits. Files written before layouts were
+recorded say nothing ("") and are read by anyone, their payload's size still checked by the reader.
+
 A reader may name where the payload goes (`read(key, into=...)`): the engine reads blocks straight
 into aligned tensors, with no copy after the read.
 """
@@ -67,6 +72,7 @@ class BlockMeta(msgspec.Struct, frozen=True, kw_only=True):
     # The writing request's prompt shared no full block with a cache (BlockEntry.new_chain), which
     # the eviction policy ranks by: an index rebuilt from the files ranks the block as before.
     new_chain: bool = False
+    layout: str = ""  # of the KV in the payload (KVCacheSpec.layout); "" in files older than layouts
 
     def index_entry(self, key: BlockHash, size: int, *, last_access: float, hit_count: int = 0) -> BlockEntry:
         """The index entry of this block, found in the directory rather than written through the index."""
@@ -90,6 +96,10 @@ class _FileMeta(msgspec.Struct, frozen=True):
 
 _encode_meta = msgspec.msgpack.Encoder().encode
 _decode_meta = msgspec.msgpack.Decoder(_FileMeta).decode
+
+
+class BlockLayoutError(Exception):
+    """A sound block whose KV layout is not the reader's: the message names both."""
 
 
 class BlockFiles:
@@ -136,11 +146,14 @@ class BlockFiles:
                 fsync_path(directory)
         return len(header) + len(meta_bytes) + data.nbytes
 
-    def read(self, key: BlockHash, into: Callable[[int], memoryview | None] | None = None) -> memoryview | None:
+    def read(
+        self, key: BlockHash, into: Callable[[int], memoryview | None] | None = None, *, layout: str | None = None
+    ) -> memoryview | None:
         """The block's payload, or None if the file is missing or bad (a bad file is deleted).
 
         `into(payload_bytes)` gives the writable buffer to read the payload into (None: the caller
-        wants no payload of that size, and the read is a miss); by default a new bytearray's."""
+        wants no payload of that size, and the read is a miss); by default a new bytearray's.
+        `layout`: the reader's; BlockLayoutError if the block records another."""
         path = self.path(key)
         try:
             with open(path, "rb", buffering=0) as f:
@@ -152,6 +165,8 @@ class BlockFiles:
                     # A short read leaves zeros, which the checksum rejects.
                     meta = bytearray(meta_len)
                     f.readinto(meta)
+                    if layout is not None:
+                        _check_layout(key, meta, layout)
                     payload = into(payload_len) if into is not None else memoryview(bytearray(payload_len))
                     if payload is None:
                         return None
@@ -280,6 +295,17 @@ def _check_fixed(fixed: bytes, size: int) -> str:
     if _FIXED.size + meta_len + payload_len != size:
         return f"size {size} does not match its header ({_FIXED.size + meta_len + payload_len})"
     return ""
+
+
+def _check_layout(key: BlockHash, meta: bytearray, layout: str) -> None:
+    """BlockLayoutError if the metadata records a layout other than `layout`. Metadata that does not
+    decode is left to the checksum."""
+    try:
+        recorded = _decode_meta(meta).meta.layout
+    except msgspec.DecodeError:
+        return
+    if recorded and recorded != layout:
+        raise BlockLayoutError(f"KV block {key.hex()} holds {recorded}; the reader's KV is {layout}")
 
 
 def _checksum(version: int, meta: bytes | bytearray, payload: memoryview) -> bytes:

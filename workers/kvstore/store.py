@@ -7,15 +7,18 @@ the file, not the index: a block that turns out missing or corrupt ends the read
 index entry is removed so that later matches stop promising it; the caller recomputes the rest.
 """
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from workers.block_hash import BlockHash
-from workers.kvstore.block_files import BlockFiles, BlockMeta
+from workers.kvstore.block_files import BlockFiles, BlockLayoutError, BlockMeta
 from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
+
+log = logging.getLogger(__name__)
 
 INDEX_URL_HELP = (
     "'memory', 'redis://host:port/db?prefix=...' (rediss:// for TLS) or 'ipc:///path' (the index the store's GC "
@@ -58,13 +61,22 @@ class KVStore:
         return matched + len(found)
 
     def read(
-        self, keys: Sequence[BlockHash], into: Callable[[int], memoryview | None] | None = None
+        self,
+        keys: Sequence[BlockHash],
+        into: Callable[[int], memoryview | None] | None = None,
+        *,
+        layout: str | None = None,
     ) -> list[memoryview]:
-        """The payloads of the chain's blocks in order, up to the first missing or corrupt one;
-        `into` gives the buffer each is read into (BlockFiles.read)."""
+        """The payloads of the chain's blocks in order, up to the first missing or corrupt one, or
+        the first of another KV layout than `layout` (which stays stored and indexed, for readers it
+        fits); `into` gives the buffer each is read into (BlockFiles.read)."""
         payloads = []
         for key in keys:
-            payload = self.files.read(key, into)
+            try:
+                payload = self.files.read(key, into, layout=layout)
+            except BlockLayoutError as refused:
+                log.warning("%s: recomputing from there", refused)
+                break
             if payload is None:
                 self.index.remove([key])
                 break
@@ -86,17 +98,24 @@ class KVStore:
         traffic_class: str,
         retain_until: float = 0.0,
         new_chain: bool = False,
+        layout: str = "",
     ) -> bool:
         """Store a block; False if the index holds it already (the payload is then not written, and
         the block held is retained until `retain_until` if that is later than it was). `new_chain`:
         the request writing it found none of its prompt's blocks stored or cached, which the
-        eviction policy reads as weaker evidence of reuse (workers.kvstore.eviction)."""
+        eviction policy reads as weaker evidence of reuse (workers.kvstore.eviction). `layout`: the
+        payload's KV layout, recorded in the block's file (BlockMeta.layout)."""
         if self.contains(key):
             self.retain([key], retain_until)
             return False
         now = self.clock()
         meta = BlockMeta(
-            traffic_class=traffic_class, depth=depth, created_at=now, retain_until=retain_until, new_chain=new_chain
+            traffic_class=traffic_class,
+            depth=depth,
+            created_at=now,
+            retain_until=retain_until,
+            new_chain=new_chain,
+            layout=layout,
         )
         size = self.files.write(key, payload, meta)
         entry = BlockEntry(

@@ -1,4 +1,6 @@
-from workers.engine.block_manager import BlockManager
+import pytest
+
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.protocol.sampling_params import SamplingParams
 
@@ -90,3 +92,48 @@ def test_prefix_caching_can_be_disabled():
     manager = BlockManager(num_pages=10, page_size=4, enable_prefix_caching=False)
     compute(manager, make_request(list(range(12)), "a"), 12)
     assert manager.find_cached_prefix(make_request(list(range(12)), "b")) == ([], [])
+
+
+def test_lookahead_slots_are_covered_by_pages_past_the_new_tokens():
+    manager = BlockManager(num_pages=6, page_size=4)
+    request = make_request(list(range(7)))
+    assert manager.allocate(request, 7, lookahead=2)  # 9 slots: 3 pages
+    assert request.pages == [1, 2, 3]
+    request.num_computed_tokens = 7
+    assert manager.allocate(request, 1, lookahead=4)  # 12 slots: still 3 pages
+    assert request.pages == [1, 2, 3] and not manager.allocate(request, 1, lookahead=13)
+    assert request.pages == [1, 2, 3]
+
+
+def test_pages_are_allocated_per_group_and_a_window_gives_back_what_it_no_longer_reads():
+    # Two KV groups: full attention (the request's pages) and a sliding window of 6 tokens.
+    manager = BlockManager(num_pages=8, page_size=4, windows=(None, 6))
+    request = make_request(list(range(10)))
+    assert manager.allocate(request, 10)
+    assert request.pages == [1, 2, 3] and manager.pages_of(request, 1) == [1, 2, 3]
+    request.num_computed_tokens = 10
+    # The next query (token 10) reads tokens 5..10: page 0 (tokens 0-3) is out of the window.
+    assert manager.allocate(request, 4)
+    assert request.pages == [1, 2, 3, 4] and manager.pages_of(request, 1) == [0, 2, 3, 4]
+    assert list(manager.groups[0].free_pages) == [5, 6, 7, 1]
+    assert manager.num_free_pages == 3  # the full group's: the fewer
+    # No prefix cache with more than one group: a hit would lack the window's KV.
+    assert manager.find_cached_prefix(make_request(list(range(10)), "b")) == ([], [])
+
+    manager.free(request)
+    assert manager.num_free_pages == 7 and manager.pages_of(request, 1) == []
+
+
+def test_allocation_is_all_or_nothing_across_groups():
+    manager = BlockManager(num_pages=8, page_size=4, windows=(None, 64))
+    holder = make_request(list(range(20)), "holder")
+    assert manager.allocate(holder, 20)  # 5 pages in each group
+    manager.groups[0].take(make_request([0], "other"), 2)  # the window group runs short first
+    request = make_request(list(range(4)), "r")
+    assert not manager.allocate(request, 4)
+    assert request.pages == [] and manager.pages_of(request, 1) == [] and len(manager.free_pages) == 2
+
+
+def test_the_first_group_keeps_every_page():
+    with pytest.raises(ValueError, match="first KV group"):
+        BlockManager(num_pages=8, page_size=4, windows=(6, None))

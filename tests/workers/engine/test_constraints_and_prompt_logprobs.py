@@ -10,7 +10,7 @@ from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, EngineOverloadedError, InvalidRequestError, RequestDelta, SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import load_model
 
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]
@@ -137,7 +137,7 @@ def test_constrained_logprobs_describe_the_raw_model(engine):
 
 def reference_logprobs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """log_softmax of one full-prompt forward of the engine's model, [len(prompt), V]."""
-    kv = KVCache(engine.model_config, num_pages=5, page_size=16, dtype=torch.float32, device=CPU)
+    kv = KVCache.for_model(engine.model_config, num_pages=5, page_size=16, dtype=torch.float32, device=CPU)
     metadata = AttentionMetadata.build(
         query_lens=[len(prompt)], seq_lens=[len(prompt)], block_tables=[[1, 2, 3, 4]], page_size=16, device=CPU
     )

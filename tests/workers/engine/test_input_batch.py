@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from tests.workers.engine.test_scheduler import make_request
-from workers.engine.block_manager import BlockManager
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.engine.runner.input_batch import InputBatch, PackedLayout
 from workers.engine.runner.request_states import RequestStates

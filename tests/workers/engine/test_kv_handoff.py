@@ -240,9 +240,15 @@ def test_over_capacity_raises_overloaded_and_leaks_nothing():
         (lambda h: replace(h, layers=h.layers[:-1]), "2 layers of KV; it says 3"),
         (
             lambda h: replace(h, layers=h.layers[:-1], num_layers=2),
-            "holds 2 layers of 2 KV heads of 32 .float32.; this engine's cache holds 3 layers",
+            r"holds full attention of layers 0-1: 2 KV heads of 32 \(float32\); this engine's cache holds full "
+            r"attention of layers 0-2: 2 KV heads of 32 \(float32\)",
         ),
-        (lambda h: replace(h, head_dim=16), "2 KV heads of 16 .float32.; this engine's cache holds 3 layers of 2"),
+        (
+            lambda h: replace(h, head_dim=16),
+            r"layers 0-2: 2 KV heads of 16 \(float32\); this engine's cache holds full attention of layers 0-2: 2 KV",
+        ),
+        (lambda h: replace(h, kv_dtype=torch.bfloat16), r"KV heads of 32 \(bfloat16\); this engine's cache holds"),
+        (lambda h: replace(h, layers=[], num_layers=0), "has no valid KV layout: a KV group's layers must be"),
         (lambda h: replace(h, layers=[t.to(torch.bfloat16) for t in h.layers]), "layer 0 is torch.bfloat16"),
         (lambda h: replace(h, layers=[t[:, :, :-1] for t in h.layers]), r"expected torch.float32 \(2, 2, 40, 32\)"),
         (lambda h: replace(h, num_computed_tokens=39), "KV for 39 tokens"),

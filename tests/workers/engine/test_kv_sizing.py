@@ -9,10 +9,12 @@ import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.args import CPU_KV_CACHE_BYTES
-from workers.engine import LLM, kv_sizing
+from workers.engine import LLM
 from workers.engine.config import EngineConfig
-from workers.engine.kv_cache import KVCache
-from workers.engine.kv_sizing import kv_cache_size
+from workers.engine.kv import kv_sizing
+from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.kv_sizing import kv_cache_size
+from workers.engine.kv.spec import KVCacheSpecs
 from workers.engine.memory_profile import (
     DeviceMemory,
     profile_prompt_lengths,
@@ -30,6 +32,10 @@ CUDA = torch.device("cuda")  # only named: these tests never touch a CUDA device
 @pytest.fixture(scope="module")
 def loaded():
     return load_model(TINY_CONFIGS["llama"], device=CPU, dtype=torch.float32, seed=0, max_model_len=None)
+
+
+def bytes_per_page(loaded) -> int:
+    return KVCacheSpecs.of_model(loaded.config, dtype=torch.float32, page_size=16).page_bytes
 
 
 def memory(**fields) -> DeviceMemory:
@@ -87,7 +93,7 @@ def test_the_profiled_step_runs_every_token_through_the_runner_in_one_step(backe
     loaded = load_model(TINY_CONFIGS["llama"], device=CPU, dtype=torch.float32, seed=0, max_model_len=None)
     lengths = profile_prompt_lengths(max_num_batched_tokens=40, max_num_seqs=4, max_model_len=loaded.max_model_len)
     num_pages = temporary_num_pages(lengths, 16)
-    kv_cache = KVCache(loaded.config, num_pages=num_pages, page_size=16, dtype=torch.float32, device=CPU)
+    kv_cache = KVCache.for_model(loaded.config, num_pages=num_pages, page_size=16, dtype=torch.float32, device=CPU)
     runner = ModelRunner(loaded.model, kv_cache, attention_backend=backend, device=CPU, seed=0, max_num_seqs=4)
 
     computed = run_largest_step(runner, lengths, vocab_size=loaded.config.vocab_size)
@@ -100,7 +106,7 @@ def test_the_profiled_step_runs_every_token_through_the_runner_in_one_step(backe
 
 def test_the_cpu_keeps_its_one_gib_whatever_the_utilization(loaded, monkeypatch, caplog):
     monkeypatch.setattr(kv_sizing, "profile_device_memory", _not_on_this_device)
-    expected = KVCache.pages_for_bytes(loaded.config, num_bytes=CPU_KV_CACHE_BYTES, page_size=16, dtype=torch.float32)
+    expected = CPU_KV_CACHE_BYTES // bytes_per_page(loaded)
 
     for utilization in (0.9, 0.1):
         size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=utilization), dtype=torch.float32, device=CPU)
@@ -120,7 +126,7 @@ def test_explicit_sizes_win_over_the_device(loaded, monkeypatch):
     by_bytes = kv_cache_size(loaded, EngineConfig(kv_cache_bytes=1 << 20), dtype=torch.float32, device=CUDA)
 
     assert by_pages.num_pages == 40
-    page_bytes = KVCache.page_bytes(loaded.config, page_size=16, dtype=torch.float32)
+    page_bytes = bytes_per_page(loaded)
     assert by_bytes.num_pages == (1 << 20) // page_bytes
     assert str(by_bytes) == f"{by_bytes.num_tokens:,} tokens (1.0 MiB) from kv_cache_bytes"
 
@@ -133,7 +139,7 @@ def test_on_cuda_the_pages_are_what_the_measured_budget_leaves(loaded, monkeypat
 
     size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
 
-    page_bytes = KVCache.page_bytes(loaded.config, page_size=16, dtype=torch.float32)
+    page_bytes = bytes_per_page(loaded)
     assert size.num_pages == measured.kv_bytes() // page_bytes
     assert checked == [size.num_pages * page_bytes]
     assert str(size).startswith(f"{(size.num_pages - 1) * 16:,} tokens (")
@@ -152,7 +158,7 @@ def test_a_small_models_cache_stops_at_the_pages_the_kernels_address(loaded, mon
 
 
 def test_a_budget_of_less_than_two_pages_is_refused(loaded, monkeypatch):
-    page_bytes = KVCache.page_bytes(loaded.config, page_size=16, dtype=torch.float32)
+    page_bytes = bytes_per_page(loaded)
     tight = memory(
         total=100 * page_bytes, utilization=1.0, weights=0, activations=0, cuda_graphs=0, non_torch=99 * page_bytes
     )

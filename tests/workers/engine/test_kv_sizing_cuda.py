@@ -9,7 +9,6 @@ import torch
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
 from workers.engine import LLM, SamplingParams
-from workers.engine.kv_cache import KVCache
 from workers.engine.memory_profile import NON_TORCH_BYTES
 
 pytestmark = [
@@ -58,9 +57,7 @@ def test_an_engine_takes_half_the_device_and_serves_within_it(caplog):
     # The measured activations and graphs of a 135M model leave the KV cache nearly all that is left.
     weights = sum(p.nbytes for p in llm.engine.runner.model.parameters())
     assert kv_bytes(llm) >= 0.5 * total - NON_TORCH_BYTES - weights - 2 * GiB
-    old_default = KVCache.pages_for_bytes(
-        llm.engine.model_config, num_bytes=1 << 30, page_size=16, dtype=torch.bfloat16
-    )
+    old_default = (1 << 30) // llm.engine.kv_cache.specs.page_bytes
     assert llm.engine.stats().num_pages > 10 * old_default
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache: ")]
     assert len(logged) == 1 and "tokens (" in logged[0] and "= 0.5 of " in logged[0]

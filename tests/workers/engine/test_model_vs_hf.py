@@ -7,7 +7,7 @@ from kernels.attention import TORCH_BACKENDS, AttentionMetadata, get_backend
 from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.models.llama import DecoderForCausalLM
 
 
@@ -22,7 +22,7 @@ def test_prefill_logits_match_hf(hf_model, backend):
     model = DecoderForCausalLM(config, max_positions=256).eval()
     model.load_weights(hf_model.state_dict().items())
     tokens = torch.randint(0, config.vocab_size, (45,), generator=torch.Generator().manual_seed(1))
-    kv = KVCache(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVCache.for_model(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
     table = [3, 1, 4]  # pages out of order on purpose
     metadata = AttentionMetadata.build(
         query_lens=[45],

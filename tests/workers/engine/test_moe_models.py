@@ -8,7 +8,7 @@ from kernels.attention import AttentionMetadata, get_backend
 from tests.workers.engine.hf_moe_reference import TINY_MOE_CONFIGS, build_hf_moe_model
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import ModelConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import load_model
 from workers.engine.weights import load_weights, resolve_model
 from workers.protocol.errors import ModelLoadError
@@ -28,7 +28,7 @@ def test_prefill_logits_match_hf(hf_checkpoint):
     config, model = loaded.config, loaded.model
     assert config.moe is not None and any(config.moe.sparse_layers) and not all(config.moe.sparse_layers)
     tokens = torch.randint(0, config.vocab_size, (45,), generator=torch.Generator().manual_seed(1))
-    kv = KVCache(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVCache.for_model(config, num_pages=5, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
     metadata = AttentionMetadata.build(
         query_lens=[45], seq_lens=[45], block_tables=[[3, 1, 4]], page_size=16, device=torch.device("cpu")
     )

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from workers.engine.block_manager import BlockManager
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler

@@ -8,8 +8,8 @@ from tests.workers.engine.hf_reference import TINY_CONFIGS
 from tests.workers.engine.test_scheduler import make_request, rows, run_step
 from workers.cost_model import PrefillCostModel
 from workers.engine import LLM, SamplingParams
-from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 

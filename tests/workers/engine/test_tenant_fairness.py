@@ -8,7 +8,7 @@ import pytest
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from tests.workers.engine.test_scheduler import rows, run_step
 from workers.engine import LLM, SamplingParams
-from workers.engine.block_manager import BlockManager
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.engine.sched.scheduler import Scheduler
 

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from workers.kvstore.block_files import BlockFiles, BlockMeta
+from workers.kvstore.block_files import BlockFiles, BlockLayoutError, BlockMeta
 
 META = BlockMeta(traffic_class="chat", depth=3, created_at=1_700_000_000.5)
 
@@ -264,3 +264,25 @@ def test_many_processes_never_see_a_bad_payload(tmp_path: Path) -> None:
     assert (bad_payloads, bad_files) == (0, 0)
     assert good_reads > 0
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_block_of_another_layout_is_refused_clearly_before_its_payload_and_kept(files: BlockFiles) -> None:
+    k = key(7)
+    files.write(k, payload(k), msgspec.structs.replace(META, layout="full attention of layers 0-2: A"))
+    asked: list[int] = []
+
+    def into(size: int) -> memoryview:
+        asked.append(size)
+        return memoryview(bytearray(size))
+
+    with pytest.raises(BlockLayoutError, match=f"KV block {k.hex()} holds full attention of layers 0-2: A; the re"):
+        files.read(k, into, layout="full attention of layers 0-2: B")
+    assert asked == [] and files.path(k).exists()  # a sound file, for the readers it fits
+    assert bytes(files.read(k, layout="full attention of layers 0-2: A")) == payload(k)
+    assert bytes(files.read(k)) == payload(k)  # a reader naming no layout checks none
+
+
+def test_a_block_written_before_layouts_were_recorded_is_read_by_any_layout(files: BlockFiles) -> None:
+    k = key(8)
+    files.write(k, payload(k), META)
+    assert bytes(files.read(k, layout="full attention of layers 0-2: B")) == payload(k)

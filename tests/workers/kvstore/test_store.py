@@ -116,3 +116,16 @@ def test_write_records_whether_the_block_starts_a_new_chain(tmp_path: Path) -> N
     assert not store.index.get(key(2)).new_chain
     assert not store.write(key(1), b"x" * 100, depth=0, traffic_class="chat")  # held: the entry stays as it was
     assert store.index.get(key(1)).new_chain
+
+
+def test_a_read_stops_at_a_block_of_another_layout_which_stays_stored(tmp_path: Path, caplog) -> None:
+    store = open_store(tmp_path)
+    for depth in range(3):
+        layout = "B" if depth == 1 else "A"
+        store.write(key(depth), bytes([depth]) * 100, depth=depth, traffic_class="chat", layout=layout)
+    assert store.files.stat(key(1))[0].layout == "B"
+
+    assert store.read([key(0), key(1), key(2)], layout="A") == [b"\x00" * 100]
+    assert f"KV block {key(1).hex()} holds B; the reader's KV is A: recomputing from there" in caplog.text
+    assert store.match([key(0), key(1), key(2)]) == 3  # still indexed, for readers of its layout
+    assert store.read([key(1)], layout="B") == [b"\x01" * 100]

@@ -27,7 +27,7 @@ import torch
 from kernels.attention import AttentionMetadata, StepBatch, default_backend, get_backend
 from kernels.batch_invariance import min_invariant_rows
 from workers.engine.config import EngineConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.kv_cache import KVCache
 from workers.engine.models.llama import DecoderForCausalLM
 from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry

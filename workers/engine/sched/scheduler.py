@@ -16,7 +16,7 @@ of ints; it never touches tensors.
 import time
 
 from workers.block_hash import BlockHash
-from workers.engine.block_manager import BlockManager
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import NewRequestData, SchedulerOutput
 from workers.engine.sched.step_budget import StepBudget
@@ -103,7 +103,9 @@ class Scheduler:
                 count = time_left.fit(count, cached_tokens + loaded_tokens, first=not plan)
                 if not count:
                     break
-            if not self.block_manager.allocate(request, loaded_tokens + count + self.num_lookahead_tokens, cached):
+            if not self.block_manager.allocate(
+                request, loaded_tokens + count, cached, lookahead=self.num_lookahead_tokens
+            ):
                 break
             self.waiting.pop(position)
             request.store_fetch = None
@@ -152,7 +154,7 @@ class Scheduler:
 
         False when `request` itself had to be preempted.
         """
-        while not self.block_manager.allocate(request, count + self.num_lookahead_tokens):
+        while not self.block_manager.allocate(request, count, lookahead=self.num_lookahead_tokens):
             victim = self.running.pop()
             self.block_manager.free(victim)
             victim.reset_for_recompute()

@@ -1,25 +1,72 @@
 """Owns the KV pages: allocation, reference counts, and the engine-local prefix cache.
 
+Pages are allocated per KV group (workers.engine.kv.spec): the first group's pages are the request's
+`pages`, which the prefix cache keys; every further group has a pool and a page table per request of
+its own, in which a sliding-window group gives back the pages that fell out of its window (NULL_PAGE
+takes their place). Every model today has one group.
+
 A full page is keyed by the chained block hash of its tokens (workers.block_hash), so a prompt's
 cached prefix is found by walking its chain. A freed page keeps its key until it is handed out
 again, so the prefix stays reusable as long as memory allows. Free pages form one LRU list in
 which keyless pages are reused first, then keyed pages oldest first.
 """
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from kernels.attention import NULL_PAGE
 from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 from workers.engine.request import Request
 
 
+class GroupPages:
+    """The pages of a KV group after the first: a pool of `num_pages` and each request's page table."""
+
+    def __init__(self, num_pages: int, window: int | None) -> None:
+        self.window = window  # tokens a query reads (None: all of them)
+        self.free_pages: deque[int] = deque(page for page in range(num_pages) if page != NULL_PAGE)
+        self.tables: dict[str, list[int]] = {}
+
+    def release_out_of_window(self, request: Request, page_size: int) -> None:
+        """Give back the request's pages wholly before the first token its next query reads."""
+        if self.window is None:
+            return
+        table = self.tables.get(request.request_id, [])
+        first_read = max(request.num_computed_tokens - self.window + 1, 0)
+        for index in range(min(first_read // page_size, len(table))):
+            if table[index] != NULL_PAGE:
+                self.free_pages.append(table[index])
+                table[index] = NULL_PAGE
+
+    def take(self, request: Request, count: int) -> None:
+        table = self.tables.setdefault(request.request_id, [])
+        table.extend(self.free_pages.popleft() for _ in range(max(count, 0)))
+
+    def free(self, request: Request) -> None:
+        self.free_pages.extend(page for page in self.tables.pop(request.request_id, ()) if page != NULL_PAGE)
+
+
 class BlockManager:
-    def __init__(self, *, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        windows: Sequence[int | None] = (None,),
+    ) -> None:
+        """`windows`: per KV group (KVCacheSpecs.windows), the tokens a query reads, None for all; the
+        first group's is None (its pages are the ones the prefix cache keys). Each group has
+        `num_pages` pages."""
         if num_pages < 2:
             raise ValueError(f"need at least 2 pages (one is reserved), got {num_pages}")
+        if not windows or windows[0] is not None:
+            raise ValueError(f"the first KV group keeps every token's page, got windows {tuple(windows)}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
+        # The prefix cache keys the first group's pages only: a hit would lack the other groups' KV.
+        self.enable_prefix_caching = enable_prefix_caching and len(windows) == 1
+        self.groups = [GroupPages(num_pages, window) for window in windows[1:]]
         self.ref_counts = [0] * num_pages
         self.page_keys: list[BlockHash | None] = [None] * num_pages
         # The tokens behind each key: a hit is also compared token by token (collision guard).
@@ -32,7 +79,8 @@ class BlockManager:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self.free_pages)
+        """Of the group with the fewest."""
+        return min([len(self.free_pages), *(len(group.free_pages) for group in self.groups)])
 
     @property
     def num_usable_pages(self) -> int:
@@ -65,22 +113,41 @@ class BlockManager:
             pages.append(page)
         return pages, keys[: len(pages)]
 
+    def pages_of(self, request: Request, group: int) -> list[int]:
+        """The request's pages in KV group `group`, in token order."""
+        return request.pages if group == 0 else self.groups[group - 1].tables.get(request.request_id, [])
+
     def allocate(
-        self, request: Request, num_new_tokens: int, cached: tuple[list[int], list[BlockHash]] = ([], [])
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: tuple[list[int], list[BlockHash]] = ([], []),
+        *,
+        lookahead: int = 0,
     ) -> bool:
-        """Give the request pages for `num_new_tokens` more tokens, first attaching `cached` pages.
+        """Give the request pages, in every KV group, for `num_new_tokens` more tokens and `lookahead`
+        slots past them (room for speculative tokens), first attaching `cached` pages.
 
         All or nothing: False (nothing changed) when there are not enough free pages, which the
         scheduler answers with preemption.
         """
         hit_pages, hit_keys = cached
-        total = request.num_computed_tokens + len(hit_pages) * self.page_size + num_new_tokens
+        total = request.num_computed_tokens + len(hit_pages) * self.page_size + num_new_tokens + lookahead
+        for group in self.groups:
+            group.release_out_of_window(request, self.page_size)
         if not hit_pages and total <= len(request.pages) * self.page_size:
             return True  # the common decode step: its token fits the last page
         needed = self.pages_needed(total) - len(request.pages) - len(hit_pages)
         hits_now_free = sum(1 for page in hit_pages if self.ref_counts[page] == 0)
-        if needed > self.num_free_pages - hits_now_free:
+        if needed > len(self.free_pages) - hits_now_free:
             return False
+        group_needs = [
+            self.pages_needed(total) - len(group.tables.get(request.request_id, ())) for group in self.groups
+        ]
+        if any(need > len(group.free_pages) for group, need in zip(self.groups, group_needs)):
+            return False
+        for group, need in zip(self.groups, group_needs):
+            group.take(request, need)
         for page in hit_pages:
             if self.ref_counts[page] == 0:
                 del self.free_pages[page]
@@ -127,6 +194,8 @@ class BlockManager:
                 if self.page_keys[page] is None:
                     self.free_pages.move_to_end(page, last=False)
         request.pages = []
+        for group in self.groups:
+            group.free(request)
 
     def _forget_key(self, page: int) -> None:
         key = self.page_keys[page]

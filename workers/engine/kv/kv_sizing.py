@@ -11,7 +11,7 @@ import torch
 
 from workers.args import CPU_KV_CACHE_BYTES
 from workers.engine.config import EngineConfig
-from workers.engine.kv_cache import KVCache
+from workers.engine.kv.spec import KVCacheSpecs
 from workers.engine.memory_profile import check_room, format_bytes, profile_device_memory
 from workers.engine.model_loader import LoadedModel
 
@@ -41,7 +41,8 @@ def kv_cache_size(
 ) -> KVCacheSize:
     """The size of the engine's KV cache; on CUDA, ValueError or RuntimeError naming
     gpu_memory_utilization when its share of the device cannot hold one."""
-    page_bytes = KVCache.page_bytes(loaded.config, page_size=config.page_size, dtype=dtype)
+    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.page_size)
+    page_bytes = specs.page_bytes
 
     def size(num_pages: int, sized_by: str) -> KVCacheSize:
         return KVCacheSize(num_pages=num_pages, page_size=config.page_size, page_bytes=page_bytes, sized_by=sized_by)
@@ -51,7 +52,7 @@ def kv_cache_size(
     if config.kv_cache_bytes is not None or device.type != "cuda":
         num_bytes = config.kv_cache_bytes or CPU_KV_CACHE_BYTES
         sized_by = "from kv_cache_bytes" if config.kv_cache_bytes else f"from {format_bytes(num_bytes)} off CUDA"
-        num_pages = KVCache.pages_for_bytes(loaded.config, num_bytes=num_bytes, page_size=config.page_size, dtype=dtype)
+        num_pages = max(num_bytes // page_bytes, 2)
         return size(num_pages, sized_by)
     memory = profile_device_memory(loaded, config, dtype=dtype, device=device)
     num_pages = memory.kv_bytes() // page_bytes
@@ -61,7 +62,7 @@ def kv_cache_size(
             f"the KV cache ({memory.describe()}), less than two pages of {format_bytes(page_bytes)}"
         )
     sized_by = f"= {memory.describe()}"
-    addressable = MAX_HEAD_ELEMENTS // (config.page_size * loaded.config.head_dim)
+    addressable = MAX_HEAD_ELEMENTS // max(group.head_page_elements for group in specs.groups)
     if num_pages > addressable:
         num_pages = addressable
         sized_by = f"(of {format_bytes(memory.kv_bytes())} {sized_by}: the attention kernels address no more pages)"

@@ -1,0 +1,106 @@
+"""The paged KV cache tensors of one engine."""
+
+import math
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.config import ModelConfig
+from workers.engine.kv.spec import KVCacheSpecs, KVKind
+
+SHARED_MEMORY_NAME = "sluice-kv-cache"  # a shareable CPU cache's memfd, as /proc/<pid>/fd/ shows it
+
+
+@dataclass(frozen=True, slots=True)
+class SharedHostMemory:
+    """Where a CPU cache's memory can be mapped by another process of this host: an anonymous
+    in-memory file (memfd) of process `pid`, open as its descriptor `fd` (/proc/<pid>/fd/<fd>). It
+    lives as long as the cache, or as a process that mapped it keeps the mapping, never longer: a
+    crashed worker leaves nothing behind, as a named file in /dev/shm would."""
+
+    pid: int
+    fd: int
+    num_bytes: int
+
+
+class KVCache:
+    """Per-layer key and value page tensors: [kv_heads, num_pages, page_size, head_dim].
+
+    Head-major, so gathering a sequence's pages yields each KV head's keys contiguously. Each KV group's
+    (workers.engine.kv.spec) layers are views of one tensor, [group layers, 2, kv_heads, num_pages,
+    page_size, head_dim]; a model of one group (every model today) has its whole cache in `pages`,
+    which is shared with a process on the same host by one handle (workers.transfer.pools): a CUDA
+    IPC handle on a GPU; on the CPU, a `shareable` cache lives in shared memory (`shared_memory`).
+    """
+
+    def __init__(self, specs: KVCacheSpecs, *, num_pages: int, device: torch.device, shareable: bool = False):
+        for spec in specs.groups:
+            if spec.kind is KVKind.LATENT:
+                raise ValueError(f"the device cache has no latent layout yet: {spec.layout}")
+        if shareable and len(specs.groups) > 1:
+            raise ValueError(f"a cache of {len(specs.groups)} KV groups is not one tensor to share")
+        self.specs = specs
+        self.shared_memory: SharedHostMemory | None = None
+        self.group_pages: list[torch.Tensor] = []
+        by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for spec in specs.groups:
+            shape = (len(spec.layers), 2, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+            # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs);
+            # a fresh memfd reads as zeros.
+            if shareable and device.type == "cpu":
+                pages, self.shared_memory = _shared_host_tensor(shape, spec.dtype)
+                # The descriptor is how peers find the memory: open while the cache lives.
+                weakref.finalize(self, os.close, self.shared_memory.fd)
+            else:
+                pages = torch.zeros(shape, dtype=spec.dtype, device=device)
+            self.group_pages.append(pages)
+            for i, layer in enumerate(spec.layers):
+                by_layer[layer] = (pages[i, 0], pages[i, 1])
+        self.layers = [by_layer[layer] for layer in range(specs.num_layers)]
+        self.num_pages = num_pages
+        self.page_size = specs.page_size
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        *,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        shareable: bool = False,
+    ) -> "KVCache":
+        specs = KVCacheSpecs.of_model(config, dtype=dtype, page_size=page_size)
+        return cls(specs, num_pages=num_pages, device=device, shareable=shareable)
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """The whole cache as one tensor, [layers, 2, kv_heads, num_pages, page_size, head_dim]: a
+        cache of one KV group."""
+        if len(self.group_pages) != 1:
+            raise ValueError(f"a cache of {len(self.group_pages)} KV groups is not one tensor")
+        return self.group_pages[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.group_pages[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.group_pages[0].device
+
+
+def _shared_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedHostMemory]:
+    numel = math.prod(shape)
+    num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+    fd = os.memfd_create(SHARED_MEMORY_NAME, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, num_bytes)
+        tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype).view(shape)
+    except BaseException:
+        os.close(fd)
+        raise
+    return tensor, SharedHostMemory(pid=os.getpid(), fd=fd, num_bytes=num_bytes)

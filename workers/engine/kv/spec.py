@@ -1,0 +1,180 @@
+"""KV cache specs: what one group of layers keeps per token, from which every holder of KV (the device
+cache, the block manager, the store's block files, the handoff) sizes and lays out its data.
+
+A model's layers fall into groups, each keeping its KV one way (KVCacheSpec.kind):
+- full attention: every token's keys and values, [2, kv_heads, head_dim] per token and layer;
+- sliding window: the same per token, but a query reads only the last `window` tokens, so pages
+  that fall out of the window go back to the pool, and the group is not stored globally (its state
+  stays with the worker that computed it);
+- latent (MLA): one latent vector of `latent_width` per token and layer, read by every head.
+
+`KVCacheSpec.layout` is the spec's fingerprint, a short readable string: stored blocks and transfers
+record it, and a reader whose layout differs refuses the data instead of misreading its bytes.
+
+Every model today is one full-attention group of all its layers: a layer with a sliding window
+(ModelConfig.layer_windows) still keeps every token in the device cache and only masks what it
+reads, so its KV is laid out, stored and handed off as full attention's.
+"""
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.config import ModelConfig
+
+
+class KVKind(enum.StrEnum):
+    FULL = "full attention"
+    SLIDING_WINDOW = "sliding window"
+    LATENT = "latent"
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    kind: KVKind
+    layers: tuple[int, ...]  # the model's layer indices in this group, ascending
+    dtype: torch.dtype
+    page_size: int  # tokens per page
+    num_kv_heads: int = 0  # full attention and sliding window
+    head_dim: int = 0
+    window: int | None = None  # sliding window: tokens a query reads, itself included
+    latent_width: int = 0  # latent
+
+    def __post_init__(self) -> None:
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
+            raise ValueError(f"a KV group's layers must be distinct, ascending indices, got {self.layers}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.kind is KVKind.LATENT:
+            if self.latent_width < 1 or self.num_kv_heads or self.head_dim:
+                raise ValueError(f"a latent KV group has a positive latent_width and no heads, got {self}")
+        elif self.num_kv_heads < 1 or self.head_dim < 1 or self.latent_width:
+            raise ValueError(f"a {self.kind} KV group has positive num_kv_heads and head_dim, got {self}")
+        if (self.kind is KVKind.SLIDING_WINDOW) != (self.window is not None) or (
+            self.window is not None and self.window < 1
+        ):
+            raise ValueError(f"a sliding-window KV group, and only one, has a positive window, got {self}")
+
+    @property
+    def token_shape(self) -> tuple[int, ...]:
+        """The KV of one token in one layer: [2 (key, value), kv_heads, head_dim], or [latent_width]."""
+        if self.kind is KVKind.LATENT:
+            return (self.latent_width,)
+        return (2, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        return math.prod(self.token_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Over the group's layers."""
+        return self.bytes_per_token_per_layer * len(self.layers)
+
+    @property
+    def page_bytes(self) -> int:
+        """One page over the group's layers."""
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def head_page_elements(self) -> int:
+        """Elements of one page of one KV head (of the latent): the attention kernels address a head's
+        pages with 32-bit offsets of page id × this."""
+        return self.page_size * (self.latent_width if self.kind is KVKind.LATENT else self.head_dim)
+
+    @property
+    def stored_globally(self) -> bool:
+        """Whether the global store keeps this group's blocks: a sliding window's state is kept by the
+        worker that computed it, never in the store."""
+        return self.kind is not KVKind.SLIDING_WINDOW
+
+    def run_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """A token-major run of the group's KV (a store block, a handoff): [layers, 2, kv_heads,
+        tokens, head_dim], or [layers, tokens, latent_width]."""
+        if self.kind is KVKind.LATENT:
+            return (len(self.layers), num_tokens, self.latent_width)
+        return (len(self.layers), 2, self.num_kv_heads, num_tokens, self.head_dim)
+
+    @property
+    def layout(self) -> str:
+        """The fingerprint a stored block or a transfer records: kind, layers, per-token shape, dtype
+        (not the page size, which token-major data does not depend on)."""
+        kind = f"{self.kind} {self.window}" if self.window is not None else str(self.kind)
+        if self.kind is KVKind.LATENT:
+            shape = f"a latent of {self.latent_width}"
+        else:
+            shape = f"{self.num_kv_heads} KV heads of {self.head_dim}"
+        return f"{kind} of layers {_ranges(self.layers)}: {shape} ({str(self.dtype).removeprefix('torch.')})"
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpecs:
+    """A model's KV groups. The first one's pages are the request's `pages`, which the prefix cache and
+    the store key by block hash."""
+
+    groups: tuple[KVCacheSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a KV cache needs at least one group of layers")
+        layers = sorted(layer for group in self.groups for layer in group.layers)
+        if layers != list(range(len(layers))):
+            raise ValueError(f"KV groups must cover layers 0..n-1 once each, got {[g.layers for g in self.groups]}")
+        if len({group.page_size for group in self.groups}) != 1:
+            raise ValueError("every KV group has the same page size")
+
+    @classmethod
+    def of_model(cls, config: ModelConfig, *, dtype: torch.dtype, page_size: int) -> "KVCacheSpecs":
+        """The groups of a model: one full-attention group of every layer (see the module docstring)."""
+        return cls((full_attention(range(config.num_layers), config, dtype=dtype, page_size=page_size),))
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(group.layers) for group in self.groups)
+
+    @property
+    def page_size(self) -> int:
+        return self.groups[0].page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of every group."""
+        return sum(group.page_bytes for group in self.groups)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(group.bytes_per_token for group in self.groups)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per group, the tokens a query reads (None: all): what the block manager keeps pages for."""
+        return tuple(group.window for group in self.groups)
+
+    @property
+    def layout(self) -> str:
+        return "; ".join(group.layout for group in self.groups)
+
+
+def full_attention(layers: Sequence[int], config: ModelConfig, *, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
+    return KVCacheSpec(
+        kind=KVKind.FULL,
+        layers=tuple(layers),
+        dtype=dtype,
+        page_size=page_size,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+    )
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """ "0-2, 5, 7-8" for layers 0, 1, 2, 5, 7, 8."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
