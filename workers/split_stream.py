@@ -65,14 +65,7 @@ import msgspec
 
 from workers.block_hash import namespace_extra
 from workers.crash_suspects import leaves_another
-from workers.engine_client import (
-    EngineClient,
-    RequestRejectedError,
-    StreamItem,
-    WorkerLink,
-    WorkerUnavailableError,
-    least_loaded,
-)
+from workers.engine_client import EngineClient
 from workers.entrypoint.prefix_match import store_hit_tokens
 from workers.entrypoint.router import DecodeLoad, expected_peak
 from workers.protocol.messages import (
@@ -85,6 +78,7 @@ from workers.protocol.messages import (
     MigrateRequest,
     ResumeDecodeRequest,
 )
+from workers.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError, least_loaded
 
 log = logging.getLogger(__name__)
 

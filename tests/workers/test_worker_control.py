@@ -23,7 +23,6 @@ from tests.workers.worker_process import (
 )
 from workers.control_client import new_command_id, send_control, wait_for_state
 from workers.engine import SamplingParams
-from workers.engine_client import WorkerUnavailableError
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol.messages import (
     ApplyEPLayoutRequest,
@@ -39,6 +38,7 @@ from workers.protocol.messages import (
     WorkerHeartbeat,
 )
 from workers.worker.control import WorkerControl
+from workers.worker_link import WorkerUnavailableError
 
 VOCAB = CONFIG["vocab_size"]
 
