@@ -44,6 +44,7 @@ from workers.protocol.messages import (
     WorkerInbound,
     WorkerOutbound,
 )
+from workers.split_stream import SplitStream
 from workers.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,6 @@ class EngineClient:
         """
         if any(request.request_id in other.streams for other in self._links):
             raise RequestRejectedError("invalid_request", f"request id {request.request_id!r} is already in use")
-        # Imported here: split_stream builds on this module's links.
-        from workers.split_stream import SplitStream
-
         stream = SplitStream(self, request).outputs()
         async with contextlib.aclosing(stream):
             async for output in stream:
