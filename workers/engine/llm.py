@@ -8,7 +8,7 @@ import msgspec
 import torch
 
 from workers.args import EngineArgs, dtype_name
-from workers.engine.builder import build_engine
+from workers.engine.factory import build_engine
 from workers.engine.model_loader import ModelSource
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.protocol.errors import InvalidRequestError

@@ -13,7 +13,7 @@ import threading
 import zmq
 
 from workers import curve
-from workers.engine.builder import build_engine
+from workers.engine.factory import build_engine
 from workers.kvstore.eviction import get_policy
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import KVStore
