@@ -20,6 +20,7 @@ from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cac
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.disaggregation import Disaggregation, continued_request
+from workers.engine.engine_core import EngineStats
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
@@ -34,7 +35,7 @@ from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.step_stats import StepStats
-from workers.engine.store_connector import StoreConnector, StoreStats
+from workers.engine.store_connector import StoreConnector
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
@@ -56,25 +57,6 @@ class Reservation:
     request_id: str
     pages: list[int]
     start: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_pages: int
-    num_pages: int
-    kv_usage: float
-    num_computed_tokens: int  # tokens run through the model since start
-    num_prompt_tokens: int  # prompt tokens admitted since start
-    num_cached_prompt_tokens: int  # of those, served from the prefix cache
-    num_preemptions: int
-    store: StoreStats | None  # None when the engine has no KV store
-    num_pending_transfers: int = 0  # finished prefill-only requests pinning pages until released
-    resume: ResumeStats | None = None  # requests resumed here from a checkpoint; None: none yet
-    # (p50, p90) relative error of the cost model's step-time predictions lately; zeros without one.
-    cost_model_error: tuple[float, float] = (0.0, 0.0)
-    steps: StepStats | None = None  # the engine's step times and tokens since start
 
 
 class LLMEngine:

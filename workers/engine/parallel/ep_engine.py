@@ -31,7 +31,7 @@ import torch
 from workers.args import EngineArgs
 from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
-from workers.engine.engine import EngineStats
+from workers.engine.engine_core import EngineStats
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
 from workers.engine.parallel.in_flight import InFlight, aborted, report_deltas
