@@ -59,6 +59,7 @@ def control(in_flight: list[int] | None = None, **options) -> WorkerControl:
     """A WorkerControl whose in-flight count is `in_flight[0]`."""
     count = in_flight if in_flight is not None else [0]
     ep_size = options.pop("ep_size", 1)
+    options.setdefault("apply_placement", lambda num_logical_experts, placement: None)
     return WorkerControl("w", ep_size=lambda: ep_size, num_in_flight=lambda: count[0], **options)
 
 

@@ -46,7 +46,7 @@ class LLM:
             settings["step_budget_ms"] = step_budget_s * 1000
         args = EngineArgs(model=model, dtype=dtype_name(dtype) if dtype is not None else None, **settings)
         self.engine = build_engine(args)
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.info.tokenizer
         self._ids = itertools.count()
 
     def generate(

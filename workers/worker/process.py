@@ -39,7 +39,7 @@ def run_worker_process(config: WorkerConfig) -> None:
     key = _curve_key(config)
     try:
         engine = build_engine(config.engine)
-        store = engine.store.store if engine.store is not None else None
+        store = engine.kv_store
         collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
         context = zmq.Context()
         try:

@@ -1,5 +1,5 @@
-"""EPEngine: an engine of EP size N as N processes, driven from rank 0 (the worker process), with
-LLMEngine's interface so the worker serves it like any engine.
+"""EPEngine: an engine of EP size N as N processes, driven from rank 0 (the worker process), behind
+the engine interface (workers.engine.engine_core) so the worker serves it like any engine.
 
 Rank 0 runs its own LLMEngine here and starts ranks 1..N-1 (workers.engine.parallel.rank_process),
 each with a pipe. Attention is data-parallel: every rank schedules and serves its own requests;
@@ -31,7 +31,8 @@ import torch
 from workers.args import EngineArgs
 from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
-from workers.engine.engine_core import EngineStats
+from workers.engine.engine_core import EngineCore, EngineStats, EPGroupState
+from workers.engine.kv_handoff import KVHandoff
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
 from workers.engine.parallel.in_flight import InFlight, aborted, report_deltas
@@ -84,7 +85,7 @@ class RankFailedError(RuntimeError):
     """A rank died or its step failed."""
 
 
-class EPEngine:
+class EPEngine(EngineCore):
     def __init__(self, args: EngineArgs) -> None:
         # Eager: a variable-size all-to-all reads its counts on the host, which a CUDA graph cannot.
         args = dataclasses.replace(args, enforce_eager=True)
@@ -122,6 +123,9 @@ class EPEngine:
                 remote.process.kill()
             torch.set_num_threads(self._threads)
             raise
+        # The model and settings are rank 0's engine's: every rank's is built from the same EngineArgs.
+        self.info = local.info
+        self.kv_store = local.kv_store
         self.requests: dict[str, InFlight] = {}
         self.placement = placement
         self._pending_placement: Placement | None = None
@@ -132,7 +136,6 @@ class EPEngine:
         self.resized_at = 0.0
         self.resize_reason = ""
 
-    # What the worker reads of an engine.
     @property
     def ep_size(self) -> int:
         return 1 + len(self.remotes)
@@ -140,35 +143,6 @@ class EPEngine:
     @property
     def slots_per_rank(self) -> int:
         return len(self.placement[0][0])
-
-    # The model and settings are rank 0's engine's: every rank's is built from the same EngineArgs.
-    @property
-    def model_name(self) -> str:
-        return self.local.engine.model_name
-
-    @property
-    def model_config(self):
-        return self.local.engine.model_config
-
-    @property
-    def tokenizer(self):
-        return self.local.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.local.engine.max_model_len
-
-    @property
-    def config(self):
-        return self.local.engine.config
-
-    @property
-    def kv_model_id(self) -> str:
-        return self.local.engine.kv_model_id
-
-    @property
-    def store(self):
-        return self.local.engine.store
 
     def add_request(
         self,
@@ -220,7 +194,7 @@ class EPEngine:
             remote.commands.remove(unsent[0])
         else:
             remote.aborts.append(request_id)
-        return aborted(entry, has_tokenizer=self.local.engine.tokenizer is not None)
+        return aborted(entry, has_tokenizer=self.info.tokenizer is not None)
 
     def has_unfinished(self) -> bool:
         """Whether a step has anything to do: a request in flight, or an abort still to deliver."""
@@ -249,6 +223,24 @@ class EPEngine:
     def take_expert_load(self) -> list[list[int]]:
         """Tokens routed to each physical slot per MoE layer since the previous take (any thread)."""
         return self.load_window.take()
+
+    def ep_group(self) -> EPGroupState:
+        return EPGroupState(size=self.ep_size, resized_at=self.resized_at, resize_reason=self.resize_reason)
+
+    # An expert-parallel worker serves role mixed only: it neither hands KV to another worker nor
+    # migrates requests when it drains, so it has none pinned for export.
+
+    def export_kv(self, request_id: str) -> KVHandoff:
+        raise InvalidRequestError("an expert-parallel engine exports no KV (it serves role mixed)")
+
+    def release_transfer(self, request_id: str) -> bool:
+        return False
+
+    def suspend_for_migration(self, request_id: str) -> RequestDelta | None:
+        return None
+
+    def resume_suspended(self, request_id: str) -> bool:
+        return False
 
     def step(self) -> list[RequestDelta]:
         """One lockstep step of every rank; a rank that died in it makes the survivors re-form."""
@@ -282,7 +274,7 @@ class EPEngine:
         if placement is not None:
             self.placement = placement
         for report in reports:
-            deltas += report_deltas(report, has_tokenizer=self.local.engine.tokenizer is not None)
+            deltas += report_deltas(report, has_tokenizer=self.info.tokenizer is not None)
         deltas = self._track(deltas)
         if collect:
             self._load_collected_at = time.monotonic()
