@@ -21,7 +21,7 @@ import zmq
 
 from workers import curve
 from workers.engine.engine_core import EngineCore
-from workers.engine.outputs import RequestDelta, RequestFailure
+from workers.engine.outputs import RequestDelta, RequestFailure, output_of
 from workers.engine.request import FinishReason
 from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
@@ -35,7 +35,6 @@ from workers.protocol.messages import (
     DrainRequest,
     ExpectTransferRequest,
     GenerateError,
-    GenerateOutput,
     GenerateRequest,
     MigrateRequest,
     OutputConstraintSpec,
@@ -357,21 +356,7 @@ class Worker:
             self.transfers.forget(delta.request_id)
             self._send(owner, failure_error(delta.request_id, delta.failure))
             return
-        output = GenerateOutput(
-            request_id=delta.request_id,
-            token_ids=delta.token_ids,
-            text=delta.text or "",
-            logprobs=delta.logprobs,
-            finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
-            num_prompt_tokens=delta.num_prompt_tokens,
-            num_cached_tokens=delta.num_cached_tokens,
-            prompt_logprobs=delta.prompt_logprobs,
-            num_stored_tokens=delta.num_stored_tokens,
-            stored_tokens_by_hint=delta.stored_tokens_by_hint,
-            phase_times=delta.phase_times,
-        )
-        self._send(owner, output)
+        self._send(owner, output_of(delta))
         if delta.finish_reason == FinishReason.TRANSFER:
             self.transfers.start_send(delta.request_id, owner)
         elif delta.finished:

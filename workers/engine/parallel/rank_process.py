@@ -14,7 +14,7 @@ import torch
 
 from workers.args import EngineArgs
 from workers.engine.builder import build_rank_engine
-from workers.engine.outputs import RequestDelta
+from workers.engine.outputs import RequestDelta, output_of
 from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
 from workers.engine.parallel.rank import RankEngine
@@ -27,7 +27,6 @@ from workers.protocol.messages import (
     EPRankReport,
     EPRequestFailure,
     GenerateError,
-    GenerateOutput,
     GenerateRequest,
 )
 
@@ -134,21 +133,4 @@ def report(
         num_cached_prompt_tokens=stats.num_cached_prompt_tokens,
         num_preemptions=stats.num_preemptions,
         expert_load=load or [],
-    )
-
-
-def output_of(delta: RequestDelta) -> GenerateOutput:
-    return GenerateOutput(
-        request_id=delta.request_id,
-        token_ids=delta.token_ids,
-        text=delta.text or "",
-        logprobs=delta.logprobs,
-        finish_reason=delta.finish_reason,
-        stop_reason=delta.stop_reason,
-        num_prompt_tokens=delta.num_prompt_tokens,
-        num_cached_tokens=delta.num_cached_tokens,
-        prompt_logprobs=delta.prompt_logprobs,
-        num_stored_tokens=delta.num_stored_tokens,
-        stored_tokens_by_hint=delta.stored_tokens_by_hint,
-        phase_times=delta.phase_times,
     )
