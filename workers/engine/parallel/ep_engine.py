@@ -48,15 +48,9 @@ from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_exp
 from workers.engine.parallel.rank_process import run_rank_process
 from workers.engine.structured.constraint import TokenConstraint
 from workers.eplb import place_experts
+from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol.messages import (
-    CacheHint,
-    EPGroupSpec,
-    EPRankCommand,
-    EPRankMessage,
-    EPRankReport,
-    GenerateRequest,
-)
+from workers.protocol.messages import CacheHint, GenerateRequest
 from workers.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,8 @@ import msgspec
 
 from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.structured.constraint import TokenConstraint
-from workers.protocol.messages import EPRankReport, GenerateRequest
+from workers.protocol.ep_rank import EPRankReport
+from workers.protocol.messages import GenerateRequest
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """The process of an EP rank other than 0: builds its engine, joins the group, then serves rank 0's
-commands (workers.protocol.messages.EPRankCommand) over its pipe until told to stop or the pipe closes.
+commands (workers.protocol.ep_rank.EPRankCommand) over its pipe until told to stop or the pipe closes.
 
 A command whose step fails (a collective broke: another rank died) is answered with the error; the
 rank then waits for a command that re-forms the group. Its requests are rank 0's to resubmit.
@@ -19,16 +19,9 @@ from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
 from workers.engine.parallel.rank import RankEngine
 from workers.process_title import set_process_title
+from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, EPRequestFailure
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol.messages import (
-    EPGroupSpec,
-    EPRankCommand,
-    EPRankMessage,
-    EPRankReport,
-    EPRequestFailure,
-    GenerateError,
-    GenerateRequest,
-)
+from workers.protocol.messages import GenerateError, GenerateRequest
 
 log = logging.getLogger(__name__)
 
