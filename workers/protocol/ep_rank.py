@@ -4,7 +4,8 @@ lockstep step, answered by one EPRankReport after that step."""
 
 import msgspec
 
-from workers.protocol.messages import GenerateError, GenerateOutput, GenerateRequest
+from workers.protocol.engine_request import EngineRequest
+from workers.protocol.messages import GenerateError, GenerateOutput
 
 
 class EPGroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -18,7 +19,7 @@ class EPGroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class EPRankCommand(msgspec.Struct, tag="ep.command", frozen=True, forbid_unknown_fields=True):
     step: bool  # run one lockstep step (an empty pass when this rank has nothing to run)
     # Before the step: requests to admit (rank 0 checked them), requests to abort.
-    requests: list[GenerateRequest] = []
+    requests: list[EngineRequest] = []
     aborts: list[str] = []
     # Before the step: join a re-formed group, then put `placement` ([layer][rank][slot]) in force.
     regroup: EPGroupSpec | None = None

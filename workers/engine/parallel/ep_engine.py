@@ -4,10 +4,11 @@ the engine interface (workers.engine.engine_core) so the worker serves it like a
 Rank 0 runs its own LLMEngine here and starts ranks 1..N-1 (workers.engine.parallel.rank_process),
 each with a pipe. Attention is data-parallel: every rank schedules and serves its own requests;
 rank 0 checks each new request (its own admission rules are every rank's) and gives it to the rank
-with the fewest requests in flight (constrained requests stay on rank 0: their compiled grammar lives
-here). One `step()` is one lockstep step: rank 0 sends every rank its command (new requests, aborts,
-a placement to put in force, whether to report load), all ranks step together (a rank with nothing to
-run joins the collectives with an empty pass), and every rank answers with its outputs and state.
+with the fewest requests in flight (constrained requests stay on rank 0, whose engine compiles and
+holds their grammar); the EngineRequest goes to its rank as it came. One `step()` is one lockstep
+step: rank 0 sends every rank its command (new requests, aborts, a placement to put in force, whether
+to report load), all ranks step together (a rank with nothing to run joins the collectives with an
+empty pass), and every rank answers with its outputs and state.
 No rank steps unless one has work.
 
 A rank that dies (its process exits, or a collective fails because a peer did) triggers a resize:
@@ -21,7 +22,6 @@ import dataclasses
 import logging
 import multiprocessing
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -46,12 +46,10 @@ from workers.engine.parallel.placement import (
 )
 from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_experts
 from workers.engine.parallel.rank_process import run_rank_process
-from workers.engine.structured.constraint import TokenConstraint
 from workers.eplb import place_experts
+from workers.protocol.engine_request import ComputePrompt, EngineRequest
 from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol.messages import CacheHint, GenerateRequest
-from workers.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +69,7 @@ class _RemoteRank:
     process: multiprocessing.Process
     pipe: Connection
     report: EPRankReport
-    commands: list[GenerateRequest] = field(default_factory=list)
+    commands: list[EngineRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
 
 
@@ -138,43 +136,26 @@ class EPEngine(EngineCore):
     def slots_per_rank(self) -> int:
         return len(self.placement[0][0])
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_namespace: str = "",
-        constraint: TokenConstraint | None = None,
-        prompt_logprobs: int | None = None,
-        traffic_class: str = "chat",
-        prefill_only: bool = False,
-        tenant: str = "",
-        tenant_weight: int = 1,
-        cache_hints: Sequence[CacheHint] = (),
-    ) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """LLMEngine.add_request's checks and errors; the request goes to the least loaded rank."""
-        if prefill_only:
+        if request.prefill_only:
             raise InvalidRequestError("an expert-parallel worker serves whole requests (role mixed)")
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        engine = self.local.engine
-        engine.admission.max_tokens(request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=False)
-        check_cache_hints(cache_hints, len(prompt_token_ids))
-        request = GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            cache_namespace=cache_namespace,
-            prompt_logprobs=prompt_logprobs,
-            traffic_class=traffic_class,
-            tenant=tenant,
-            tenant_weight=tenant_weight,
-            cache_hints=tuple(cache_hints),
+        if not isinstance(request.kv, ComputePrompt):
+            raise InvalidRequestError("an expert-parallel worker continues no other worker's requests (role mixed)")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.local.engine.admission.max_tokens(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.prompt_logprobs,
+            request.traffic_class,
+            in_use=False,
         )
-        rank = 0 if constraint is not None else self._least_loaded()
+        check_cache_hints(request.cache_hints, len(request.prompt_token_ids))
+        rank = 0 if request.constraint is not None else self._least_loaded()
         self._check_room(rank)
-        self._submit(InFlight(request=request, constraint=constraint, rank=rank))
+        self._submit(InFlight(request=request, rank=rank))
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         entry = self.requests.pop(request_id, None)
@@ -359,23 +340,14 @@ class EPEngine(EngineCore):
             raise EngineOverloadedError(f"rank {rank} of this EP worker holds {held} requests")
 
     def _submit(self, entry: InFlight) -> None:
+        """Rank 0 takes its requests at once (and may refuse one: then nothing is recorded); the
+        others' go with their next command."""
         request = entry.continued()
-        self.requests[request.request_id] = entry
         if entry.rank == 0:
-            self.local.engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                cache_namespace=request.cache_namespace,
-                constraint=entry.constraint,
-                prompt_logprobs=request.prompt_logprobs,
-                traffic_class=request.traffic_class,
-                tenant=request.tenant,
-                tenant_weight=request.tenant_weight,
-                cache_hints=request.cache_hints,
-            )
+            self.local.engine.add_request(request)
         else:
             self.remotes[entry.rank - 1].commands.append(request)
+        self.requests[request.request_id] = entry
 
     def _track(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         """Record what each request streamed and drop outputs of requests aborted meanwhile."""

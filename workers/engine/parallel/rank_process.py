@@ -19,9 +19,10 @@ from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
 from workers.engine.parallel.rank import RankEngine
 from workers.process_title import set_process_title
+from workers.protocol.engine_request import EngineRequest
 from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, EPRequestFailure
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol.messages import GenerateError, GenerateRequest
+from workers.protocol.messages import GenerateError
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +85,9 @@ def serve_command(rank: RankEngine, command: EPRankCommand) -> EPRankReport:
     return report(rank, [d for d in deltas if d is not None], refused, load)
 
 
-def admit(rank: RankEngine, request: GenerateRequest) -> GenerateError | None:
+def admit(rank: RankEngine, request: EngineRequest) -> GenerateError | None:
     try:
-        rank.engine.add_request(
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            cache_namespace=request.cache_namespace,
-            prompt_logprobs=request.prompt_logprobs,
-            traffic_class=request.traffic_class,
-            tenant=request.tenant,
-            tenant_weight=request.tenant_weight,
-            cache_hints=request.cache_hints,
-        )
+        rank.engine.add_request(request)
     except InvalidRequestError as error:
         return GenerateError(request.request_id, "invalid_request", str(error))
     except EngineOverloadedError as error:
