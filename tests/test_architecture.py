@@ -9,7 +9,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-LINT = "import sys\nfrom importlinter.cli import lint_imports\nsys.exit(lint_imports(config_filename=sys.argv[1], no_cache=True, no_logo=True))"
+LINT = (
+    "import sys\n"
+    "from importlinter.cli import lint_imports\n"
+    "sys.exit(lint_imports(config_filename=sys.argv[1], no_cache=True, no_logo=True))"
+)
 
 
 def lint_imports(root: Path, config: Path) -> subprocess.CompletedProcess:

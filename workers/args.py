@@ -2,7 +2,7 @@
 — and the dtypes the engine runs in.
 
 The offline `LLM(...)`, the worker (`python -m workers.worker`, `manage.py run_worker`) and
-`manage.py serve` all start from an EngineArgs, and workers.engine.builder turns one into an engine.
+`manage.py serve` all start from an EngineArgs, and workers.engine.factory turns one into an engine.
 The command-line options are generated from the fields (`add_engine_arguments`,
 `EngineArgs.from_namespace`); `to_argv()` writes settings back as options, which is how `serve`
 hands its settings to the workers it starts. The worker's own settings (workers.worker.args) are

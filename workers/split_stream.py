@@ -60,21 +60,16 @@ import collections
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import msgspec
 
 from workers.block_hash import namespace_extra
-from workers.crash_suspects import leaves_another
-from workers.engine_client import (
-    EngineClient,
-    RequestRejectedError,
-    StreamItem,
-    WorkerLink,
-    WorkerUnavailableError,
-    least_loaded,
-)
+from workers.crash_suspects import CrashSuspects, leaves_another
 from workers.entrypoint.prefix_match import store_hit_tokens
-from workers.entrypoint.router import DecodeLoad, expected_peak
+from workers.entrypoint.router import DecodeLoad, Router, expected_peak
+from workers.kvstore.index import BlockIndex
+from workers.prefill_deadlines import DeadlineModel
 from workers.protocol.messages import (
     AbortRequest,
     DeclineMigrationRequest,
@@ -84,7 +79,9 @@ from workers.protocol.messages import (
     GenerateRequest,
     MigrateRequest,
     ResumeDecodeRequest,
+    WorkerInbound,
 )
+from workers.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError, least_loaded
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +105,26 @@ MAX_RECOVERIES = 3
 # migration or resume that another decode worker may not give.
 RECOVERABLE_KINDS = ("worker_failed", "transfer_failed")
 MOVE_REFUSALS = ("overloaded", "draining")
+
+
+class StreamClient(Protocol):
+    """What a split stream uses of the engine client that runs it (workers.engine_client.EngineClient):
+    its links, their sockets and its balancing state. Named here, so this module builds on the links
+    alone and the client can import it."""
+
+    crash_suspects: CrashSuspects
+    closed: bool
+    router: Router
+    store_index: BlockIndex | None
+    deadline_model: DeadlineModel
+
+    def ready_links(self) -> list[WorkerLink]: ...
+
+    def generate_whole(self, request: GenerateRequest, link: WorkerLink) -> AsyncIterator[GenerateOutput]: ...
+
+    async def send(self, link: WorkerLink, message: WorkerInbound) -> None: ...
+
+    def send_now(self, link: WorkerLink, message: WorkerInbound) -> None: ...
 
 
 class _Retry(Exception):
@@ -138,7 +155,7 @@ class _Tagged:
 
 
 class SplitStream:
-    def __init__(self, client: EngineClient, request: GenerateRequest) -> None:
+    def __init__(self, client: StreamClient, request: GenerateRequest) -> None:
         self.client = client
         self.request = request
         self.delivered: list[int] = []  # tokens the consumer has been given

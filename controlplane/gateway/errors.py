@@ -13,7 +13,7 @@ from typing import Literal
 from django.http import JsonResponse
 
 from recipe.api import ApiError, SseEvent
-from workers.engine_client import RequestRejectedError, WorkerUnavailableError
+from workers.worker_link import RequestRejectedError, WorkerUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from tests.workers.worker_process import (
     worker_command,
 )
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient, RequestRejectedError
+from workers.engine_client import EngineClient
 from workers.protocol.messages import GenerateRequest, WorkerHeartbeat
+from workers.worker_link import RequestRejectedError
 
 FAULTY = "tests.workers.faulty_worker"
 MODEL = "tiny"

@@ -24,7 +24,7 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
 )
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient, RequestRejectedError, WorkerUnavailableError
+from workers.engine_client import EngineClient
 from workers.protocol.messages import (
     ControlAck,
     ExpectTransferRequest,
@@ -34,6 +34,7 @@ from workers.protocol.messages import (
     KVTransferChunk,
     StatusRequest,
 )
+from workers.worker_link import RequestRejectedError, WorkerUnavailableError
 
 VOCAB = CONFIG["vocab_size"]
 MODEL = "tiny"  # every worker serves the same model name, so KV computed by one fits the others

@@ -28,7 +28,7 @@ GATEWAY_MODULES = [
     "recipe.conversation_requests",
     "recipe.prepared_request",
 ]
-ENGINE_MODULES = ["workers.engine.llm", "workers.engine.engine", "workers.engine.builder"]
+ENGINE_MODULES = ["workers.engine.llm", "workers.engine.engine", "workers.engine.builder", "workers.engine.factory"]
 
 
 def loaded_after_import(modules: list[str], watched: list[str]) -> list[str]:

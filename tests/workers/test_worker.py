@@ -29,7 +29,6 @@ from tests.workers.worker_process import (
     worker_command,
 )
 from workers.engine import LLM, SamplingParams
-from workers.engine_client import RequestRejectedError
 from workers.protocol.messages import (
     CacheHint,
     GenerateError,
@@ -38,6 +37,7 @@ from workers.protocol.messages import (
     OutputConstraintSpec,
     WorkerOutbound,
 )
+from workers.worker_link import RequestRejectedError
 
 VOCAB = CONFIG["vocab_size"]
 

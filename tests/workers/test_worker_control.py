@@ -23,7 +23,6 @@ from tests.workers.worker_process import (
 )
 from workers.control_client import new_command_id, send_control, wait_for_state
 from workers.engine import SamplingParams
-from workers.engine_client import WorkerUnavailableError
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol.messages import (
     ApplyEPLayoutRequest,
@@ -39,6 +38,7 @@ from workers.protocol.messages import (
     WorkerHeartbeat,
 )
 from workers.worker.control import WorkerControl
+from workers.worker_link import WorkerUnavailableError
 
 VOCAB = CONFIG["vocab_size"]
 
@@ -59,6 +59,7 @@ def control(in_flight: list[int] | None = None, **options) -> WorkerControl:
     """A WorkerControl whose in-flight count is `in_flight[0]`."""
     count = in_flight if in_flight is not None else [0]
     ep_size = options.pop("ep_size", 1)
+    options.setdefault("apply_placement", lambda num_logical_experts, placement: None)
     return WorkerControl("w", ep_size=lambda: ep_size, num_in_flight=lambda: count[0], **options)
 
 

@@ -14,8 +14,9 @@ from tests.waiting import wait_until
 from tests.workers.faulty_worker import DETOKENIZER_FAULT, ENGINE_FAULT
 from tests.workers.worker_process import CONFIG, collect, connected_client, role_options, start_worker, token_ids
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient, RequestRejectedError
+from workers.engine_client import EngineClient
 from workers.protocol.messages import GenerateOutput, GenerateRequest, GrammarLimits, OutputConstraintSpec
+from workers.worker_link import RequestRejectedError
 
 pytestmark = pytest.mark.slow
 

@@ -1,11 +1,9 @@
-"""EngineArgs → a ready engine: the model (weights, or random from a config), the engine's resolved
-config (torch dtype, loaded cost model), and the KV store. The offline LLM and the worker both build
-their engine here: an LLMEngine, or with ep_size > 1 an EPEngine (workers.engine.parallel), whose
-ranks each build an LLMEngine with build_rank_engine."""
+"""EngineArgs → one ready LLMEngine: the model (weights, or random from a config), the engine's
+resolved config (torch dtype, loaded cost model), and the KV store. Every rank of an EPEngine builds
+its engine here; workers.engine.factory chooses between an LLMEngine and an EPEngine."""
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,18 +13,6 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.model_loader import load_model
 from workers.kvstore.store import open_store
-
-if TYPE_CHECKING:
-    from workers.engine.parallel.ep_engine import EPEngine
-
-
-def build_engine(args: EngineArgs) -> "LLMEngine | EPEngine":
-    """Settings that cannot work (a cost model that cannot be read) fail before the model loads."""
-    if args.ep_size > 1:
-        from workers.engine.parallel.ep_engine import EPEngine
-
-        return EPEngine(args)
-    return build_rank_engine(args)
 
 
 def build_rank_engine(args: EngineArgs) -> LLMEngine:

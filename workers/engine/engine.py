@@ -19,6 +19,7 @@ from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
 from workers.engine.config import EngineConfig
 from workers.engine.disaggregation import Disaggregation, continued_request
+from workers.engine.engine_core import EngineCore, EngineInfo, EngineStats, EPGroupState
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.host_memory import reuse_freed_memory
 from workers.engine.kv.kv_cache import KVCache
@@ -27,6 +28,7 @@ from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
+from workers.engine.parallel.placement import Placement
 from workers.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from workers.engine.resumption import ResumeStats, check_resumable, check_suspendable, with_seed
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
@@ -34,7 +36,7 @@ from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.step_stats import StepStats
-from workers.engine.store_connector import StoreConnector, StoreStats
+from workers.engine.store_connector import StoreConnector
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
@@ -58,26 +60,7 @@ class Reservation:
     start: int
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_pages: int
-    num_pages: int
-    kv_usage: float
-    num_computed_tokens: int  # tokens run through the model since start
-    num_prompt_tokens: int  # prompt tokens admitted since start
-    num_cached_prompt_tokens: int  # of those, served from the prefix cache
-    num_preemptions: int
-    store: StoreStats | None  # None when the engine has no KV store
-    num_pending_transfers: int = 0  # finished prefill-only requests pinning pages until released
-    resume: ResumeStats | None = None  # requests resumed here from a checkpoint; None: none yet
-    # (p50, p90) relative error of the cost model's step-time predictions lately; zeros without one.
-    cost_model_error: tuple[float, float] = (0.0, 0.0)
-    steps: StepStats | None = None  # the engine's step times and tokens since start
-
-
-class LLMEngine:
+class LLMEngine(EngineCore):
     """`store`, when given, is the global KV block store: prompts fetch their stored prefix from it
     and every block the engine completes is written to it (see store_connector).
 
@@ -96,7 +79,6 @@ class LLMEngine:
         *,
         max_pending_transfers: int = MAX_PENDING_TRANSFERS,
     ) -> None:
-        self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -147,6 +129,17 @@ class LLMEngine:
             )
             if store is not None
             else None
+        )
+        self.kv_store = store
+        self.info = EngineInfo(
+            model_name=loaded.name,
+            model_config=loaded.config,
+            tokenizer=loaded.tokenizer,
+            max_model_len=loaded.max_model_len,
+            kv_model_id=self.kv_model_id,
+            page_size=config.page_size,
+            kv_block_tokens=config.kv_block_tokens if store is not None else 0,
+            kv_transfer=config.kv_transfer,
         )
         self.requests: dict[str, Request] = {}
         self.max_pending_transfers = max_pending_transfers
@@ -502,6 +495,15 @@ class LLMEngine:
         fetches = [r.store_fetch for r in self.scheduler.waiting if r.is_fetching]
         if fetches:
             wait(fetches, timeout=FETCH_WAIT_S, return_when=FIRST_COMPLETED)
+
+    def apply_layout(self, num_logical_experts: int, placement: Placement) -> None:
+        """Nothing to put in force: one process holds every expert of its model, if it has any."""
+
+    def take_expert_load(self) -> list[list[int]]:
+        return []
+
+    def ep_group(self) -> EPGroupState:
+        return EPGroupState()
 
     def close(self) -> None:
         """Finish writing to the KV store; the engine is not used afterwards."""

@@ -8,7 +8,7 @@ import msgspec
 import torch
 
 from workers.args import EngineArgs, dtype_name
-from workers.engine.builder import build_engine
+from workers.engine.factory import build_engine
 from workers.engine.model_loader import ModelSource
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.protocol.errors import InvalidRequestError
@@ -46,7 +46,7 @@ class LLM:
             settings["step_budget_ms"] = step_budget_s * 1000
         args = EngineArgs(model=model, dtype=dtype_name(dtype) if dtype is not None else None, **settings)
         self.engine = build_engine(args)
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.info.tokenizer
         self._ids = itertools.count()
 
     def generate(

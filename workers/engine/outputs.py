@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from workers.protocol.logprobs import TokenLogprobs
-from workers.protocol.messages import RequestPhaseTimes
+from workers.protocol.messages import GenerateOutput, RequestPhaseTimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +87,22 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs
+
+
+def output_of(delta: RequestDelta) -> GenerateOutput:
+    """The delta as the message that carries it out of the engine's process (to the gateway, or
+    from an EP rank to rank 0); a failure travels apart, as the sender decides."""
+    return GenerateOutput(
+        request_id=delta.request_id,
+        token_ids=delta.token_ids,
+        text=delta.text or "",
+        logprobs=delta.logprobs,
+        finish_reason=delta.finish_reason,
+        stop_reason=delta.stop_reason,
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_cached_tokens=delta.num_cached_tokens,
+        prompt_logprobs=delta.prompt_logprobs,
+        num_stored_tokens=delta.num_stored_tokens,
+        stored_tokens_by_hint=delta.stored_tokens_by_hint,
+        phase_times=delta.phase_times,
+    )

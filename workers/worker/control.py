@@ -43,13 +43,13 @@ class WorkerControl:
         ep_size: Callable[[], int],
         collector: GarbageCollector | None,
         num_in_flight: Callable[[], int],
-        apply_placement: Callable[[int, Placement], None] | None = None,
+        apply_placement: Callable[[int, Placement], None],
         remembered_answers: int = REMEMBERED_ANSWERS,
     ) -> None:
         """`ep_size()`: the ranks the engine runs now (fewer after a rank died and the rest re-formed).
-        `apply_placement(num_logical_experts, placement)` puts an expert placement in force on an
-        expert-parallel engine (EPEngine.apply_layout), raising PlacementError for one it cannot take;
-        None for a dense engine, which records a valid layout's version and has no experts to move."""
+        `apply_placement(num_logical_experts, placement)` puts an expert placement in force (the
+        engine's apply_layout), raising PlacementError for one it cannot take; an engine without
+        expert parallelism has no experts to move, and the worker records a valid layout's version."""
         self.worker_id = worker_id
         self.state = READY
         # time.monotonic() when a drain's grace period ends and its requests move (workers.worker.
@@ -156,11 +156,10 @@ class WorkerControl:
         refusal = ep_layout_error(request, self._ep_size())
         if refusal:
             return refusal
-        if self._apply_placement is not None:
-            try:
-                self._apply_placement(request.num_logical_experts, request.placement)
-            except PlacementError as error:
-                return f"invalid EP layout: {error}"
+        try:
+            self._apply_placement(request.num_logical_experts, request.placement)
+        except PlacementError as error:
+            return f"invalid EP layout: {error}"
         self.ep_layout_version = request.version
         return ""
 

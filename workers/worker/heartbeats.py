@@ -11,8 +11,7 @@ import msgspec
 import torch
 import zmq
 
-from workers.engine.engine import LLMEngine
-from workers.engine.parallel.ep_engine import EPEngine
+from workers.engine.engine_core import EngineCore
 from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
@@ -43,7 +42,7 @@ class Heartbeats:
         self,
         identity: WorkerIdentity,
         config: WorkerArgs,
-        engine: LLMEngine | EPEngine,
+        engine: EngineCore,
         control: WorkerControl,
         collector: GarbageCollector | None,
         publisher: zmq.Socket,
@@ -83,7 +82,8 @@ class Heartbeats:
         collector = self.collector
         identity = self.identity
         engine = self.engine
-        expert_parallel = isinstance(engine, EPEngine)
+        info = engine.info
+        group = engine.ep_group()
         transfers = self.transfers
         handoffs = transfers.handoff_totals() if transfers else None
         resume = stats.resume
@@ -91,9 +91,9 @@ class Heartbeats:
         heartbeat = WorkerHeartbeat(
             worker_id=identity.worker_id,
             role=self.config.role,
-            model=self.engine.model_name,
+            model=info.model_name,
             request_endpoint=identity.request_endpoint,
-            max_model_len=self.engine.max_model_len,
+            max_model_len=info.max_model_len,
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_usage=stats.kv_usage,
@@ -113,12 +113,12 @@ class Heartbeats:
             heartbeat_endpoint=identity.heartbeat_endpoint,
             hostname=identity.hostname,
             transfer_endpoint=identity.transfer_endpoint,
-            kv_capacity_tokens=stats.num_pages * self.engine.config.page_size,
+            kv_capacity_tokens=stats.num_pages * info.page_size,
             cost_model_error_p50=stats.cost_model_error[0],
             cost_model_error_p90=stats.cost_model_error[1],
             max_num_seqs=self.config.engine.max_num_seqs,
-            kv_model_id=self.engine.kv_model_id,
-            kv_block_tokens=self.engine.store.block_tokens if self.engine.store is not None else 0,
+            kv_model_id=info.kv_model_id,
+            kv_block_tokens=info.kv_block_tokens,
             kv_store_bytes=store_usage.num_bytes,
             kv_store_blocks=store_usage.num_blocks,
             kv_store_capacity_bytes=collector.capacity_bytes if collector else 0,
@@ -126,11 +126,11 @@ class Heartbeats:
             kv_store_high_watermark=collector.high_watermark if collector else 0.0,
             kv_store_evicted_expired=collector.evicted_expired if collector else 0,
             kv_store_evicted_capacity=collector.evicted_capacity if collector else 0,
-            ep_size=engine.ep_size if expert_parallel else 1,
+            ep_size=group.size,
             # Taken here, so each heartbeat carries the window since the previous one.
-            expert_load=engine.take_expert_load() if expert_parallel else [],
-            ep_resized_at=engine.resized_at if expert_parallel else 0.0,
-            ep_resize_reason=engine.resize_reason if expert_parallel else "",
+            expert_load=engine.take_expert_load(),
+            ep_resized_at=group.resized_at,
+            ep_resize_reason=group.resize_reason,
             num_migrated_out=transfers.num_migrated_out if transfers else 0,
             num_migrations_failed=transfers.num_migrations_failed if transfers else 0,
             num_migrations_declined=transfers.num_migrations_declined if transfers else 0,
@@ -153,10 +153,10 @@ class Heartbeats:
         """The store index's totals; a shared index (Redis, or the one the store's GC process serves)
         that fails to answer must not stop the heartbeats, which would make the worker look dead, so
         the last totals read stand in. Said once until it answers again, not ten times a second."""
-        if self.engine.store is None:
+        if self.engine.kv_store is None:
             return self.store_usage
         try:
-            self.store_usage = self.engine.store.store.index.usage()
+            self.store_usage = self.engine.kv_store.index.usage()
         except Exception:
             if not self.store_usage_failing:
                 log.warning("reading the KV store index's usage failed", exc_info=True)
@@ -170,7 +170,7 @@ def histogram_counts(buckets: Buckets) -> HistogramCounts:
     return HistogramCounts(bounds=buckets.bounds, counts=tuple(buckets.counts), total=buckets.total)
 
 
-def registration(identity: WorkerIdentity, config: WorkerArgs, engine: LLMEngine | EPEngine) -> WorkerRegistration:
+def registration(identity: WorkerIdentity, config: WorkerArgs, engine: EngineCore) -> WorkerRegistration:
     """One registration for the worker, however many EP ranks (one device each) it runs."""
     device = torch.device(config.engine.device)
     on_cuda = device.type == "cuda"
@@ -178,7 +178,7 @@ def registration(identity: WorkerIdentity, config: WorkerArgs, engine: LLMEngine
         worker_id=identity.worker_id,
         pool=config.pool,
         role=config.role,
-        model=engine.model_name,
+        model=engine.info.model_name,
         hostname=identity.hostname,
         request_endpoint=identity.request_endpoint,
         heartbeat_endpoint=identity.heartbeat_endpoint,

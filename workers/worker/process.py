@@ -13,7 +13,7 @@ import threading
 import zmq
 
 from workers import curve
-from workers.engine.builder import build_engine
+from workers.engine.factory import build_engine
 from workers.kvstore.eviction import get_policy
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.store import KVStore
@@ -39,7 +39,7 @@ def run_worker_process(config: WorkerArgs) -> None:
     key = _curve_key(config)
     try:
         engine = build_engine(config.engine)
-        store = engine.store.store if engine.store is not None else None
+        store = engine.kv_store
         collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
         context = zmq.Context()
         try:

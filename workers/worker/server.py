@@ -20,9 +20,8 @@ import msgspec
 import zmq
 
 from workers import curve
-from workers.engine.engine import LLMEngine
-from workers.engine.outputs import RequestDelta, RequestFailure
-from workers.engine.parallel.ep_engine import EPEngine
+from workers.engine.engine_core import EngineCore
+from workers.engine.outputs import RequestDelta, RequestFailure, output_of
 from workers.engine.request import FinishReason
 from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
@@ -36,7 +35,6 @@ from workers.protocol.messages import (
     DrainRequest,
     ExpectTransferRequest,
     GenerateError,
-    GenerateOutput,
     GenerateRequest,
     MigrateRequest,
     OutputConstraintSpec,
@@ -72,7 +70,7 @@ class Worker:
     def __init__(
         self,
         config: WorkerArgs,
-        engine: LLMEngine,
+        engine: EngineCore,
         context: zmq.Context,
         stop: threading.Event,
         collector: GarbageCollector | None = None,
@@ -123,10 +121,10 @@ class Worker:
         self._resized_at = 0.0  # the EP group's last resize this worker has acted on
         self.control = WorkerControl(
             self.worker_id,
-            ep_size=(lambda: engine.ep_size) if isinstance(engine, EPEngine) else (lambda: 1),
+            ep_size=lambda: engine.ep_group().size,
             collector=collector,
             num_in_flight=self._num_in_flight,
-            apply_placement=engine.apply_layout if isinstance(engine, EPEngine) else None,
+            apply_placement=engine.apply_layout,
         )
         self.resumption = Resumption(
             worker_id=self.worker_id,
@@ -187,7 +185,7 @@ class Worker:
         log.info(
             "worker %s serving %s on %s (heartbeats on %s)",
             self.worker_id,
-            self.engine.model_name,
+            self.engine.info.model_name,
             self.config.request_endpoint,
             self.config.heartbeat_endpoint,
         )
@@ -226,8 +224,9 @@ class Worker:
         except Exception as error:
             self._fail_in_flight(f"the engine worker {self.worker_id} failed: {type(error).__name__}")
             raise
-        if isinstance(self.engine, EPEngine) and self.engine.resized_at != self._resized_at:
-            self._resized_at = self.engine.resized_at
+        resized_at = self.engine.ep_group().resized_at
+        if resized_at != self._resized_at:
+            self._resized_at = resized_at
             self.control.forget_ep_layout()
         return deltas
 
@@ -309,9 +308,10 @@ class Worker:
         # Imported here: grammar compilation is recipe's job and only constrained requests need it.
         from workers.engine.structured.grammar import compile_constraint
 
-        if self.engine.tokenizer is None:
+        info = self.engine.info
+        if info.tokenizer is None:
             raise InvalidRequestError("output constraints need a tokenizer; this model was loaded without one")
-        return compile_constraint(spec, self.engine.tokenizer, self.engine.model_config.vocab_size)
+        return compile_constraint(spec, info.tokenizer, info.model_config.vocab_size)
 
     def _on_abort(self, peer: bytes, request: AbortRequest) -> None:
         self._abort(request.request_id)
@@ -356,21 +356,7 @@ class Worker:
             self.transfers.forget(delta.request_id)
             self._send(owner, failure_error(delta.request_id, delta.failure))
             return
-        output = GenerateOutput(
-            request_id=delta.request_id,
-            token_ids=delta.token_ids,
-            text=delta.text or "",
-            logprobs=delta.logprobs,
-            finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
-            num_prompt_tokens=delta.num_prompt_tokens,
-            num_cached_tokens=delta.num_cached_tokens,
-            prompt_logprobs=delta.prompt_logprobs,
-            num_stored_tokens=delta.num_stored_tokens,
-            stored_tokens_by_hint=delta.stored_tokens_by_hint,
-            phase_times=delta.phase_times,
-        )
-        self._send(owner, output)
+        self._send(owner, output_of(delta))
         if delta.finish_reason == FinishReason.TRANSFER:
             self.transfers.start_send(delta.request_id, owner)
         elif delta.finished:
@@ -410,18 +396,18 @@ class Worker:
         self.heartbeats.publisher.close(linger=0)
 
 
-def _checkpoints(config: WorkerArgs, engine: LLMEngine) -> Checkpoints | None:
+def _checkpoints(config: WorkerArgs, engine: EngineCore) -> Checkpoints | None:
     """A decode worker with a KV store checkpoints its requests where the store's index is: in Redis
     with the Redis index, beside the block files otherwise."""
-    if config.role != "decode" or engine.store is None or config.engine.kv_store is None:
+    if config.role != "decode" or engine.kv_store is None or config.engine.kv_store is None:
         return None
-    index = engine.store.store.index
+    index = engine.kv_store.index
     storage = (
         RedisStorage(index.client, index.prefix)  # a workers.kvstore.redis_index.RedisIndex
         if config.engine.kv_store_index.startswith(("redis://", "rediss://"))
         else DirectoryStorage(Path(config.engine.kv_store) / CHECKPOINTS_FOLDER)
     )
-    return Checkpoints(storage, block_tokens=engine.store.block_tokens, kv_model_id=engine.kv_model_id)
+    return Checkpoints(storage, block_tokens=engine.info.kv_block_tokens, kv_model_id=engine.info.kv_model_id)
 
 
 def failure_error(request_id: str, failure: RequestFailure) -> GenerateError:

@@ -8,7 +8,7 @@ import pytest
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from workers.args import EngineArgs, add_engine_arguments
-from workers.engine.builder import build_engine
+from workers.engine.factory import build_engine
 from workers.engine.parallel.placement import PlacementError
 from workers.worker.args import WorkerArgs
 

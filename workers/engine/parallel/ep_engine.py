@@ -1,13 +1,14 @@
-"""EPEngine: an engine of EP size N as N processes, driven from rank 0 (the worker process), with
-LLMEngine's interface so the worker serves it like any engine.
+"""EPEngine: an engine of EP size N as N processes, driven from rank 0 (the worker process), behind
+the engine interface (workers.engine.engine_core) so the worker serves it like any engine.
 
 Rank 0 runs its own LLMEngine here and starts ranks 1..N-1 (workers.engine.parallel.rank_process),
 each with a pipe. Attention is data-parallel: every rank schedules and serves its own requests;
 rank 0 checks each new request (its own admission rules are every rank's) and gives it to the rank
-with the fewest requests in flight (constrained requests stay on rank 0: their compiled grammar lives
-here). One `step()` is one lockstep step: rank 0 sends every rank its command (new requests, aborts,
-a placement to put in force, whether to report load), all ranks step together (a rank with nothing to
-run joins the collectives with an empty pass), and every rank answers with its outputs and state.
+with the fewest requests in flight (constrained requests stay on rank 0, whose engine compiles and
+holds their grammar); the EngineRequest goes to its rank as it came. One `step()` is one lockstep
+step: rank 0 sends every rank its command (new requests, aborts, a placement to put in force, whether
+to report load), all ranks step together (a rank with nothing to run joins the collectives with an
+empty pass), and every rank answers with its outputs and state.
 No rank steps unless one has work.
 
 A rank that dies (its process exits, or a collective fails because a peer did) triggers a resize:
@@ -21,7 +22,6 @@ import dataclasses
 import logging
 import multiprocessing
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -31,7 +31,8 @@ import torch
 from workers.args import EngineArgs
 from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
-from workers.engine.engine import EngineStats
+from workers.engine.engine_core import EngineCore, EngineStats, EPGroupState
+from workers.engine.kv_handoff import KVHandoff
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
 from workers.engine.parallel.in_flight import InFlight, aborted, report_deltas
@@ -45,18 +46,10 @@ from workers.engine.parallel.placement import (
 )
 from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_experts
 from workers.engine.parallel.rank_process import run_rank_process
-from workers.engine.structured.constraint import TokenConstraint
 from workers.eplb import place_experts
+from workers.protocol.engine_request import ComputePrompt, EngineRequest
+from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol.messages import (
-    CacheHint,
-    EPGroupSpec,
-    EPRankCommand,
-    EPRankMessage,
-    EPRankReport,
-    GenerateRequest,
-)
-from workers.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +69,7 @@ class _RemoteRank:
     process: multiprocessing.Process
     pipe: Connection
     report: EPRankReport
-    commands: list[GenerateRequest] = field(default_factory=list)
+    commands: list[EngineRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
 
 
@@ -84,7 +77,7 @@ class RankFailedError(RuntimeError):
     """A rank died or its step failed."""
 
 
-class EPEngine:
+class EPEngine(EngineCore):
     def __init__(self, args: EngineArgs) -> None:
         # Eager: a variable-size all-to-all reads its counts on the host, which a CUDA graph cannot.
         args = dataclasses.replace(args, enforce_eager=True)
@@ -122,6 +115,9 @@ class EPEngine:
                 remote.process.kill()
             torch.set_num_threads(self._threads)
             raise
+        # The model and settings are rank 0's engine's: every rank's is built from the same EngineArgs.
+        self.info = local.info
+        self.kv_store = local.kv_store
         self.requests: dict[str, InFlight] = {}
         self.placement = placement
         self._pending_placement: Placement | None = None
@@ -132,7 +128,6 @@ class EPEngine:
         self.resized_at = 0.0
         self.resize_reason = ""
 
-    # What the worker reads of an engine.
     @property
     def ep_size(self) -> int:
         return 1 + len(self.remotes)
@@ -141,72 +136,26 @@ class EPEngine:
     def slots_per_rank(self) -> int:
         return len(self.placement[0][0])
 
-    # The model and settings are rank 0's engine's: every rank's is built from the same EngineArgs.
-    @property
-    def model_name(self) -> str:
-        return self.local.engine.model_name
-
-    @property
-    def model_config(self):
-        return self.local.engine.model_config
-
-    @property
-    def tokenizer(self):
-        return self.local.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.local.engine.max_model_len
-
-    @property
-    def config(self):
-        return self.local.engine.config
-
-    @property
-    def kv_model_id(self) -> str:
-        return self.local.engine.kv_model_id
-
-    @property
-    def store(self):
-        return self.local.engine.store
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_namespace: str = "",
-        constraint: TokenConstraint | None = None,
-        prompt_logprobs: int | None = None,
-        traffic_class: str = "chat",
-        prefill_only: bool = False,
-        tenant: str = "",
-        tenant_weight: int = 1,
-        cache_hints: Sequence[CacheHint] = (),
-    ) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """LLMEngine.add_request's checks and errors; the request goes to the least loaded rank."""
-        if prefill_only:
+        if request.prefill_only:
             raise InvalidRequestError("an expert-parallel worker serves whole requests (role mixed)")
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        engine = self.local.engine
-        engine.admission.max_tokens(request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=False)
-        check_cache_hints(cache_hints, len(prompt_token_ids))
-        request = GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            cache_namespace=cache_namespace,
-            prompt_logprobs=prompt_logprobs,
-            traffic_class=traffic_class,
-            tenant=tenant,
-            tenant_weight=tenant_weight,
-            cache_hints=tuple(cache_hints),
+        if not isinstance(request.kv, ComputePrompt):
+            raise InvalidRequestError("an expert-parallel worker continues no other worker's requests (role mixed)")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.local.engine.admission.max_tokens(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.prompt_logprobs,
+            request.traffic_class,
+            in_use=False,
         )
-        rank = 0 if constraint is not None else self._least_loaded()
+        check_cache_hints(request.cache_hints, len(request.prompt_token_ids))
+        rank = 0 if request.constraint is not None else self._least_loaded()
         self._check_room(rank)
-        self._submit(InFlight(request=request, constraint=constraint, rank=rank))
+        self._submit(InFlight(request=request, rank=rank))
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         entry = self.requests.pop(request_id, None)
@@ -220,7 +169,7 @@ class EPEngine:
             remote.commands.remove(unsent[0])
         else:
             remote.aborts.append(request_id)
-        return aborted(entry, has_tokenizer=self.local.engine.tokenizer is not None)
+        return aborted(entry, has_tokenizer=self.info.tokenizer is not None)
 
     def has_unfinished(self) -> bool:
         """Whether a step has anything to do: a request in flight, or an abort still to deliver."""
@@ -249,6 +198,24 @@ class EPEngine:
     def take_expert_load(self) -> list[list[int]]:
         """Tokens routed to each physical slot per MoE layer since the previous take (any thread)."""
         return self.load_window.take()
+
+    def ep_group(self) -> EPGroupState:
+        return EPGroupState(size=self.ep_size, resized_at=self.resized_at, resize_reason=self.resize_reason)
+
+    # An expert-parallel worker serves role mixed only: it neither hands KV to another worker nor
+    # migrates requests when it drains, so it has none pinned for export.
+
+    def export_kv(self, request_id: str) -> KVHandoff:
+        raise InvalidRequestError("an expert-parallel engine exports no KV (it serves role mixed)")
+
+    def release_transfer(self, request_id: str) -> bool:
+        return False
+
+    def suspend_for_migration(self, request_id: str) -> RequestDelta | None:
+        return None
+
+    def resume_suspended(self, request_id: str) -> bool:
+        return False
 
     def step(self) -> list[RequestDelta]:
         """One lockstep step of every rank; a rank that died in it makes the survivors re-form."""
@@ -282,7 +249,7 @@ class EPEngine:
         if placement is not None:
             self.placement = placement
         for report in reports:
-            deltas += report_deltas(report, has_tokenizer=self.local.engine.tokenizer is not None)
+            deltas += report_deltas(report, has_tokenizer=self.info.tokenizer is not None)
         deltas = self._track(deltas)
         if collect:
             self._load_collected_at = time.monotonic()
@@ -373,23 +340,14 @@ class EPEngine:
             raise EngineOverloadedError(f"rank {rank} of this EP worker holds {held} requests")
 
     def _submit(self, entry: InFlight) -> None:
+        """Rank 0 takes its requests at once (and may refuse one: then nothing is recorded); the
+        others' go with their next command."""
         request = entry.continued()
-        self.requests[request.request_id] = entry
         if entry.rank == 0:
-            self.local.engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                cache_namespace=request.cache_namespace,
-                constraint=entry.constraint,
-                prompt_logprobs=request.prompt_logprobs,
-                traffic_class=request.traffic_class,
-                tenant=request.tenant,
-                tenant_weight=request.tenant_weight,
-                cache_hints=request.cache_hints,
-            )
+            self.local.engine.add_request(request)
         else:
             self.remotes[entry.rank - 1].commands.append(request)
+        self.requests[request.request_id] = entry
 
     def _track(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         """Record what each request streamed and drop outputs of requests aborted meanwhile."""

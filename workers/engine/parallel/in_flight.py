@@ -6,18 +6,17 @@ from dataclasses import dataclass, field
 import msgspec
 
 from workers.engine.outputs import RequestDelta, RequestFailure
-from workers.engine.structured.constraint import TokenConstraint
-from workers.protocol.messages import EPRankReport, GenerateRequest
+from workers.protocol.engine_request import EngineRequest
+from workers.protocol.ep_rank import EPRankReport
 
 
 @dataclass(slots=True)
 class InFlight:
-    request: GenerateRequest  # as it came (a constraint stays on rank 0, compiled: `constraint`)
-    constraint: TokenConstraint | None
+    request: EngineRequest  # as it came
     rank: int  # its rank's place in the group now
     emitted: list[int] = field(default_factory=list)  # tokens streamed so far
 
-    def continued(self) -> GenerateRequest:
+    def continued(self) -> EngineRequest:
         """The request as a rank is given it: its prompt followed by what it streamed, for the
         tokens it has left (a greedy stream goes on with the tokens it would have had)."""
         request = self.request

@@ -1,5 +1,5 @@
 """The process of an EP rank other than 0: builds its engine, joins the group, then serves rank 0's
-commands (workers.protocol.messages.EPRankCommand) over its pipe until told to stop or the pipe closes.
+commands (workers.protocol.ep_rank.EPRankCommand) over its pipe until told to stop or the pipe closes.
 
 A command whose step fails (a collective broke: another rank died) is answered with the error; the
 rank then waits for a command that re-forms the group. Its requests are rank 0's to resubmit.
@@ -14,22 +14,15 @@ import torch
 
 from workers.args import EngineArgs
 from workers.engine.builder import build_rank_engine
-from workers.engine.outputs import RequestDelta
+from workers.engine.outputs import RequestDelta, output_of
 from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
 from workers.engine.parallel.rank import RankEngine
 from workers.process_title import set_process_title
+from workers.protocol.engine_request import EngineRequest
+from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, EPRequestFailure
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol.messages import (
-    EPGroupSpec,
-    EPRankCommand,
-    EPRankMessage,
-    EPRankReport,
-    EPRequestFailure,
-    GenerateError,
-    GenerateOutput,
-    GenerateRequest,
-)
+from workers.protocol.messages import GenerateError
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +85,9 @@ def serve_command(rank: RankEngine, command: EPRankCommand) -> EPRankReport:
     return report(rank, [d for d in deltas if d is not None], refused, load)
 
 
-def admit(rank: RankEngine, request: GenerateRequest) -> GenerateError | None:
+def admit(rank: RankEngine, request: EngineRequest) -> GenerateError | None:
     try:
-        rank.engine.add_request(
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            cache_namespace=request.cache_namespace,
-            prompt_logprobs=request.prompt_logprobs,
-            traffic_class=request.traffic_class,
-            tenant=request.tenant,
-            tenant_weight=request.tenant_weight,
-            cache_hints=request.cache_hints,
-        )
+        rank.engine.add_request(request)
     except InvalidRequestError as error:
         return GenerateError(request.request_id, "invalid_request", str(error))
     except EngineOverloadedError as error:
@@ -134,21 +117,4 @@ def report(
         num_cached_prompt_tokens=stats.num_cached_prompt_tokens,
         num_preemptions=stats.num_preemptions,
         expert_load=load or [],
-    )
-
-
-def output_of(delta: RequestDelta) -> GenerateOutput:
-    return GenerateOutput(
-        request_id=delta.request_id,
-        token_ids=delta.token_ids,
-        text=delta.text or "",
-        logprobs=delta.logprobs,
-        finish_reason=delta.finish_reason,
-        stop_reason=delta.stop_reason,
-        num_prompt_tokens=delta.num_prompt_tokens,
-        num_cached_tokens=delta.num_cached_tokens,
-        prompt_logprobs=delta.prompt_logprobs,
-        num_stored_tokens=delta.num_stored_tokens,
-        stored_tokens_by_hint=delta.stored_tokens_by_hint,
-        phase_times=delta.phase_times,
     )
