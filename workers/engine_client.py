@@ -35,6 +35,7 @@ from workers.expert_loads import ExpertLoadCounts
 from workers.kvstore.index import BlockIndex
 from workers.prefill_deadlines import DeadlineModel
 from workers.protocol.messages import (
+    HEARTBEAT_TIMEOUT_S,
     AbortRequest,
     ControlAck,
     GenerateError,
@@ -45,7 +46,6 @@ from workers.protocol.messages import (
     WorkerOutbound,
 )
 from workers.split_stream import SplitStream
-from workers.worker.args import HEARTBEAT_TIMEOUT_S
 from workers.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,7 @@ import msgspec
 import zmq
 
 from workers import curve
-from workers.protocol.messages import RegistrationAck, WorkerHeartbeat, WorkerRegistration
-from workers.worker.args import HEARTBEAT_TIMEOUT_S
+from workers.protocol.messages import HEARTBEAT_TIMEOUT_S, RegistrationAck, WorkerHeartbeat, WorkerRegistration
 
 log = logging.getLogger(__name__)
 

@@ -257,6 +257,12 @@ class HandoffTotals(msgspec.Struct, frozen=True):
     seconds: float
 
 
+# How long a worker may send no heartbeat before its clients (gateways) and the registry take it for
+# dead: thirty heartbeats at the worker's default interval (workers.worker.args), room for a loaded
+# host's late ones.
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
 class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: str
     role: str  # "mixed" (prefill and decode in one process), "prefill" or "decode"

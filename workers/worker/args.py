@@ -19,9 +19,6 @@ from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTER
 
 ROLES = ("mixed", "prefill", "decode")
 HEARTBEAT_INTERVAL_S = 0.1
-# How long a worker may send no heartbeat before its clients (gateways) and the registry take it for
-# dead: thirty heartbeats at the default interval, room for a loaded host's late ones.
-HEARTBEAT_TIMEOUT_S = 3.0
 # Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
 # names no timeout of its own (the gateway's name the request's predicted prefill and transfer, see
 # workers.prefill_deadlines). It counts from the expectation, which comes before the prefill is even

@@ -15,7 +15,7 @@ from controlplane.common.data_plane import data_plane_key
 from controlplane.common.migrated import MigratedDatabaseCommand
 from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 from workers.curve import CurveError, check_endpoints
-from workers.worker.args import HEARTBEAT_TIMEOUT_S
+from workers.protocol.messages import HEARTBEAT_TIMEOUT_S
 
 # The database needs a worker's load a few times a minute, not the ten heartbeats a second it sends.
 HEARTBEAT_REPORT_INTERVAL_S = 1.0
