@@ -12,7 +12,7 @@ import torch
 from recipe.tokenizer import Tokenizer
 from workers.engine.config import ModelConfig
 from workers.engine.errors import ModelLoadError
-from workers.engine.models.llama import DecoderForCausalLM
+from workers.engine.models.decoder import DecoderForCausalLM
 from workers.engine.weights import load_weights, resolve_model
 
 log = logging.getLogger(__name__)

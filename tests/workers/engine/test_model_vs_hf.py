@@ -8,7 +8,7 @@ from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
 from workers.engine import LLM, SamplingParams
 from workers.engine.config import ModelConfig
 from workers.engine.kv_cache import KVCache
-from workers.engine.models.llama import DecoderForCausalLM
+from workers.engine.models.decoder import DecoderForCausalLM
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))

@@ -29,7 +29,7 @@ from kernels.batch_invariance import min_invariant_rows
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache
 from workers.engine.logprobs import TokenLogprobs
-from workers.engine.models.llama import DecoderForCausalLM
+from workers.engine.models.decoder import DecoderForCausalLM
 from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
