@@ -1,8 +1,7 @@
-"""The Llama / Qwen2 / Qwen3 decoder family over paged KV, and its mixture-of-experts kin.
-
-One module serves the families: Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm of
-queries and keys; either may window some layers. Projections that read the same input are fused
-(q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
+"""The decoder over paged KV that every family serves (each family's module reads its config; see
+workers.engine.models.registry): Llama's, with q/k/v biases for Qwen2, per-head RMSNorm of queries
+and keys for Qwen3, and windowed layers where a config asks. Projections that read the same input
+are fused (q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
 The MoE families are these decoders whose sparse layers' feed-forward is a routed-experts block
 (layers.moe.SparseMoeBlock): Qwen3-MoE and dots1 (DeepSeek-V3 routing) on Qwen3's attention,
 Qwen2-MoE (with a gated shared expert) on Qwen2's. A checkpoint's per-expert tensors are handed to
