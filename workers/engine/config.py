@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.args import check_engine_limits, default
+from workers.args import EngineArgs, torch_dtype
 from workers.cost_model import PrefillCostModel
 from workers.engine.errors import ModelLoadError
 
@@ -117,48 +117,19 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """How the engine runs a model, resolved from EngineArgs (workers.engine.builder), whose fields
-    carry the settings' defaults and checks; validated on construction."""
+    """How the engine runs a model: its settings (EngineArgs, which define, default and check each one)
+    and what workers.engine.builder resolves from them before the model loads."""
 
-    device: str = default("device")
-    dtype: torch.dtype | None = None  # None: float32 on the CPU, bfloat16 on CUDA
-    attention_backend: str | None = default("attention_backend")  # None: the device's default (see kernels.attention)
-    page_size: int = default("page_size")
-    num_pages: int | None = default("num_pages")  # None: sized by workers.engine.kv_sizing
-    kv_cache_bytes: int | None = default("kv_cache_bytes")  # None: from the device's memory on CUDA
-    gpu_memory_utilization: float = default("gpu_memory_utilization")
-    max_num_seqs: int = default("max_num_seqs")
-    max_num_batched_tokens: int = default("max_num_batched_tokens")
-    max_model_len: int | None = default("max_model_len")  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = default("enable_prefix_caching")
-    # Tokens per block of the global KV store (when the engine has one); a multiple of page_size.
-    kv_block_tokens: int = default("kv_block_tokens")
-    # What a request's cache hints may keep in the store at most (workers.kvstore.hints).
-    kv_store_max_retained_tokens: int = default("kv_store_max_retained_tokens")
-    kv_store_max_retention_s: float = default("kv_store_max_retention_s")
-    seed: int = default("seed")
-    # Requests allowed to wait for admission; past it add_request refuses (None: unbounded).
-    max_waiting: int | None = default("max_waiting")
-    # The fitted step-time model (bench.fit_cost_model): with it the engine tracks how far its
-    # predictions are off; with step_budget_s too, each step is also capped to that predicted time.
-    cost_model: PrefillCostModel | None = None
-    step_budget_s: float | None = None
-    # Run the decode forward eagerly instead of replaying CUDA graphs.
-    enforce_eager: bool = default("enforce_eager")
-    async_scheduling: bool = default("async_scheduling")
-    # "auto": the KV cache is allocated so that an engine of this host can map it (workers.transfer).
-    kv_transfer: str = default("kv_transfer")
+    args: EngineArgs
+    # The fitted step-time model (bench.fit_cost_model) args.cost_model names: with it the engine tracks
+    # how far its predictions are off; with step_budget_s too, each step is also capped to that predicted time.
+    cost_model: PrefillCostModel | None
 
-    def __post_init__(self) -> None:
-        check_engine_limits(
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            kv_cache_bytes=self.kv_cache_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_block_tokens=self.kv_block_tokens,
-            max_waiting=self.max_waiting,
-        )
-        if self.step_budget_s is not None and (self.cost_model is None or not self.step_budget_s > 0):
-            raise ValueError(f"step_budget_s needs a cost_model and must be positive, got {self.step_budget_s}")
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """None: float32 on the CPU, bfloat16 on CUDA."""
+        return torch_dtype(self.args.dtype) if self.args.dtype else None
+
+    @property
+    def step_budget_s(self) -> float | None:
+        return self.args.step_budget_ms / 1000 if self.args.step_budget_ms is not None else None

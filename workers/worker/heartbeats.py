@@ -113,7 +113,7 @@ class Heartbeats:
             heartbeat_endpoint=identity.heartbeat_endpoint,
             hostname=identity.hostname,
             transfer_endpoint=identity.transfer_endpoint,
-            kv_capacity_tokens=stats.num_pages * self.engine.config.page_size,
+            kv_capacity_tokens=stats.num_pages * self.engine.config.args.page_size,
             cost_model_error_p50=stats.cost_model_error[0],
             cost_model_error_p90=stats.cost_model_error[1],
             max_num_seqs=self.config.engine.max_num_seqs,

@@ -97,7 +97,7 @@ class Transfers:
         self.receiver = receiver
         self.sender = sender
         self.pool = pool
-        self.maps_pools = engine.config.kv_transfer == "auto"
+        self.maps_pools = engine.config.args.kv_transfer == "auto"
         self.pool_maps = PoolMaps()
         # Copies of offered pages run on a stream of their own, beside the engine's steps.
         self.copy_stream = _side_stream(engine) if receiver is not None else None

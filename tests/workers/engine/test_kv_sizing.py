@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.args import CPU_KV_CACHE_BYTES
+from workers.args import CPU_KV_CACHE_BYTES, EngineArgs
 from workers.engine import LLM, kv_sizing
+from workers.engine.builder import engine_config
 from workers.engine.config import EngineConfig
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_sizing import kv_cache_size
@@ -30,6 +31,10 @@ CUDA = torch.device("cuda")  # only named: these tests never touch a CUDA device
 @pytest.fixture(scope="module")
 def loaded():
     return load_model(TINY_CONFIGS["llama"], device=CPU, dtype=torch.float32, seed=0, max_model_len=None)
+
+
+def settings(**settings) -> EngineConfig:
+    return engine_config(EngineArgs(model=TINY_CONFIGS["llama"], **settings))
 
 
 def memory(**fields) -> DeviceMemory:
@@ -103,7 +108,7 @@ def test_the_cpu_keeps_its_one_gib_whatever_the_utilization(loaded, monkeypatch,
     expected = KVCache.pages_for_bytes(loaded.config, num_bytes=CPU_KV_CACHE_BYTES, page_size=16, dtype=torch.float32)
 
     for utilization in (0.9, 0.1):
-        size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=utilization), dtype=torch.float32, device=CPU)
+        size = kv_cache_size(loaded, settings(gpu_memory_utilization=utilization), dtype=torch.float32, device=CPU)
         assert size.num_pages == expected
     with caplog.at_level(logging.INFO, logger="workers.engine.engine"):
         engine = LLM(TINY_CONFIGS["llama"], seed=0, gpu_memory_utilization=0.1).engine
@@ -116,8 +121,8 @@ def test_the_cpu_keeps_its_one_gib_whatever_the_utilization(loaded, monkeypatch,
 def test_explicit_sizes_win_over_the_device(loaded, monkeypatch):
     monkeypatch.setattr(kv_sizing, "profile_device_memory", _not_on_this_device)
 
-    by_pages = kv_cache_size(loaded, EngineConfig(num_pages=40), dtype=torch.float32, device=CUDA)
-    by_bytes = kv_cache_size(loaded, EngineConfig(kv_cache_bytes=1 << 20), dtype=torch.float32, device=CUDA)
+    by_pages = kv_cache_size(loaded, settings(num_pages=40), dtype=torch.float32, device=CUDA)
+    by_bytes = kv_cache_size(loaded, settings(kv_cache_bytes=1 << 20), dtype=torch.float32, device=CUDA)
 
     assert by_pages.num_pages == 40
     page_bytes = KVCache.page_bytes(loaded.config, page_size=16, dtype=torch.float32)
@@ -131,7 +136,7 @@ def test_on_cuda_the_pages_are_what_the_measured_budget_leaves(loaded, monkeypat
     monkeypatch.setattr(kv_sizing, "profile_device_memory", lambda *args, **kwargs: measured)
     monkeypatch.setattr(kv_sizing, "check_room", lambda memory, kv_bytes, device: checked.append(kv_bytes))
 
-    size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
+    size = kv_cache_size(loaded, settings(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
 
     page_bytes = KVCache.page_bytes(loaded.config, page_size=16, dtype=torch.float32)
     assert size.num_pages == measured.kv_bytes() // page_bytes
@@ -144,7 +149,7 @@ def test_a_small_models_cache_stops_at_the_pages_the_kernels_address(loaded, mon
     monkeypatch.setattr(kv_sizing, "profile_device_memory", lambda *args, **kwargs: memory(total=400 * GiB))
     monkeypatch.setattr(kv_sizing, "check_room", lambda memory, kv_bytes, device: None)
 
-    size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
+    size = kv_cache_size(loaded, settings(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
 
     head_elements_per_page = 16 * loaded.config.head_dim
     assert size.num_pages * head_elements_per_page <= 2**31 - 1 < (size.num_pages + 1) * head_elements_per_page
@@ -159,7 +164,7 @@ def test_a_budget_of_less_than_two_pages_is_refused(loaded, monkeypatch):
     monkeypatch.setattr(kv_sizing, "profile_device_memory", lambda *args, **kwargs: tight)
 
     with pytest.raises(ValueError, match="gpu_memory_utilization=1 .*less than two pages"):
-        kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=1.0), dtype=torch.float32, device=CUDA)
+        kv_cache_size(loaded, settings(gpu_memory_utilization=1.0), dtype=torch.float32, device=CUDA)
 
 
 def _not_on_this_device(*args, **kwargs):

@@ -119,14 +119,14 @@ class ModelRunner:
         enforce_eager: bool,
     ) -> "ModelRunner":
         """The runner of an engine with `config`: its own, or the one its memory profile measures."""
-        device = torch.device(config.device)
+        device = torch.device(config.args.device)
         return cls(
             model,
             kv_cache,
-            attention_backend=config.attention_backend or default_backend(device),
+            attention_backend=config.args.attention_backend or default_backend(device),
             device=device,
-            seed=config.seed,
-            max_num_seqs=config.max_num_seqs,
+            seed=config.args.seed,
+            max_num_seqs=config.args.max_num_seqs,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
         )
