@@ -118,7 +118,7 @@ def _ours(llm: LLM, prompts: torch.Tensor) -> Callable[[int], tuple[float, float
     """(time until every request has its first token, time until all are done)."""
     token_lists = prompts.tolist()
     engine = llm.engine
-    device = torch.device(llm.engine.config.device)
+    device = torch.device(llm.engine.config.args.device)
 
     def run(new_tokens: int) -> tuple[float, float]:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)

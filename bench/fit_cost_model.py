@@ -67,7 +67,7 @@ def measure(
     run in random order, so a burst of load from other processes spreads over the grid instead of
     skewing one context length, and the minimum discards the trials such a burst slowed down."""
     vocab = engine.model_config.vocab_size
-    page = engine.config.page_size
+    page = engine.config.args.page_size
     bad = [c for c in grid_c if c % page]
     if bad:
         raise ValueError(f"contexts {bad} must be multiples of the page size {page} to be fully cached")

@@ -37,11 +37,11 @@ MODES = ("zmq", "pages")
 
 
 def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, device: str):
-    from workers.engine.config import ModelConfig
     from workers.engine.kv.kv_cache import KVCache
+    from workers.engine.models.registry import model_config
 
     layers, heads, head_dim = shape
-    config = ModelConfig.from_hf_config(
+    config = model_config(
         {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

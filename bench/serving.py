@@ -31,8 +31,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from workers.args import EngineArgs
 from workers.engine import SamplingParams
-from workers.engine.config import EngineConfig
+from workers.engine.builder import engine_config
 from workers.engine.engine import LLMEngine
 from workers.engine.model_loader import load_model
 from workers.engine_client import EngineClient
@@ -310,7 +311,7 @@ def _run(
 def _offline(prompts: list[list[int]], params: SamplingParams, concurrency: int) -> tuple[list[Timing], float]:
     """The same closed loop against an engine in this process: no sockets, no HTTP."""
     loaded = load_model(MODEL, device=torch.device(DEVICE), dtype=None, seed=0, max_model_len=None)
-    engine = LLMEngine(loaded, EngineConfig(device=DEVICE, enable_prefix_caching=False))
+    engine = LLMEngine(loaded, engine_config(EngineArgs(model=MODEL, device=DEVICE, enable_prefix_caching=False)))
     pending = list(range(len(prompts)))
     sent: dict[str, float] = {}
     last: dict[str, float] = {}

@@ -162,16 +162,25 @@ class EngineArgs:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
         if self.kv_transfer not in KV_TRANSFERS:
             raise ValueError(f"unknown kv_transfer {self.kv_transfer!r}; choose from {list(KV_TRANSFERS)}")
-        check_engine_limits(
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            kv_cache_bytes=self.kv_cache_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_block_tokens=self.kv_block_tokens,
-            max_waiting=self.max_waiting,
-        )
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (one is reserved), got {self.num_pages}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_block_tokens <= 0 or self.kv_block_tokens % self.page_size:
+            raise ValueError(
+                f"kv_block_tokens must be a positive multiple of page_size ({self.page_size}), "
+                f"got {self.kv_block_tokens}"
+            )
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1 or None, got {self.max_waiting}")
         if self.step_budget_ms is not None and not (self.cost_model and self.step_budget_ms > 0):
             raise ValueError(f"step_budget_ms needs a cost_model and must be positive, got {self.step_budget_ms}")
         if self.kv_store_max_retained_tokens < 0:
@@ -190,40 +199,9 @@ class EngineArgs:
 
 
 def default(name: str) -> Any:
-    """The default of an engine setting (for structs that repeat a setting, such as EngineConfig)."""
+    """The default of an engine setting, for code that must agree with it without holding an EngineArgs
+    (the router's chunk limit is the engine's default step size)."""
     return EngineArgs.__dataclass_fields__[name].default
-
-
-def check_engine_limits(
-    *,
-    page_size: int,
-    num_pages: int | None,
-    kv_cache_bytes: int | None,
-    gpu_memory_utilization: float,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    kv_block_tokens: int,
-    max_waiting: int | None,
-) -> None:
-    """The checks EngineArgs and EngineConfig share."""
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two, got {page_size}")
-    if num_pages is not None and num_pages < 2:
-        raise ValueError(f"num_pages must be at least 2 (one is reserved), got {num_pages}")
-    if kv_cache_bytes is not None and kv_cache_bytes < 1:
-        raise ValueError(f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if max_num_batched_tokens < 1:
-        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-    if kv_block_tokens <= 0 or kv_block_tokens % page_size:
-        raise ValueError(
-            f"kv_block_tokens must be a positive multiple of page_size ({page_size}), got {kv_block_tokens}"
-        )
-    if max_waiting is not None and max_waiting < 1:
-        raise ValueError(f"max_waiting must be >= 1 or None, got {max_waiting}")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None) -> None:

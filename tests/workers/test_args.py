@@ -11,7 +11,6 @@ from workers.args import EngineArgs, add_engine_arguments, dtype_name, torch_dty
 from workers.cost_model import PrefillCostModel
 from workers.engine import LLM
 from workers.engine.builder import engine_config
-from workers.engine.config import EngineConfig
 from workers.engine.factory import build_engine
 from workers.worker.args import WorkerArgs, add_worker_arguments
 
@@ -182,14 +181,14 @@ def test_engine_config_resolves_the_settings():
 
     config = engine_config(args)
 
-    assert (config.dtype, config.cost_model, config.step_budget_s, config.enforce_eager) == (
+    assert (config.args, config.dtype, config.cost_model, config.step_budget_s) == (
+        args,
         torch.float16,
         cost_model,
         0.02,
-        True,
     )
-    assert engine_config(EngineArgs(model="m")) == EngineConfig()
-    assert engine_config(EngineArgs(model="m", gpu_memory_utilization=0.3)).gpu_memory_utilization == 0.3
+    unset = engine_config(EngineArgs(model="m"))
+    assert (unset.dtype, unset.cost_model, unset.step_budget_s) == (None, None, None)
 
 
 def test_llm_keywords_go_through_engine_args(tmp_path):
@@ -204,7 +203,8 @@ def test_llm_keywords_go_through_engine_args(tmp_path):
     )
 
     config = llm.engine.config
-    assert (config.dtype, config.num_pages, config.max_waiting, config.enforce_eager) == (torch.float32, 8, 2, True)
+    assert config.dtype == torch.float32
+    assert (config.args.num_pages, config.args.max_waiting, config.args.enforce_eager) == (8, 2, True)
     assert llm.engine.store is not None
     llm.close()
 
@@ -218,4 +218,4 @@ def test_build_engine_loads_a_model_from_a_config():
     engine = build_engine(EngineArgs(model=TINY_CONFIGS["llama"], num_pages=8, max_num_seqs=2))
 
     assert engine.stats().num_pages == 7  # one page is reserved
-    assert engine.config.max_num_seqs == 2
+    assert engine.config.args.max_num_seqs == 2

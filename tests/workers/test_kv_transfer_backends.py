@@ -26,10 +26,10 @@ from tests.workers.worker_process import (
     wait_for_worker_heartbeat,
 )
 from workers.engine import SamplingParams
-from workers.engine.config import ModelConfig
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens
 from workers.engine.kv_handoff import KVHandoff
+from workers.engine.models.registry import model_config
 from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
@@ -90,7 +90,7 @@ def request_handoff(request_id: str, *, heads: int = HEADS, layers: list[torch.T
 
 
 def shared_cache(heads: int = HEADS, page_size: int = PAGE) -> KVCache:
-    config = ModelConfig.from_hf_config({**CONFIG, "num_key_value_heads": heads})
+    config = model_config({**CONFIG, "num_key_value_heads": heads})
     cache = KVCache.for_model(
         config, num_pages=8, page_size=page_size, dtype=torch.float32, device=torch.device("cpu"), shareable=True
     )
@@ -285,11 +285,11 @@ def test_a_sender_that_dies_mid_frames_fails_the_request_at_its_timeout_and_the_
 
 DEAD_EXPORTER = """
 import sys, torch
-from workers.engine.config import ModelConfig
+from workers.engine.models.registry import model_config
 from workers.engine.kv.kv_cache import KVCache
 from workers.transfer.pools import PoolExport
 import json
-config = ModelConfig.from_hf_config(json.loads(sys.argv[1]))
+config = model_config(json.loads(sys.argv[1]))
 cpu = torch.device("cpu")
 cache = KVCache.for_model(config, num_pages=8, page_size=16, dtype=torch.float32, device=cpu, shareable=True)
 handle = PoolExport.of(cache, "dead").handle

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from workers.args import EngineArgs, torch_dtype
+from workers.args import EngineArgs
 from workers.cost_model import PrefillCostModel
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -31,29 +31,7 @@ def build_rank_engine(args: EngineArgs) -> LLMEngine:
 
 
 def engine_config(args: EngineArgs) -> EngineConfig:
-    return EngineConfig(
-        device=args.device,
-        dtype=torch_dtype(args.dtype) if args.dtype else None,
-        attention_backend=args.attention_backend,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        kv_cache_bytes=args.kv_cache_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_block_tokens=args.kv_block_tokens,
-        kv_store_max_retained_tokens=args.kv_store_max_retained_tokens,
-        kv_store_max_retention_s=args.kv_store_max_retention_s,
-        seed=args.seed,
-        max_waiting=args.max_waiting,
-        cost_model=_cost_model(args.cost_model),
-        step_budget_s=args.step_budget_ms / 1000 if args.step_budget_ms is not None else None,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        kv_transfer=args.kv_transfer,
-    )
+    return EngineConfig(args, cost_model=_cost_model(args.cost_model))
 
 
 def _cost_model(source: str | os.PathLike | PrefillCostModel | None) -> PrefillCostModel | None:

@@ -83,7 +83,7 @@ class LLMEngine(EngineCore):
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.config = config
-        device = torch.device(config.device)
+        device = torch.device(config.args.device)
         if device.type == "cpu":
             reuse_freed_memory()
         dtype = next(loaded.model.parameters()).dtype
@@ -95,21 +95,23 @@ class LLMEngine(EngineCore):
         kv_cache = KVCache.for_model(
             loaded.config,
             num_pages=num_pages,
-            page_size=config.page_size,
+            page_size=config.args.page_size,
             dtype=dtype,
             device=device,
-            shareable=config.kv_transfer == "auto",
+            shareable=config.args.kv_transfer == "auto",
         )
         self.block_manager = BlockManager(
-            num_pages=num_pages, page_size=config.page_size, enable_prefix_caching=config.enable_prefix_caching
+            num_pages=num_pages,
+            page_size=config.args.page_size,
+            enable_prefix_caching=config.args.enable_prefix_caching,
         )
         self.step_budget = (
             StepBudget(config.cost_model, config.step_budget_s) if config.step_budget_s is not None else None
         )
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.args.max_num_seqs,
+            max_num_batched_tokens=config.args.max_num_batched_tokens,
             step_budget=self.step_budget,
         )
         self.prediction_errors = PredictionErrorTracker() if config.cost_model is not None else None
@@ -118,14 +120,16 @@ class LLMEngine(EngineCore):
         # scheduler output and start time.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
         self.runner = ModelRunner.for_engine(
-            loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=config.enforce_eager
+            loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=config.args.enforce_eager
         )
         self.store = (
             StoreConnector(
                 store,
                 kv_cache,
-                block_tokens=config.kv_block_tokens,
-                retention_caps=RetentionCaps(config.kv_store_max_retained_tokens, config.kv_store_max_retention_s),
+                block_tokens=config.args.kv_block_tokens,
+                retention_caps=RetentionCaps(
+                    config.args.kv_store_max_retained_tokens, config.args.kv_store_max_retention_s
+                ),
             )
             if store is not None
             else None
@@ -137,15 +141,15 @@ class LLMEngine(EngineCore):
             tokenizer=loaded.tokenizer,
             max_model_len=loaded.max_model_len,
             kv_model_id=self.kv_model_id,
-            page_size=config.page_size,
-            kv_block_tokens=config.kv_block_tokens if store is not None else 0,
-            kv_transfer=config.kv_transfer,
+            page_size=config.args.page_size,
+            kv_block_tokens=config.args.kv_block_tokens if store is not None else 0,
+            kv_transfer=config.args.kv_transfer,
         )
         self.requests: dict[str, Request] = {}
         self.max_pending_transfers = max_pending_transfers
         # Seeds for sampled requests that have none: a request's draws then depend on its seed and
         # position alone, so another engine can continue it (a handoff, a migration, a resume).
-        self._seeds = random.Random(config.seed)
+        self._seeds = random.Random(config.args.seed)
         self.resume_stats = ResumeStats()
         self.admission = Admission(
             vocab_size=loaded.config.vocab_size,
@@ -153,8 +157,8 @@ class LLMEngine(EngineCore):
             has_tokenizer=self.tokenizer is not None,
             block_manager=self.block_manager,
             scheduler=self.scheduler,
-            max_waiting=config.max_waiting,
-            max_num_seqs=config.max_num_seqs,
+            max_waiting=config.args.max_waiting,
+            max_num_seqs=config.args.max_num_seqs,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.disaggregation = Disaggregation(
@@ -471,7 +475,7 @@ class LLMEngine(EngineCore):
     def _can_defer(self, output: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before this one's tokens are read: not for a prefill
         that hands its KV off after its first token."""
-        return self.config.async_scheduling and not any(
+        return self.config.args.async_scheduling and not any(
             sample and _is_prefill_only(self.requests.get(request_id))
             for request_id, sample in zip(output.request_ids, output.sample, strict=True)
         )

@@ -160,7 +160,7 @@ def profile_device_memory(
     torch.cuda.empty_cache()
     return DeviceMemory(
         total=total,
-        utilization=config.gpu_memory_utilization,
+        utilization=config.args.gpu_memory_utilization,
         non_torch=NON_TORCH_BYTES,
         weights=_tensor_bytes(loaded.model),
         activations=activations,
@@ -190,15 +190,15 @@ def _profile_steps(
 ) -> tuple[int, int]:
     """(peak activations, CUDA graphs' pool) of the engine, from a runner of the profile's own."""
     lengths = profile_prompt_lengths(
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.args.max_num_batched_tokens,
+        max_num_seqs=config.args.max_num_seqs,
         max_model_len=loaded.max_model_len,
     )
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    num_pages = temporary_num_pages(lengths, config.page_size)
-    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.page_size)
+    num_pages = temporary_num_pages(lengths, config.args.page_size)
+    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.args.page_size)
     kv_cache = KVCache(specs, num_pages=num_pages, device=device)
     runner = ModelRunner.for_engine(
         loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=True
@@ -207,7 +207,7 @@ def _profile_steps(
     torch.cuda.synchronize(device)
     kv_bytes = num_pages * specs.page_bytes
     activations = torch.cuda.max_memory_allocated(device) - before - kv_bytes
-    if not runner.supports_cuda_graphs or config.enforce_eager:
+    if not runner.supports_cuda_graphs or config.args.enforce_eager:
         return activations, 0
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)

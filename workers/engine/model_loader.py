@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from workers.engine.config import ModelConfig
-from workers.engine.models.llama import DecoderForCausalLM
+from workers.engine.models.decoder import DecoderForCausalLM
+from workers.engine.models.registry import family_of
 from workers.engine.weights import load_weights, resolve_model
 from workers.protocol.errors import ModelLoadError
 from workers.text.tokenizer import Tokenizer
@@ -52,11 +53,12 @@ def load_model(
         files = resolve_model(source)
         name, hf_config = files.name, files.config
 
-    config = ModelConfig.from_hf_config(hf_config)
+    family = family_of(hf_config)
+    config = family.model_config(hf_config)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     length = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
     with torch.device(device):
-        model = DecoderForCausalLM(config, max_positions=length)
+        model = family.model_class(config, max_positions=length)
     if files is not None and files.weight_files:
         model.load_weights(load_weights(files))
     else:

@@ -15,7 +15,7 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class EngineOverloadedError(EngineError):
-    """The engine's waiting queue is full (EngineConfig.max_waiting); the request may be retried."""
+    """The engine's waiting queue is full (EngineArgs.max_waiting); the request may be retried."""
 
 
 class UnknownModelError(EngineError, LookupError):

@@ -7,8 +7,9 @@ import torch
 
 from kernels.attention import AttentionMetadata, default_backend, get_backend
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from workers.args import EngineArgs
 from workers.engine import LLM, EngineOverloadedError, InvalidRequestError, RequestDelta, SamplingParams
-from workers.engine.config import EngineConfig
+from workers.engine.builder import engine_config
 from workers.engine.engine import LLMEngine
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import load_model
@@ -192,7 +193,9 @@ def test_out_of_range_prompt_logprobs_are_refused(engine, count):
 
 def test_max_waiting_refuses_requests_past_the_cap_until_the_queue_drains():
     loaded = load_model(CONFIG, device=CPU, dtype=None, seed=0, max_model_len=None)
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=1 << 24, max_num_seqs=1, max_waiting=2))
+    engine = LLMEngine(
+        loaded, engine_config(EngineArgs(model=CONFIG, kv_cache_bytes=1 << 24, max_num_seqs=1, max_waiting=2))
+    )
     engine.add_request("a", [1, 2, 3], GREEDY)
     engine.add_request("b", [1, 2, 3], GREEDY)
     with pytest.raises(EngineOverloadedError):

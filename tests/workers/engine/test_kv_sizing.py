@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.args import CPU_KV_CACHE_BYTES
+from workers.args import CPU_KV_CACHE_BYTES, EngineArgs
 from workers.engine import LLM
+from workers.engine.builder import engine_config
 from workers.engine.config import EngineConfig
 from workers.engine.kv import kv_sizing
 from workers.engine.kv.kv_cache import KVCache
@@ -36,6 +37,10 @@ def loaded():
 
 def bytes_per_page(loaded) -> int:
     return KVCacheSpecs.of_model(loaded.config, dtype=torch.float32, page_size=16).page_bytes
+
+
+def settings(**settings) -> EngineConfig:
+    return engine_config(EngineArgs(model=TINY_CONFIGS["llama"], **settings))
 
 
 def memory(**fields) -> DeviceMemory:
@@ -109,7 +114,7 @@ def test_the_cpu_keeps_its_one_gib_whatever_the_utilization(loaded, monkeypatch,
     expected = CPU_KV_CACHE_BYTES // bytes_per_page(loaded)
 
     for utilization in (0.9, 0.1):
-        size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=utilization), dtype=torch.float32, device=CPU)
+        size = kv_cache_size(loaded, settings(gpu_memory_utilization=utilization), dtype=torch.float32, device=CPU)
         assert size.num_pages == expected
     with caplog.at_level(logging.INFO, logger="workers.engine.engine"):
         engine = LLM(TINY_CONFIGS["llama"], seed=0, gpu_memory_utilization=0.1).engine
@@ -122,8 +127,8 @@ def test_the_cpu_keeps_its_one_gib_whatever_the_utilization(loaded, monkeypatch,
 def test_explicit_sizes_win_over_the_device(loaded, monkeypatch):
     monkeypatch.setattr(kv_sizing, "profile_device_memory", _not_on_this_device)
 
-    by_pages = kv_cache_size(loaded, EngineConfig(num_pages=40), dtype=torch.float32, device=CUDA)
-    by_bytes = kv_cache_size(loaded, EngineConfig(kv_cache_bytes=1 << 20), dtype=torch.float32, device=CUDA)
+    by_pages = kv_cache_size(loaded, settings(num_pages=40), dtype=torch.float32, device=CUDA)
+    by_bytes = kv_cache_size(loaded, settings(kv_cache_bytes=1 << 20), dtype=torch.float32, device=CUDA)
 
     assert by_pages.num_pages == 40
     page_bytes = bytes_per_page(loaded)
@@ -137,7 +142,7 @@ def test_on_cuda_the_pages_are_what_the_measured_budget_leaves(loaded, monkeypat
     monkeypatch.setattr(kv_sizing, "profile_device_memory", lambda *args, **kwargs: measured)
     monkeypatch.setattr(kv_sizing, "check_room", lambda memory, kv_bytes, device: checked.append(kv_bytes))
 
-    size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
+    size = kv_cache_size(loaded, settings(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
 
     page_bytes = bytes_per_page(loaded)
     assert size.num_pages == measured.kv_bytes() // page_bytes
@@ -150,7 +155,7 @@ def test_a_small_models_cache_stops_at_the_pages_the_kernels_address(loaded, mon
     monkeypatch.setattr(kv_sizing, "profile_device_memory", lambda *args, **kwargs: memory(total=400 * GiB))
     monkeypatch.setattr(kv_sizing, "check_room", lambda memory, kv_bytes, device: None)
 
-    size = kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
+    size = kv_cache_size(loaded, settings(gpu_memory_utilization=0.5), dtype=torch.float32, device=CUDA)
 
     head_elements_per_page = 16 * loaded.config.head_dim
     assert size.num_pages * head_elements_per_page <= 2**31 - 1 < (size.num_pages + 1) * head_elements_per_page
@@ -165,7 +170,7 @@ def test_a_budget_of_less_than_two_pages_is_refused(loaded, monkeypatch):
     monkeypatch.setattr(kv_sizing, "profile_device_memory", lambda *args, **kwargs: tight)
 
     with pytest.raises(ValueError, match="gpu_memory_utilization=1 .*less than two pages"):
-        kv_cache_size(loaded, EngineConfig(gpu_memory_utilization=1.0), dtype=torch.float32, device=CUDA)
+        kv_cache_size(loaded, settings(gpu_memory_utilization=1.0), dtype=torch.float32, device=CUDA)
 
 
 def _not_on_this_device(*args, **kwargs):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.engine.config import ModelConfig
 from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
+from workers.engine.models.registry import model_config
 
 
 def full(layers, *, heads=2, dim=32, dtype=torch.float32) -> KVCacheSpec:
@@ -14,7 +14,7 @@ def full(layers, *, heads=2, dim=32, dtype=torch.float32) -> KVCacheSpec:
 
 
 def test_every_model_today_is_one_full_attention_group_of_all_its_layers():
-    config = ModelConfig.from_hf_config(TINY_CONFIGS["qwen3_qknorm_layer_types"])
+    config = model_config(TINY_CONFIGS["qwen3_qknorm_layer_types"])
     assert any(config.layer_windows)  # windowed layers keep every token: still full attention's layout
 
     specs = KVCacheSpecs.of_model(config, dtype=torch.bfloat16, page_size=16)

@@ -6,9 +6,9 @@ import torch
 from kernels.attention import TORCH_BACKENDS, AttentionMetadata, get_backend
 from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
 from workers.engine import LLM, SamplingParams
-from workers.engine.config import ModelConfig
 from workers.engine.kv.kv_cache import KVCache
-from workers.engine.models.llama import DecoderForCausalLM
+from workers.engine.models.decoder import DecoderForCausalLM
+from workers.engine.models.registry import model_config
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -18,7 +18,7 @@ def hf_model(request):
 
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
 def test_prefill_logits_match_hf(hf_model, backend):
-    config = ModelConfig.from_hf_config(hf_model.config.to_dict())
+    config = model_config(hf_model.config.to_dict())
     model = DecoderForCausalLM(config, max_positions=256).eval()
     model.load_weights(hf_model.state_dict().items())
     tokens = torch.randint(0, config.vocab_size, (45,), generator=torch.Generator().manual_seed(1))

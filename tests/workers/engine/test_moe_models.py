@@ -7,9 +7,9 @@ import torch
 from kernels.attention import AttentionMetadata, get_backend
 from tests.workers.engine.hf_moe_reference import TINY_MOE_CONFIGS, build_hf_moe_model
 from workers.engine import LLM, SamplingParams
-from workers.engine.config import ModelConfig
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import load_model
+from workers.engine.models.registry import model_config
 from workers.engine.weights import load_weights, resolve_model
 from workers.protocol.errors import ModelLoadError
 
@@ -95,12 +95,12 @@ def test_bad_moe_configs_are_refused(family, change, message):
     config = {**TINY_MOE_CONFIGS[family], **change}
     config = {key: value for key, value in config.items() if value is not None}
     with pytest.raises(ModelLoadError, match=message):
-        ModelConfig.from_hf_config(config)
+        model_config(config)
 
 
 def test_sliding_windows_follow_each_family():
     qwen3 = {**TINY_MOE_CONFIGS["qwen3_moe"], "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}
-    assert ModelConfig.from_hf_config(qwen3).layer_windows == (6, 6, 6)  # HF's Qwen3-MoE windows every layer
+    assert model_config(qwen3).layer_windows == (6, 6, 6)  # HF's Qwen3-MoE windows every layer
     dots1 = {key: value for key, value in TINY_MOE_CONFIGS["dots1"].items() if key != "layer_types"}
     dots1 = {**dots1, "sliding_window": 6, "max_window_layers": 2}
-    assert ModelConfig.from_hf_config(dots1).layer_windows == (None, None, 6)
+    assert model_config(dots1).layer_windows == (None, None, 6)

@@ -41,24 +41,25 @@ def kv_cache_size(
 ) -> KVCacheSize:
     """The size of the engine's KV cache; on CUDA, ValueError or RuntimeError naming
     gpu_memory_utilization when its share of the device cannot hold one."""
-    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.page_size)
+    args = config.args
+    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=args.page_size)
     page_bytes = specs.page_bytes
 
     def size(num_pages: int, sized_by: str) -> KVCacheSize:
-        return KVCacheSize(num_pages=num_pages, page_size=config.page_size, page_bytes=page_bytes, sized_by=sized_by)
+        return KVCacheSize(num_pages=num_pages, page_size=args.page_size, page_bytes=page_bytes, sized_by=sized_by)
 
-    if config.num_pages is not None:
-        return size(config.num_pages, "from num_pages")
-    if config.kv_cache_bytes is not None or device.type != "cuda":
-        num_bytes = config.kv_cache_bytes or CPU_KV_CACHE_BYTES
-        sized_by = "from kv_cache_bytes" if config.kv_cache_bytes else f"from {format_bytes(num_bytes)} off CUDA"
+    if args.num_pages is not None:
+        return size(args.num_pages, "from num_pages")
+    if args.kv_cache_bytes is not None or device.type != "cuda":
+        num_bytes = args.kv_cache_bytes or CPU_KV_CACHE_BYTES
+        sized_by = "from kv_cache_bytes" if args.kv_cache_bytes else f"from {format_bytes(num_bytes)} off CUDA"
         num_pages = max(num_bytes // page_bytes, 2)
         return size(num_pages, sized_by)
     memory = profile_device_memory(loaded, config, dtype=dtype, device=device)
     num_pages = memory.kv_bytes() // page_bytes
     if num_pages < 2:
         raise ValueError(
-            f"gpu_memory_utilization={config.gpu_memory_utilization:g} leaves {format_bytes(memory.kv_bytes())} for "
+            f"gpu_memory_utilization={args.gpu_memory_utilization:g} leaves {format_bytes(memory.kv_bytes())} for "
             f"the KV cache ({memory.describe()}), less than two pages of {format_bytes(page_bytes)}"
         )
     sized_by = f"= {memory.describe()}"

@@ -28,7 +28,7 @@ from kernels.attention import AttentionMetadata, StepBatch, default_backend, get
 from kernels.batch_invariance import min_invariant_rows
 from workers.engine.config import EngineConfig
 from workers.engine.kv.kv_cache import KVCache
-from workers.engine.models.llama import DecoderForCausalLM
+from workers.engine.models.decoder import DecoderForCausalLM
 from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
@@ -119,14 +119,14 @@ class ModelRunner:
         enforce_eager: bool,
     ) -> "ModelRunner":
         """The runner of an engine with `config`: its own, or the one its memory profile measures."""
-        device = torch.device(config.device)
+        device = torch.device(config.args.device)
         return cls(
             model,
             kv_cache,
-            attention_backend=config.attention_backend or default_backend(device),
+            attention_backend=config.args.attention_backend or default_backend(device),
             device=device,
-            seed=config.seed,
-            max_num_seqs=config.max_num_seqs,
+            seed=config.args.seed,
+            max_num_seqs=config.args.max_num_seqs,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
         )

@@ -1,0 +1,333 @@
+"""The decoder over paged KV that every family serves (each family's module reads its config; see
+workers.engine.models.registry): Llama's, with q/k/v biases for Qwen2, per-head RMSNorm of queries
+and keys for Qwen3, and windowed layers where a config asks. Projections that read the same input
+are fused (q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
+The MoE families are these decoders whose sparse layers' feed-forward is a routed-experts block
+(layers.moe.SparseMoeBlock): Qwen3-MoE and dots1 (DeepSeek-V3 routing) on Qwen3's attention,
+Qwen2-MoE (with a gated shared expert) on Qwen2's. A checkpoint's per-expert tensors are handed to
+that block's experts module, which stacks them (or, for expert parallelism, keeps those it holds).
+
+Two ways through a layer: the reference (torch ops, bitwise what the CPU tests hold against HF)
+and, with `use_fused_ops(True)` on CUDA, the fused Triton ops (kernels.fused): residual add and
+RMSNorm in one kernel, rotary embedding fused with the KV-cache write, SiLU·mul in one kernel, so
+a decode layer is about ten kernels.
+"""
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend, write_kv
+from workers.engine.config import ModelConfig
+from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
+from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
+from workers.engine.layers.norm import RMSNorm
+from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from workers.protocol.errors import ModelLoadError
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+RotaryAngles = tuple[torch.Tensor, torch.Tensor]
+# A routed expert's projection in an HF checkpoint: layer, expert, gate/up/down.
+EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.window = window
+        self.scale = config.head_dim**-0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        angles: RotaryAngles | None,
+        kv_cache: KVCache,
+        metadata: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """`angles` are the step's cos/sin for the reference path; None selects the fused kernel,
+        which reads `rotary`'s tables by position itself."""
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, : self.num_heads + self.num_kv_heads], qkv[:, self.num_heads + self.num_kv_heads :]
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        k_cache, v_cache = kv_cache
+        if angles is None:
+            q = rotary_and_cache_write(
+                qk,
+                v,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                k_cache,
+                v_cache,
+                metadata.slot_mapping,
+                num_heads=self.num_heads,
+            )
+        else:
+            # Queries and keys rotate together: one set of ops instead of two.
+            q, k = apply_rotary(qk, *angles).split([self.num_heads, self.num_kv_heads], dim=1)
+            write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = backend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP: dense, or a sparse MoE block where the config routes that layer."""
+    moe = config.moe
+    if moe is None or not moe.sparse_layers[layer]:
+        return MLP(config.hidden_size, config.intermediate_size)
+    shared = MLP(config.hidden_size, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    return SparseMoeBlock(
+        build_router(moe, config.hidden_size),
+        RoutedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size),
+        shared_expert=shared,
+        shared_expert_gate=nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_expert_gate else None,
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, config.layer_windows[layer])
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = feed_forward(config, layer)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        angles: RotaryAngles,
+        kv_cache: KVCache,
+        metadata: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), positions, angles, kv_cache, metadata, backend, rotary)
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: Any,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the fused ops. `hidden` is the previous layer's output not yet added
+        to `residual` (None for the first layer); returns this layer's pair."""
+        if residual is None:
+            residual = hidden
+            normed = rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            normed = fused_add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attended = self.self_attn(normed, positions, None, kv_cache, metadata, backend, rotary)
+        normed = fused_add_rms_norm(
+            attended, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
+        )
+        return self.mlp(normed, fused=True), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.fused_ops = False
+
+    def use_fused_ops(self, enabled: bool) -> None:
+        """Run layers through the fused Triton ops (CUDA) instead of the torch reference ops."""
+        self.fused_ops = enabled
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        metadata: Any,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Final hidden states ([tokens, hidden]) of the step's flattened tokens."""
+        hidden = self.embed_tokens(input_ids)
+        if self.fused_ops:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer.forward_fused(
+                    hidden, residual, positions, kv_cache, metadata, backend, self.rotary
+                )
+            return fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        angles = self.rotary.angles(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, angles, kv_cache, metadata, backend, self.rotary)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def init_random_weights(self, seed: int) -> None:
+        """Normal(0, initializer_range) matrices and unit norms, as HF initializes, reproducibly: the same
+        weights for the same seed on every device of one type. Drawn where the parameters live (a
+        GPU draws an 8B model's in a second, a CPU thread in a minute)."""
+        generators: dict[torch.device, torch.Generator] = {}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    device = param.device
+                    if device not in generators:
+                        generators[device] = torch.Generator(device=device).manual_seed(seed)
+                    values = torch.randn(param.shape, generator=generators[device], device=device)
+                    param.copy_((values * self.config.initializer_range).to(param.dtype))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the fused layout; every parameter must be covered."""
+        # Parameters and persistent buffers (a router's correction bias), sharing their storage.
+        params = self.state_dict()
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            expert = EXPERT_TENSOR.fullmatch(hf_name)
+            if expert is not None:
+                self._load_expert_weight(hf_name, expert, tensor)
+                loaded.add(hf_name)
+                continue
+            target = _map_hf_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, offset = target
+            if name not in params:
+                raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model")
+            param = params[name]
+            rows = param.data[offset : offset + tensor.shape[0]] if offset is not None else param.data
+            if rows.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
+                )
+            with torch.no_grad():
+                rows.copy_(tensor.to(param.dtype))
+            loaded.add(hf_name)
+        expected = _expected_hf_names(self.config)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _load_expert_weight(self, hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:
+        layer, expert, projection = int(match[1]), int(match[2]), match[3]
+        mlp = self.layers[layer].mlp if layer < len(self.layers) else None
+        if not isinstance(mlp, SparseMoeBlock):
+            raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model: layer {layer} is dense")
+        mlp.experts.load_expert_weight(expert, projection, tensor)
+
+
+def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | None:
+    """Our parameter name and row offset for an HF tensor name; None for tensors we do not use."""
+    name = hf_name.removeprefix("model.")
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None
+    if ".rotary_emb." in name:
+        return None
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    # dots1 names its shared experts in the plural; one fused MLP serves them either way.
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+    shared_size = config.moe.shared_intermediate_size if config.moe is not None else 0
+    fused = {
+        "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
+        "self_attn.k_proj.": ("self_attn.qkv_proj.", q_size),
+        "self_attn.v_proj.": ("self_attn.qkv_proj.", q_size + kv_size),
+        "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", config.intermediate_size),
+        "mlp.shared_expert.gate_proj.": ("mlp.shared_expert.gate_up_proj.", 0),
+        "mlp.shared_expert.up_proj.": ("mlp.shared_expert.gate_up_proj.", shared_size),
+        # A sparse layer's router (weight and correction bias) is HF's `mlp.gate`.
+        "mlp.gate.": ("mlp.router.", None),
+    }
+    for part, (replacement, offset) in fused.items():
+        if part in name:
+            return name.replace(part, replacement), offset
+    return name, None
+
+
+def _expected_hf_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+    ]
+    if config.attention_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    for i in range(config.num_layers):
+        sparse = config.moe is not None and config.moe.sparse_layers[i]
+        feed_forward = _expected_moe_names(config) if sparse else dense
+        names.update(f"model.layers.{i}.{p}" for p in per_layer + feed_forward)
+    return names
+
+
+def _expected_moe_names(config: ModelConfig) -> list[str]:
+    moe = config.moe
+    names = ["mlp.gate.weight"]
+    names += [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts) for p in ("gate", "up", "down")]
+    if moe.routing == "grouped_sigmoid":
+        names.append("mlp.gate.e_score_correction_bias")
+    if moe.shared_intermediate_size:
+        shared = "shared_experts" if config.family == "dots1" else "shared_expert"
+        names += [f"mlp.{shared}.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if moe.shared_expert_gate:
+        names.append("mlp.shared_expert_gate.weight")
+    return names
