@@ -23,7 +23,6 @@ from workers.engine.engine_core import EngineCore, EngineInfo, EngineStats, EPGr
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.host_memory import reuse_freed_memory
 from workers.engine.kv.kv_cache import KVCache
-from workers.engine.kv.kv_sizing import kv_cache_size
 from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
@@ -35,6 +34,7 @@ from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, Sample
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
+from workers.engine.sizing.kv_sizing import kv_cache_size
 from workers.engine.step_stats import StepStats
 from workers.engine.store_connector import StoreConnector
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint

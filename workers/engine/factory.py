@@ -5,7 +5,7 @@ Above both, so neither imports the other's chooser."""
 from workers.args import EngineArgs
 from workers.engine.builder import build_rank_engine
 from workers.engine.engine import LLMEngine
-from workers.engine.parallel.ep_engine import EPEngine
+from workers.engine.expert_parallel.ep_engine import EPEngine
 
 
 def build_engine(args: EngineArgs) -> LLMEngine | EPEngine:

@@ -14,16 +14,16 @@ from workers.engine.builder import engine_config
 from workers.engine.config import EngineConfig
 from workers.engine.kv import kv_sizing
 from workers.engine.kv.kv_cache import KVCache
-from workers.engine.kv.kv_sizing import kv_cache_size
 from workers.engine.kv.spec import KVCacheSpecs
-from workers.engine.memory_profile import (
+from workers.engine.model_loader import load_model
+from workers.engine.runner.model_runner import ModelRunner
+from workers.engine.sizing.kv_sizing import kv_cache_size
+from workers.engine.sizing.memory_profile import (
     DeviceMemory,
     profile_prompt_lengths,
     run_largest_step,
     temporary_num_pages,
 )
-from workers.engine.model_loader import load_model
-from workers.engine.runner.model_runner import ModelRunner
 
 GiB = 1 << 30
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
 from workers.engine import LLM, SamplingParams
-from workers.engine.memory_profile import NON_TORCH_BYTES
+from workers.engine.sizing.memory_profile import NON_TORCH_BYTES
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,7 +2,7 @@
 
 In order: --num-pages as given; else --kv-cache-bytes, as given or, off CUDA, CPU_KV_CACHE_BYTES;
 else, on CUDA, what gpu_memory_utilization's share of the device leaves once the engine's other needs
-are measured (workers.engine.memory_profile).
+are measured (workers.engine.sizing.memory_profile).
 """
 
 from dataclasses import dataclass
@@ -12,8 +12,8 @@ import torch
 from workers.args import CPU_KV_CACHE_BYTES
 from workers.engine.config import EngineConfig
 from workers.engine.kv.spec import KVCacheSpecs
-from workers.engine.memory_profile import check_room, format_bytes, profile_device_memory
 from workers.engine.model_loader import LoadedModel
+from workers.engine.sizing.memory_profile import check_room, format_bytes, profile_device_memory
 
 # The Triton attention kernels address a KV head's pages with 32-bit offsets (page id × page_size ×
 # head_dim): a small model's cache sized from a large device stops short of that.

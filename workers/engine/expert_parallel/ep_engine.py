@@ -1,7 +1,7 @@
 """EPEngine: an engine of EP size N as N processes, driven from rank 0 (the worker process), behind
 the engine interface (workers.engine.engine_core) so the worker serves it like any engine.
 
-Rank 0 runs its own LLMEngine here and starts ranks 1..N-1 (workers.engine.parallel.rank_process),
+Rank 0 runs its own LLMEngine here and starts ranks 1..N-1 (workers.engine.expert_parallel.rank_process),
 each with a pipe. Attention is data-parallel: every rank schedules and serves its own requests;
 rank 0 checks each new request (its own admission rules are every rank's) and gives it to the rank
 with the fewest requests in flight (constrained requests stay on rank 0, whose engine compiles and
@@ -32,11 +32,13 @@ from workers.args import EngineArgs
 from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
 from workers.engine.engine_core import EngineCore, EngineStats, EPGroupState
+from workers.engine.expert_parallel.in_flight import InFlight, aborted, report_deltas
+from workers.engine.expert_parallel.load_window import LoadWindow
+from workers.engine.expert_parallel.rank import RankEngine, moe_blocks, num_logical_experts
+from workers.engine.expert_parallel.rank_process import run_rank_process
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
-from workers.engine.parallel.in_flight import InFlight, aborted, report_deltas
-from workers.engine.parallel.load_window import LoadWindow
 from workers.engine.parallel.placement import (
     Placement,
     PlacementError,
@@ -44,8 +46,6 @@ from workers.engine.parallel.placement import (
     round_robin_placement,
     slots_for,
 )
-from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_experts
-from workers.engine.parallel.rank_process import run_rank_process
 from workers.eplb import place_experts
 from workers.protocol.engine_request import ComputePrompt, EngineRequest
 from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # ZMQ, OpenMP) a fork would copy mid-flight; the server imports the rank's modules once, so a rank
 # starts without importing torch again.
 CONTEXT = multiprocessing.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["workers.engine.parallel.rank_process"])
+CONTEXT.set_forkserver_preload(["workers.engine.expert_parallel.rank_process"])
 # Longest rank 0 waits for a live rank's report of one step (a long prefill on a CPU takes seconds).
 REPORT_TIMEOUT_S = 300.0
 # How often the ranks' expert load counters are read into the window heartbeats take.

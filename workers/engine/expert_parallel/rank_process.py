@@ -14,10 +14,10 @@ import torch
 
 from workers.args import EngineArgs
 from workers.engine.builder import build_rank_engine
+from workers.engine.expert_parallel.rank import RankEngine
 from workers.engine.outputs import RequestDelta, output_of
 from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
-from workers.engine.parallel.rank import RankEngine
 from workers.process_title import set_process_title
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport, EPRequestFailure
