@@ -19,7 +19,8 @@ from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.disaggregation import Disaggregation, continued_request
+from workers.engine.connectors.handoff import Disaggregation, continued_request
+from workers.engine.connectors.store import StoreConnector, StoreStats
 from workers.engine.host_memory import reuse_freed_memory
 from workers.engine.kv_cache import KVCache
 from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
@@ -34,7 +35,6 @@ from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.step_stats import StepStats
-from workers.engine.store_connector import StoreConnector, StoreStats
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
@@ -79,7 +79,7 @@ class EngineStats:
 
 class LLMEngine:
     """`store`, when given, is the global KV block store: prompts fetch their stored prefix from it
-    and every block the engine completes is written to it (see store_connector).
+    and every block the engine completes is written to it (see connectors.store).
 
     Disaggregated serving: a prefill engine admits requests with `prefill_only=True`; each finishes
     with FinishReason.TRANSFER after its first token, keeping its pages until the caller has taken
@@ -342,7 +342,7 @@ class LLMEngine:
     def store_prompt_tail(self, request_id: str) -> None:
         """Store the KV of the whole pages of the request's partial last prompt block, once, so that
         an engine resuming it from a checkpoint recomputes only the tokens it generated since its
-        last full block (see store_connector). Nothing without a store, or before that KV exists."""
+        last full block (see connectors.store). Nothing without a store, or before that KV exists."""
         request = self.requests.get(request_id)
         if self.store is not None and request is not None:
             self.store.store_prompt_tail(request)

@@ -86,7 +86,7 @@ class Request:
     # The prompt's partial last block is in the store or queued for it, or needs no storing
     # (StoreConnector.store_prompt_tail).
     prompt_tail_stored: bool = False
-    # Store blocks being fetched for the prompt (a Future of store_connector.LoadedBlocks); the
+    # Store blocks being fetched for the prompt (a Future of connectors.store.LoadedBlocks); the
     # request is admitted once it is done.
     store_fetch: "Future[Any] | None" = None
     # Masks every sampled token; its state follows output_token_ids, so it survives preemption.
