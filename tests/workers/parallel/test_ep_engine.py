@@ -15,6 +15,7 @@ from workers.engine import LLM, SamplingParams
 from workers.engine.parallel import ep_engine
 from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.parallel.placement import PlacementError
+from workers.protocol.engine_request import EngineRequest
 
 # No prefix cache: the same prompts run twice route the same tokens (the load counter test).
 SETTINGS = dict(seed=0, kv_cache_bytes=1 << 22, max_num_batched_tokens=32, enable_prefix_caching=False)
@@ -69,7 +70,7 @@ def _streams(engine: EPEngine, prompts: list[list[int]], *, after_steps: int = -
     """Run `prompts` to the end, putting `placement` in force after `after_steps` steps."""
     tokens = {f"s{i}": [] for i in range(len(prompts))}
     for request_id, prompt in zip(tokens, prompts, strict=True):
-        engine.add_request(request_id, prompt, GREEDY)
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, params=GREEDY))
     steps = 0
     while engine.has_unfinished():
         if steps == after_steps:
@@ -143,7 +144,7 @@ def test_a_killed_rank_leaves_three_that_finish_every_stream(ep4, one_process):
     victim = engine.remotes[1].process
     tokens = {f"k{i}": [] for i in range(len(PROMPTS))}
     for request_id, prompt in zip(tokens, PROMPTS, strict=True):
-        engine.add_request(request_id, prompt, GREEDY)
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, params=GREEDY))
     steps = 0
     while engine.has_unfinished():
         if steps == 4:

@@ -13,6 +13,7 @@ from workers.engine.parallel import ep_engine
 from workers.engine.parallel.ep_engine import EPEngine
 from workers.engine.parallel.experts import ExpertParallelExperts
 from workers.engine.parallel.groups import Rendezvous, join_group
+from workers.protocol.engine_request import EngineRequest
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 80))]
@@ -54,7 +55,7 @@ def test_an_ep_engine_of_one_gpu_rank_serves_the_plain_engines_tokens(monkeypatc
     try:
         tokens = {f"g{i}": [] for i in range(len(PROMPTS))}
         for request_id, prompt in zip(tokens, PROMPTS, strict=True):
-            engine.add_request(request_id, prompt, GREEDY)
+            engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, params=GREEDY))
         while engine.has_unfinished():
             for delta in engine.step():
                 tokens[delta.request_id] += delta.token_ids

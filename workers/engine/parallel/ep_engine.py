@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import multiprocessing
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -31,7 +30,7 @@ import torch
 from workers.args import EngineArgs
 from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
-from workers.engine.engine import EngineStats
+from workers.engine.engine import EngineStats, grammar_compiler
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.groups import Rendezvous, join_group
 from workers.engine.parallel.in_flight import InFlight, aborted, report_deltas
@@ -47,16 +46,16 @@ from workers.engine.parallel.rank import RankEngine, moe_blocks, num_logical_exp
 from workers.engine.parallel.rank_process import run_rank_process
 from workers.engine.structured.constraint import TokenConstraint
 from workers.eplb import place_experts
+from workers.protocol.engine_request import ComputePrompt, EngineRequest
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol.messages import (
-    CacheHint,
     EPGroupSpec,
     EPRankCommand,
     EPRankMessage,
     EPRankReport,
     GenerateRequest,
+    OutputConstraintSpec,
 )
-from workers.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +90,8 @@ class EPEngine:
         self.args = args
         self.device = torch.device(args.device)
         size = args.ep_size
-        local = build_rank_engine(args)
+        local = build_rank_engine(args, compile_constraint=self._compiled_constraint)
+        self._compile = grammar_compiler(local.tokenizer, local.model_config.vocab_size)
         self.num_layers = len(moe_blocks(local.runner.model))
         self.num_experts = num_logical_experts(local.runner.model)
         slots = args.ep_slots_per_rank or slots_for(self.num_experts, size)
@@ -170,39 +170,37 @@ class EPEngine:
     def store(self):
         return self.local.engine.store
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_namespace: str = "",
-        constraint: TokenConstraint | None = None,
-        prompt_logprobs: int | None = None,
-        traffic_class: str = "chat",
-        prefill_only: bool = False,
-        tenant: str = "",
-        tenant_weight: int = 1,
-        cache_hints: Sequence[CacheHint] = (),
-    ) -> None:
+    def add_request(self, engine_request: EngineRequest) -> None:
         """LLMEngine.add_request's checks and errors; the request goes to the least loaded rank."""
-        if prefill_only:
+        request_id, prompt_token_ids = engine_request.request_id, engine_request.prompt_token_ids
+        constraint = (
+            self._compile(request_id, engine_request.constraint) if engine_request.constraint is not None else None
+        )
+        if engine_request.prefill_only or not isinstance(engine_request.kv, ComputePrompt):
             raise InvalidRequestError("an expert-parallel worker serves whole requests (role mixed)")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         engine = self.local.engine
-        engine.admission.max_tokens(request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=False)
-        check_cache_hints(cache_hints, len(prompt_token_ids))
+        engine.admission.max_tokens(
+            request_id,
+            prompt_token_ids,
+            engine_request.params,
+            engine_request.prompt_logprobs,
+            engine_request.traffic_class,
+            in_use=False,
+        )
+        check_cache_hints(engine_request.cache_hints, len(prompt_token_ids))
         request = GenerateRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            cache_namespace=cache_namespace,
-            prompt_logprobs=prompt_logprobs,
-            traffic_class=traffic_class,
-            tenant=tenant,
-            tenant_weight=tenant_weight,
-            cache_hints=tuple(cache_hints),
+            params=engine_request.params,
+            cache_namespace=engine_request.cache_namespace,
+            constraint=engine_request.constraint,
+            prompt_logprobs=engine_request.prompt_logprobs,
+            traffic_class=engine_request.traffic_class,
+            tenant=engine_request.tenant,
+            tenant_weight=engine_request.tenant_weight,
+            cache_hints=tuple(engine_request.cache_hints),
         )
         rank = 0 if constraint is not None else self._least_loaded()
         self._check_room(rank)
@@ -357,6 +355,11 @@ class EPEngine:
 
     # Requests.
 
+    def _compiled_constraint(self, request_id: str, spec: OutputConstraintSpec) -> TokenConstraint:
+        """Rank 0's engine's constraints are compiled here once, in add_request: a request resubmitted
+        after a resize goes on with its constraint where it was."""
+        return self.requests[request_id].constraint
+
     def _least_loaded(self) -> int:
         counts = [0] * self.ep_size
         for entry in self.requests.values():
@@ -377,16 +380,18 @@ class EPEngine:
         self.requests[request.request_id] = entry
         if entry.rank == 0:
             self.local.engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                cache_namespace=request.cache_namespace,
-                constraint=entry.constraint,
-                prompt_logprobs=request.prompt_logprobs,
-                traffic_class=request.traffic_class,
-                tenant=request.tenant,
-                tenant_weight=request.tenant_weight,
-                cache_hints=request.cache_hints,
+                EngineRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=request.params,
+                    cache_namespace=request.cache_namespace,
+                    constraint=request.constraint,
+                    prompt_logprobs=request.prompt_logprobs,
+                    traffic_class=request.traffic_class,
+                    tenant=request.tenant,
+                    tenant_weight=request.tenant_weight,
+                    cache_hints=request.cache_hints,
+                )
             )
         else:
             self.remotes[entry.rank - 1].commands.append(request)

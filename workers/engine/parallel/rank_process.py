@@ -19,6 +19,7 @@ from workers.engine.parallel.groups import join_group
 from workers.engine.parallel.placement import Placement
 from workers.engine.parallel.rank import RankEngine
 from workers.process_title import set_process_title
+from workers.protocol.engine_request import EngineRequest
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol.messages import (
     EPGroupSpec,
@@ -95,15 +96,17 @@ def serve_command(rank: RankEngine, command: EPRankCommand) -> EPRankReport:
 def admit(rank: RankEngine, request: GenerateRequest) -> GenerateError | None:
     try:
         rank.engine.add_request(
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            cache_namespace=request.cache_namespace,
-            prompt_logprobs=request.prompt_logprobs,
-            traffic_class=request.traffic_class,
-            tenant=request.tenant,
-            tenant_weight=request.tenant_weight,
-            cache_hints=request.cache_hints,
+            EngineRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                params=request.params,
+                cache_namespace=request.cache_namespace,
+                prompt_logprobs=request.prompt_logprobs,
+                traffic_class=request.traffic_class,
+                tenant=request.tenant,
+                tenant_weight=request.tenant_weight,
+                cache_hints=request.cache_hints,
+            )
         )
     except InvalidRequestError as error:
         return GenerateError(request.request_id, "invalid_request", str(error))
