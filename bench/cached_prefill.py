@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from workers.protocol.engine_request import EngineRequest
+
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -38,7 +40,13 @@ def first_token_s(engine, request_id: str, prompt: list[int]) -> float:
 
     torch.cuda.synchronize()
     started = time.perf_counter()
-    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    engine.add_request(
+        EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        )
+    )
     while not any(delta.token_ids for delta in engine.step()):
         pass
     torch.cuda.synchronize()

@@ -24,6 +24,7 @@ import torch
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
 from workers.engine import LLM, SamplingParams
+from workers.protocol.engine_request import EngineRequest
 
 
 def main() -> None:
@@ -124,7 +125,7 @@ def _ours(llm: LLM, prompts: torch.Tensor) -> Callable[[int], tuple[float, float
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         clock = _Clock(device)
         for index, prompt in enumerate(token_lists):
-            engine.add_request(str(index), prompt, params)
+            engine.add_request(EngineRequest(request_id=str(index), prompt_token_ids=prompt, params=params))
         started: set[str] = set()
         first_token = None
         produced = 0

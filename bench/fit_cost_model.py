@@ -43,6 +43,7 @@ from workers.cost_model import (
 )
 from workers.engine import LLM, SamplingParams
 from workers.engine.engine import LLMEngine
+from workers.protocol.engine_request import EngineRequest
 
 MODEL = "smollm2-135m-instruct"
 DEFAULT_OUT = Path("var/cost_model.json")
@@ -101,14 +102,14 @@ def _timed_step(engine: LLMEngine, ids: Iterator[int], prefix: list[int], q: int
 def _compute(engine: LLMEngine, request_id: str, tokens: list[int]) -> None:
     """Prefill `tokens` in the engine's own chunks, which leaves them in the prefix cache."""
     if tokens:
-        engine.add_request(request_id, tokens, FIRST_TOKEN)
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=tokens, params=FIRST_TOKEN))
         while engine.has_unfinished():
             engine.step()
 
 
 def _step_alone(engine: LLMEngine, request_id: str, tokens: list[int]) -> tuple[float, int]:
     """(seconds, cached tokens) of the one step that prefills `tokens` and samples their next token."""
-    engine.add_request(request_id, tokens, FIRST_TOKEN)
+    engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=tokens, params=FIRST_TOKEN))
     started = time.perf_counter()
     deltas = engine.step()
     seconds = time.perf_counter() - started
@@ -144,7 +145,13 @@ def measure_decode(
     for index, (batch, context) in enumerate(points, start=1):
         params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 2, ignore_eos=True)
         for _ in range(batch):
-            engine.add_request(f"decode-{next(ids)}", [rng.randrange(vocab) for _ in range(context)], params)
+            engine.add_request(
+                EngineRequest(
+                    request_id=f"decode-{next(ids)}",
+                    prompt_token_ids=[rng.randrange(vocab) for _ in range(context)],
+                    params=params,
+                )
+            )
         while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
             engine.step()
         engine.step()  # the first decode step after a prefill step (graph bucket, allocator) is not timed

@@ -37,6 +37,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from workers.protocol.engine_request import EngineRequest
+
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -174,7 +176,9 @@ def offline(args, llm) -> dict:
         synchronize()
         started = time.perf_counter()
         for index, prompt in enumerate(prompts):
-            engine.add_request(f"o{concurrency}-{index}-{started}", prompt, params)
+            engine.add_request(
+                EngineRequest(request_id=f"o{concurrency}-{index}-{started}", prompt_token_ids=prompt, params=params)
+            )
         counts: dict[str, int] = {}
         prefilled_at, decoded, fewest = None, 0, 0
         while engine.has_unfinished():

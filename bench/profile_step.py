@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
 from workers.engine import LLM, SamplingParams
+from workers.protocol.engine_request import EngineRequest
 
 
 def main() -> None:
@@ -43,7 +44,13 @@ def main() -> None:
     prompts = torch.randint(0, 49152, (args.batch_size, args.prompt_len)).tolist()
     engine = llm.engine
     for index, prompt in enumerate(prompts):
-        engine.add_request(str(index), prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        engine.add_request(
+            EngineRequest(
+                request_id=str(index),
+                prompt_token_ids=prompt,
+                params=SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+            )
+        )
     started: set[str] = set()
     while len(started) < len(prompts):
         started.update(delta.request_id for delta in engine.step())

@@ -37,6 +37,7 @@ from workers.engine.builder import engine_config
 from workers.engine.engine import LLMEngine
 from workers.engine.model_loader import load_model
 from workers.engine_client import EngineClient
+from workers.protocol.engine_request import EngineRequest
 from workers.protocol.messages import GenerateRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +322,7 @@ def _offline(prompts: list[list[int]], params: SamplingParams, concurrency: int)
     def admit() -> None:
         index = pending.pop(0)
         request_id = f"offline-{index}"
-        engine.add_request(request_id, prompts[index], params)
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompts[index], params=params))
         sent[request_id] = time.perf_counter()
 
     for _ in range(min(concurrency, len(pending))):

@@ -11,8 +11,10 @@ import torch
 import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.requests import hand_over
 from workers.engine import LLM, SamplingParams
 from workers.engine.kv_handoff import KVHandoff
+from workers.protocol.engine_request import EngineRequest
 from workers.protocol.messages import KVTransferChunk, KVTransferHeader
 from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff, send_handoff
 
@@ -208,7 +210,7 @@ def test_an_engine_handoff_sent_over_zmq_decodes_to_the_same_tokens(pair):
 
     prefill = LLM(config, seed=0, kv_cache_bytes=1 << 22).engine
     decode = LLM(config, seed=0, kv_cache_bytes=1 << 22).engine
-    prefill.add_request("r", tokens, params, prefill_only=True)
+    prefill.add_request(EngineRequest(request_id="r", prompt_token_ids=tokens, params=params, prefill_only=True))
     (first,) = prefill.step()
     sender, receiver = pair
     send_handoff(sender, prefill.export_kv("r"))
@@ -217,7 +219,7 @@ def test_an_engine_handoff_sent_over_zmq_decodes_to_the_same_tokens(pair):
     received = None
     while received is None:
         received = assembler.feed(receiver.recv_multipart(copy=False))
-    decode.add_prefilled_request(received)
+    hand_over(decode, received)
     output = list(first.token_ids)
     while decode.has_unfinished():
         output.extend(t for delta in decode.step() for t in delta.token_ids)

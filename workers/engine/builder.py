@@ -10,13 +10,14 @@ import torch
 from workers.args import EngineArgs
 from workers.cost_model import PrefillCostModel
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine
+from workers.engine.engine import ConstraintCompiler, LLMEngine
 from workers.engine.model_loader import load_model
 from workers.kvstore.store import open_store
 
 
-def build_rank_engine(args: EngineArgs) -> LLMEngine:
-    """One LLMEngine for `args`, whatever their ep_size: an EP rank's own engine."""
+def build_rank_engine(args: EngineArgs, compile_constraint: ConstraintCompiler | None = None) -> LLMEngine:
+    """One LLMEngine for `args`, whatever their ep_size: an EP rank's own engine. `compile_constraint`
+    is the engine's (LLMEngine's default without it)."""
     config = engine_config(args)
     loaded = load_model(
         args.model,
@@ -27,7 +28,7 @@ def build_rank_engine(args: EngineArgs) -> LLMEngine:
         tokenizer=args.tokenizer,
     )
     store = open_store(Path(args.kv_store), args.kv_store_index) if args.kv_store else None
-    return LLMEngine(loaded, config, store)
+    return LLMEngine(loaded, config, store, compile_constraint=compile_constraint)
 
 
 def engine_config(args: EngineArgs) -> EngineConfig:

@@ -1,14 +1,15 @@
 """The engine loop: admit requests, then step = schedule → execute → update from output.
 
 LLMEngine is the facade over its parts: admission (checks and caps), the scheduler and block manager,
-the model runner, the output processor (tokens → deltas, stop checks, text), the store connector, and
-disaggregation (KV exported by a prefill engine, taken in by a decode engine).
+the model runner, the output processor (tokens → deltas, stop checks, text), and the KV connectors
+(workers.engine.connectors: the store; disaggregation, the KV exported by a prefill engine and taken
+in by a decode engine; a resume from tokens). `add_request(EngineRequest)` is the only way in.
 """
 
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
@@ -18,12 +19,15 @@ from workers.block_hash import namespace_extra
 from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
 from workers.engine.config import EngineConfig
-from workers.engine.disaggregation import Disaggregation, continued_request
+from workers.engine.connectors.base import ComputeHere, KVArrival, KVConnector
+from workers.engine.connectors.handoff import Disaggregation, continued_request
+from workers.engine.connectors.resume import ResumeConnector
+from workers.engine.connectors.store import StoreConnector
 from workers.engine.engine_core import EngineCore, EngineInfo, EngineStats, EPGroupState
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.host_memory import reuse_freed_memory
 from workers.engine.kv.kv_cache import KVCache
-from workers.engine.kv_handoff import KVHandoff, check_layers, write_layers
+from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
@@ -36,15 +40,25 @@ from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.sizing.kv_sizing import kv_cache_size
 from workers.engine.step_stats import StepStats
-from workers.engine.store_connector import StoreConnector
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
-from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
-from workers.protocol.messages import CacheHint
-from workers.protocol.sampling_params import SamplingParams
+from workers.protocol.engine_request import (
+    ComputePrompt,
+    ContinueFromTokens,
+    EngineRequest,
+    KVSource,
+    Migrated,
+    Prefilled,
+)
+from workers.protocol.errors import InvalidConstraintError, InvalidRequestError
+from workers.protocol.messages import OutputConstraintSpec
+from workers.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# (request id, spec) -> the request's constraint; InvalidConstraintError when the spec does not compile.
+ConstraintCompiler = Callable[[str, OutputConstraintSpec], TokenConstraint]
 
 # Longest a step with nothing to run waits for a store fetch before returning to its caller.
 FETCH_WAIT_S = 0.01
@@ -52,8 +66,8 @@ FETCH_WAIT_S = 0.01
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """Pages a continued request holds before it runs (LLMEngine.reserve_prefilled): its KV goes
-    into `pages` from token `start` on (a multiple of the page size)."""
+    """Pages a handed-over request holds before it runs (LLMEngine.reservation): its KV goes into
+    `pages` from token `start` on (a multiple of the page size)."""
 
     request_id: str
     pages: list[int]
@@ -62,13 +76,18 @@ class Reservation:
 
 class LLMEngine(EngineCore):
     """`store`, when given, is the global KV block store: prompts fetch their stored prefix from it
-    and every block the engine completes is written to it (see store_connector).
+    and every block the engine completes is written to it (see connectors.store).
 
     Disaggregated serving: a prefill engine admits requests with `prefill_only=True`; each finishes
     with FinishReason.TRANSFER after its first token, keeping its pages until the caller has taken
-    `export_kv(request_id)` and called `release_transfer(request_id)`. A decode engine continues it
-    with `add_prefilled_request(handoff)`. At most `max_pending_transfers` prefill-only requests
-    exist at once (see MAX_PENDING_TRANSFERS).
+    `export_kv(request_id)` and called `release_transfer(request_id)`. A decode engine receives the
+    handoff into its handoff connector and continues it with a Prefilled request
+    (connectors.handoff.continuing). At most `max_pending_transfers` prefill-only requests exist at
+    once (see MAX_PENDING_TRANSFERS).
+
+    `compile_constraint(request_id, spec)` turns a request's output constraint into the engine's
+    TokenConstraint (default: the grammar compiler with the engine's tokenizer), raising
+    InvalidConstraintError when it does not compile.
     """
 
     def __init__(
@@ -78,6 +97,7 @@ class LLMEngine(EngineCore):
         store: KVStore | None = None,
         *,
         max_pending_transfers: int = MAX_PENDING_TRANSFERS,
+        compile_constraint: ConstraintCompiler | None = None,
     ) -> None:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -126,6 +146,7 @@ class LLMEngine(EngineCore):
             StoreConnector(
                 store,
                 kv_cache,
+                self.block_manager,
                 block_tokens=config.args.kv_block_tokens,
                 retention_caps=RetentionCaps(
                     config.args.kv_store_max_retained_tokens, config.args.kv_store_max_retention_s
@@ -164,97 +185,141 @@ class LLMEngine(EngineCore):
         self.disaggregation = Disaggregation(
             kv_cache, self.block_manager, kv_model_id=self.kv_model_id, vocab_size=loaded.config.vocab_size
         )
+        self.compile_constraint = compile_constraint or grammar_compiler(self.tokenizer, loaded.config.vocab_size)
+        # Where a request's KV comes from, by its EngineRequest's source, and how the request is made.
+        self.connectors: dict[type[KVSource], KVConnector] = {
+            ComputePrompt: self.store if self.store is not None else ComputeHere(),
+            ContinueFromTokens: ResumeConnector(self.store, self.resume_stats),
+            Prefilled: self.disaggregation,
+            Migrated: self.disaggregation,
+        }
+        self._new_request = {
+            ComputePrompt: self._computed,
+            ContinueFromTokens: self._continued_from_tokens,
+            Prefilled: self._handed_over,
+            Migrated: self._handed_over,
+        }
+        # Connectors that keep what each step computed: the store.
+        self.savers: list[KVConnector] = [self.store] if self.store is not None else []
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_namespace: str = "",
-        constraint: TokenConstraint | None = None,
-        prompt_logprobs: int | None = None,
-        traffic_class: str = "chat",
-        prefill_only: bool = False,
-        tenant: str = "",
-        tenant_weight: int = 1,
-        cache_hints: Sequence[CacheHint] = (),
-    ) -> None:
-        """Admit a request, or raise InvalidRequestError naming the problem, or EngineOverloadedError
-        when max_waiting requests already wait (either way nothing is changed).
+    def add_request(self, request: EngineRequest) -> None:
+        """Admit a request, or raise InvalidRequestError naming the problem (InvalidConstraintError for
+        a constraint that does not compile), or EngineOverloadedError when it cannot wait or run now;
+        either way nothing is changed, except that KV received for a refused request is dropped.
 
-        `constraint` masks every sampled token and ends the request when it is finished (a constraint
-        that fails on the output ends its request alone, see fail_request);
-        `prompt_logprobs=k` reports, with the first output, each prompt token's logprob and its top k;
-        `traffic_class` sets how long the KV store keeps the blocks this request writes;
-        `prefill_only` ends the request after its first token with finish reason "transfer" (unless
-        that token already finished it: stop or length) and pins its KV for export_kv;
-        `tenant` and `tenant_weight` (at least 1) place it in the waiting queue by its tenant's fair share;
-        `cache_hints` ask the KV store to keep prefixes of the prompt (workers.kvstore.hints).
+        `request.kv` says where its KV comes from, and picks the connector that brings it:
+        ComputePrompt: the prompt is computed here, from what the local prefix cache and the store
+        hold of it on. ContinueFromTokens: another engine decoded it and was lost; its KV comes from
+        the store for every full block stored and is recomputed for the rest, and its next step
+        samples the token after the given ones (its params carry the seed it was sampled with).
+        Prefilled, Migrated: its KV was received into the handoff connector (Disaggregation.receive)
+        and goes into pages (those the prefix cache holds are shared, not written again): host
+        layers at once, its next step a decode; another engine's pages are copied in by the caller
+        between this call (see reservation) and admit_prefilled or cancel_prefilled.
+
+        The constraint is compiled here; one that fails on tokens already sampled raises
+        ConstraintError. `prompt_logprobs=k` reports, with the first output, each prompt token's
+        logprob and its top k; `prefill_only` ends the request after its first token with finish
+        reason "transfer" (unless that token already finished it: stop or length) and pins its KV
+        for export_kv; `tenant` and `tenant_weight` place it in the waiting queue by its tenant's
+        fair share; `cache_hints` ask the KV store to keep prefixes of the prompt.
         """
+        source = type(request.kv)
+        connector = self.connectors.get(source)
+        if connector is None:
+            raise InvalidRequestError(f"request {request.request_id!r} brings KV from {source.__name__}: unknown here")
+        try:
+            connector.check(request)
+            constraint = self._compile(request)
+            new = self._new_request[source](request, constraint)
+            try:
+                arrival = connector.load(new)
+            except BaseException:
+                self.outputs.remove(new.request_id)
+                raise
+        except BaseException:
+            connector.discard(request.request_id)
+            raise
+        if arrival is KVArrival.WAITING:
+            self.requests[new.request_id] = new
+            self.scheduler.add(new)
+        elif arrival is KVArrival.READY:
+            self.admit_prefilled(new.request_id)
+
+    def _computed(self, request: EngineRequest, constraint: TokenConstraint | None) -> Request:
         max_tokens = self.admission.max_tokens(
-            request_id, prompt_token_ids, params, prompt_logprobs, traffic_class, in_use=self._in_use(request_id)
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.prompt_logprobs,
+            request.traffic_class,
+            in_use=self._in_use(request.request_id),
         )
-        check_cache_hints(cache_hints, len(prompt_token_ids))
+        check_cache_hints(request.cache_hints, len(request.prompt_token_ids))
         self.admission.check_room_to_wait()
-        if prefill_only:
+        if request.prefill_only:
             pending = len(self.disaggregation) + sum(1 for r in self.requests.values() if r.prefill_only)
             self.admission.check_room_to_transfer(pending, self.max_pending_transfers)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=with_seed(params, self._seeds),
+        new = Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            params=with_seed(request.params, self._seeds),
             max_tokens=max_tokens,
-            hash_extra=namespace_extra(self.kv_model_id, cache_namespace),
-            cache_namespace=cache_namespace,
-            prefill_only=prefill_only,
+            hash_extra=namespace_extra(self.kv_model_id, request.cache_namespace),
+            cache_namespace=request.cache_namespace,
+            prefill_only=request.prefill_only,
             constraint=self._isolated(constraint),
-            prompt_logprobs=prompt_logprobs,
-            traffic_class=traffic_class,
-            tenant=tenant,
-            tenant_weight=tenant_weight,
-            retention=self.store.plan_retention(cache_hints) if self.store is not None else (),
-            stored_tokens_by_hint=(0,) * len(cache_hints),
+            prompt_logprobs=request.prompt_logprobs,
+            traffic_class=request.traffic_class,
+            tenant=request.tenant,
+            tenant_weight=request.tenant_weight,
+            retention=self.store.plan_retention(request.cache_hints) if self.store is not None else (),
+            stored_tokens_by_hint=(0,) * len(request.cache_hints),
             queued_at=time.monotonic(),
         )
-        self.requests[request_id] = request
-        self.outputs.add(request)
-        if self.store is not None and not request.needs_prompt_logits:
-            local_pages, _ = self.block_manager.find_cached_prefix(request)
-            self.store.start_fetch(request, local_hit_tokens=len(local_pages) * self.block_manager.page_size)
-        self.scheduler.add(request)
+        self.outputs.add(new)
+        return new
 
-    @property
-    def kv_cache(self) -> KVCache:
-        return self.runner.kv_cache
+    def _continued_from_tokens(self, request: EngineRequest, constraint: TokenConstraint | None) -> Request:
+        output_token_ids = request.kv.output_token_ids
+        max_tokens = self.admission.max_tokens(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            None,
+            request.traffic_class,
+            in_use=self._in_use(request.request_id),
+        )
+        check_resumable(request.request_id, output_token_ids, request.params, max_tokens, self.model_config.vocab_size)
+        self.admission.check_room_to_wait()
+        new = Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            params=request.params,
+            max_tokens=max_tokens,
+            hash_extra=namespace_extra(self.kv_model_id, request.cache_namespace),
+            cache_namespace=request.cache_namespace,
+            output_token_ids=list(output_token_ids),
+            constraint=self._isolated(constraint),
+            traffic_class=request.traffic_class,
+            tenant=request.tenant,
+            tenant_weight=request.tenant_weight,
+            # What the client was told about the prompt's cache hits stays what the first worker said.
+            reported_cached_tokens=request.kv.num_cached_tokens,
+            queued_at=time.monotonic(),
+        )
+        if new.constraint is not None:
+            for token in new.output_token_ids:
+                new.constraint.advance(token)
+        self.outputs.add_continued(new)
+        return new
 
-    def add_prefilled_request(self, handoff: KVHandoff, *, constraint: TokenConstraint | None = None) -> None:
-        """Continue a request a prefill engine started, its KV in the handoff's host layers: the KV
-        goes into pages (those the prefix cache already holds are shared, not written again) and its
-        next step is a decode. Raises as reserve_prefilled does, and InvalidRequestError when the
-        layers are not what the handoff says; nothing is changed then."""
-        reservation = self.reserve_prefilled(handoff, constraint=constraint)
-        try:
-            layers = check_layers(handoff)
-            write_layers(self.runner.kv_cache, reservation.pages, layers, start=reservation.start)
-        except BaseException:
-            self.cancel_prefilled(handoff.request_id)
-            raise
-        self.admit_prefilled(handoff.request_id)
-
-    def reserve_prefilled(self, handoff: KVHandoff, *, constraint: TokenConstraint | None = None) -> "Reservation":
-        """The first half of continuing a request a prefill engine started: it gets pages for every
-        token, of which those from `start` on are to receive its KV (the prefix cache holds the ones
-        before), and does not run until admit_prefilled; cancel_prefilled gives the pages back.
-
-        InvalidRequestError when the handoff does not fit this engine (model, layer count, head
-        shapes, dtype, token counts); EngineOverloadedError when the running batch is full or its
-        pages cannot be had, so the caller can pick another engine; ConstraintError when `constraint`
-        (compiled afresh by the caller) fails on the tokens already sampled, and whatever seeding the
-        output text with them raises. In every case nothing is changed.
-        """
-        if not isinstance(handoff, KVHandoff):
-            raise InvalidRequestError(f"expected a KVHandoff, got {type(handoff).__name__}")
+    def _handed_over(self, request: EngineRequest, constraint: TokenConstraint | None) -> Request:
+        """InvalidRequestError when the handoff does not fit this engine (model, layer count, head
+        shapes, dtype, token counts); EngineOverloadedError when the running batch is full, so the
+        caller can pick another engine; ConstraintError when the constraint fails on the tokens
+        already sampled, and whatever seeding the output text with them raises."""
+        handoff = self.disaggregation.handoff_of(request.request_id)
         max_tokens = self.admission.max_tokens(
             handoff.request_id,
             handoff.prompt_token_ids,
@@ -263,25 +328,35 @@ class LLMEngine(EngineCore):
             handoff.traffic_class,
             in_use=self._in_use(handoff.request_id),
         )
-        self.disaggregation.check(handoff, max_tokens=max_tokens)
+        self.disaggregation.fits(handoff, max_tokens=max_tokens)
         self.admission.check_room_to_run(num_reserved=len(self.disaggregation.reserved))
-        request = continued_request(
+        new = continued_request(
             handoff,
             max_tokens=max_tokens,
             hash_extra=namespace_extra(self.kv_model_id, handoff.cache_namespace),
             constraint=self._isolated(constraint),
         )
         # What may fail for this request alone runs before its KV takes pages.
-        if request.constraint is not None:
-            for token in request.output_token_ids:
-                request.constraint.advance(token)
-        self.outputs.add_continued(request)
-        try:
-            start = self.disaggregation.reserve(request, handoff)
-        except EngineOverloadedError:
-            self.outputs.remove(request.request_id)
-            raise
-        return Reservation(request.request_id, list(request.pages), start)
+        if new.constraint is not None:
+            for token in new.output_token_ids:
+                new.constraint.advance(token)
+        self.outputs.add_continued(new)
+        return new
+
+    def _compile(self, request: EngineRequest) -> TokenConstraint | None:
+        if request.constraint is None:
+            return None
+        return self.compile_constraint(request.request_id, request.constraint)
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.runner.kv_cache
+
+    def reservation(self, request_id: str) -> Reservation:
+        """The pages reserved for a request added with KV that the caller copies in page to page,
+        from `start` on (the prefix cache holds the ones before)."""
+        request = self.disaggregation.reserved[request_id]
+        return Reservation(request_id, list(request.pages), self.disaggregation.starts[request_id])
 
     def admit_prefilled(self, request_id: str) -> None:
         """A reserved request's KV is in its pages: it joins the running batch, its next step a decode."""
@@ -339,61 +414,10 @@ class LLMEngine(EngineCore):
     def store_prompt_tail(self, request_id: str) -> None:
         """Store the KV of the whole pages of the request's partial last prompt block, once, so that
         an engine resuming it from a checkpoint recomputes only the tokens it generated since its
-        last full block (see store_connector). Nothing without a store, or before that KV exists."""
+        last full block (see connectors.store). Nothing without a store, or before that KV exists."""
         request = self.requests.get(request_id)
         if self.store is not None and request is not None:
             self.store.store_prompt_tail(request)
-
-    def add_resumed_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        cache_namespace: str = "",
-        constraint: TokenConstraint | None = None,
-        traffic_class: str = "chat",
-        num_cached_tokens: int = 0,
-        tenant: str = "",
-        tenant_weight: int = 1,
-    ) -> None:
-        """Continue a request another engine decoded (and lost): its tokens so far are given, its KV
-        comes from the KV store for every full block stored and is recomputed for the rest, and its
-        next step samples the token after `output_token_ids`. `params` carries the seed the request
-        was sampled with. Raises as add_request does, and ConstraintError when the constraint fails
-        on the tokens given; nothing is changed then."""
-        max_tokens = self.admission.max_tokens(
-            request_id, prompt_token_ids, params, None, traffic_class, in_use=self._in_use(request_id)
-        )
-        check_resumable(request_id, output_token_ids, params, max_tokens, self.model_config.vocab_size)
-        self.admission.check_room_to_wait()
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            max_tokens=max_tokens,
-            hash_extra=namespace_extra(self.kv_model_id, cache_namespace),
-            cache_namespace=cache_namespace,
-            output_token_ids=list(output_token_ids),
-            constraint=self._isolated(constraint),
-            traffic_class=traffic_class,
-            tenant=tenant,
-            tenant_weight=tenant_weight,
-            # What the client was told about the prompt's cache hits stays what the first worker said.
-            reported_cached_tokens=num_cached_tokens,
-            queued_at=time.monotonic(),
-        )
-        if request.constraint is not None:
-            for token in request.output_token_ids:
-                request.constraint.advance(token)
-        self.outputs.add_continued(request)
-        self.resume_stats.start(request)
-        self.requests[request_id] = request
-        if self.store is not None:
-            local_pages, _ = self.block_manager.find_cached_prefix(request)
-            self.store.start_fetch(request, local_hit_tokens=len(local_pages) * self.block_manager.page_size)
-        self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Cancel a request: a delta with finish reason "abort", or None when the engine does not run
@@ -454,10 +478,11 @@ class LLMEngine(EngineCore):
             self._record_prediction(output, seconds)
         for computed in result.prompt_logprobs:
             self.requests[computed.request_id].record_prompt_logprobs(computed.first_index, computed.entries)
-        if self.store is not None:
+        if self.savers:
             # Requests finished since the step was launched are gone from self.requests.
             stepped = [self.requests[request_id] for request_id in output.request_ids if request_id in self.requests]
-            self.store.save_completed_blocks(stepped)
+            for connector in self.savers:
+                connector.save(stepped)
         deltas = []
         for sampled in result.sampled:
             request = self.requests.get(sampled.request_id)
@@ -567,6 +592,23 @@ class LLMEngine(EngineCore):
             or request_id in self.disaggregation
             or request_id in self.disaggregation.reserved
         )
+
+
+def grammar_compiler(tokenizer: Tokenizer | None, vocab_size: int) -> ConstraintCompiler:
+    """The default ConstraintCompiler: the grammar library (structured.grammar) with the model's tokenizer."""
+
+    def compile_spec(request_id: str, spec: OutputConstraintSpec) -> TokenConstraint:
+        # Imported here: only constrained requests need the grammar library.
+        from workers.engine.structured.grammar import compile_constraint
+
+        if tokenizer is None:
+            raise InvalidConstraintError("output constraints need a tokenizer; this model was loaded without one")
+        try:
+            return compile_constraint(spec, tokenizer, vocab_size)
+        except InvalidRequestError as error:
+            raise InvalidConstraintError(str(error)) from error
+
+    return compile_spec
 
 
 def _is_prefill_only(request: Request | None) -> bool:

@@ -11,12 +11,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from workers.engine.config import ModelConfig
+from workers.engine.connectors.store import StoreStats
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.placement import Placement
 from workers.engine.resumption import ResumeStats
 from workers.engine.step_stats import StepStats
-from workers.engine.store_connector import StoreStats
 from workers.kvstore.store import KVStore
 from workers.protocol.engine_request import EngineRequest
 from workers.text.tokenizer import Tokenizer

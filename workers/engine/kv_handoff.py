@@ -15,7 +15,7 @@ size. `PagedLayers` copies a layer out of the prefill engine's pages only when i
 sender can ship layer i while layer i + 1 is still being copied; `write_layers` puts received
 layers into the decode engine's pages. Or page to page, between engines of one host: the export
 names its pages (`pages`) and the decode side copies them straight into the pages it reserved
-(LLMEngine.reserve_prefilled); such a handoff carries no layers.
+(LLMEngine.reservation); such a handoff carries no layers.
 """
 
 from collections.abc import Sequence

@@ -11,6 +11,7 @@ from workers.args import EngineArgs, dtype_name
 from workers.engine.factory import build_engine
 from workers.engine.model_loader import ModelSource
 from workers.engine.outputs import CompletionOutput, RequestOutput
+from workers.protocol.engine_request import EngineRequest
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.messages import CacheHint
 from workers.protocol.sampling_params import SamplingParams
@@ -77,11 +78,13 @@ class LLM:
                     sub_id = f"{result.request_id}-{index}"
                     seed = None if params.seed is None else params.seed + index
                     self.engine.add_request(
-                        sub_id,
-                        token_ids,
-                        msgspec.structs.replace(params, n=1, seed=seed),
-                        cache_namespace=cache_namespace,
-                        cache_hints=cache_hints,
+                        EngineRequest(
+                            request_id=sub_id,
+                            prompt_token_ids=token_ids,
+                            params=msgspec.structs.replace(params, n=1, seed=seed),
+                            cache_namespace=cache_namespace,
+                            cache_hints=tuple(cache_hints),
+                        )
                     )
                     completion = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
                     if self.tokenizer is not None:

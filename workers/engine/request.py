@@ -86,7 +86,7 @@ class Request:
     # The prompt's partial last block is in the store or queued for it, or needs no storing
     # (StoreConnector.store_prompt_tail).
     prompt_tail_stored: bool = False
-    # Store blocks being fetched for the prompt (a Future of store_connector.LoadedBlocks); the
+    # Store blocks being fetched for the prompt (a Future of connectors.store.LoadedBlocks); the
     # request is admitted once it is done.
     store_fetch: "Future[Any] | None" = None
     # Masks every sampled token; its state follows output_token_ids, so it survives preemption.
@@ -95,7 +95,7 @@ class Request:
     prompt_logprobs: int | None = None
     # Entry i: prompt token i given the tokens before it (None for the first); filled during prefill.
     prompt_token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    # A request resumed here from another engine's checkpoint (LLMEngine.add_resumed_request):
+    # A request resumed here from another engine's checkpoint (a ContinueFromTokens EngineRequest):
     # time.monotonic() of the resume until its first new token (0 otherwise), the tokens it had then,
     # and the cached prompt tokens the first engine reported, which its outputs keep reporting.
     resumed_at: float = 0.0

@@ -6,8 +6,11 @@ from its prompts; an expert-parallel engine sends the same struct on to the rank
 field is added here, once, instead of to every signature that passes a request on.
 
 `kv` says where the request's KV comes from (the engine's KV connectors): computed here, from the
-prompt's cached and stored prefix on, or continued from tokens another engine sampled. Torch-free:
-it crosses process boundaries as msgpack, and the gateway side may build one without the engine.
+prompt's cached and stored prefix on; continued from tokens another engine sampled; or handed over
+by a prefill engine or a draining decode engine. Torch-free: it crosses process boundaries as
+msgpack, and the gateway side may build one without the engine. A handed-over request's KV itself
+(host layers, or another engine's pages) does not travel in it: the transfer that brought it puts it
+in the engine's handoff connector under the request's id (workers.engine.connectors.handoff).
 """
 
 from typing import Annotated
@@ -33,7 +36,24 @@ class ContinueFromTokens(msgspec.Struct, tag="continue", frozen=True, forbid_unk
     num_cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
-KVSource = ComputePrompt | ContinueFromTokens
+class Prefilled(msgspec.Struct, tag="prefilled", frozen=True, forbid_unknown_fields=True):
+    """A prefill engine computed the prompt's KV and sampled `output_token_ids` (its first token);
+    the KV waits in this engine's handoff connector, and the next step is a decode."""
+
+    output_token_ids: list[int]
+    # Prompt tokens the prefill engine served from a cache: what the client is told.
+    num_cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class Migrated(msgspec.Struct, tag="migrated", frozen=True, forbid_unknown_fields=True):
+    """A draining decode engine suspended this request between two decode steps and handed it on:
+    as Prefilled, with every token it sampled so far."""
+
+    output_token_ids: list[int]
+    num_cached_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+KVSource = ComputePrompt | ContinueFromTokens | Prefilled | Migrated
 
 
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

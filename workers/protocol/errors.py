@@ -14,6 +14,11 @@ class InvalidRequestError(EngineError, ValueError):
     """A request (prompt or sampling parameters) the engine refuses to admit."""
 
 
+class InvalidConstraintError(InvalidRequestError):
+    """A request's output constraint that does not compile (or an engine without a tokenizer to
+    compile it with); a gateway reports it as "invalid_constraint", not "invalid_request"."""
+
+
 class EngineOverloadedError(EngineError):
     """The engine's waiting queue is full (EngineArgs.max_waiting); the request may be retried."""
 

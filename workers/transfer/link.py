@@ -38,7 +38,6 @@ import zmq
 
 from workers import curve
 from workers.engine.kv_handoff import KVHandoff
-from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
@@ -46,6 +45,7 @@ from workers.protocol.messages import (
     KVPoolOffer,
     KVTransferHeader,
     KVTransferReply,
+    OutputConstraintSpec,
 )
 from workers.transfer.frames import (
     DTYPES,
@@ -311,7 +311,7 @@ def _offered_bytes(offer: KVPoolOffer) -> int:
 @dataclass(slots=True)
 class Expectation:
     peer: bytes  # the ROUTER identity of the gateway that sent the ExpectTransferRequest
-    constraint: TokenConstraint | None  # compiled, not yet advanced over the prefill's tokens
+    constraint: OutputConstraintSpec | None  # compiled by the engine when the KV arrives
     timeout_s: float
     deadline: float  # time.monotonic()
 
@@ -339,7 +339,9 @@ class TransferReceiver:
     expected: dict[str, Expectation] = field(default_factory=dict)
     _started: dict[str, float] = field(default_factory=dict)  # request id → its frames' first arrival
 
-    def expect(self, request_id: str, peer: bytes, constraint: TokenConstraint | None, timeout_s: float = 0.0) -> None:
+    def expect(
+        self, request_id: str, peer: bytes, constraint: OutputConstraintSpec | None, timeout_s: float = 0.0
+    ) -> None:
         """Wait for the request's KV for `timeout_s` from now (0: the default)."""
         timeout_s = timeout_s or self.default_timeout_s
         self.expected[request_id] = Expectation(peer, constraint, timeout_s, time.monotonic() + timeout_s)

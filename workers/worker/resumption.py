@@ -16,12 +16,12 @@ import msgspec
 
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestDelta
-from workers.engine.structured.constraint import ConstraintError, TokenConstraint
+from workers.engine.structured.constraint import ConstraintError
+from workers.protocol.engine_request import ContinueFromTokens, EngineRequest
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
 from workers.protocol.messages import (
     DecodingState,
     GenerateError,
-    OutputConstraintSpec,
     ResumeDecodeRequest,
     WorkerOutbound,
 )
@@ -40,7 +40,6 @@ class Resumption:
         control: WorkerControl,
         owners: dict[str, bytes],
         send: Callable[[bytes, WorkerOutbound], None],
-        compile_constraint: Callable[[OutputConstraintSpec], TokenConstraint],
         checkpoints: Checkpoints | None,
     ) -> None:
         self.worker_id = worker_id
@@ -48,7 +47,6 @@ class Resumption:
         self.control = control
         self.owners = owners
         self.send = send
-        self.compile_constraint = compile_constraint
         self.checkpoints = checkpoints
         self.moved: list[str] = []  # requests migrated away, whose checkpoints stay until the worker stops
 
@@ -104,18 +102,18 @@ class Resumption:
             self.send(peer, GenerateError(request_id, "checkpoint_invalid", str(error)))
             return
         try:
-            constraint = self.compile_constraint(request.constraint) if request.constraint is not None else None
-            self.engine.add_resumed_request(
-                request_id,
-                request.prompt_token_ids,
-                message.output_token_ids,
-                state.params,
-                cache_namespace=request.cache_namespace,
-                constraint=constraint,
-                traffic_class=request.traffic_class,
-                num_cached_tokens=state.num_cached_tokens,
-                tenant=request.tenant,
-                tenant_weight=request.tenant_weight,
+            self.engine.add_request(
+                EngineRequest(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=state.params,
+                    kv=ContinueFromTokens(message.output_token_ids, num_cached_tokens=state.num_cached_tokens),
+                    cache_namespace=request.cache_namespace,
+                    constraint=request.constraint,
+                    traffic_class=request.traffic_class,
+                    tenant=request.tenant,
+                    tenant_weight=request.tenant_weight,
+                )
             )
         except (InvalidRequestError, ConstraintError) as error:
             self.send(peer, GenerateError(request_id, "invalid_request", str(error)))

@@ -23,10 +23,10 @@ from workers import curve
 from workers.engine.engine_core import EngineCore
 from workers.engine.outputs import RequestDelta, RequestFailure, output_of
 from workers.engine.request import FinishReason
-from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
 from workers.kvstore.gc import GarbageCollector
-from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.engine_request import EngineRequest
+from workers.protocol.errors import EngineOverloadedError, InvalidConstraintError, InvalidRequestError
 from workers.protocol.messages import (
     AbortRequest,
     ApplyEPLayoutRequest,
@@ -37,7 +37,6 @@ from workers.protocol.messages import (
     GenerateError,
     GenerateRequest,
     MigrateRequest,
-    OutputConstraintSpec,
     ResumeDecodeRequest,
     ResumeRequest,
     SetTTLPolicyRequest,
@@ -132,7 +131,6 @@ class Worker:
             control=self.control,
             owners=self.owners,
             send=self._send,
-            compile_constraint=self._compile_constraint,
             checkpoints=_checkpoints(config, engine),
         )
         self.transfers = Transfers(
@@ -142,7 +140,6 @@ class Worker:
             control=self.control,
             owners=self.owners,
             send=self._send,
-            compile_constraint=self._compile_constraint,
             receiver=receiver,
             sender=sender,
             pool=pool,
@@ -277,24 +274,23 @@ class Worker:
             self._send(peer, GenerateError(request.request_id, "invalid_request", message))
             return
         try:
-            constraint = self._compile_constraint(request.constraint) if request.constraint is not None else None
-        except InvalidRequestError as error:
-            self._send(peer, GenerateError(request.request_id, "invalid_constraint", str(error)))
-            return
-        try:
             self.engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                cache_namespace=request.cache_namespace,
-                constraint=constraint,
-                prompt_logprobs=request.prompt_logprobs,
-                traffic_class=request.traffic_class,
-                prefill_only=bool(request.decode_endpoint),
-                tenant=request.tenant,
-                tenant_weight=request.tenant_weight,
-                cache_hints=request.cache_hints,
+                EngineRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=request.params,
+                    cache_namespace=request.cache_namespace,
+                    constraint=request.constraint,
+                    prompt_logprobs=request.prompt_logprobs,
+                    traffic_class=request.traffic_class,
+                    prefill_only=bool(request.decode_endpoint),
+                    tenant=request.tenant,
+                    tenant_weight=request.tenant_weight,
+                    cache_hints=request.cache_hints,
+                )
             )
+        except InvalidConstraintError as error:
+            self._send(peer, GenerateError(request.request_id, "invalid_constraint", str(error)))
         except InvalidRequestError as error:
             self._send(peer, GenerateError(request.request_id, "invalid_request", str(error)))
         except EngineOverloadedError as error:
@@ -303,15 +299,6 @@ class Worker:
             self.owners[request.request_id] = peer
             if request.decode_endpoint:
                 self.transfers.send_after_prefill(request.request_id, request.decode_endpoint)
-
-    def _compile_constraint(self, spec: OutputConstraintSpec) -> TokenConstraint:
-        # Imported here: grammar compilation is recipe's job and only constrained requests need it.
-        from workers.engine.structured.grammar import compile_constraint
-
-        info = self.engine.info
-        if info.tokenizer is None:
-            raise InvalidRequestError("output constraints need a tokenizer; this model was loaded without one")
-        return compile_constraint(spec, info.tokenizer, info.model_config.vocab_size)
 
     def _on_abort(self, peer: bytes, request: AbortRequest) -> None:
         self._abort(request.request_id)

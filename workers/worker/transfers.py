@@ -26,9 +26,10 @@ from typing import NamedTuple
 import torch
 import zmq
 
+from workers.engine.connectors.handoff import continuing
 from workers.engine.engine import LLMEngine
-from workers.engine.structured.constraint import ConstraintError, TokenConstraint
-from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.engine.structured.constraint import ConstraintError
+from workers.protocol.errors import EngineOverloadedError, InvalidConstraintError, InvalidRequestError
 from workers.protocol.messages import (
     REPLY_DONE,
     REPLY_FAILED,
@@ -36,7 +37,6 @@ from workers.protocol.messages import (
     GenerateError,
     GenerateOutput,
     HandoffTotals,
-    OutputConstraintSpec,
     WorkerOutbound,
 )
 from workers.transfer.link import FRAMES, Received, SendResult, TransferReceiver, TransferSender
@@ -78,7 +78,6 @@ class Transfers:
         control: WorkerControl,
         owners: dict[str, bytes],
         send: Send,
-        compile_constraint: Callable[[OutputConstraintSpec], TokenConstraint],
         receiver: TransferReceiver | None,
         sender: TransferSender | None,
         pool: PoolExport | None = None,
@@ -93,7 +92,6 @@ class Transfers:
         self.control = control
         self.owners = owners
         self.send = send
-        self.compile_constraint = compile_constraint
         self.receiver = receiver
         self.sender = sender
         self.pool = pool
@@ -165,11 +163,14 @@ class Transfers:
             self.send(peer, GenerateError(request_id, "invalid_request", message))
         else:
             try:
-                constraint = self.compile_constraint(request.constraint) if request.constraint is not None else None
-            except InvalidRequestError as error:
+                if request.constraint is not None:
+                    # Compiled now only to refuse one that does not compile before the prefill is spent
+                    # on it; the engine compiles it again when the KV arrives.
+                    self.engine.compile_constraint(request_id, request.constraint)
+            except InvalidConstraintError as error:
                 self.send(peer, GenerateError(request_id, "invalid_constraint", str(error)))
                 return
-            self.receiver.expect(request_id, peer, constraint, request.timeout_s)
+            self.receiver.expect(request_id, peer, request.constraint, request.timeout_s)
 
     def send_after_prefill(self, request_id: str, decode_endpoint: str) -> None:
         """Remember where a prefill-only request's KV goes once its first token is out."""
@@ -271,7 +272,9 @@ class Transfers:
             self._refuse(received, str(error))
             return
         try:
-            reservation = self.engine.reserve_prefilled(handoff, constraint=received.expectation.constraint)
+            self.engine.disaggregation.receive(handoff, copied_in=True)
+            self.engine.add_request(continuing(handoff, received.expectation.constraint))
+            reservation = self.engine.reservation(received.request_id)
         except Exception as error:
             self._refuse_admission(received, error)
             return
@@ -325,7 +328,8 @@ class Transfers:
             self._fail(received, received.error)
             return
         try:
-            self.engine.add_prefilled_request(received.handoff, constraint=received.expectation.constraint)
+            self.engine.disaggregation.receive(received.handoff)
+            self.engine.add_request(continuing(received.handoff, received.expectation.constraint))
         except Exception as error:
             self._reject(received, error)
             return
@@ -336,7 +340,7 @@ class Transfers:
     def _reject(self, received: Received, error: Exception) -> None:
         """The engine refused a request whose KV arrived; it changed nothing."""
         peer, request_id = received.expectation.peer, received.request_id
-        if isinstance(error, ConstraintError):
+        if isinstance(error, ConstraintError | InvalidConstraintError):
             self.send(peer, GenerateError(request_id, "invalid_constraint", str(error)))
         elif isinstance(error, InvalidRequestError | EngineOverloadedError):
             self._fail(received, str(error))

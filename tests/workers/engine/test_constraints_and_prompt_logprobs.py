@@ -7,12 +7,14 @@ import torch
 
 from kernels.attention import AttentionMetadata, default_backend, get_backend
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.requests import add_constrained
 from workers.args import EngineArgs
 from workers.engine import LLM, EngineOverloadedError, InvalidRequestError, RequestDelta, SamplingParams
 from workers.engine.builder import engine_config
 from workers.engine.engine import LLMEngine
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.model_loader import load_model
+from workers.protocol.engine_request import EngineRequest
 
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]
 VOCAB = CONFIG["vocab_size"]
@@ -90,7 +92,9 @@ def test_constraint_is_obeyed_in_a_mixed_batch_and_every_row_matches_its_solo_ru
         for name in names:
             prompt, params, constrained = rows[name]
             constraint = FixedSetConstraint(allowed, length=3) if constrained else None
-            engine.add_request(name + suffix, prompt, params, constraint=constraint)
+            add_constrained(
+                engine, EngineRequest(request_id=name + suffix, prompt_token_ids=prompt, params=params), constraint
+            )
             constraints[name] = constraint
         return constraints
 
@@ -115,7 +119,11 @@ def test_constraint_is_obeyed_in_a_mixed_batch_and_every_row_matches_its_solo_ru
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_a_mask_that_changes_every_step_is_followed_token_by_token(engine, params):
     script = [7, 3, 99, 3]
-    engine.add_request("scripted", random_prompt(20, 5), params, constraint=ScriptConstraint(script))
+    add_constrained(
+        engine,
+        EngineRequest(request_id="scripted", prompt_token_ids=random_prompt(20, 5), params=params),
+        ScriptConstraint(script),
+    )
     deltas = run_to_completion(engine)["scripted"]
     assert tokens_of(deltas) == script
     assert deltas[-1].finish_reason == "stop"
@@ -124,9 +132,13 @@ def test_a_mask_that_changes_every_step_is_followed_token_by_token(engine, param
 def test_constrained_logprobs_describe_the_raw_model(engine):
     prompt = random_prompt(25, 6)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
-    engine.add_request("free", prompt, params)
+    engine.add_request(EngineRequest(request_id="free", prompt_token_ids=prompt, params=params))
     free = run_to_completion(engine)["free"][0].logprobs[0]
-    engine.add_request("masked", prompt, params, constraint=FixedSetConstraint({free.top[3][0]}, length=1))
+    add_constrained(
+        engine,
+        EngineRequest(request_id="masked", prompt_token_ids=prompt, params=params),
+        FixedSetConstraint({free.top[3][0]}, length=1),
+    )
     masked = run_to_completion(engine)["masked"][0].logprobs[0]
     # The second run reuses the first's cached prefix, so its logits agree only as far as the CPU's
     # BLAS is batch-invariant (bitwise here, not on every CPU); a masked distribution would be far off.
@@ -151,11 +163,18 @@ def reference_logprobs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 def test_prompt_logprobs_match_a_full_prompt_forward_across_chunks_without_a_prefix_hit():
     engine = LLM(CONFIG, seed=0, kv_cache_bytes=1 << 24, max_num_batched_tokens=16).engine
     prompt = random_prompt(45, 8)  # three prefill chunks of at most 16 tokens
-    engine.add_request("warm", prompt, GREEDY)
+    engine.add_request(EngineRequest(request_id="warm", prompt_token_ids=prompt, params=GREEDY))
     run_to_completion(engine)
     before = engine.stats().num_computed_tokens
 
-    engine.add_request("echo", prompt, SamplingParams(temperature=0.0, max_tokens=3), prompt_logprobs=4)
+    engine.add_request(
+        EngineRequest(
+            request_id="echo",
+            prompt_token_ids=prompt,
+            params=SamplingParams(temperature=0.0, max_tokens=3),
+            prompt_logprobs=4,
+        )
+    )
     deltas = run_to_completion(engine)["echo"]
 
     first = deltas[0]
@@ -175,10 +194,10 @@ def test_prompt_logprobs_match_a_full_prompt_forward_across_chunks_without_a_pre
 
 def test_a_request_without_prompt_logprobs_still_hits_the_pages_an_echo_request_cached(engine):
     prompt = random_prompt(40, 9)
-    engine.add_request("echo", prompt, GREEDY, prompt_logprobs=0)
+    engine.add_request(EngineRequest(request_id="echo", prompt_token_ids=prompt, params=GREEDY, prompt_logprobs=0))
     echo = run_to_completion(engine)["echo"]
     assert all(entry.top == [] for entry in echo[0].prompt_logprobs[1:])
-    engine.add_request("plain", prompt, GREEDY)
+    engine.add_request(EngineRequest(request_id="plain", prompt_token_ids=prompt, params=GREEDY))
     plain = run_to_completion(engine)["plain"]
     assert plain[0].num_cached_tokens == 32
     assert tokens_of(plain) == tokens_of(echo)
@@ -187,7 +206,9 @@ def test_a_request_without_prompt_logprobs_still_hits_the_pages_an_echo_request_
 @pytest.mark.parametrize("count", [-1, 21, 2.5])
 def test_out_of_range_prompt_logprobs_are_refused(engine, count):
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
-        engine.add_request("bad", [1, 2, 3], GREEDY, prompt_logprobs=count)
+        engine.add_request(
+            EngineRequest(request_id="bad", prompt_token_ids=[1, 2, 3], params=GREEDY, prompt_logprobs=count)
+        )
     assert not engine.has_unfinished()
 
 
@@ -196,12 +217,12 @@ def test_max_waiting_refuses_requests_past_the_cap_until_the_queue_drains():
     engine = LLMEngine(
         loaded, engine_config(EngineArgs(model=CONFIG, kv_cache_bytes=1 << 24, max_num_seqs=1, max_waiting=2))
     )
-    engine.add_request("a", [1, 2, 3], GREEDY)
-    engine.add_request("b", [1, 2, 3], GREEDY)
+    engine.add_request(EngineRequest(request_id="a", prompt_token_ids=[1, 2, 3], params=GREEDY))
+    engine.add_request(EngineRequest(request_id="b", prompt_token_ids=[1, 2, 3], params=GREEDY))
     with pytest.raises(EngineOverloadedError):
-        engine.add_request("c", [1, 2, 3], GREEDY)
+        engine.add_request(EngineRequest(request_id="c", prompt_token_ids=[1, 2, 3], params=GREEDY))
     engine.step()  # admits "a"; "b" still waits
-    engine.add_request("c", [1, 2, 3], GREEDY)
+    engine.add_request(EngineRequest(request_id="c", prompt_token_ids=[1, 2, 3], params=GREEDY))
     with pytest.raises(EngineOverloadedError):
-        engine.add_request("d", [1, 2, 3], GREEDY)
+        engine.add_request(EngineRequest(request_id="d", prompt_token_ids=[1, 2, 3], params=GREEDY))
     assert sorted(run_to_completion(engine)) == ["a", "b", "c"]

@@ -5,6 +5,7 @@ import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
 from workers.engine import LLM, SamplingParams
+from workers.protocol.engine_request import EngineRequest
 
 pytestmark = [
     pytest.mark.gpu,
@@ -136,7 +137,7 @@ def test_a_long_prompt_prepared_ahead_of_a_busy_device_keeps_its_inputs():
             max_num_batched_tokens=16,
             kv_cache_bytes=1 << 26,
         ).engine
-        engine.add_request("long", prompt, params)
+        engine.add_request(EngineRequest(request_id="long", prompt_token_ids=prompt, params=params))
         torch.cuda.synchronize()
         if held_back:
             torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued before the first chunk

@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.requests import add_constrained
 from tests.workers.engine.test_constraints_and_prompt_logprobs import ScriptConstraint
 from tests.workers.engine.workloads import ABORTED, mixed_requests, run_mixed
 from workers.engine import LLM, SamplingParams
 from workers.kvstore.block_files import BlockFiles
+from workers.protocol.engine_request import EngineRequest
 
 pytest.importorskip("triton")
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs this in test_cuda")
@@ -68,8 +70,14 @@ def test_device_sampling_extras_give_the_host_samplers_tokens_and_logprobs(async
     got = {}
     for engine in (reference, device):
         for index, (name, params) in enumerate(EXTRAS.items()):
-            engine.add_request(name, list(range(5 + index, 25 + index)), params)
-        engine.add_request("masked", list(range(40, 52)), EXTRAS["plain"], constraint=ScriptConstraint([3, 1, 4, 1, 5]))
+            engine.add_request(
+                EngineRequest(request_id=name, prompt_token_ids=list(range(5 + index, 25 + index)), params=params)
+            )
+        add_constrained(
+            engine,
+            EngineRequest(request_id="masked", prompt_token_ids=list(range(40, 52)), params=EXTRAS["plain"]),
+            ScriptConstraint([3, 1, 4, 1, 5]),
+        )
         deltas = []
         while engine.has_unfinished():
             deltas.extend(engine.step())
@@ -124,7 +132,7 @@ def test_async_steps_with_a_kv_store_store_the_blocks_synchronous_steps_store(tm
             kv_block_tokens=32,
         )
         engine = llm.engine
-        engine.add_request("x", list(range(3, 43)), params)
+        engine.add_request(EngineRequest(request_id="x", prompt_token_ids=list(range(3, 43)), params=params))
         tokens, overlapped = [], False
         while engine.has_unfinished():
             tokens += [t for delta in engine.step() for t in delta.token_ids]

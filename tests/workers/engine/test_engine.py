@@ -6,6 +6,7 @@ import pytest
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, InvalidRequestError, SamplingParams
+from workers.protocol.engine_request import EngineRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]  # windowed and full layers, q/k norm
@@ -133,7 +134,11 @@ def test_request_too_large_for_the_kv_cache_is_refused():
 
 def test_abort_frees_the_request_and_its_pages(llm):
     engine = llm.engine
-    engine.add_request("x", [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=50))
+    engine.add_request(
+        EngineRequest(
+            request_id="x", prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(temperature=0.0, max_tokens=50)
+        )
+    )
     engine.step()
     assert engine.stats().num_running == 1
     delta = engine.abort_request("x")

@@ -7,11 +7,11 @@ import random
 import msgspec
 import torch
 
+from workers.engine.connectors.store import StoreConnector
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
 from workers.engine.request import Request
-from workers.engine.store_connector import StoreConnector
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import open_store
 from workers.protocol.sampling_params import SamplingParams
@@ -41,9 +41,9 @@ def test_the_store_writes_only_the_full_attention_group(tmp_path):
     request = computed_request(manager, 40)
     assert request.pages == [1, 2, 3] and manager.pages_of(request, 1) == [1, 2, 3]
     store = open_store(tmp_path)
-    connector = StoreConnector(store, cache, block_tokens=BLOCK, retention_caps=CAPS)
+    connector = StoreConnector(store, cache, manager, block_tokens=BLOCK, retention_caps=CAPS)
 
-    connector.save_completed_blocks([request])
+    connector.save([request])
     connector.close()
 
     (key,) = request.store_keys
@@ -64,8 +64,8 @@ def test_a_stored_block_of_another_layout_ends_the_fetch_there(tmp_path, caplog)
     manager = BlockManager(num_pages=8, page_size=PAGE, windows=SPECS.windows)
     request = computed_request(manager, 70)
     store = open_store(tmp_path)
-    writer = StoreConnector(store, cache, block_tokens=BLOCK, retention_caps=CAPS)
-    writer.save_completed_blocks([request])
+    writer = StoreConnector(store, cache, manager, block_tokens=BLOCK, retention_caps=CAPS)
+    writer.save([request])
     writer.close()
     # The same tokens' blocks as a cache of another dtype would have written them (same key, say a
     # model served under one name with another KV format): the second block's file.
@@ -83,7 +83,7 @@ def test_a_stored_block_of_another_layout_ends_the_fetch_there(tmp_path, caplog)
         hash_extra=b"m",
     )
 
-    reader = StoreConnector(store, cache, block_tokens=BLOCK, retention_caps=CAPS)
+    reader = StoreConnector(store, cache, manager, block_tokens=BLOCK, retention_caps=CAPS)
     reader.start_fetch(again, local_hit_tokens=0)
     loaded = again.store_fetch.result()
     reader.close()

@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.requests import hand_over
 from workers.engine import LLM, EngineOverloadedError, InvalidRequestError, SamplingParams
+from workers.engine.connectors.handoff import continuing
 from workers.engine.engine import LLMEngine
 from workers.engine.kv_handoff import KVHandoff
+from workers.protocol.engine_request import EngineRequest
 
 SLIDING = "qwen3_qknorm_layer_types"  # windowed and full layers, q/k norm
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -47,13 +50,13 @@ def disaggregated(
     stepping in turn), and return every request's tokens."""
     tokens: dict[str, list[int]] = {}
     for index, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        prefill.add_request(str(index), p, sp, prefill_only=True)
+        prefill.add_request(EngineRequest(request_id=str(index), prompt_token_ids=p, params=sp, prefill_only=True))
         tokens[str(index)] = []
     while prefill.has_unfinished() or decode.has_unfinished():
         for delta in prefill.step():
             tokens[delta.request_id].extend(delta.token_ids)
             if delta.finish_reason == "transfer":
-                decode.add_prefilled_request(through(prefill.export_kv(delta.request_id)))
+                hand_over(decode, through(prefill.export_kv(delta.request_id)))
                 assert prefill.release_transfer(delta.request_id)
         for delta in decode.step():
             tokens[delta.request_id].extend(delta.token_ids)
@@ -89,15 +92,24 @@ def test_prefill_then_decode_elsewhere_equals_one_mixed_engine(config, prefix_ca
 def test_decode_outputs_report_the_prefill_sides_prompt_and_cache_counts():
     shared = prompt(40, seed=5)
     prefill, decode = engine(), engine()
-    prefill.add_request("warm", shared + [1], GREEDY)
+    prefill.add_request(EngineRequest(request_id="warm", prompt_token_ids=shared + [1], params=GREEDY))
     while prefill.has_unfinished():
         prefill.step()
-    prefill.add_request("r", shared + [2, 3], GREEDY, prefill_only=True, cache_namespace="", traffic_class="agent")
+    prefill.add_request(
+        EngineRequest(
+            request_id="r",
+            prompt_token_ids=shared + [2, 3],
+            params=GREEDY,
+            prefill_only=True,
+            cache_namespace="",
+            traffic_class="agent",
+        )
+    )
     (first,) = prefill.step()
     assert first.finish_reason == "transfer" and first.num_cached_tokens == 32
     handoff = prefill.export_kv("r")
     assert handoff.traffic_class == "agent" and handoff.num_computed_tokens == 42
-    decode.add_prefilled_request(handoff.materialized())
+    hand_over(decode, handoff.materialized())
     prefill.release_transfer("r")
 
     delta = decode.step()[0]
@@ -107,15 +119,21 @@ def test_decode_outputs_report_the_prefill_sides_prompt_and_cache_counts():
 def test_decode_reuses_the_prefix_pages_it_already_holds():
     shared = prompt(64, seed=6)
     prefill, decode = engine(), engine()
-    decode.add_request("earlier", shared + [5], SamplingParams(temperature=0.0, max_tokens=1))
+    decode.add_request(
+        EngineRequest(
+            request_id="earlier", prompt_token_ids=shared + [5], params=SamplingParams(temperature=0.0, max_tokens=1)
+        )
+    )
     while decode.has_unfinished():
         decode.step()
     cached_before = dict(decode.block_manager.cached_pages)
     assert len(cached_before) == 4  # the 64 shared tokens: 4 full pages of 16
 
-    prefill.add_request("r", shared + [7, 8, 9], GREEDY, prefill_only=True)
+    prefill.add_request(
+        EngineRequest(request_id="r", prompt_token_ids=shared + [7, 8, 9], params=GREEDY, prefill_only=True)
+    )
     prefill.step()
-    decode.add_prefilled_request(prefill.export_kv("r").materialized())
+    hand_over(decode, prefill.export_kv("r").materialized())
 
     # 68 tokens (67 computed + the sampled one) span 5 pages: the 4 holding `shared` are the ones
     # "earlier" left in the prefix cache, attached rather than written again; one page is new.
@@ -132,14 +150,14 @@ def test_decode_reuses_the_prefix_pages_it_already_holds():
 def test_prefill_only_pages_stay_pinned_until_release_transfer():
     prefill = engine()
     total = prefill.stats().num_pages
-    prefill.add_request("r", prompt(40), GREEDY, prefill_only=True)
+    prefill.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(40), params=GREEDY, prefill_only=True))
     (delta,) = prefill.step()
     assert delta.finish_reason == "transfer" and delta.token_ids and delta.finished
     assert not prefill.has_unfinished()
     assert prefill.stats().num_free_pages == total - 3  # 40 prompt tokens in 3 pages of 16
     assert prefill.stats().num_pending_transfers == 1
     with pytest.raises(InvalidRequestError, match="already in use"):
-        prefill.add_request("r", prompt(5), GREEDY)
+        prefill.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(5), params=GREEDY))
 
     handoff = prefill.export_kv("r")
     layer = handoff.layers[0]
@@ -157,12 +175,16 @@ def test_prefill_only_pages_stay_pinned_until_release_transfer():
 def test_aborting_a_prefill_only_request_frees_its_pages_before_or_after_it_finishes():
     prefill = engine(max_num_batched_tokens=19)
     total = prefill.stats().num_pages
-    prefill.add_request("computing", prompt(60), GREEDY, prefill_only=True)
+    prefill.add_request(
+        EngineRequest(request_id="computing", prompt_token_ids=prompt(60), params=GREEDY, prefill_only=True)
+    )
     prefill.step()  # one chunk of 19: still computing
     assert prefill.abort_request("computing").finish_reason == "abort"
     assert prefill.stats().num_free_pages == total
 
-    prefill.add_request("pinned", prompt(10), GREEDY, prefill_only=True)
+    prefill.add_request(
+        EngineRequest(request_id="pinned", prompt_token_ids=prompt(10), params=GREEDY, prefill_only=True)
+    )
     assert prefill.step()[0].finish_reason == "transfer"
     assert prefill.stats().num_free_pages == total - 1
     assert prefill.abort_request("pinned") is None
@@ -172,7 +194,14 @@ def test_aborting_a_prefill_only_request_frees_its_pages_before_or_after_it_fini
 
 def test_a_first_token_that_finishes_the_request_frees_it_instead_of_transferring():
     prefill = engine()
-    prefill.add_request("one", prompt(20), SamplingParams(temperature=0.0, max_tokens=1), prefill_only=True)
+    prefill.add_request(
+        EngineRequest(
+            request_id="one",
+            prompt_token_ids=prompt(20),
+            params=SamplingParams(temperature=0.0, max_tokens=1),
+            prefill_only=True,
+        )
+    )
     assert prefill.step()[0].finish_reason == "length"
     assert prefill.stats().num_free_pages == prefill.stats().num_pages
     with pytest.raises(InvalidRequestError, match="not awaiting"):
@@ -183,9 +212,11 @@ def test_decode_frees_on_finish_and_on_abort():
     prefill, decode = engine(), engine()
     total = decode.stats().num_pages
     for rid in ("done", "aborted"):
-        prefill.add_request(rid, prompt(30, seed=len(rid)), GREEDY, prefill_only=True)
+        prefill.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=prompt(30, seed=len(rid)), params=GREEDY, prefill_only=True)
+        )
     for delta in prefill.step():
-        decode.add_prefilled_request(prefill.export_kv(delta.request_id).materialized())
+        hand_over(decode, prefill.export_kv(delta.request_id).materialized())
         prefill.release_transfer(delta.request_id)
     decode.step()
     assert decode.abort_request("aborted").finish_reason == "abort"
@@ -197,19 +228,27 @@ def test_decode_frees_on_finish_and_on_abort():
 def test_pending_transfers_are_capped():
     prefill = engine()
     prefill.max_pending_transfers = 2
-    prefill.add_request("a", prompt(10), GREEDY, prefill_only=True)
+    prefill.add_request(EngineRequest(request_id="a", prompt_token_ids=prompt(10), params=GREEDY, prefill_only=True))
     prefill.step()  # "a" now awaits transfer
-    prefill.add_request("b", prompt(10), GREEDY, prefill_only=True)  # computing
+    prefill.add_request(
+        EngineRequest(request_id="b", prompt_token_ids=prompt(10), params=GREEDY, prefill_only=True)
+    )  # computing
     with pytest.raises(EngineOverloadedError, match="max_pending_transfers"):
-        prefill.add_request("c", prompt(10), GREEDY, prefill_only=True)
-    prefill.add_request("d", prompt(10), GREEDY)  # an ordinary request is not capped
+        prefill.add_request(
+            EngineRequest(request_id="c", prompt_token_ids=prompt(10), params=GREEDY, prefill_only=True)
+        )
+    prefill.add_request(
+        EngineRequest(request_id="d", prompt_token_ids=prompt(10), params=GREEDY)
+    )  # an ordinary request is not capped
     prefill.release_transfer("a")
-    prefill.add_request("c", prompt(10), GREEDY, prefill_only=True)
+    prefill.add_request(EngineRequest(request_id="c", prompt_token_ids=prompt(10), params=GREEDY, prefill_only=True))
 
 
 def prefilled(length: int = 40, seed: int = 0) -> KVHandoff:
     prefill = engine()
-    prefill.add_request("r", prompt(length, seed), GREEDY, prefill_only=True)
+    prefill.add_request(
+        EngineRequest(request_id="r", prompt_token_ids=prompt(length, seed), params=GREEDY, prefill_only=True)
+    )
     prefill.step()
     handoff = prefill.export_kv("r").materialized()
     prefill.release_transfer("r")
@@ -219,18 +258,22 @@ def prefilled(length: int = 40, seed: int = 0) -> KVHandoff:
 def test_over_capacity_raises_overloaded_and_leaks_nothing():
     handoff = prefilled(40)  # needs 3 pages
     small = engine(num_pages=5)  # 4 usable
-    small.add_request("busy", prompt(20, seed=9), SamplingParams(temperature=0.0, max_tokens=4))
+    small.add_request(
+        EngineRequest(
+            request_id="busy", prompt_token_ids=prompt(20, seed=9), params=SamplingParams(temperature=0.0, max_tokens=4)
+        )
+    )
     small.step()  # "busy" holds 2 pages
     with pytest.raises(EngineOverloadedError, match="no room"):
-        small.add_prefilled_request(handoff)
+        hand_over(small, handoff)
     assert small.stats().num_free_pages == 2
     assert "r" not in small.requests and small.stats().num_running == 1
 
     full = engine(max_num_seqs=1)
-    full.add_request("busy", prompt(20, seed=9), GREEDY)
+    full.add_request(EngineRequest(request_id="busy", prompt_token_ids=prompt(20, seed=9), params=GREEDY))
     full.step()
     with pytest.raises(EngineOverloadedError, match="max_num_seqs"):
-        full.add_prefilled_request(handoff)
+        hand_over(full, handoff)
 
 
 @pytest.mark.parametrize(
@@ -262,7 +305,20 @@ def test_over_capacity_raises_overloaded_and_leaks_nothing():
 def test_a_handoff_that_does_not_fit_is_refused_clearly(change, message):
     decode = engine()
     with pytest.raises(InvalidRequestError, match=message):
-        decode.add_prefilled_request(change(prefilled()))
+        hand_over(decode, change(prefilled()))
+    assert decode.stats().num_free_pages == decode.stats().num_pages and not decode.requests
+
+
+def test_a_handed_over_request_without_its_kv_or_with_other_tokens_is_refused_clearly():
+    decode = engine()
+    handoff = prefilled()
+    with pytest.raises(InvalidRequestError, match="no KV arrived for it here"):
+        decode.add_request(continuing(handoff))
+    decode.disaggregation.receive(handoff)
+    with pytest.raises(InvalidRequestError, match="is of other tokens"):
+        decode.add_request(msgspec.structs.replace(continuing(handoff), prompt_token_ids=[1, 2, 3]))
+    with pytest.raises(InvalidRequestError, match="no KV arrived"):  # a refused request's KV is dropped
+        decode.add_request(continuing(handoff))
     assert decode.stats().num_free_pages == decode.stats().num_pages and not decode.requests
 
 
@@ -278,7 +334,7 @@ def test_a_decode_engine_short_of_pages_refuses_preempts_and_still_matches():
     handoffs = {}
     tokens = {}
     for index, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        prefill.add_request(str(index), p, sp, prefill_only=True)
+        prefill.add_request(EngineRequest(request_id=str(index), prompt_token_ids=p, params=sp, prefill_only=True))
     for delta in prefill.step():
         tokens[delta.request_id] = list(delta.token_ids)
         handoffs[delta.request_id] = prefill.export_kv(delta.request_id).materialized()
@@ -290,7 +346,7 @@ def test_a_decode_engine_short_of_pages_refuses_preempts_and_still_matches():
     while handoffs or decode.has_unfinished():
         for request_id in list(handoffs):
             try:
-                decode.add_prefilled_request(handoffs[request_id])
+                hand_over(decode, handoffs[request_id])
             except EngineOverloadedError:
                 refused += 1  # a router would try another decode engine; this test waits
             else:

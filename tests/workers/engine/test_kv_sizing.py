@@ -12,11 +12,11 @@ from workers.args import CPU_KV_CACHE_BYTES, EngineArgs
 from workers.engine import LLM
 from workers.engine.builder import engine_config
 from workers.engine.config import EngineConfig
-from workers.engine.kv import kv_sizing
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.spec import KVCacheSpecs
 from workers.engine.model_loader import load_model
 from workers.engine.runner.model_runner import ModelRunner
+from workers.engine.sizing import kv_sizing
 from workers.engine.sizing.kv_sizing import kv_cache_size
 from workers.engine.sizing.memory_profile import (
     DeviceMemory,

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.requests import add_constrained, hand_over
 from workers.engine import LLM, RequestDelta, SamplingParams
 from workers.engine.engine import LLMEngine
 from workers.engine.structured.constraint import ConstraintError
+from workers.protocol.engine_request import EngineRequest
 
 CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]
 VOCAB = CONFIG["vocab_size"]
@@ -55,7 +57,9 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def add_bystanders(engine: LLMEngine) -> None:
     for index, (name, params) in enumerate(BYSTANDERS.items()):
-        engine.add_request(name, prompt(20 + 7 * index, seed=index), params)
+        engine.add_request(
+            EngineRequest(request_id=name, prompt_token_ids=prompt(20 + 7 * index, seed=index), params=params)
+        )
 
 
 def run(engine: LLMEngine) -> dict[str, list[RequestDelta]]:
@@ -87,7 +91,11 @@ def test_a_constraint_that_fails_after_k_tokens_ends_its_request_alone(reference
     free_pages = engine.block_manager.num_free_pages
     add_bystanders(engine)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    engine.add_request("doomed", prompt(33, seed=9), params, constraint=FailingConstraint(fails_in))
+    add_constrained(
+        engine,
+        EngineRequest(request_id="doomed", prompt_token_ids=prompt(33, seed=9), params=params),
+        FailingConstraint(fails_in),
+    )
 
     # when
     deltas = run(engine)
@@ -111,8 +119,8 @@ def test_a_request_whose_detokenizing_raises_ends_alone():
         {**CONFIG, "vocab_size": 49152}, seed=0, kv_cache_bytes=1 << 24, tokenizer="smollm2-135m-instruct"
     ).engine
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    engine.add_request("fine", [1, 2, 3, 4], params)
-    engine.add_request("broken", [5, 6, 7], params)
+    engine.add_request(EngineRequest(request_id="fine", prompt_token_ids=[1, 2, 3, 4], params=params))
+    engine.add_request(EngineRequest(request_id="broken", prompt_token_ids=[5, 6, 7], params=params))
     free_pages = engine.block_manager.num_free_pages
     text = engine.outputs.texts["broken"]
     appended = []
@@ -140,7 +148,11 @@ def test_a_request_whose_detokenizing_raises_ends_alone():
 def test_failing_a_request_from_outside_frees_it_and_names_the_reason():
     engine = new_engine()
     free_pages = engine.block_manager.num_free_pages
-    engine.add_request("r", prompt(40, seed=1), SamplingParams(temperature=0.0, max_tokens=20))
+    engine.add_request(
+        EngineRequest(
+            request_id="r", prompt_token_ids=prompt(40, seed=1), params=SamplingParams(temperature=0.0, max_tokens=20)
+        )
+    )
     engine.step()
 
     delta = engine.fail_request("r", "its transfer broke", kind="internal")
@@ -154,7 +166,14 @@ def test_failing_a_request_from_outside_frees_it_and_names_the_reason():
 def test_a_handoff_whose_constraint_fails_on_its_first_token_changes_nothing():
     # given: a request prefilled on one engine
     prefill, decode = new_engine(), new_engine()
-    prefill.add_request("h", prompt(30, seed=2), SamplingParams(temperature=0.0, max_tokens=5), prefill_only=True)
+    prefill.add_request(
+        EngineRequest(
+            request_id="h",
+            prompt_token_ids=prompt(30, seed=2),
+            params=SamplingParams(temperature=0.0, max_tokens=5),
+            prefill_only=True,
+        )
+    )
     while prefill.has_unfinished():
         prefill.step()
     handoff = prefill.export_kv("h").materialized()
@@ -166,8 +185,8 @@ def test_a_handoff_whose_constraint_fails_on_its_first_token_changes_nothing():
 
     # when / then
     with pytest.raises(ConstraintError, match="not allowed"):
-        decode.add_prefilled_request(handoff, constraint=RefusesEverything("advance"))
+        hand_over(decode, handoff, RefusesEverything("advance"))
     assert decode.requests == {} and decode.block_manager.num_free_pages == free_pages
     assert decode.outputs.texts == {}
-    decode.add_prefilled_request(handoff)  # the same handoff still fits: nothing was left behind
+    hand_over(decode, handoff)  # the same handoff still fits: nothing was left behind
     assert "h" in decode.requests

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.requests import hand_over
 from workers.engine import LLM, InvalidRequestError, SamplingParams
 from workers.engine.engine import LLMEngine
+from workers.protocol.engine_request import ContinueFromTokens, EngineRequest
 
 BLOCK = 16
 MAX_TOKENS = 40
@@ -56,15 +58,15 @@ def finish(engine: LLMEngine) -> list[int]:
 @pytest.mark.parametrize("kind", ["greedy", "unseeded"])
 def test_a_request_migrated_between_decode_steps_continues_exactly(kind):
     reference = engine()
-    reference.add_request("r", prompt(21, 1), PARAMS[kind])
+    reference.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(21, 1), params=PARAMS[kind]))
     expected = finish(reference)
 
     source, target = engine(), engine()
-    source.add_request("r", prompt(21, 1), PARAMS[kind])
+    source.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(21, 1), params=PARAMS[kind]))
     before = run_until(source, 9)
     suspended = source.suspend_for_migration("r")
     assert suspended is not None and suspended.finish_reason == "transfer" and suspended.token_ids == []
-    target.add_prefilled_request(source.export_kv("r").materialized())
+    hand_over(target, source.export_kv("r").materialized())
     assert source.release_transfer("r") and not source.has_unfinished()
 
     assert before + finish(target) == expected
@@ -74,12 +76,12 @@ def test_a_request_migrated_between_decode_steps_continues_exactly(kind):
 @pytest.mark.parametrize("kind", ["greedy", "unseeded"])
 def test_a_suspended_request_that_no_engine_takes_decodes_on_where_it_was(kind):
     reference = engine()
-    reference.add_request("r", prompt(21, 1), PARAMS[kind])
+    reference.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(21, 1), params=PARAMS[kind]))
     expected = finish(reference)
 
     source = engine()
-    source.add_request("r", prompt(21, 1), PARAMS[kind])
-    source.add_request("other", prompt(30, 3), PARAMS["greedy"])
+    source.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(21, 1), params=PARAMS[kind]))
+    source.add_request(EngineRequest(request_id="other", prompt_token_ids=prompt(30, 3), params=PARAMS["greedy"]))
     tokens = {"r": [], "other": []}
     while len(tokens["r"]) < 9:
         for delta in source.step():
@@ -107,7 +109,7 @@ def test_a_suspended_request_that_no_engine_takes_decodes_on_where_it_was(kind):
 @pytest.mark.parametrize("kind", ["greedy", "unseeded"])
 def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recomputing_at_most_a_block(kind, tmp_path):
     lost = engine(tmp_path)
-    lost.add_request("r", prompt(37, 2), PARAMS[kind])
+    lost.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(37, 2), params=PARAMS[kind]))
     params = lost.requests["r"].params  # with the seed it was given at admission: what its checkpoint carries
     assert params.seed is not None or kind == "greedy"
     expected = finish(lost)
@@ -115,7 +117,9 @@ def test_a_request_resumed_from_its_tokens_and_the_store_continues_exactly_recom
     delivered = expected[:29]
 
     survivor = engine(tmp_path)
-    survivor.add_resumed_request("r2", prompt(37, 2), delivered, params)
+    survivor.add_request(
+        EngineRequest(request_id="r2", prompt_token_ids=prompt(37, 2), params=params, kv=ContinueFromTokens(delivered))
+    )
     rest = finish(survivor)
 
     assert delivered + rest == expected
@@ -138,7 +142,7 @@ def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_
     # a prompt of 150 tokens in blocks of 64: two full blocks, then 22 tokens (one whole page) in the third
     block = 64
     lost = engine(tmp_path, block_tokens=block, device=device)
-    lost.add_request("r", prompt(150, 4), PARAMS["greedy"])
+    lost.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(150, 4), params=PARAMS["greedy"]))
     expected = run_until(lost, 1)
     if tail_stored:
         lost.store_prompt_tail("r")  # what a decode worker that checkpoints does when it takes a request in
@@ -147,7 +151,11 @@ def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_
     delivered = expected[:29]
 
     survivor = engine(tmp_path, block_tokens=block, device=device)
-    survivor.add_resumed_request("r2", prompt(150, 4), delivered, PARAMS["greedy"])
+    survivor.add_request(
+        EngineRequest(
+            request_id="r2", prompt_token_ids=prompt(150, 4), params=PARAMS["greedy"], kv=ContinueFromTokens(delivered)
+        )
+    )
     rest = finish(survivor)
 
     assert delivered + rest == expected
@@ -155,20 +163,33 @@ def test_a_resume_fetches_the_prompt_s_stored_tail_and_recomputes_only_what_was_
     assert survivor.resume_stats.max_recomputed_tokens == 150 + len(delivered) - fetched
 
 
-def test_a_resume_is_refused_for_tokens_outside_the_vocabulary_a_finished_request_or_an_unseeded_sampler():
-    survivor = engine()
+def resumed(request_id: str, output_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id, prompt_token_ids=[1, 2], params=params, kv=ContinueFromTokens(output_token_ids)
+    )
+
+
+def test_a_resume_is_refused_for_tokens_outside_the_vocabulary_a_finished_request_or_an_unseeded_sampler(tmp_path):
+    survivor = engine(tmp_path)
     with pytest.raises(InvalidRequestError, match="output tokens"):
-        survivor.add_resumed_request("a", [1, 2], [1, 10**6], PARAMS["greedy"])
+        survivor.add_request(resumed("a", [1, 10**6], PARAMS["greedy"]))
     with pytest.raises(InvalidRequestError, match="already has"):
-        survivor.add_resumed_request("b", [1, 2], [3] * MAX_TOKENS, PARAMS["greedy"])
+        survivor.add_request(resumed("b", [3] * MAX_TOKENS, PARAMS["greedy"]))
     with pytest.raises(InvalidRequestError, match="without a seed"):
-        survivor.add_resumed_request("c", [1, 2], [3], PARAMS["unseeded"])
+        survivor.add_request(resumed("c", [3], PARAMS["unseeded"]))
+    assert not survivor.has_unfinished()
+
+
+def test_a_resume_is_refused_by_an_engine_without_a_store():
+    survivor = engine()
+    with pytest.raises(InvalidRequestError, match="has none"):
+        survivor.add_request(resumed("a", [3], PARAMS["greedy"]))
     assert not survivor.has_unfinished()
 
 
 def test_only_a_request_between_decode_steps_can_be_suspended():
     source = engine()
-    source.add_request("r", prompt(21, 1), PARAMS["greedy"])
+    source.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(21, 1), params=PARAMS["greedy"]))
     assert source.suspend_for_migration("r") is None  # waiting: not yet prefilled
     assert source.suspend_for_migration("unknown") is None
     run_until(source, 1)

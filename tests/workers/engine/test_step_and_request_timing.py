@@ -8,10 +8,12 @@ import time
 import pytest
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
+from tests.workers.engine.requests import hand_over
 from workers.engine import LLM, SamplingParams
 from workers.engine.engine import LLMEngine
 from workers.engine.outputs import RequestDelta
 from workers.engine.step_stats import STEP_SECONDS_BOUNDS, STEP_TOKENS_BOUNDS, Buckets
+from workers.protocol.engine_request import EngineRequest
 
 CONFIG = TINY_CONFIGS["llama"]
 
@@ -50,7 +52,9 @@ def test_buckets_count_each_value_at_or_below_its_bound():
 def test_every_step_is_counted_with_the_tokens_it_ran():
     llm = engine(max_num_batched_tokens=32)
     for index, length in enumerate((5, 40, 21)):  # 40 tokens prefill in two chunks
-        llm.add_request(str(index), prompt(length, seed=index), greedy(6))
+        llm.add_request(
+            EngineRequest(request_id=str(index), prompt_token_ids=prompt(length, seed=index), params=greedy(6))
+        )
 
     run(llm)
     steps = llm.stats().steps
@@ -68,7 +72,7 @@ def test_every_step_is_counted_with_the_tokens_it_ran():
 def test_a_finished_request_reports_its_queue_prefill_and_decode_within_its_whole_time():
     llm = engine()
     started = time.monotonic()
-    llm.add_request("r", prompt(30), greedy(5))
+    llm.add_request(EngineRequest(request_id="r", prompt_token_ids=prompt(30), params=greedy(5)))
 
     deltas = run(llm)["r"]
     elapsed = time.monotonic() - started
@@ -81,8 +85,8 @@ def test_a_finished_request_reports_its_queue_prefill_and_decode_within_its_whol
 
 def test_a_request_that_waits_for_a_full_batch_reports_the_whole_first_request_as_its_queue():
     llm = engine(max_num_seqs=1)
-    llm.add_request("first", prompt(20), greedy(8))
-    llm.add_request("second", prompt(20, seed=1), greedy(2))
+    llm.add_request(EngineRequest(request_id="first", prompt_token_ids=prompt(20), params=greedy(8)))
+    llm.add_request(EngineRequest(request_id="second", prompt_token_ids=prompt(20, seed=1), params=greedy(2)))
 
     deltas = run(llm)
     first, second = deltas["first"][-1].phase_times, deltas["second"][-1].phase_times
@@ -93,7 +97,7 @@ def test_a_request_that_waits_for_a_full_batch_reports_the_whole_first_request_a
 
 def test_an_aborted_request_that_never_ran_reports_no_phase():
     llm = engine()
-    llm.add_request("gone", prompt(10), greedy(4))
+    llm.add_request(EngineRequest(request_id="gone", prompt_token_ids=prompt(10), params=greedy(4)))
 
     delta = llm.abort_request("gone")
 
@@ -104,7 +108,9 @@ def test_an_aborted_request_that_never_ran_reports_no_phase():
 @pytest.mark.parametrize("max_tokens", [1, 6])
 def test_a_prefill_engine_reports_queue_and_prefill_and_the_decode_engine_reports_decode(max_tokens):
     prefill, decode = engine(), engine()
-    prefill.add_request("r", prompt(25), greedy(max_tokens), prefill_only=True)
+    prefill.add_request(
+        EngineRequest(request_id="r", prompt_token_ids=prompt(25), params=greedy(max_tokens), prefill_only=True)
+    )
 
     (last_prefill,) = run(prefill)["r"]
     if max_tokens == 1:
@@ -113,7 +119,7 @@ def test_a_prefill_engine_reports_queue_and_prefill_and_the_decode_engine_report
         assert last_prefill.phase_times.decode_s >= 0.0
         return
     assert last_prefill.finish_reason == "transfer"
-    decode.add_prefilled_request(prefill.export_kv("r").materialized())
+    hand_over(decode, prefill.export_kv("r").materialized())
     prefill.release_transfer("r")
     last_decode = run(decode)["r"][-1]
 

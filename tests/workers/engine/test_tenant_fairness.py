@@ -11,6 +11,7 @@ from workers.engine import LLM, SamplingParams
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.engine.sched.scheduler import Scheduler
+from workers.protocol.engine_request import EngineRequest
 
 SHORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 FLOOD = 64
@@ -72,7 +73,9 @@ def admission_order(llm: LLM, flood_tenant: str, b_weight: int = 1) -> tuple[lis
 
     def add(rid: str, tenant: str, weight: int = 1) -> None:
         prompt = [rng.randrange(128) for _ in range(PROMPT_TOKENS)]
-        engine.add_request(rid, prompt, SHORT, tenant=tenant, tenant_weight=weight)
+        engine.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=prompt, params=SHORT, tenant=tenant, tenant_weight=weight)
+        )
 
     order: list[str] = []
 

@@ -7,6 +7,7 @@ import random
 import msgspec
 
 from workers.engine.engine import LLMEngine
+from workers.protocol.engine_request import EngineRequest
 from workers.protocol.sampling_params import SamplingParams
 
 ABORTED = "abort-me"
@@ -48,7 +49,7 @@ def mixed_requests(
 def run_mixed(engine: LLMEngine, requests, *, abort_after_steps: int = 4) -> dict[str, tuple[list[int], str]]:
     """Each request's tokens and finish reason; ABORTED is aborted after a few steps."""
     for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, params=params))
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     steps = 0

@@ -12,8 +12,8 @@ import pytest
 
 from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from workers.engine import LLM, SamplingParams
+from workers.engine.expert_parallel import ep_engine
 from workers.engine.expert_parallel.ep_engine import EPEngine
-from workers.engine.parallel import ep_engine
 from workers.engine.parallel.placement import PlacementError
 from workers.protocol.engine_request import EngineRequest
 

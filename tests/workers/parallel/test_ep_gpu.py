@@ -9,8 +9,8 @@ from kernels.moe import experts
 from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from workers.args import EngineArgs
 from workers.engine import LLM, SamplingParams
+from workers.engine.expert_parallel import ep_engine
 from workers.engine.expert_parallel.ep_engine import EPEngine
-from workers.engine.parallel import ep_engine
 from workers.engine.parallel.experts import ExpertParallelExperts
 from workers.engine.parallel.groups import Rendezvous, join_group
 from workers.protocol.engine_request import EngineRequest

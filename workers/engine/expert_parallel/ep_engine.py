@@ -31,6 +31,7 @@ import torch
 from workers.args import EngineArgs
 from workers.engine.admission import check_cache_hints
 from workers.engine.builder import build_rank_engine
+from workers.engine.engine import grammar_compiler
 from workers.engine.engine_core import EngineCore, EngineStats, EPGroupState
 from workers.engine.expert_parallel.in_flight import InFlight, aborted, report_deltas
 from workers.engine.expert_parallel.load_window import LoadWindow
@@ -46,10 +47,12 @@ from workers.engine.parallel.placement import (
     round_robin_placement,
     slots_for,
 )
+from workers.engine.structured.constraint import TokenConstraint
 from workers.eplb import place_experts
 from workers.protocol.engine_request import ComputePrompt, EngineRequest
 from workers.protocol.ep_rank import EPGroupSpec, EPRankCommand, EPRankMessage, EPRankReport
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import OutputConstraintSpec
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,8 @@ class EPEngine(EngineCore):
         self.args = args
         self.device = torch.device(args.device)
         size = args.ep_size
-        local = build_rank_engine(args)
+        local = build_rank_engine(args, compile_constraint=self._compiled_constraint)
+        self._compile = grammar_compiler(local.tokenizer, local.model_config.vocab_size)
         self.num_layers = len(moe_blocks(local.runner.model))
         self.num_experts = num_logical_experts(local.runner.model)
         slots = args.ep_slots_per_rank or slots_for(self.num_experts, size)
@@ -153,9 +157,10 @@ class EPEngine(EngineCore):
             in_use=False,
         )
         check_cache_hints(request.cache_hints, len(request.prompt_token_ids))
-        rank = 0 if request.constraint is not None else self._least_loaded()
+        constraint = self._compile(request.request_id, request.constraint) if request.constraint is not None else None
+        rank = 0 if constraint is not None else self._least_loaded()
         self._check_room(rank)
-        self._submit(InFlight(request=request, rank=rank))
+        self._submit(InFlight(request=request, rank=rank, constraint=constraint))
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         entry = self.requests.pop(request_id, None)
@@ -324,6 +329,11 @@ class EPEngine(EngineCore):
 
     # Requests.
 
+    def _compiled_constraint(self, request_id: str, spec: OutputConstraintSpec) -> TokenConstraint:
+        """Rank 0's engine's constraints are compiled here once, in add_request: a request resubmitted
+        after a resize goes on with its constraint where it was."""
+        return self.requests[request_id].constraint
+
     def _least_loaded(self) -> int:
         counts = [0] * self.ep_size
         for entry in self.requests.values():
@@ -343,11 +353,16 @@ class EPEngine(EngineCore):
         """Rank 0 takes its requests at once (and may refuse one: then nothing is recorded); the
         others' go with their next command."""
         request = entry.continued()
+        # Recorded first: rank 0's engine takes the request's compiled constraint from its entry.
+        self.requests[request.request_id] = entry
         if entry.rank == 0:
-            self.local.engine.add_request(request)
+            try:
+                self.local.engine.add_request(request)
+            except Exception:
+                del self.requests[request.request_id]
+                raise
         else:
             self.remotes[entry.rank - 1].commands.append(request)
-        self.requests[request.request_id] = entry
 
     def _track(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         """Record what each request streamed and drop outputs of requests aborted meanwhile."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from workers.engine.outputs import RequestDelta, RequestFailure
+from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.ep_rank import EPRankReport
 
@@ -14,6 +15,9 @@ from workers.protocol.ep_rank import EPRankReport
 class InFlight:
     request: EngineRequest  # as it came
     rank: int  # its rank's place in the group now
+    # Rank 0's only: its constraint, compiled once, so a request resubmitted after a re-form goes on
+    # with it where it was.
+    constraint: TokenConstraint | None = None
     emitted: list[int] = field(default_factory=list)  # tokens streamed so far
 
     def continued(self) -> EngineRequest:

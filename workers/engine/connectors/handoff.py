@@ -10,17 +10,25 @@ pages for every token (those the prefix cache already holds are shared, not writ
 reservation. Its KV is written into the other pages, from host layers at once or page to page by a
 transfer backend while the engine steps on (workers.transfer), and the request joins the running
 batch once it is there (admit), or gives its pages back (cancel).
+
+As the engine's KV connector for a request handed over (a Prefilled or Migrated EngineRequest), the
+transfer that brought the KV first leaves it here under the request's id (`receive`); adding the
+request takes it: host layers are written at once and the request runs, another engine's pages are
+copied in by the caller between the reservation and admit.
 """
 
+from workers.engine.connectors.base import KVArrival, KVConnector, refuse_new_request_options
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.kv_cache import KVCache
-from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, export_handoff
+from workers.engine.kv_handoff import KVHandoff, PagedLayers, check_handoff, check_layers, export_handoff, write_layers
 from workers.engine.request import Request
 from workers.engine.structured.constraint import TokenConstraint
+from workers.protocol.engine_request import EngineRequest, Migrated, Prefilled
 from workers.protocol.errors import EngineOverloadedError, InvalidRequestError
+from workers.protocol.messages import OutputConstraintSpec
 
 
-class Disaggregation:
+class Disaggregation(KVConnector):
     def __init__(self, kv_cache: KVCache, block_manager: BlockManager, *, kv_model_id: str, vocab_size: int) -> None:
         self.kv_cache = kv_cache
         self.block_manager = block_manager
@@ -30,8 +38,12 @@ class Disaggregation:
         # from those pages.
         self.transfers: dict[str, Request] = {}
         self.exports: dict[str, list[PagedLayers]] = {}
-        # Continued requests holding pages their KV is being written into, not yet running.
+        # Continued requests holding pages their KV is being written into, not yet running, and the
+        # first token whose KV the caller copies in (for those copied page to page).
         self.reserved: dict[str, Request] = {}
+        self.starts: dict[str, int] = {}
+        # KV received for requests not yet added, and whether the caller copies it in page to page.
+        self.pending: dict[str, tuple[KVHandoff, bool]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.transfers
@@ -72,7 +84,53 @@ class Disaggregation:
         self.block_manager.free(request)
         return True
 
-    def check(self, handoff: KVHandoff, *, max_tokens: int) -> None:
+    def receive(self, handoff: KVHandoff, *, copied_in: bool = False) -> None:
+        """KV for a request about to be added (workers.transfer): its host layers, or with `copied_in`
+        the other engine's pages, which the caller copies into the pages the request is given."""
+        self.pending[handoff.request_id] = (handoff, copied_in)
+
+    def check(self, request: EngineRequest) -> None:
+        """That KV arrived for the request, of its tokens; else InvalidRequestError."""
+        name = request.request_id
+        refuse_new_request_options(request, "handed over")
+        pending = self.pending.get(name)
+        if pending is None:
+            raise InvalidRequestError(f"request {name!r} continues a KV handoff, but no KV arrived for it here")
+        handoff = pending[0]
+        ours = (request.prompt_token_ids, request.kv.output_token_ids, request.kv.num_cached_tokens)
+        theirs = (handoff.prompt_token_ids, handoff.output_token_ids, handoff.num_cached_tokens)
+        if ours != theirs:
+            raise InvalidRequestError(f"the KV that arrived for request {name!r} is of other tokens")
+        if (request.params, request.cache_namespace, request.traffic_class) != (
+            handoff.params,
+            handoff.cache_namespace,
+            handoff.traffic_class,
+        ):
+            raise InvalidRequestError(f"the KV that arrived for request {name!r} is of other params or namespace")
+
+    def handoff_of(self, request_id: str) -> KVHandoff:
+        """The KV received for a request being added (check has found it)."""
+        return self.pending[request_id][0]
+
+    def load(self, request: Request) -> KVArrival:
+        """Pages for the request (EngineOverloadedError when there are none), then its KV: written
+        from host layers now (READY), or left for the caller to copy (RESERVED)."""
+        handoff, copied_in = self.pending.pop(request.request_id)
+        start = self.reserve(request, handoff)
+        if copied_in:
+            self.starts[request.request_id] = start
+            return KVArrival.RESERVED
+        try:
+            write_layers(self.kv_cache, request.pages, check_layers(handoff), start=start)
+        except BaseException:
+            self.cancel(request.request_id)
+            raise
+        return KVArrival.READY
+
+    def discard(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    def fits(self, handoff: KVHandoff, *, max_tokens: int) -> None:
         """That the handoff fits this engine; else InvalidRequestError."""
         check_handoff(
             handoff,
@@ -101,12 +159,14 @@ class Disaggregation:
     def admit(self, request_id: str) -> Request:
         """A reserved request whose KV is in its pages: its full pages are keyed for the prefix cache."""
         request = self.reserved.pop(request_id)
+        self.starts.pop(request_id, None)
         self.block_manager.cache_full_pages(request)
         return request
 
     def cancel(self, request_id: str) -> Request | None:
         """Free a reserved request's pages; None when it is not reserved."""
         request = self.reserved.pop(request_id, None)
+        self.starts.pop(request_id, None)
         if request is not None:
             self.block_manager.free(request)
         return request
@@ -127,4 +187,19 @@ def continued_request(
         traffic_class=handoff.traffic_class,
         num_cached_tokens=handoff.num_cached_tokens,
         constraint=constraint,
+    )
+
+
+def continuing(handoff: KVHandoff, constraint: OutputConstraintSpec | None = None) -> EngineRequest:
+    """The EngineRequest that continues a handoff, once its KV is given to the engine's handoff
+    connector (Disaggregation.receive)."""
+    source = Migrated if handoff.migrated else Prefilled
+    return EngineRequest(
+        request_id=handoff.request_id,
+        prompt_token_ids=list(handoff.prompt_token_ids),
+        params=handoff.params,
+        kv=source(output_token_ids=list(handoff.output_token_ids), num_cached_tokens=handoff.num_cached_tokens),
+        cache_namespace=handoff.cache_namespace,
+        constraint=constraint,
+        traffic_class=handoff.traffic_class,
     )

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
+from workers.engine.connectors.base import KVArrival, KVConnector
+from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
@@ -118,10 +120,19 @@ class _Retain:
     until: float
 
 
-class StoreConnector:
-    def __init__(self, store: KVStore, kv_cache: KVCache, *, block_tokens: int, retention_caps: RetentionCaps) -> None:
+class StoreConnector(KVConnector):
+    def __init__(
+        self,
+        store: KVStore,
+        kv_cache: KVCache,
+        block_manager: BlockManager,
+        *,
+        block_tokens: int,
+        retention_caps: RetentionCaps,
+    ) -> None:
         self.store = store
         self.kv_cache = kv_cache
+        self.block_manager = block_manager
         self.block_tokens = block_tokens
         self.retention_caps = retention_caps
         self.pages_per_block = block_tokens // kv_cache.page_size
@@ -153,6 +164,14 @@ class StoreConnector:
         self.fetch_bytes = 0
         self.fetch_seconds = 0.0
         self.index_failing = False  # the last match or contains_many failed
+
+    def load(self, request: Request) -> KVArrival:
+        """The request waits while its stored blocks past the local prefix cache's are fetched; a
+        prompt whose every position runs through the model (prompt logprobs) fetches none."""
+        if not request.needs_prompt_logits:
+            local_pages, _ = self.block_manager.find_cached_prefix(request)
+            self.start_fetch(request, local_hit_tokens=len(local_pages) * self.block_manager.page_size)
+        return KVArrival.WAITING
 
     def start_fetch(self, request: Request, local_hit_tokens: int) -> None:
         """Fetch the request's stored blocks past what the local prefix cache holds, if any: its
@@ -209,7 +228,7 @@ class StoreConnector:
                     scatter_tokens(cache, pages, torch.cat([block[index, kind] for block in load.blocks], dim=1))
 
     @torch.inference_mode()
-    def save_completed_blocks(self, requests: Sequence[Request]) -> None:
+    def save(self, requests: Sequence[Request]) -> None:
         """Queue the requests' blocks that became full of computed, known tokens and are not stored
         yet (those a cache hint covers with their retain_until; stored ones it covers are retained
         again). The store is asked about all of them at once: one index round trip per step."""
