@@ -31,8 +31,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from workers.client.engine_client import EngineClient
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient
 from workers.protocol.messages import DrainRequest, GenerateRequest, ResumeRequest, WorkerHeartbeat
 
 MODEL = "smollm2-135m-instruct"

@@ -54,11 +54,16 @@ import numpy as np
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
 from workers.args import CPU_KV_CACHE_BYTES, default
-from workers.balancers.baselines import LeastRequestsDecode, LeastRequestsPrefill, RoundRobinDecode, RoundRobinPrefill
-from workers.balancers.decode import DecodeBalancer, DecodeWorker, new_workers
-from workers.balancers.prefill import DEFAULT_TIERS, PrefillBalancer
+from workers.client.routing.balancers.baselines import (
+    LeastRequestsDecode,
+    LeastRequestsPrefill,
+    RoundRobinDecode,
+    RoundRobinPrefill,
+)
+from workers.client.routing.balancers.decode import DecodeBalancer, DecodeWorker, new_workers
+from workers.client.routing.balancers.prefill import DEFAULT_TIERS, PrefillBalancer
+from workers.client.routing.router import CHUNK_LIMIT
 from workers.cost_model import PrefillCostModel
-from workers.entrypoint.router import CHUNK_LIMIT
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake_synthetic_trace.jsonl"
 DEFAULT_COST_MODEL = Path("var/cost_model.json")

@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 import numpy as np
 import redis
 
-from workers.block_hash import hash_chain, namespace_extra
-from workers.entrypoint.prefix_match import store_hit_tokens
+from workers.client.routing.prefix_match import store_hit_tokens
+from workers.kvstore.block_hash import hash_chain, namespace_extra
 from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.redis_index import RedisIndex

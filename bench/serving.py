@@ -32,11 +32,11 @@ import httpx
 import torch
 
 from workers.args import EngineArgs
+from workers.client.engine_client import EngineClient
 from workers.engine import SamplingParams
 from workers.engine.builder import engine_config
 from workers.engine.engine import LLMEngine
 from workers.engine.model_loader import load_model
-from workers.engine_client import EngineClient
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.messages import GenerateRequest
 

@@ -25,7 +25,7 @@ import numpy as np
 import redis
 
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
-from workers.block_hash import hash_chain, namespace_extra
+from workers.kvstore.block_hash import hash_chain, namespace_extra
 from workers.kvstore.store import open_store
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

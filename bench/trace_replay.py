@@ -56,7 +56,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from workers.block_hash import BlockHash
+from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.eviction import POLICIES, get_policy
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import BlockEntry, BlockIndex

@@ -4,7 +4,7 @@ OpenAI (Chat Completions, Responses, and the legacy Completions, which takes the
 - `prompt_cache_key`: a string of at most `RequestLimits.max_prompt_cache_key_chars`. OpenAI routes
   requests that share a key and a prefix to the same machines; our store is global, so routing needs
   no help, and the key is used to scope the cache instead: it is folded into the tenant's cache
-  namespace (workers.block_hash.scoped_namespace), so requests with the same key share cached
+  namespace (workers.kvstore.block_hash.scoped_namespace), so requests with the same key share cached
   prefixes and requests with another key or none do not. A client can keep its own users' caches
   apart that way; the tenant's namespace stays the boundary, so no key reaches another tenant's
   blocks. "" is no key.

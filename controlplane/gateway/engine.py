@@ -8,8 +8,8 @@ from django.conf import settings
 
 from controlplane.common.data_plane import data_plane_key
 from controlplane.gateway.worker_discovery import follow_registered_workers
-from workers.engine_client import EngineClient
-from workers.expert_loads import SlotLoads
+from workers.client.engine_client import EngineClient
+from workers.eplb.expert_loads import SlotLoads
 from workers.kvstore.index import BlockIndex
 from workers.kvstore.store import open_index
 from workers.protocol.messages import WorkerHeartbeat

@@ -13,7 +13,7 @@ from typing import Literal
 from django.http import JsonResponse
 
 from recipe.api import ApiError, SseEvent
-from workers.worker_link import RequestRejectedError, WorkerUnavailableError
+from workers.client.worker_link import RequestRejectedError, WorkerUnavailableError
 
 log = logging.getLogger(__name__)
 

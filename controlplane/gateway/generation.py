@@ -28,9 +28,9 @@ from controlplane.gateway.tenant_caps import TenantHold
 from controlplane.gateway.usage import UsageCount
 from recipe.api import PreparedRequest, SseEvent
 from recipe.constraint_fields import constraint_field
-from workers.engine_client import EngineClient
+from workers.client.engine_client import EngineClient
+from workers.client.worker_link import RequestRejectedError
 from workers.protocol.messages import GenerateOutput, GenerateRequest
-from workers.worker_link import RequestRejectedError
 
 log = logging.getLogger(__name__)
 

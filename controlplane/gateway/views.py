@@ -24,7 +24,7 @@ from controlplane.telemetry.selectors import kv_store_gcs_reporting
 from controlplane.telemetry.windows import RequestSample
 from controlplane.topology.selectors import pool_scaling_summary
 from recipe.api import list_models
-from workers.block_hash import scoped_namespace
+from workers.kvstore.block_hash import scoped_namespace
 
 # Proxies must pass events on as they come.
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}

@@ -10,8 +10,8 @@ from asgiref.sync import sync_to_async
 
 from controlplane.common.connections import close_stale_connections
 from controlplane.topology.models import EngineInstance, InstanceState
+from workers.client.engine_client import EngineClient
 from workers.curve import CurveError
-from workers.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from controlplane.topology.models import Pool
 from controlplane.topology.selectors import instances_live
 from controlplane.topology.services import instance_record_control_failure
 from controlplane.topology.tasks import CONTROL_ERRORS, ControlRefusedError, send_checked
-from workers.control_client import new_command_id
+from workers.client.control_client import new_command_id
 from workers.protocol.messages import ApplyEPLayoutRequest, ControlRequest, SetTTLPolicyRequest
 
 

@@ -46,7 +46,7 @@ from controlplane.telemetry.services import (
 from controlplane.telemetry.snapshot import build_snapshot, kv_store
 from controlplane.telemetry.windows import MinuteTotals, RequestSample, RequestWindow, minute_start
 from controlplane.telemetry.worker_counters import WorkerCounterWindow
-from workers.expert_loads import SlotLoads
+from workers.eplb.expert_loads import SlotLoads
 from workers.protocol.messages import WorkerHeartbeat
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ pool and EP layout version over each minute for the EPLB job (ExpertLoadRollup).
 
 from collections import deque
 
-from workers.expert_loads import SlotLoads, add_slot_loads
+from workers.eplb.expert_loads import SlotLoads, add_slot_loads
 
 
 class ExpertLoadWindow:

@@ -1,5 +1,5 @@
 """A node's agent on the control plane's side: what its tasks (and the embedded supervisor) do with a
-workers.node_agent.NodeAgent, recording each outcome through the services.
+workers.worker.node_agent.NodeAgent, recording each outcome through the services.
 
 With a broker every host runs `celery -A controlplane worker -Q node.<SLUICE_NODE_NAME> --pool=solo`:
 its start/stop tasks (controlplane.topology.tasks) use the process-wide agent built from the SLUICE_NODE_*
@@ -21,7 +21,7 @@ from django.utils import timezone
 from controlplane.common.connections import close_stale_connections
 from controlplane.topology import selectors, services
 from controlplane.topology.models import EngineInstance, InstanceState
-from workers.node_agent import NodeAgent
+from workers.worker.node_agent import NodeAgent
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The control plane's side of worker registration: records what a workers.registry.RegistryServer
+"""The control plane's side of worker registration: records what a workers.worker.registry.RegistryServer
 hears (registrations, heartbeats, silences) in the topology through the services.
 
 The callbacks run on the registry's serving thread, which keeps its own database connection; each
@@ -18,7 +18,7 @@ from controlplane.topology import services
 from controlplane.topology.models import EngineInstance, InstanceState
 from workers.curve import CurveKey
 from workers.protocol.messages import WorkerHeartbeat, WorkerRegistration
-from workers.registry import RegistryServer
+from workers.worker.registry import RegistryServer
 
 log = logging.getLogger(__name__)
 

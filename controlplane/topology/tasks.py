@@ -8,7 +8,7 @@ from controlplane.common import task_names
 from controlplane.common.data_plane import data_plane_key
 from controlplane.topology import node_agent, services
 from controlplane.topology.models import EngineInstance
-from workers.control_client import (
+from workers.client.control_client import (
     ControlRejectedError,
     ControlTimeoutError,
     new_command_id,

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from workers.block_hash import ROOT_HASH, hash_block, hash_chain, namespace_extra, scoped_namespace
+from workers.kvstore.block_hash import ROOT_HASH, hash_block, hash_chain, namespace_extra, scoped_namespace
 
 
 def test_chain_equals_block_by_block_hashing():

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import zmq
 
-from workers.control_client import (
+from workers.client.control_client import (
     ControlRejectedError,
     ControlTimeoutError,
     new_command_id,

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from workers.balancers.decode import DecodeBalancer, new_workers
+from workers.client.routing.balancers.decode import DecodeBalancer, new_workers
 from workers.cost_model import (
     DecodeCostModel,
     DecodeSample,

@@ -1,6 +1,6 @@
 import msgspec
 
-from workers.crash_suspects import CrashSuspects, leaves_another
+from workers.client.crash_suspects import CrashSuspects, leaves_another
 from workers.engine import SamplingParams
 from workers.protocol.messages import GenerateRequest, OutputConstraintSpec
 

@@ -25,10 +25,10 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
     worker_command,
 )
+from workers.client.engine_client import EngineClient
+from workers.client.worker_link import RequestRejectedError
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient
 from workers.protocol.messages import GenerateRequest, WorkerHeartbeat
-from workers.worker_link import RequestRejectedError
 
 FAULTY = "tests.workers.faulty_worker"
 MODEL = "tiny"

@@ -23,8 +23,9 @@ from tests.workers.worker_process import (
     transfer_endpoint,
     wait_for_heartbeat,
 )
+from workers.client.engine_client import EngineClient
+from workers.client.worker_link import RequestRejectedError, WorkerUnavailableError
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient
 from workers.protocol.messages import (
     ControlAck,
     ExpectTransferRequest,
@@ -34,7 +35,6 @@ from workers.protocol.messages import (
     KVTransferChunk,
     StatusRequest,
 )
-from workers.worker_link import RequestRejectedError, WorkerUnavailableError
 
 VOCAB = CONFIG["vocab_size"]
 MODEL = "tiny"  # every worker serves the same model name, so KV computed by one fits the others

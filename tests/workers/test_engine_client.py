@@ -8,10 +8,10 @@ import time
 import pytest
 
 from tests.workers.worker_process import LONG, collect, connected_client, start_worker, token_ids, wait_for_heartbeat
+from workers.client.engine_client import EngineClient
+from workers.client.worker_link import RequestRejectedError, WorkerUnavailableError
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient
 from workers.protocol.messages import GenerateOutput, GenerateRequest
-from workers.worker_link import RequestRejectedError, WorkerUnavailableError
 
 LONG_GREEDY = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
 

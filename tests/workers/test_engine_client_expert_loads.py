@@ -7,7 +7,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from workers.engine_client import EngineClient
+from workers.client.engine_client import EngineClient
 from workers.protocol.messages import WorkerHeartbeat
 
 

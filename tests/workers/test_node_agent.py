@@ -13,8 +13,8 @@ from tests.waiting import wait_until
 from tests.workers.test_registry import Recorder
 from tests.workers.worker_process import CONFIG, REPO_ROOT, STARTUP_TIMEOUT_S
 from workers import curve
-from workers.node_agent import NodeAgent, WorkerLaunch
-from workers.registry import RegistryServer
+from workers.worker.node_agent import NodeAgent, WorkerLaunch
+from workers.worker.registry import RegistryServer
 
 
 @dataclass

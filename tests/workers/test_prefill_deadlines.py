@@ -17,15 +17,15 @@ from tests.workers.worker_process import (
     token_ids,
     wait_for_heartbeat,
 )
-from workers.cost_model import PrefillCostModel
-from workers.engine import SamplingParams
-from workers.prefill_deadlines import (
+from workers.client.prefill_deadlines import (
     CONSERVATIVE_PREFILL_S_PER_TOKEN,
     DEADLINE_FACTOR,
     DEADLINE_SLACK_S,
     TRANSFER_SLACK_S,
     DeadlineModel,
 )
+from workers.cost_model import PrefillCostModel
+from workers.engine import SamplingParams
 from workers.protocol.messages import GenerateRequest
 from workers.transfer.link import TransferReceiver
 

@@ -12,7 +12,7 @@ import zmq
 from tests.waiting import wait_until
 from tests.workers.worker_process import start_worker, wait_for_worker_heartbeat
 from workers.protocol.messages import RegistrationAck, WorkerHeartbeat, WorkerRegistration
-from workers.registry import RegistryServer, register_until_acknowledged
+from workers.worker.registry import RegistryServer, register_until_acknowledged
 
 HEARTBEAT_TIMEOUT_S = 1.0
 

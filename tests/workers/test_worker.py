@@ -28,6 +28,7 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
     worker_command,
 )
+from workers.client.worker_link import RequestRejectedError
 from workers.engine import LLM, SamplingParams
 from workers.protocol.messages import (
     CacheHint,
@@ -37,7 +38,6 @@ from workers.protocol.messages import (
     OutputConstraintSpec,
     WorkerOutbound,
 )
-from workers.worker_link import RequestRejectedError
 
 VOCAB = CONFIG["vocab_size"]
 

@@ -21,7 +21,8 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
     wait_for_worker_heartbeat,
 )
-from workers.control_client import new_command_id, send_control, wait_for_state
+from workers.client.control_client import new_command_id, send_control, wait_for_state
+from workers.client.worker_link import WorkerUnavailableError
 from workers.engine import SamplingParams
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol.messages import (
@@ -38,7 +39,6 @@ from workers.protocol.messages import (
     WorkerHeartbeat,
 )
 from workers.worker.control import WorkerControl
-from workers.worker_link import WorkerUnavailableError
 
 VOCAB = CONFIG["vocab_size"]
 

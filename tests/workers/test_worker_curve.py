@@ -26,9 +26,9 @@ from tests.workers.worker_process import (
     worker_command,
 )
 from workers import curve
+from workers.client.engine_client import EngineClient
 from workers.curve import CurveKey, generate_key
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient
 from workers.protocol.messages import (
     ExpectTransferRequest,
     GenerateError,
@@ -38,7 +38,7 @@ from workers.protocol.messages import (
     WorkerHeartbeat,
     WorkerRegistration,
 )
-from workers.registry import REGISTRATION_RETRY_S, RegistryServer
+from workers.worker.registry import REGISTRATION_RETRY_S, RegistryServer
 
 MODEL = "tiny"  # every worker serves the same model name, so KV computed by one fits the others
 KEY = generate_key(1)

@@ -13,10 +13,10 @@ import pytest
 from tests.waiting import wait_until
 from tests.workers.faulty_worker import DETOKENIZER_FAULT, ENGINE_FAULT
 from tests.workers.worker_process import CONFIG, collect, connected_client, role_options, start_worker, token_ids
+from workers.client.engine_client import EngineClient
+from workers.client.worker_link import RequestRejectedError
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient
 from workers.protocol.messages import GenerateOutput, GenerateRequest, GrammarLimits, OutputConstraintSpec
-from workers.worker_link import RequestRejectedError
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from tests.workers.worker_process import CONFIG, collect, connected_client, start_worker, token_ids, wait_for_heartbeat
+from workers.client.worker_link import RequestRejectedError
 from workers.engine import SamplingParams
 from workers.protocol.messages import GenerateRequest
-from workers.worker_link import RequestRejectedError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPT = [random.Random(1).randrange(CONFIG["vocab_size"]) for _ in range(300)]

@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.engine_client import EngineClient
+from workers.client.engine_client import EngineClient
 from workers.protocol.messages import GenerateOutput, GenerateRequest, WorkerHeartbeat, WorkerInbound, WorkerOutbound
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

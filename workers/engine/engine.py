@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.block_hash import namespace_extra
 from workers.cost_model import PredictionErrorTracker
 from workers.engine.admission import MAX_PENDING_TRANSFERS, Admission, check_cache_hints
 from workers.engine.config import EngineConfig
@@ -41,6 +40,7 @@ from workers.engine.sched.step_budget import StepBudget
 from workers.engine.sizing.kv_sizing import kv_cache_size
 from workers.engine.step_stats import StepStats
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
+from workers.kvstore.block_hash import namespace_extra
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
 from workers.protocol.engine_request import (

@@ -5,8 +5,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.block_hash import BlockHash
 from workers.engine.structured.constraint import TokenConstraint
+from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.hints import BlockRetention
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams

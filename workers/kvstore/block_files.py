@@ -44,8 +44,8 @@ from pathlib import Path
 
 import msgspec
 
-from workers.block_hash import BlockHash
-from workers.fsync import fsync_path
+from workers.kvstore.block_hash import BlockHash
+from workers.kvstore.fsync import fsync_path
 from workers.kvstore.index import BlockEntry
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 `RedisIndex` (workers.kvstore.redis_index) is shared by every process and host that uses the same
 Redis. Both pass the same test suite (tests/workers/kvstore/test_index.py).
 
-An entry names a block by its chained hash (workers.block_hash), so a block's presence implies
+An entry names a block by its chained hash (workers.kvstore.block_hash), so a block's presence implies
 nothing about its ancestors: eviction may have removed a chain's middle. `match_prefix` therefore
 walks the chain and stops at the first absent key.
 
@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from workers.block_hash import BlockHash
+from workers.kvstore.block_hash import BlockHash
 
 # Evicted blocks the index remembers, per block it holds: enough to span the several store
 # lifetimes a prefix's next use may take, at a few dozen bytes each (blocks are megabytes).

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from workers.block_hash import BlockHash
+from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.index import REMEMBERED_PER_BLOCK, BlockEntry, BlockIndex, IndexUsage
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 
 import redis
 
-from workers.block_hash import BlockHash
+from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.index import REMEMBERED_PER_BLOCK, BlockEntry, BlockIndex, IndexUsage
 
 _FIELDS = ("size", "class", "depth", "created", "last", "hits", "retain", "newchain", "before")

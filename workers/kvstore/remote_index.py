@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from workers.block_hash import BlockHash
+from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.index import BlockEntry, BlockIndex, IndexUsage
 from workers.kvstore.index_messages import (
     KVIndexAdd,

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from workers.block_hash import BlockHash
 from workers.kvstore.block_files import BlockFiles, BlockLayoutError, BlockMeta
+from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
 

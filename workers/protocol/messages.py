@@ -121,7 +121,7 @@ class ExpectTransferRequest(msgspec.Struct, tag="expect_transfer", frozen=True, 
     # and advanced over the tokens the prefill worker sampled.
     constraint: OutputConstraintSpec | None = None
     # Seconds from arrival: the request's predicted prefill and transfer, with margins
-    # (workers.prefill_deadlines). 0: the worker's own --transfer-timeout.
+    # (workers.client.prefill_deadlines). 0: the worker's own --transfer-timeout.
     timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 

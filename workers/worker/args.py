@@ -21,7 +21,7 @@ ROLES = ("mixed", "prefill", "decode")
 HEARTBEAT_INTERVAL_S = 0.1
 # Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
 # names no timeout of its own (the gateway's name the request's predicted prefill and transfer, see
-# workers.prefill_deadlines). It counts from the expectation, which comes before the prefill is even
+# workers.client.prefill_deadlines). It counts from the expectation, which comes before the prefill is even
 # scheduled: a backstop for a gateway that vanished (a gateway fails a stalled transfer itself).
 TRANSFER_TIMEOUT_S = 120.0
 

@@ -46,7 +46,6 @@ from workers.protocol.messages import (
     WorkerOutbound,
 )
 from workers.protocol.sampling_params import invalid_request_from
-from workers.registry import register_until_acknowledged
 from workers.transfer.link import TransferReceiver, TransferSender
 from workers.transfer.pools import PoolExport
 from workers.worker.args import WorkerArgs
@@ -54,6 +53,7 @@ from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStora
 from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
 from workers.worker.migration import Migration
+from workers.worker.registry import register_until_acknowledged
 from workers.worker.resumption import Resumption
 from workers.worker.transfers import Transfers
 

@@ -34,12 +34,12 @@ from controlplane.topology.node_agent import reconcile_local, record_exit
 from controlplane.topology.selectors import local_workers_kv_capacity, local_workers_registered
 from controlplane.topology.services import autoscale_tick, topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
+from workers.client.routing.router import STEP_BUDGET_S
 from workers.engine.weights import resolve_model
-from workers.entrypoint.router import STEP_BUDGET_S
 from workers.kvstore.gc_options import add_gc_arguments
 from workers.kvstore.gc_process import StoreGCConfig
-from workers.node_agent import NodeAgent
 from workers.worker.args import WorkerArgs
+from workers.worker.node_agent import NodeAgent
 
 # uvicorn's handling of the gateway's connections (README, "Request limits"): each request head has a
 # deadline (SLUICE_HEADER_READ_TIMEOUT_S, in the protocol class), an idle keep-alive connection is

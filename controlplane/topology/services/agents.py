@@ -21,7 +21,7 @@ from controlplane.topology.models import (
 )
 from controlplane.topology.services.events import node_queue, queue_node_task, scaling_event_record
 from controlplane.topology.services.instances import transition_locked
-from workers.node_agent import WorkerLaunch
+from workers.worker.node_agent import WorkerLaunch
 
 
 @transaction.atomic

@@ -29,7 +29,7 @@ from workers.autoscale import (
     prefill_demands,
     prefill_tokens_per_s,
 )
-from workers.entrypoint.router import CHUNK_LIMIT, STEP_BUDGET_S, cost_model_from_environment
+from workers.client.routing.router import CHUNK_LIMIT, STEP_BUDGET_S, cost_model_from_environment
 
 # Held decisions worth an event: the demand asks for a change that a limit refused.
 HELD_RULES = frozenset({Rule.RATE_LIMITED, Rule.QUOTA_GUARD, Rule.COOLDOWN})

@@ -14,7 +14,7 @@ from asgiref.sync import async_to_sync
 from controlplane.asgi import application
 from controlplane.tenants.models import Tenant
 from tests.controlplane.gateway.helpers import SMOLLM2, FakeEngine
-from workers.block_hash import scoped_namespace
+from workers.kvstore.block_hash import scoped_namespace
 from workers.protocol.messages import CacheHint, GenerateOutput
 
 HOUR = {"type": "ephemeral", "ttl": "1h"}

@@ -19,8 +19,8 @@ from tests.controlplane.gateway.helpers import (  # noqa: E402
     sse_frames,
     valid_body,
 )
+from workers.client.worker_link import RequestRejectedError, WorkerUnavailableError  # noqa: E402
 from workers.protocol.messages import GenerateOutput, GrammarLimits  # noqa: E402
-from workers.worker_link import RequestRejectedError, WorkerUnavailableError  # noqa: E402
 
 WORDS = ["Hello", " there", "!"]
 

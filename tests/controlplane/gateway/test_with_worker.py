@@ -113,8 +113,8 @@ def test_a_client_that_hangs_up_stops_its_request_in_the_engine(client, make_api
 
 
 def test_special_token_text_from_a_user_reaches_the_engine_as_plain_text(client, make_api_key, monkeypatch):
+    from workers.client.engine_client import EngineClient
     from workers.engine.weights import resolve_model
-    from workers.engine_client import EngineClient
     from workers.text.tokenizer import Tokenizer
 
     sent = []

@@ -14,7 +14,7 @@ from controlplane.gateway.tenant_caps import loads
 from tests.controlplane.gateway.helpers import PATHS, key_headers, sse_frames, valid_body
 from tests.controlplane.gateway.live import live_gateway
 from tests.waiting import wait_until
-from workers.engine_client import EngineClient
+from workers.client.engine_client import EngineClient
 from workers.protocol.messages import AbortRequest
 
 # The server's threads only see committed rows.

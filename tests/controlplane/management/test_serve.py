@@ -9,10 +9,10 @@ from django.core.management.base import OutputWrapper
 
 from controlplane.management.commands import serve
 from controlplane.management.commands.serve import KVCacheReport, with_device_share
-from workers import node_agent
 from workers.args import EngineArgs
-from workers.node_agent import NodeAgent, WorkerLaunch
+from workers.worker import node_agent
 from workers.worker.args import WorkerArgs
+from workers.worker.node_agent import NodeAgent, WorkerLaunch
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from controlplane.telemetry import live
 from controlplane.telemetry.collector import TelemetryCollector
 from controlplane.telemetry.metrics import exposition
 from controlplane.telemetry.models import ExpertLoadRollup
-from workers.expert_loads import ExpertLoadCounts
+from workers.eplb.expert_loads import ExpertLoadCounts
 
 
 class FakeExpertLoads:

@@ -13,7 +13,7 @@ from controlplane.topology.services import (
 )
 from tests.waiting import wait_until
 from tests.workers.worker_process import REPO_ROOT
-from workers.node_agent import NodeAgent, WorkerLaunch
+from workers.worker.node_agent import NodeAgent, WorkerLaunch
 
 pytestmark = pytest.mark.django_db
 

@@ -36,8 +36,8 @@ from controlplane.topology.services import (
 )
 from tests.waiting import wait_until
 from tests.workers.worker_process import CONFIG, KV_CACHE_BYTES, SEED, collect, token_ids, wait_for_heartbeat
+from workers.client.engine_client import EngineClient
 from workers.engine import SamplingParams
-from workers.engine_client import EngineClient
 from workers.protocol.messages import GenerateRequest
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("default_ttl_policies")]

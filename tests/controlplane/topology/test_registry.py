@@ -19,7 +19,7 @@ from tests.waiting import wait_until
 from tests.workers.test_registry import registration
 from tests.workers.worker_process import start_worker, wait_for_worker_heartbeat
 from workers.curve import CurveKey, generate_key
-from workers.registry import RegistryServer, register_until_acknowledged
+from workers.worker.registry import RegistryServer, register_until_acknowledged
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("default_ttl_policies")]
 

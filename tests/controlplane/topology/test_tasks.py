@@ -9,7 +9,7 @@ from controlplane.topology import tasks
 from controlplane.topology.models import EngineInstance, InstanceState, ScalingEvent
 from controlplane.topology.services import instance_drain, instance_resume, instance_stop
 from tests.controlplane.fake_worker import fake_worker
-from workers import control_client
+from workers.client import control_client
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol.messages import (
     ApplyEPLayoutRequest,

@@ -1,5 +1,10 @@
-from workers.balancers.baselines import LeastRequestsDecode, LeastRequestsPrefill, RoundRobinDecode, RoundRobinPrefill
-from workers.balancers.decode import new_workers
+from workers.client.routing.balancers.baselines import (
+    LeastRequestsDecode,
+    LeastRequestsPrefill,
+    RoundRobinDecode,
+    RoundRobinPrefill,
+)
+from workers.client.routing.balancers.decode import new_workers
 
 
 def test_round_robin_prefill_cycles_whatever_the_load():

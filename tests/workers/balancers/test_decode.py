@@ -1,6 +1,6 @@
 import pytest
 
-from workers.balancers.decode import DecodeBalancer, new_workers
+from workers.client.routing.balancers.decode import DecodeBalancer, new_workers
 
 
 def balancer(kv_capacity=10_000, max_requests=64, per_request_s=1e-3, per_kv_token_s=1e-5):

@@ -1,6 +1,6 @@
 import pytest
 
-from workers.balancers.prefill import PrefillBalancer, allocate_workers
+from workers.client.routing.balancers.prefill import PrefillBalancer, allocate_workers
 from workers.cost_model import PrefillCostModel
 
 # Linear in new tokens only: a request's predicted cost is exactly proportional to its uncached tokens.

@@ -18,9 +18,9 @@ import torch
 import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.block_hash import hash_chain, namespace_extra, scoped_namespace
 from workers.engine import LLM, SamplingParams
 from workers.engine.connectors import store as store_connector
+from workers.kvstore.block_hash import hash_chain, namespace_extra, scoped_namespace
 from workers.kvstore.directory_index import DirectoryIndex
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index_server import IndexServer

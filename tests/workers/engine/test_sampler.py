@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from workers.engine.sample.sampler import Sampler, SamplerOutput, SamplingBatch
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 

@@ -5,9 +5,9 @@ import random
 import shutil
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.block_hash import namespace_extra
+from workers.client.routing.prefix_match import store_hit_tokens
 from workers.engine import LLM, SamplingParams
-from workers.entrypoint.prefix_match import store_hit_tokens
+from workers.kvstore.block_hash import namespace_extra
 from workers.kvstore.store import open_store
 
 CONFIG = TINY_CONFIGS["llama"]

@@ -1,8 +1,8 @@
 """The decode reservation: a request's KV now plus the output still expected (capped), so that a
 request moving between decode workers is placed only where the KV it already holds fits."""
 
+from workers.client.routing.router import EXPECTED_OUTPUT_TOKENS, NOMINAL_COST_MODEL, DecodeLoad, Router, expected_peak
 from workers.engine import SamplingParams
-from workers.entrypoint.router import EXPECTED_OUTPUT_TOKENS, NOMINAL_COST_MODEL, DecodeLoad, Router, expected_peak
 from workers.protocol.messages import GenerateRequest, WorkerHeartbeat
 
 

@@ -20,7 +20,7 @@ from tests.workers.worker_process import (
     token_ids,
     wait_for_worker_heartbeat,
 )
-from workers.control_client import new_command_id, send_control
+from workers.client.control_client import new_command_id, send_control
 from workers.engine import LLM, SamplingParams
 from workers.protocol.messages import (
     ApplyEPLayoutRequest,

@@ -1,7 +1,7 @@
 """Moves KV between the engine's pages and the global block store (workers.kvstore).
 
 A store block is `block_tokens` tokens (a multiple of the page size), keyed by the same chained
-hash as the engine's pages (workers.block_hash) with the same `extra`, only over longer blocks. It
+hash as the engine's pages (workers.kvstore.block_hash) with the same `extra`, only over longer blocks. It
 holds the KV of the cache's first group (workers.engine.kv.spec), the one the global store keeps, and
 its file records that group's layout: a block of another layout ends a fetch as a corrupt one does.
 
@@ -43,12 +43,12 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 from workers.engine.connectors.base import KVArrival, KVConnector
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
+from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
 from workers.kvstore.store import KVStore
 from workers.protocol.messages import CacheHint

@@ -5,7 +5,7 @@ Pages are allocated per KV group (workers.engine.kv.spec): the first group's pag
 its own, in which a sliding-window group gives back the pages that fell out of its window (NULL_PAGE
 takes their place). Every model today has one group.
 
-A full page is keyed by the chained block hash of its tokens (workers.block_hash), so a prompt's
+A full page is keyed by the chained block hash of its tokens (workers.kvstore.block_hash), so a prompt's
 cached prefix is found by walking its chain. A freed page keeps its key until it is handed out
 again, so the prefix stays reusable as long as memory allows. Free pages form one LRU list in
 which keyless pages are reused first, then keyed pages oldest first.
@@ -15,8 +15,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from kernels.attention import NULL_PAGE
-from workers.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 from workers.engine.request import Request
+from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 
 
 class GroupPages:

@@ -90,7 +90,7 @@ class SamplingExtras:
 
     def process(self, logits: torch.Tensor, rows: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         """Bias, then the repetition penalty, then frequency and presence, then the mask, as the host
-        Sampler orders them (workers.engine.sampler)."""
+        Sampler orders them (workers.engine.sample.sampler)."""
         processed = logits + self.bias.index_select(0, rows)
         seen = self.seen.index_select(0, rows)
         processed = sampling.apply_repetition_penalty(processed, seen, params.repetition_penalty)

@@ -33,7 +33,7 @@ from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
-from workers.engine.sampler import Sampler, SamplingBatch, token_logprobs
+from workers.engine.sample.sampler import Sampler, SamplingBatch, token_logprobs
 from workers.engine.sched.output import SchedulerOutput
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import MAX_LOGPROBS

@@ -15,13 +15,13 @@ of ints; it never touches tensors.
 
 import time
 
-from workers.block_hash import BlockHash
 from workers.engine.connectors.store import KVLoad, LoadedBlocks
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import NewRequestData, SchedulerOutput
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.sched.waiting import WaitingQueue
+from workers.kvstore.block_hash import BlockHash
 
 
 class Scheduler:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError, safe_open
 
 from workers.engine.weights.registry import find_packaged_model, packaged_model_names
-from workers.fsync import fsync_path
+from workers.kvstore.fsync import fsync_path
 from workers.protocol.errors import ModelLoadError, UnknownModelError
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ prefill worker's only output is the first token, with finish_reason "transfer", 
 passes on without it; the decode worker's outputs follow. The two come over different sockets, so a
 decode output that overtakes the prefill's is held back until the prefill's has been passed on.
 
-Deadlines (workers.prefill_deadlines) follow the request's predicted prefill time: the decode worker
+Deadlines (workers.client.prefill_deadlines) follow the request's predicted prefill time: the decode worker
 waits for the KV as long as the prefill and the transfer are predicted to take, with margins, and
 the stream waits that long for the decode worker's first output once the prefill's is out.
 
@@ -35,7 +35,7 @@ be continued that way (its seed, drawn by the engine, is in the checkpoint only)
 with WorkerUnavailableError, as do all after MAX_ATTEMPTS.
 
 Crashes. A worker that went away, before or after the decode worker streamed, may have been brought
-down by this very request: the request is a crash suspect (workers.crash_suspects), and so is a
+down by this very request: the request is a crash suspect (workers.client.crash_suspects), and so is a
 request of which the same had been in flight on a failed worker before this stream began (a client
 sending it again). A suspect is retried (rerun or resumed) once, and not at all when it was a
 suspect from the start: a second crash, or the first of a request suspected from the start, fails it
@@ -64,12 +64,19 @@ from typing import Protocol
 
 import msgspec
 
-from workers.block_hash import namespace_extra
-from workers.crash_suspects import CrashSuspects, leaves_another
-from workers.entrypoint.prefix_match import store_hit_tokens
-from workers.entrypoint.router import DecodeLoad, Router, expected_peak
+from workers.client.crash_suspects import CrashSuspects, leaves_another
+from workers.client.prefill_deadlines import DeadlineModel
+from workers.client.routing.prefix_match import store_hit_tokens
+from workers.client.routing.router import DecodeLoad, Router, expected_peak
+from workers.client.worker_link import (
+    RequestRejectedError,
+    StreamItem,
+    WorkerLink,
+    WorkerUnavailableError,
+    least_loaded,
+)
+from workers.kvstore.block_hash import namespace_extra
 from workers.kvstore.index import BlockIndex
-from workers.prefill_deadlines import DeadlineModel
 from workers.protocol.messages import (
     AbortRequest,
     DeclineMigrationRequest,
@@ -81,7 +88,6 @@ from workers.protocol.messages import (
     ResumeDecodeRequest,
     WorkerInbound,
 )
-from workers.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError, least_loaded
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +114,7 @@ MOVE_REFUSALS = ("overloaded", "draining")
 
 
 class StreamClient(Protocol):
-    """What a split stream uses of the engine client that runs it (workers.engine_client.EngineClient):
+    """What a split stream uses of the engine client that runs it (workers.client.engine_client.EngineClient):
     its links, their sockets and its balancing state. Named here, so this module builds on the links
     alone and the client can import it."""
 
@@ -167,7 +173,7 @@ class SplitStream:
 
     @property
     def suspect(self) -> bool:
-        """Whether the request may bring down the workers it runs on (workers.crash_suspects)."""
+        """Whether the request may bring down the workers it runs on (workers.client.crash_suspects)."""
         return bool(self.crash) or self.suspected_before
 
     async def outputs(self) -> AsyncIterator[GenerateOutput]:

@@ -4,7 +4,7 @@ workers without room), so a comparison measures placement, not overflow."""
 
 from collections.abc import Sequence
 
-from workers.balancers.decode import DecodeLoadTracker, DecodeWorker
+from workers.client.routing.balancers.decode import DecodeLoadTracker, DecodeWorker
 
 
 class RoundRobinPrefill:

@@ -6,7 +6,7 @@ A worker is healthy while its heartbeats keep coming; when they stop (or it rest
 requests), the streams it was serving fail with WorkerUnavailableError instead of waiting forever.
 New requests go only to healthy workers whose heartbeats say they are "ready" (not draining).
 
-Every request's stream goes through workers.split_stream: with ready prefill and decode workers
+Every request's stream goes through workers.client.split_stream: with ready prefill and decode workers
 the request is split between them, its outputs still arriving as one stream; otherwise one worker
 runs it whole (mixed workers, or a pool that lost its other half).
 
@@ -15,7 +15,7 @@ Over the network both sockets are CURVE clients (workers.curve) holding the clus
 A request that fails on its own ends with RequestRejectedError ("invalid_constraint", "internal")
 and the worker goes on; one on a worker that failed as a whole ("worker_failed", or its heartbeats
 stop) is a crash suspect: tried again at most once, and never on the last worker able to serve
-requests (workers.split_stream, workers.crash_suspects); otherwise it fails "worker_failed".
+requests (workers.client.split_stream, workers.client.crash_suspects); otherwise it fails "worker_failed".
 """
 
 import asyncio
@@ -29,11 +29,13 @@ import zmq
 import zmq.asyncio
 
 from workers import curve
-from workers.crash_suspects import CrashSuspects
-from workers.entrypoint.router import Router, cost_model_from_environment, fitted_cost_model_from_environment
-from workers.expert_loads import ExpertLoadCounts
+from workers.client.crash_suspects import CrashSuspects
+from workers.client.prefill_deadlines import DeadlineModel
+from workers.client.routing.router import Router, cost_model_from_environment, fitted_cost_model_from_environment
+from workers.client.split_stream import SplitStream
+from workers.client.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError
+from workers.eplb.expert_loads import ExpertLoadCounts
 from workers.kvstore.index import BlockIndex
-from workers.prefill_deadlines import DeadlineModel
 from workers.protocol.messages import (
     HEARTBEAT_TIMEOUT_S,
     AbortRequest,
@@ -45,8 +47,6 @@ from workers.protocol.messages import (
     WorkerInbound,
     WorkerOutbound,
 )
-from workers.split_stream import SplitStream
-from workers.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Prefix match at the entrypoint: a prompt's hit length in the global KV store, from the index alone.
 
-The prompt's blocks are keyed with the engine's own chain (workers.block_hash) and the same `extra`
+The prompt's blocks are keyed with the engine's own chain (workers.kvstore.block_hash) and the same `extra`
 (model and cache namespace, see `namespace_extra`), then the index walks the chain to the first
 absent key. No block data is read, so routing can weigh a request's real prefill work cheaply.
 """
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workers.block_hash import hash_chain, reusable_blocks
+from workers.kvstore.block_hash import hash_chain, reusable_blocks
 from workers.kvstore.index import BlockIndex
 
 

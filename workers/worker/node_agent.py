@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers import curve
-from workers.control_client import ControlRejectedError, ControlTimeoutError, new_command_id, send_control
+from workers.client.control_client import ControlRejectedError, ControlTimeoutError, new_command_id, send_control
 from workers.protocol.messages import ShutdownRequest
 from workers.worker.args import WorkerArgs
 

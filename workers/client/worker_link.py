@@ -51,7 +51,7 @@ class WorkerLink:
     num_decode_requests: int = 0
     reserved_kv_tokens: int = 0
     # Uncached prompt tokens of the prefills this client sent here that have not yet produced their
-    # first token: the queue a new prefill waits behind (workers.prefill_deadlines).
+    # first token: the queue a new prefill waits behind (workers.client.prefill_deadlines).
     queued_prefill_tokens: int = 0
 
     def is_healthy(self, now: float, timeout_s: float) -> bool:

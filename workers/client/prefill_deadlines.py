@@ -17,8 +17,8 @@ it were one prompt of all its tokens: the quadratic terms make that the larger p
 
 from dataclasses import dataclass
 
+from workers.client.routing.router import CHUNK_LIMIT, STEP_BUDGET_S
 from workers.cost_model import PrefillCostModel
-from workers.entrypoint.router import CHUNK_LIMIT, STEP_BUDGET_S
 
 DEADLINE_FACTOR = 2.0
 DEADLINE_SLACK_S = 30.0  # scheduling, queueing behind other gateways' requests, a loaded host

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers.args import default
-from workers.balancers.decode import DecodeBalancer, DecodeWorker
-from workers.balancers.prefill import PrefillBalancer
+from workers.client.routing.balancers.decode import DecodeBalancer, DecodeWorker
+from workers.client.routing.balancers.prefill import PrefillBalancer
 from workers.cost_model import PrefillCostModel
 from workers.protocol.messages import GenerateRequest, WorkerHeartbeat
 

@@ -1,1 +1,0 @@
-"""The entrypoint: what the data plane decides about a request before any worker sees it."""
