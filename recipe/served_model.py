@@ -1,20 +1,23 @@
 """A model as the API sees it: its name, tokenizers, prompt format and context window."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import deepseek_recipe
 
 from workers.protocol.errors import ModelLoadError
-from workers.text.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from workers.engine.weights import ModelFiles
+from workers.text.tokenizer import Tokenizer, TokenizerFiles
 
 PromptFamily = Literal["chatml", "deepseek_v41"]
 
 CHATML_MARKER = "<|im_start|>"
 DEEPSEEK_V41_MARKER = deepseek_recipe.SpecialToken.Assistant.default_str()
+
+
+class ServedModelFiles(TokenizerFiles, Protocol):
+    """A served model's files (workers.engine.weights.ModelFiles): its tokenizer's, under its name."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class ServedModel:
     codec_tokenizer: deepseek_recipe.Tokenizer
 
     @classmethod
-    def from_model_files(cls, files: "ModelFiles", max_model_len: int) -> "ServedModel":
+    def from_model_files(cls, files: ServedModelFiles, max_model_len: int) -> "ServedModel":
         tokenizer = Tokenizer.from_model_files(files)
         assert files.tokenizer_file is not None  # Tokenizer.from_model_files raised otherwise
         return cls(

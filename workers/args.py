@@ -18,12 +18,9 @@ import os
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from workers.cost_model import PrefillCostModel
-
-if TYPE_CHECKING:
-    import torch
 
 # The dtypes the engine runs models (and so their KV) in, by torch's names.
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,23 +28,6 @@ KV_TRANSFERS = ("auto", "zmq")
 
 # The KV cache of an engine off CUDA (the CPU) when neither --num-pages nor --kv-cache-bytes is given.
 CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def torch_dtype(name: str) -> "torch.dtype":
-    """The torch dtype of one of DTYPES."""
-    import torch
-
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
-    return getattr(torch, name)
-
-
-def dtype_name(dtype: "str | torch.dtype") -> str:
-    """The name in DTYPES of a torch dtype (or of a name, checked)."""
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-    return name
 
 
 def setting(

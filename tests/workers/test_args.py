@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.args import EngineArgs, add_engine_arguments, dtype_name, torch_dtype
+from workers.args import EngineArgs, add_engine_arguments
 from workers.cost_model import PrefillCostModel
 from workers.engine import LLM
 from workers.engine.builder import engine_config
+from workers.engine.dtypes import dtype_name, torch_dtype
 from workers.engine.factory import build_engine
 from workers.worker.args import WorkerArgs, add_worker_arguments
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.args import EngineArgs, torch_dtype
+from workers.args import EngineArgs
 from workers.cost_model import PrefillCostModel
+from workers.engine.dtypes import torch_dtype
 from workers.protocol.errors import ModelLoadError
 
 

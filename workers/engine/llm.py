@@ -7,7 +7,8 @@ from typing import Any
 import msgspec
 import torch
 
-from workers.args import EngineArgs, dtype_name
+from workers.args import EngineArgs
+from workers.engine.dtypes import dtype_name
 from workers.engine.factory import build_engine
 from workers.engine.model_loader import ModelSource
 from workers.engine.outputs import CompletionOutput, RequestOutput

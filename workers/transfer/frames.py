@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from workers.args import DTYPES as ENGINE_DTYPES
-from workers.args import torch_dtype
+from workers.engine.dtypes import torch_dtype
 from workers.engine.kv_handoff import KVHandoff
 from workers.protocol.messages import KVPoolOffer, KVTransferChunk, KVTransferHeader, KVTransferMessage
 

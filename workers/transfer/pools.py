@@ -25,7 +25,7 @@ from functools import cache
 
 import torch
 
-from workers.args import dtype_name, torch_dtype
+from workers.engine.dtypes import dtype_name, torch_dtype
 from workers.engine.kv.kv_cache import SHARED_MEMORY_NAME, KVCache
 from workers.protocol.messages import CudaIpcHandle, HostMemoryHandle, KVPoolOffer
 

@@ -6,8 +6,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from workers.args import DTYPES, torch_dtype
+from workers.args import DTYPES
 from workers.engine.config import ModelConfig, MoeConfig, RopeConfig
+from workers.engine.dtypes import torch_dtype
 from workers.engine.models.decoder import DecoderForCausalLM
 from workers.protocol.errors import ModelLoadError
 
