@@ -21,6 +21,7 @@ over --runs of each backend, its GB/s, and frames over pages. Prints one JSON ob
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -34,6 +35,8 @@ DTYPE = torch.bfloat16
 PAGE_SIZE = 16
 SEED = 1234
 MODES = ("zmq", "pages")
+# How long one run may take to arrive before the benchmark gives up on it (a stalled transfer).
+RUN_TIMEOUT_S = 120.0
 
 
 def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, device: str):
@@ -128,7 +131,7 @@ def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, ready, star
 
 
 def _receive(
-    mode: str, shape, tokens: int, runs: int, endpoint: str, ready, starts, device: str
+    mode: str, shape, tokens: int, runs: int, endpoint: str, ready, starts, device: str, sender
 ) -> tuple[list[float], float | None]:
     import zmq
 
@@ -153,8 +156,13 @@ def _receive(
             receiver.expect(f"r{run}", b"", None)
             ready.put(run)
             placed = scattered_pages(num_pages, -(-tokens // PAGE_SIZE), 99 + run)
-            settled = []
+            settled, deadline = [], time.monotonic() + RUN_TIMEOUT_S
             while not settled:
+                # A sender that died or stalled ends the benchmark with an error, not a wait forever.
+                if not sender.is_alive():
+                    raise RuntimeError(f"{mode} run {run}: the sender exited with {sender.exitcode} before its KV came")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{mode} run {run}: no KV within {RUN_TIMEOUT_S:g} s")
                 router.poll(1000)
                 settled = receiver.receive(1024)
             received = settled[0]
@@ -191,11 +199,15 @@ def measure(mode: str, shape, tokens: int, runs: int, device: str) -> tuple[list
     spawn = mp.get_context("spawn")
     # One queue each way: the receiver says it expects a run, the sender when it started it.
     ready, starts = spawn.Queue(), spawn.Queue()
-    endpoint = f"ipc:///tmp/sluice-kv-handoff-{mode}"
+    # This process's own socket: a benchmark run beside it (another test run, a stale one) binds its own.
+    endpoint = f"ipc:///tmp/sluice-kv-handoff-{mode}-{os.getpid()}"
     sender = spawn.Process(target=_sender, args=(mode, shape, tokens, runs, endpoint, ready, starts, device))
     sender.start()
     try:
-        result = _receive(mode, shape, tokens, runs, endpoint, ready, starts, device)
+        result = _receive(mode, shape, tokens, runs, endpoint, ready, starts, device, sender)
+    except BaseException:
+        sender.terminate()
+        raise
     finally:
         sender.join(timeout=300)
     if sender.exitcode != 0:
