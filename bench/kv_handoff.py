@@ -125,6 +125,9 @@ def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, ready, star
                 sender.results.poll(1000)
             if results[0].error:
                 raise RuntimeError(f"{mode} run {run}: {results[0].error}")
+        # A sent result means the frames are queued, not delivered: closing now could drop the last
+        # run's, so the sender stays until the receiver has them all.
+        ready.get()
     finally:
         sender.close()
         context.term()
@@ -158,13 +161,13 @@ def _receive(
             placed = scattered_pages(num_pages, -(-tokens // PAGE_SIZE), 99 + run)
             settled, deadline = [], time.monotonic() + RUN_TIMEOUT_S
             while not settled:
-                # A sender that died or stalled ends the benchmark with an error, not a wait forever.
-                if not sender.is_alive():
-                    raise RuntimeError(f"{mode} run {run}: the sender exited with {sender.exitcode} before its KV came")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{mode} run {run}: no KV within {RUN_TIMEOUT_S:g} s")
                 router.poll(1000)
                 settled = receiver.receive(1024)
+                # A sender that died or stalled ends the benchmark with an error, not a wait forever.
+                if not settled and not sender.is_alive():
+                    raise RuntimeError(f"{mode} run {run}: the sender exited with {sender.exitcode} before its KV came")
+                if not settled and time.monotonic() > deadline:
+                    raise TimeoutError(f"{mode} run {run}: no KV within {RUN_TIMEOUT_S:g} s")
             received = settled[0]
             if received.error:
                 raise RuntimeError(f"{mode} run {run}: {received.error}")
@@ -189,6 +192,7 @@ def _receive(
                     and torch.equal(gather_tokens(v, sent, tokens), gather_tokens(own_v, got, tokens))
                 ):
                     raise AssertionError(f"{mode}: run {run} received KV that differs from what was sent")
+        ready.put(None)  # every run is in: the sender may close
     finally:
         router.close(linger=0)
         context.term()
