@@ -27,8 +27,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import json; from bench.smollm2_config import SMOLLM2_135M_CONFIG as c; json.dump(c, open('/tmp/smollm2.json', 'w'))"
 has() { [[ " $steps " == *" $1 "* ]]; }
 if has tests; then
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine tests/workers/parallel/test_ep_gpu.py \
-    tests/workers/test_serving_on_cuda.py tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -40 \
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/workers/engine \
+    tests/workers/worker/test_serving_on_cuda.py tests/kernels 2>&1 | tee "$out/gpu_tests.log" | tail -40 \
     || echo "GPU TESTS FAILED (the benchmarks still run)"
 fi
 if has attention; then

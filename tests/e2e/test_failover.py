@@ -3,7 +3,7 @@ sharing the embedded default's KV store, small blocks), through the OpenAI SDK: 
 killed mid-stream has its requests resumed on the other from the store, and a DRF drain with a
 short grace migrates a decode worker's streams, KV and all, to the other. What needs no real model
 (every kind of sampling, corrupt checkpoints, declined and refused migrations, a prefill worker's
-death) is in the tiny-model process tests (tests/workers/test_migration_failover.py,
+death) is in the tiny-model process tests (tests/workers/worker/test_migration_failover.py,
 test_failover_fallbacks.py); here a few streams of each kind cross store blocks on the real stack."""
 
 import os

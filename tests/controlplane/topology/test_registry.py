@@ -16,7 +16,7 @@ from controlplane.topology.models import EngineInstance, InstanceState
 from controlplane.topology.registry import TopologyRecorder, topology_registry_server
 from controlplane.topology.services import topology_ensure_local
 from tests.waiting import wait_until
-from tests.workers.test_registry import registration
+from tests.workers.worker.test_registry import registration
 from tests.workers.worker_process import start_worker, wait_for_worker_heartbeat
 from workers.curve import CurveKey, generate_key
 from workers.worker.registry import RegistryServer, register_until_acknowledged

@@ -4,7 +4,7 @@ buffer built from them (no device needed: the CPU tensors stand in for the devic
 import numpy as np
 import torch
 
-from tests.workers.engine.test_scheduler import make_request
+from tests.workers.engine.sched.test_scheduler import make_request
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.engine.runner.input_batch import InputBatch, PackedLayout

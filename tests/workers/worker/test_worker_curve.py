@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from tests.waiting import wait_until
-from tests.workers.test_registry import Recorder
+from tests.workers.worker.test_registry import Recorder
 from tests.workers.worker_process import (
     REPO_ROOT,
     STARTUP_TIMEOUT_S,

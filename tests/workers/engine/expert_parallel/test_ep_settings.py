@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
+from tests.workers.engine.expert_parallel.tiny_moe import QWEN3_MOE
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from tests.workers.parallel.tiny_moe import QWEN3_MOE
 from workers.args import EngineArgs, add_engine_arguments
 from workers.engine.factory import build_engine
 from workers.engine.parallel.placement import PlacementError

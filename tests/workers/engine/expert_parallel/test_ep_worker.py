@@ -11,7 +11,7 @@ import psutil
 import pytest
 import zmq
 
-from tests.workers.parallel.tiny_moe import QWEN3_MOE
+from tests.workers.engine.expert_parallel.tiny_moe import QWEN3_MOE
 from tests.workers.worker_process import (
     KV_CACHE_BYTES,
     SEED,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.moe import experts
-from tests.workers.parallel.tiny_moe import QWEN3_MOE
+from tests.workers.engine.expert_parallel.tiny_moe import QWEN3_MOE
 from workers.args import EngineArgs
 from workers.engine import LLM, SamplingParams
 from workers.engine.expert_parallel import ep_engine

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from tests.workers.engine.test_scheduler import rows, run_step
+from tests.workers.engine.sched.test_scheduler import rows, run_step
 from workers.engine import LLM, SamplingParams
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request

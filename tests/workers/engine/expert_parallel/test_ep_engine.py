@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.workers.parallel.tiny_moe import QWEN3_MOE
+from tests.workers.engine.expert_parallel.tiny_moe import QWEN3_MOE
 from workers.engine import LLM, SamplingParams
 from workers.engine.expert_parallel import ep_engine
 from workers.engine.expert_parallel.ep_engine import EPEngine

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.moe import experts
-from tests.workers.parallel.spawned import run_on_ranks
+from tests.workers.engine.expert_parallel.spawned import run_on_ranks
 from workers.engine.parallel.experts import ExpertParallelExperts
 from workers.engine.parallel.groups import EPGroup
 from workers.engine.parallel.placement import round_robin_placement

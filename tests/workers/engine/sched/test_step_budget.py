@@ -4,7 +4,7 @@ chunks; decodes always run; a step always makes progress; outputs do not depend 
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from tests.workers.engine.test_scheduler import make_request, rows, run_step
+from tests.workers.engine.sched.test_scheduler import make_request, rows, run_step
 from workers.cost_model import PrefillCostModel
 from workers.engine import LLM, SamplingParams
 from workers.engine.kv.block_manager import BlockManager

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from tests.waiting import wait_until
-from tests.workers.test_registry import Recorder
+from tests.workers.worker.test_registry import Recorder
 from tests.workers.worker_process import CONFIG, REPO_ROOT, STARTUP_TIMEOUT_S
 from workers import curve
 from workers.worker.node_agent import NodeAgent, WorkerLaunch
