@@ -47,7 +47,6 @@ from workers.protocol.messages import (
 )
 from workers.protocol.sampling_params import invalid_request_from
 from workers.transfer.link import TransferReceiver, TransferSender
-from workers.transfer.pools import PoolExport
 from workers.worker.args import WorkerArgs
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.control import WorkerControl
@@ -98,14 +97,11 @@ class Worker:
             receiver = TransferReceiver(router, default_timeout_s=config.transfer_timeout_s)
             self.poller.register(router, zmq.POLLIN)
         sender: TransferSender | None = None
-        pool: PoolExport | None = None
         # Prefill workers send every request's KV; decode workers send their requests' when a drain
         # migrates them.
         if config.role in ("prefill", "decode"):
             sender = TransferSender(context, key=key)
             self.poller.register(sender.results, zmq.POLLIN)
-            if config.engine.kv_transfer == "auto":
-                pool = PoolExport.of(engine.kv_cache, self.worker_id)
         self.identity = WorkerIdentity(
             worker_id=self.worker_id,
             hostname=hostname,
@@ -142,7 +138,6 @@ class Worker:
             send=self._send,
             receiver=receiver,
             sender=sender,
-            pool=pool,
             continued=self.resumption.took_in,
             migrated=self.resumption.moved_away,
         )

@@ -65,9 +65,9 @@ class _Copy:
 class Transfers:
     """`owners` (request id → ROUTER identity of the peer streaming its outputs) is the worker's,
     shared: a request continued here gets its owner there. `receiver` exists on a decode worker,
-    `sender` on a prefill worker (and on a decode worker, for migrations); `pool` is this worker's
-    own KV cache as others map it, None when it offers no pages (`kv_transfer` "zmq", or a cache that
-    cannot be shared)."""
+    `sender` on a prefill worker (and on a decode worker, for migrations). A worker with a sender
+    exports its own KV cache for others to map (`pool`), None when it offers no pages (no sender,
+    `kv_transfer` "zmq", or a cache that cannot be shared)."""
 
     def __init__(
         self,
@@ -80,7 +80,6 @@ class Transfers:
         send: Send,
         receiver: TransferReceiver | None,
         sender: TransferSender | None,
-        pool: PoolExport | None = None,
         continued: Callable[[str], None] = lambda request_id: None,
         migrated: Callable[[str], None] = lambda request_id: None,
     ) -> None:
@@ -94,8 +93,9 @@ class Transfers:
         self.send = send
         self.receiver = receiver
         self.sender = sender
-        self.pool = pool
         self.maps_pools = engine.info.kv_transfer == "auto"
+        # A sender whose peers may map its KV cache offers its pages instead of sending frames.
+        self.pool = PoolExport.of(engine.kv_cache, worker_id) if sender is not None and self.maps_pools else None
         self.pool_maps = PoolMaps()
         # Copies of offered pages run on a stream of their own, beside the engine's steps.
         self.copy_stream = _side_stream(engine) if receiver is not None else None
