@@ -8,9 +8,7 @@ from typing import Protocol
 import msgspec
 import zmq.asyncio
 
-from workers.protocol.messages import GenerateError, GenerateOutput, WorkerHeartbeat
-
-READY = "ready"  # WorkerHeartbeat.state of a worker that takes new requests
+from workers.protocol.messages import READY, GenerateError, GenerateOutput, WorkerHeartbeat
 
 
 class WorkerUnavailableError(Exception):

@@ -257,6 +257,14 @@ class HandoffTotals(msgspec.Struct, frozen=True):
     seconds: float
 
 
+# A worker's state, as its heartbeats and control answers say: it takes new requests only when ready;
+# draining or drained (it finishes what it has, then idles) after a DrainRequest; stopping after a
+# ShutdownRequest.
+READY = "ready"
+DRAINING = "draining"
+DRAINED = "drained"
+STOPPING = "stopping"
+
 # How long a worker may send no heartbeat before its clients (gateways) and the registry take it for
 # dead: thirty heartbeats at the worker's default interval (workers.worker.args), room for a loaded
 # host's late ones.
@@ -284,9 +292,7 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     num_store_hit_tokens: int = 0
     num_store_blocks_read: int = 0
     num_store_blocks_written: int = 0
-    # Whether the worker takes new requests: "ready", or "draining" / "drained" (it finishes what it
-    # has, then idles) after a DrainRequest; "stopping" after a ShutdownRequest.
-    state: str = "ready"
+    state: str = READY  # READY, DRAINING, DRAINED or STOPPING
     pool: str = ""
     ttl_policy_version: int = 0
     ep_layout_version: int = 0

@@ -15,6 +15,10 @@ from workers.engine.parallel.placement import Placement, PlacementError
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.ttl import TTLPolicy
 from workers.protocol.messages import (
+    DRAINED,
+    DRAINING,
+    READY,
+    STOPPING,
     ApplyEPLayoutRequest,
     ControlAck,
     ControlRequest,
@@ -27,10 +31,6 @@ from workers.protocol.messages import (
 
 log = logging.getLogger(__name__)
 
-READY = "ready"
-DRAINING = "draining"
-DRAINED = "drained"
-STOPPING = "stopping"
 # Enough to cover any sender's retries of one command, bounded so a long-lived worker does not grow.
 REMEMBERED_ANSWERS = 1024
 

@@ -17,13 +17,14 @@ from collections.abc import Callable
 
 from workers.engine.engine import LLMEngine
 from workers.protocol.messages import (
+    DRAINING,
     DeclineMigrationRequest,
     GenerateError,
     GenerateOutput,
     MigrateRequest,
     WorkerOutbound,
 )
-from workers.worker.control import DRAINING, WorkerControl
+from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers
 
 log = logging.getLogger(__name__)
