@@ -1,5 +1,7 @@
 """The KV cache sized from a CUDA device by gpu_memory_utilization (run on the accelerator machine:
-`pytest -m gpu`). These tests assume no other process uses the device while they run."""
+`pytest -m gpu`). These tests assume no other process uses the device while they run, and they run in
+a pytest process of their own (bench/gpu.sh does): they measure this process's device memory outside
+torch, which other tests' NCCL groups and compiled kernels would add to."""
 
 import gc
 import logging
