@@ -2,13 +2,15 @@
 tokens and logprobs of one process, with redundant experts too; a rank without requests does not
 stall the others. A placement put in force while streams run changes none of their tokens and the
 load counters follow the experts to their new slots; an invalid one changes nothing. When one of 4
-ranks is killed, the group re-forms with 3, every expert is still served, and the running greedy
-streams complete with the same tokens."""
+ranks is killed, the group re-forms with 3, every expert is still served, the running greedy
+streams complete with the same tokens, and a constrained stream goes on with its constraint where it
+was."""
 
 import os
 import signal
 
 import pytest
+import torch
 
 from tests.workers.engine.expert_parallel.tiny_moe import QWEN3_MOE
 from workers.engine import LLM, SamplingParams
@@ -16,11 +18,30 @@ from workers.engine.expert_parallel import ep_engine
 from workers.engine.expert_parallel.ep_engine import EPEngine
 from workers.engine.parallel.placement import PlacementError
 from workers.protocol.engine_request import EngineRequest
+from workers.protocol.messages import OutputConstraintSpec
 
 # No prefix cache: the same prompts run twice route the same tokens (the load counter test).
 SETTINGS = dict(seed=0, kv_cache_bytes=1 << 22, max_num_batched_tokens=32, enable_prefix_caching=False)
 PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 80)), [7] * 9, [100, 1, 2]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+class Script:
+    """A constraint that allows exactly one token per step: the script's, in order."""
+
+    def __init__(self, script: list[int], vocab_size: int) -> None:
+        self.script, self.vocab_size, self.consumed = script, vocab_size, []
+
+    def allowed_tokens(self) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[self.script[len(self.consumed)]] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        self.consumed.append(token_id)
+
+    def is_finished(self) -> bool:
+        return len(self.consumed) >= len(self.script)
 
 
 def _tokens_and_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -138,13 +159,26 @@ def test_an_invalid_placement_is_refused_and_the_one_in_force_stays(ep2, one_pro
     assert tokens == one_process[0][:1] and engine.placement == in_force
 
 
-def test_a_killed_rank_leaves_three_that_finish_every_stream(ep4, one_process):
+def test_a_killed_rank_leaves_three_that_finish_every_stream(ep4, one_process, monkeypatch):
     """Last of the ep4 tests: it kills one of the engine's ranks."""
     engine = ep4.engine
     victim = engine.remotes[1].process
     tokens = {f"k{i}": [] for i in range(len(PROMPTS))}
     for request_id, prompt in zip(tokens, PROMPTS, strict=True):
         engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, params=GREEDY))
+    # A constrained stream (rank 0's): resubmitted after the re-form, its constraint goes on where it
+    # was, so the stream is the script and nothing of it twice.
+    script = [5, 9, 2, 77, 31, 64, 8, 120, 3, 41, 17, 99]
+    monkeypatch.setattr(engine, "_compile", lambda request_id, spec: Script(script, QWEN3_MOE["vocab_size"]))
+    tokens["scripted"] = []
+    engine.add_request(
+        EngineRequest(
+            request_id="scripted",
+            prompt_token_ids=PROMPTS[0],
+            params=GREEDY,
+            constraint=OutputConstraintSpec(kind="regex", schema="hand-written"),
+        )
+    )
     steps = 0
     while engine.has_unfinished():
         if steps == 4:
@@ -152,6 +186,7 @@ def test_a_killed_rank_leaves_three_that_finish_every_stream(ep4, one_process):
         for delta in engine.step():
             tokens[delta.request_id] += delta.token_ids
         steps += 1
+    assert [tokens.pop("scripted")] == [script]
     assert list(tokens.values()) == one_process[0]
     assert engine.ep_size == 3 and not victim.is_alive()
     assert "re-formed with 3 ranks" in engine.resize_reason and engine.resized_at > 0
