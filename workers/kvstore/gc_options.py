@@ -10,6 +10,8 @@ from workers.kvstore.eviction import POLICIES
 GC_INTERVAL_S = 10.0
 CAPACITY_BYTES = 8 << 30
 EVICTION_POLICY = "best"
+CAPACITY_HELP = "bytes the store may hold: the GC evicts from its high watermark down to its low one, fractions of this"
+EVICTION_POLICY_HELP = "which blocks the GC evicts first"
 
 
 def add_gc_arguments(parser: argparse.ArgumentParser, *, interval_help: str) -> None:
@@ -18,12 +20,11 @@ def add_gc_arguments(parser: argparse.ArgumentParser, *, interval_help: str) -> 
         "--kv-store-capacity-bytes",
         type=int,
         default=CAPACITY_BYTES,
-        help="bytes the store may hold: the GC evicts from its high watermark down to its low one, fractions of this "
-        "(default: %(default)s)",
+        help=f"{CAPACITY_HELP} (default: %(default)s)",
     )
     parser.add_argument(
         "--kv-eviction-policy",
         default=EVICTION_POLICY,
         choices=sorted(POLICIES),
-        help="which blocks the GC evicts first (default: %(default)s)",
+        help=f"{EVICTION_POLICY_HELP} (default: %(default)s)",
     )

@@ -15,7 +15,13 @@ from typing import Any
 from workers.args import EngineArgs, add_engine_arguments, add_setting_arguments, setting, setting_argv
 from workers.curve import KEY_FILE_VARIABLE, key_file_from_environment
 from workers.kvstore.eviction import POLICIES
-from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTERVAL_S
+from workers.kvstore.gc_options import (
+    CAPACITY_BYTES,
+    CAPACITY_HELP,
+    EVICTION_POLICY,
+    EVICTION_POLICY_HELP,
+    GC_INTERVAL_S,
+)
 
 ROLES = ("mixed", "prefill", "decode")
 HEARTBEAT_INTERVAL_S = 0.1
@@ -42,13 +48,8 @@ class WorkerArgs:
         flag="--kv-gc-interval",
         help="seconds between runs of the store's GC in this worker; 0: none (run_kv_gc runs it)",
     )
-    kv_store_capacity_bytes: int = setting(
-        CAPACITY_BYTES,
-        help="bytes the store may hold: the GC evicts from its high watermark down to its low one, fractions of this",
-    )
-    kv_eviction_policy: str = setting(
-        EVICTION_POLICY, choices=sorted(POLICIES), help="which blocks the GC evicts first"
-    )
+    kv_store_capacity_bytes: int = setting(CAPACITY_BYTES, help=CAPACITY_HELP)
+    kv_eviction_policy: str = setting(EVICTION_POLICY, choices=sorted(POLICIES), help=EVICTION_POLICY_HELP)
     pool: str = setting("", help="the pool the control plane scales this worker in")
     registry_endpoint: str | None = setting(None, help="register with the control plane's registry there")
     transfer_endpoint: str | None = setting(None, help="decode workers: bind the socket KV transfers arrive on here")
