@@ -73,6 +73,45 @@ class MoeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): per token and layer the cache keeps one latent,
+    the kv_lora_rank-wide compressed KV followed by a qk_rope_head_dim-wide rotary key shared by
+    every head; each head's query and key are qk_nope_head_dim + qk_rope_head_dim wide, its value
+    v_head_dim."""
+
+    q_lora_rank: int | None  # None: queries are projected straight from the hidden state (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # The softmax scale: qk_head_dim ** -0.5, times YaRN's mscale squared where the rope scaling
+    # asks for it (mscale_all_dim), as DeepSeek's attention does.
+    softmax_scale: float
+    # Rotary pairs of adjacent dims (DeepSeek's layout) rather than the two halves of the rope part.
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Values one token keeps per layer: the compressed KV and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def validate(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ModelLoadError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ModelLoadError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ModelLoadError(f"qk_rope_head_dim must be even for rotary embeddings, got {self.qk_rope_head_dim}")
+        if not (math.isfinite(self.softmax_scale) and self.softmax_scale > 0):
+            raise ModelLoadError(f"the softmax scale must be positive, got {self.softmax_scale}")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The decoder shape, read once from an HF config dict and checked for consistency."""
 
@@ -96,6 +135,9 @@ class ModelConfig:
     dtype: torch.dtype
     initializer_range: float = 0.02
     moe: MoeConfig | None = None  # None for dense models
+    # Multi-head latent attention (None: every head's keys and values are cached). With it, head_dim
+    # is a query's and key's width (qk_nope_head_dim + qk_rope_head_dim) and num_kv_heads num_heads.
+    mla: MlaConfig | None = None
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -109,6 +151,8 @@ class ModelConfig:
                 raise ModelLoadError(f"{name} must be positive, got {getattr(self, name)}")
         if self.moe is not None:
             self.moe.validate()
+        if self.mla is not None:
+            self.mla.validate()
 
 
 @dataclass(frozen=True, slots=True)
