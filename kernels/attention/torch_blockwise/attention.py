@@ -21,6 +21,7 @@ import torch
 from kernels.attention.torch_common.metadata import (
     AttentionMetadata,
     SequenceGroup,
+    attention_output,
     check_paged_inputs,
     gather_pages,
     visible_keys,
@@ -48,13 +49,13 @@ def paged_attention_blockwise(
         raise ValueError(f"page size {k_cache.shape[2]} must divide the key block {KEY_BLOCK}")
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     min_rows = min_invariant_rows() if query.device.type == "cpu" else 1
-    out = torch.zeros_like(query)
+    out = attention_output(query, v_cache)
     for group in metadata.groups:
         layout = row_layout(group, per_kv=query.shape[1] // kv_heads, min_rows=min_rows, key_multiple=KEY_BLOCK)
         n, blocks = len(group.seqs), layout.num_keys // KEY_BLOCK
         q = gather_rows(query, group, layout).mul_(scale).unsqueeze(2)  # [kv, n, 1, rows, d]
         keys = gather_pages(k_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, head_dim)
-        values = gather_pages(v_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, head_dim)
+        values = gather_pages(v_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, v_cache.shape[3])
         hidden = _hidden_keys(group, layout, window)
         result = torch.cat(
             [

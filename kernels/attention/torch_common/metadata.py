@@ -154,12 +154,19 @@ def _build_group(
     )
 
 
+def attention_output(query: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Zeros for every query row's output: [tokens, heads, value width]."""
+    return query.new_zeros(*query.shape[:2], v_cache.shape[3])
+
+
 def check_paged_inputs(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
 ) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim], got shape {tuple(query.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    # Values may be narrower than keys: multi-head latent attention's values are the leading columns
+    # of its one latent head.
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(
             f"k/v caches must both be [kv_heads, pages, page_size, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"

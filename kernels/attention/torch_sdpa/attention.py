@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kernels.attention.torch_common.metadata import (
     AttentionMetadata,
     SequenceGroup,
+    attention_output,
     check_paged_inputs,
     gather_pages,
     visible_keys,
@@ -56,7 +57,7 @@ def _attend(
 ) -> torch.Tensor:
     kv_heads, _, page_size, _ = k_cache.shape
     on_cpu = query.device.type == "cpu"
-    out = torch.zeros_like(query)
+    out = attention_output(query, v_cache)
     for group in metadata.groups:
         if not on_cpu and window is None and group.fresh:
             _attend_fresh_prompts(query, out, k_cache, v_cache, group, scale)
@@ -98,7 +99,7 @@ def _attend_fresh_prompts(
     keys = gather_pages(k_cache, group, num_keys).transpose(0, 1)[:, :, :width]
     values = gather_pages(v_cache, group, num_keys).transpose(0, 1)[:, :, :width]
     result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-    result = result.transpose(1, 2).reshape(n * width, *query.shape[1:])
+    result = result.transpose(1, 2).reshape(n * width, *out.shape[1:])
     out.index_copy_(0, group.valid_tokens, result.index_select(0, group.valid_slots))
 
 

@@ -4,8 +4,10 @@ and keys for Qwen3, and windowed layers where a config asks. Projections that re
 are fused (q/k/v, gate/up) so each layer runs two fewer matmuls; weights load from Hugging Face names.
 The MoE families are these decoders whose sparse layers' feed-forward is a routed-experts block
 (layers.moe.SparseMoeBlock): Qwen3-MoE and dots1 (DeepSeek-V3 routing) on Qwen3's attention,
-Qwen2-MoE (with a gated shared expert) on Qwen2's. A checkpoint's per-expert tensors are handed to
-that block's experts module, which stacks them (or, for expert parallelism, keeps those it holds).
+Qwen2-MoE (with a gated shared expert) on Qwen2's; DeepSeek-V2/V3 route theirs behind multi-head
+latent attention (models.mla), whose cache holds one latent per token. A checkpoint's per-expert
+tensors are handed to that block's experts module, which stacks them (or, for expert parallelism,
+keeps those it holds).
 
 Two ways through a layer: the reference (torch ops, bitwise what the CPU tests hold against HF)
 and, with `use_fused_ops(True)` on CUDA, the fused Triton ops (kernels.fused): residual add and
@@ -27,6 +29,7 @@ from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and
 from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from workers.engine.models.mla import MLAAttention
 from workers.protocol.errors import ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -124,7 +127,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, config.layer_windows[layer])
+        self.self_attn = MLAAttention(config) if config.mla else Attention(config, config.layer_windows[layer])
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, layer)
 
@@ -171,7 +174,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions)
+        rotary_width = config.mla.qk_rope_head_dim if config.mla else config.head_dim
+        self.rotary = RotaryEmbedding(config.rope, rotary_width, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
@@ -275,7 +279,7 @@ def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | 
         return None
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
-    # dots1 names its shared experts in the plural; one fused MLP serves them either way.
+    # dots1 and DeepSeek name their shared experts in the plural; one fused MLP serves them either way.
     name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     shared_size = config.moe.shared_intermediate_size if config.moe is not None else 0
     fused = {
@@ -290,7 +294,7 @@ def _map_hf_name(hf_name: str, config: ModelConfig) -> tuple[str, int | None] | 
         "mlp.gate.": ("mlp.router.", None),
     }
     for part, (replacement, offset) in fused.items():
-        if part in name:
+        if part in name and not (config.mla and part.startswith("self_attn.")):
             return name.replace(part, replacement), offset
     return name, None
 
@@ -299,14 +303,11 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         names.add("lm_head.weight")
-    per_layer = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-    ]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+    if config.mla is not None:
+        per_layer += _expected_mla_names(config)
+    else:
+        per_layer += ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
     if config.attention_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     if config.qk_norm:
@@ -319,6 +320,15 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
     return names
 
 
+def _expected_mla_names(config: ModelConfig) -> list[str]:
+    names = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight"]
+    if config.mla.q_lora_rank is None:
+        names.append("q_proj.weight")
+    else:
+        names += ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+    return [f"self_attn.{name}" for name in names]
+
+
 def _expected_moe_names(config: ModelConfig) -> list[str]:
     moe = config.moe
     names = ["mlp.gate.weight"]
@@ -326,7 +336,8 @@ def _expected_moe_names(config: ModelConfig) -> list[str]:
     if moe.routing == "grouped_sigmoid":
         names.append("mlp.gate.e_score_correction_bias")
     if moe.shared_intermediate_size:
-        shared = "shared_experts" if config.family == "dots1" else "shared_expert"
+        # Qwen2-MoE, whose shared expert is gated, names it in the singular; dots1 and DeepSeek in the plural.
+        shared = "shared_expert" if moe.shared_expert_gate else "shared_experts"
         names += [f"mlp.{shared}.{p}_proj.weight" for p in ("gate", "up", "down")]
     if moe.shared_expert_gate:
         names.append("mlp.shared_expert_gate.weight")
