@@ -52,12 +52,12 @@ def main() -> None:
             prompts = torch.randint(
                 0, vocab_size, (batch_size, args.prompt_len), generator=torch.Generator().manual_seed(batch_size)
             )
-            runners: dict[str, Callable[[int], tuple[float, float]]] = {"sluice": _ours(llm, prompts)}
+            runners: dict[str, Callable[[int], tuple[float, float]]] = {"sluice": timed_engine_run(llm, prompts)}
             for peer in args.peers.split(","):
                 if peer:
                     runners[peer] = _hf(hf_model, prompts.to(device), static=peer == "hf_static")
             for name, run in runners.items():
-                measured = _measure(run, args.new_tokens, batch_size, args.prompt_len, full_warm_up=name == "hf_static")
+                measured = measure_run(run, args.new_tokens, batch_size, args.prompt_len, full_warm_up=name == "hf_static")
                 measured["decode_hbm_fraction"] = _decode_bandwidth_fraction(
                     llm, measured["decode_tok_s"], batch_size, args.prompt_len + args.new_tokens // 2
                 )
@@ -84,7 +84,7 @@ def main() -> None:
     )
 
 
-def _measure(
+def measure_run(
     run: Callable[[int], tuple[float, float]], new_tokens: int, batch_size: int, prompt_len: int, *, full_warm_up: bool
 ) -> dict:
     # Warm-up: allocator, kernels, lazy initialisation, compilation. HF's static cache compiles for
@@ -115,7 +115,7 @@ class _Clock:
         return self.now_raw() - self.start
 
 
-def _ours(llm: LLM, prompts: torch.Tensor) -> Callable[[int], tuple[float, float]]:
+def timed_engine_run(llm: LLM, prompts: torch.Tensor) -> Callable[[int], tuple[float, float]]:
     """(time until every request has its first token, time until all are done)."""
     token_lists = prompts.tolist()
     engine = llm.engine

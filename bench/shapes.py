@@ -1,0 +1,109 @@
+"""The model shapes the GPU benchmarks serve with random weights: Hugging Face config dicts by name.
+
+One table, so every benchmark (engine throughput, KV handoff, store bytes) reads the same shapes
+and a new one is one entry. Each is the published model's config with the fields that change no
+shape left out; `layers` in a name says the shape keeps only that many of the model's layers (a
+slice that fits one GPU beside its KV cache, with every layer's bytes as the full model's).
+"""
+
+from typing import Any
+
+from bench.smollm2_config import SMOLLM2_135M_CONFIG
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2_135m": SMOLLM2_135M_CONFIG,
+    "llama3_8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    # 16 of Qwen3-30B-A3B's 48 layers.
+    "qwen3_30b_a3b_16_layers": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    # All 27 layers: 64 routed experts (top-6) and 2 shared, the first layer dense; MLA without q LoRA.
+    "deepseek_v2_lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        "max_position_embeddings": 163840,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def shape(name: str) -> dict[str, Any]:
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    return {**SHAPES[name], "_name_or_path": name}
