@@ -1,14 +1,18 @@
 """Rotary tables against transformers' rope initialisation: YaRN as DeepSeek configures it, and the
-kinds served before it."""
+kinds served before it; DeepSeek's interleaved pair rotation against HF's V2 and V3."""
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, LlamaConfig
+from transformers import DeepseekV2Config, DeepseekV3Config, LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2RotaryEmbedding, apply_rotary_emb
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3RotaryEmbedding,
+    apply_rotary_pos_emb_interleave,
+)
 
 from tests.workers.engine.models.deepseek_configs import V2_LITE, V3
-from workers.engine.layers.rotary import RotaryEmbedding, inverse_frequencies
+from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary_pairs, inverse_frequencies
 from workers.engine.models.registry import model_config
 
 ROPE_WIDTH = 64
@@ -98,3 +102,44 @@ def test_kinds_served_before_yarn_are_unchanged(rope_scaling):
 
     assert rope.attention_factor == 1.0
     torch.testing.assert_close(inverse_frequencies(rope, 64), hf_inv_freq, rtol=1e-6, atol=0)
+
+
+def rotary_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.tensor([0, 3, 4096, 70_000])
+    q = torch.randn(len(positions), 4, ROPE_WIDTH, generator=generator)  # [T, heads, rope width]
+    k = torch.randn(len(positions), 1, ROPE_WIDTH, generator=generator)
+    return positions, q, k
+
+
+def test_v2_rotates_adjacent_pairs_in_place():
+    positions, q, k = rotary_inputs(seed=4)
+    raw = {**V2_LITE, "rope_theta": 10000.0}
+    hf_config = DeepseekV2Config(**{key: v for key, v in raw.items() if key != "architectures"})
+    freqs_cis = DeepseekV2RotaryEmbedding(hf_config)(q, positions[None])  # [1, T, width / 2]
+    # HF's layout: [batch, heads, T, width].
+    hf_q, hf_k = apply_rotary_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], freqs_cis)
+
+    config = model_config(raw)
+    cos, sin = RotaryEmbedding(config.rope, config.mla.qk_rope_head_dim, 70_001).angles(positions, torch.float32)
+
+    assert config.mla.rope_interleave
+    torch.testing.assert_close(apply_rotary_pairs(q, cos, sin), hf_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rotary_pairs(k, cos, sin), hf_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_v3_interleave_is_pairs_rotated_then_deinterleaved():
+    # HF's V3 writes the rotated pairs' first elements, then their second ones: a fixed permutation
+    # of the rope dims, the same for queries and keys, so attention is that of in-place pairs.
+    positions, q, k = rotary_inputs(seed=5)
+    raw, hf_config = deepseek_v3(V3["rope_scaling"])
+    hf_cos, hf_sin = DeepseekV3RotaryEmbedding(hf_config)(q, positions[None])
+    hf_q, hf_k = apply_rotary_pos_emb_interleave(q, k, hf_cos[0], hf_sin[0])
+
+    config = model_config(raw)
+    cos, sin = RotaryEmbedding(config.rope, config.mla.qk_rope_head_dim, 70_001).angles(positions, torch.float32)
+    q_pairs, k_pairs = apply_rotary_pairs(q, cos, sin), apply_rotary_pairs(k, cos, sin)
+
+    assert config.mla.rope_interleave
+    torch.testing.assert_close(torch.cat([q_pairs[..., 0::2], q_pairs[..., 1::2]], dim=-1), hf_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_pairs @ k_pairs.transpose(1, 2), hf_q @ hf_k.transpose(1, 2), rtol=1e-5, atol=1e-5)
