@@ -11,16 +11,25 @@ from workers.cost_model import PrefillCostModel
 from workers.engine.dtypes import torch_dtype
 from workers.protocol.errors import ModelLoadError
 
+ROUTINGS = ("softmax", "grouped_sigmoid", "grouped_softmax")
+
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float
-    # "default", "linear" or "llama3"; the remaining fields are read only by the scaled kinds.
+    # "default", "linear", "llama3" or "yarn"; the remaining fields are read only by the scaled kinds.
     kind: str = "default"
     factor: float = 1.0
     original_max_position_embeddings: int = 8192
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    # YaRN: the rotations per original context below which a pair is interpolated (beta_slow) and
+    # above which it keeps its frequency (beta_fast), the ramp's ends rounded outwards with truncate.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # cos and sin are scaled by it (YaRN's attention temperature; HF's attention_scaling).
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +41,8 @@ class MoeConfig:
     intermediate_size: int  # of one routed expert
     # "softmax": top-k of softmax(logits) (Qwen). "grouped_sigmoid": DeepSeek-V3's sigmoid scores,
     # top-k within the best topk_groups of num_groups groups, chosen with e_score_correction_bias.
+    # "grouped_softmax": DeepSeek-V2's softmax scores, top-k within the best topk_groups of num_groups
+    # groups, each scored by its best expert (one group: plain top-k), times routed_scaling_factor.
     routing: str
     norm_topk_prob: bool
     # Per layer: whether its feed-forward is the routed experts (else the dense MLP).
@@ -52,24 +63,33 @@ class MoeConfig:
             raise ModelLoadError(
                 f"num_experts_per_tok must be in [1, {self.num_experts}] (the experts), got {self.top_k}"
             )
-        if self.routing == "grouped_sigmoid":
-            if self.num_groups < 1 or self.num_experts % self.num_groups:
-                raise ModelLoadError(f"n_group ({self.num_groups}) must divide the {self.num_experts} experts")
-            if not 1 <= self.topk_groups <= self.num_groups:
-                raise ModelLoadError(f"topk_group must be in [1, n_group={self.num_groups}], got {self.topk_groups}")
-            per_group = self.num_experts // self.num_groups
-            # A group's score is the sum of its best two experts' scores.
-            if per_group < 2:
-                raise ModelLoadError(f"each of the n_group={self.num_groups} groups needs two experts or more")
-            if self.top_k > self.topk_groups * per_group:
-                raise ModelLoadError(
-                    f"num_experts_per_tok ({self.top_k}) exceeds the {self.topk_groups * per_group} experts "
-                    f"of the topk_group={self.topk_groups} groups a token may use"
-                )
-            if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
-                raise ModelLoadError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
+        if self.routing not in ROUTINGS:
+            raise ModelLoadError(f"unknown MoE routing {self.routing!r}; known: {', '.join(ROUTINGS)}")
+        if self.routing in ("grouped_sigmoid", "grouped_softmax"):
+            self._validate_groups()
+        if self.routing == "grouped_softmax" and self.norm_topk_prob:
+            # DeepSeek-V2's gate in HF never renormalises (DeepSeek's own code would, and drop the
+            # scaling factor): the two disagree, so neither is guessed.
+            raise ModelLoadError("norm_topk_prob is not supported with DeepSeek-V2 routing")
         if self.shared_intermediate_size < 0:
             raise ModelLoadError(f"the shared expert's size must not be negative, got {self.shared_intermediate_size}")
+
+    def _validate_groups(self) -> None:
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ModelLoadError(f"n_group ({self.num_groups}) must divide the {self.num_experts} experts")
+        if not 1 <= self.topk_groups <= self.num_groups:
+            raise ModelLoadError(f"topk_group must be in [1, n_group={self.num_groups}], got {self.topk_groups}")
+        per_group = self.num_experts // self.num_groups
+        # grouped_sigmoid scores a group by the sum of its best two experts' scores.
+        if self.routing == "grouped_sigmoid" and per_group < 2:
+            raise ModelLoadError(f"each of the n_group={self.num_groups} groups needs two experts or more")
+        if self.top_k > self.topk_groups * per_group:
+            raise ModelLoadError(
+                f"num_experts_per_tok ({self.top_k}) exceeds the {self.topk_groups * per_group} experts "
+                f"of the topk_group={self.topk_groups} groups a token may use"
+            )
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ModelLoadError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor}")
 
 
 @dataclass(frozen=True, slots=True)

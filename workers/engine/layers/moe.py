@@ -3,8 +3,8 @@ experts run them, and optional shared experts see every token.
 
 The three parts are separate modules so each can be replaced without touching the model code:
 - a router: `forward(hidden [T, H]) -> (topk_ids int64 [T, k] logical expert ids, topk_weights
-  float32 [T, k])`; `SoftmaxTopKRouter` (Qwen2-MoE, Qwen3-MoE) and `GroupedSigmoidRouter`
-  (DeepSeek-V3 routing);
+  float32 [T, k])`; `SoftmaxTopKRouter` (Qwen2-MoE, Qwen3-MoE), `GroupedSigmoidRouter`
+  (DeepSeek-V3 routing) and `GroupedSoftmaxRouter` (DeepSeek-V2 routing);
 - the experts: `forward(hidden, topk_ids, topk_weights) -> [T, H]`; `RoutedExperts` holds all E
   experts of a layer in one process (slot = expert id), an expert-parallel module holds some of them;
   either loads a checkpoint's per-expert tensors through `load_expert_weight`;
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe import experts as run_experts
-from workers.engine.config import MoeConfig
+from workers.engine.config import ROUTINGS, MoeConfig
 from workers.protocol.errors import ModelLoadError
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -86,6 +86,43 @@ class GroupedSigmoidRouter(nn.Module):
         return ids, weights * self.routed_scaling_factor
 
 
+class GroupedSoftmaxRouter(nn.Module):
+    """DeepSeek-V2 routing: softmax scores over all experts; the experts are split into num_groups
+    groups, each scored by its best expert, and a token picks its top k among the experts of its best
+    topk_groups groups (one group: plain top-k, DeepSeek's "greedy"). The weights are the chosen
+    experts' probabilities times routed_scaling_factor, not renormalised. All in float32."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        num_groups: int,
+        topk_groups: int,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k = top_k
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(hidden.float(), self.weight.float()).softmax(dim=-1)
+        choice = scores
+        if self.topk_groups < self.num_groups:
+            tokens, num_experts = scores.shape
+            by_group = scores.view(tokens, self.num_groups, num_experts // self.num_groups)
+            best_groups = by_group.amax(dim=-1).topk(self.topk_groups, dim=-1).indices
+            allowed = torch.zeros(tokens, self.num_groups, dtype=torch.bool, device=scores.device)
+            allowed.scatter_(1, best_groups, True)
+            choice = by_group.masked_fill(~allowed[:, :, None], float("-inf")).view(tokens, num_experts)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        return ids, scores.gather(1, ids) * self.routed_scaling_factor
+
+
 def build_router(moe: MoeConfig, hidden_size: int) -> nn.Module:
     if moe.routing == "softmax":
         return SoftmaxTopKRouter(hidden_size, moe.num_experts, moe.top_k, norm_topk_prob=moe.norm_topk_prob)
@@ -99,7 +136,16 @@ def build_router(moe: MoeConfig, hidden_size: int) -> nn.Module:
             norm_topk_prob=moe.norm_topk_prob,
             routed_scaling_factor=moe.routed_scaling_factor,
         )
-    raise ModelLoadError(f"unknown MoE routing {moe.routing!r}; known: softmax, grouped_sigmoid")
+    if moe.routing == "grouped_softmax":
+        return GroupedSoftmaxRouter(
+            hidden_size,
+            moe.num_experts,
+            moe.top_k,
+            num_groups=moe.num_groups,
+            topk_groups=moe.topk_groups,
+            routed_scaling_factor=moe.routed_scaling_factor,
+        )
+    raise ModelLoadError(f"unknown MoE routing {moe.routing!r}; known: {', '.join(ROUTINGS)}")
 
 
 class RoutedExperts(nn.Module):

@@ -3,6 +3,7 @@
 from typing import Any
 
 from workers.engine.config import ModelConfig
+from workers.engine.models.deepseek import DeepseekV2, DeepseekV3
 from workers.engine.models.dots1 import Dots1
 from workers.engine.models.family import DecoderFamily
 from workers.engine.models.llama import Llama
@@ -18,6 +19,8 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
     "Qwen3MoeForCausalLM": Qwen3Moe(),
     "Qwen2MoeForCausalLM": Qwen2Moe(),
     "Dots1ForCausalLM": Dots1(),
+    "DeepseekV2ForCausalLM": DeepseekV2(),
+    "DeepseekV3ForCausalLM": DeepseekV3(),
 }
 
 
