@@ -46,6 +46,58 @@ TINY_MOE_CONFIGS = {
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,
     ),
+    # DeepSeek-V2 (V2-Lite's kind): multi-head latent attention without query compression, YaRN with
+    # mscale_all_dim (a softmax scale and rotary tables of its own), layer 0 dense, softmax routing
+    # limited to the best 2 of 4 groups, two shared experts.
+    "deepseek_v2": dict(
+        model_type="deepseek_v2",
+        architectures=["DeepseekV2ForCausalLM"],
+        **{**TINY, "num_key_value_heads": 4},
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        rope_scaling=dict(
+            type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=1.0,
+        ),
+    ),
+    # DeepSeek-V3: compressed queries (q LoRA), sigmoid routing within groups with a correction bias
+    # (noaux_tc), the first two layers dense, one shared expert, interleaved rope.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        **{**TINY, "num_hidden_layers": 4, "num_key_value_heads": 4},
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        first_k_dense_replace=2,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 

@@ -81,7 +81,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x0, x1), (x2, x3), ... of each head in place, DeepSeek's interleaved layout;
+    """Rotate adjacent pairs (x0, x1), (x2, x3), ... of each head where they stand, DeepSeek's interleaved layout;
     cos and sin are RotaryEmbedding's tables, whose first half holds one angle per pair."""
     half = x.shape[-1] // 2
     cos, sin = cos[..., :half], sin[..., :half]

@@ -26,7 +26,7 @@ from torch import nn
 from kernels.attention import AttentionBackend
 from workers.engine.config import ModelConfig
 from workers.engine.layers.norm import RMSNorm
-from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_pairs
 
 # HF builds q_a_layernorm and kv_a_layernorm with the norm's default eps, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -75,8 +75,9 @@ class MLAAttention(nn.Module):
         compressed = self.kv_a_layernorm(compressed)
         if angles is None:
             angles = rotary.angles(positions, hidden.dtype)
-        q_rope = rotate(q_rope, *angles, interleave=mla.rope_interleave)
-        k_rope = rotate(k_rope.unsqueeze(1), *angles, interleave=mla.rope_interleave).squeeze(1)
+        rotate = apply_rotary_pairs if mla.rope_interleave else apply_rotary
+        q_rope = rotate(q_rope, *angles)
+        k_rope = rotate(k_rope.unsqueeze(1), *angles).squeeze(1)
         write_latent(latent_cache, torch.cat([compressed, k_rope], dim=-1), metadata.slot_mapping)
         w_uk, w_uv = self._absorbed_weights()
         # [heads, tokens, nope] @ [heads, nope, kv_lora_rank]: each head's query against the latent.
@@ -100,17 +101,6 @@ class MLAAttention(nn.Module):
         mla = self.mla
         weight = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return weight[:, : mla.qk_nope_head_dim], weight[:, mla.qk_nope_head_dim :].transpose(1, 2)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleave: bool) -> torch.Tensor:
-    """Rotate [tokens, heads, rope] by position: adjacent pairs (interleave) or halves."""
-    if not interleave:
-        return apply_rotary(x, cos, sin)
-    half = x.shape[-1] // 2
-    # The tables repeat each frequency in both halves (RotaryEmbedding): one half has them all.
-    cos, sin = cos[..., :half], sin[..., :half]
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
 
 
 def write_latent(latent_cache: torch.Tensor, latents: torch.Tensor, slot_mapping: torch.Tensor) -> None:
