@@ -158,6 +158,9 @@ class ModelConfig:
     # Multi-head latent attention (None: every head's keys and values are cached). With it, head_dim
     # is a query's and key's width (qk_nope_head_dim + qk_rope_head_dim) and num_kv_heads num_heads.
     mla: MlaConfig | None = None
+    # Layers a checkpoint holds past num_layers that are not served (DeepSeek-V3's multi-token
+    # prediction layers): their tensors are skipped on load.
+    unserved_layers: int = 0
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -36,6 +36,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 RotaryAngles = tuple[torch.Tensor, torch.Tensor]
 # A routed expert's projection in an HF checkpoint: layer, expert, gate/up/down.
 EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class Attention(nn.Module):
@@ -237,6 +238,8 @@ class DecoderForCausalLM(nn.Module):
         params = self.state_dict()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
+            if self._unserved(hf_name):
+                continue
             expert = EXPERT_TENSOR.fullmatch(hf_name)
             if expert is not None:
                 self._load_expert_weight(hf_name, expert, tensor)
@@ -261,6 +264,12 @@ class DecoderForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _unserved(self, hf_name: str) -> bool:
+        """A tensor of a layer the checkpoint holds past the served ones (ModelConfig.unserved_layers)."""
+        layer = LAYER_TENSOR.match(hf_name)
+        num_layers = self.config.num_layers
+        return layer is not None and num_layers <= int(layer[1]) < num_layers + self.config.unserved_layers
 
     def _load_expert_weight(self, hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:
         layer, expert, projection = int(match[1]), int(match[2]), match[3]

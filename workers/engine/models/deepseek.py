@@ -180,6 +180,9 @@ class DeepseekV3(_DeepSeek):
     def rope_interleave(self, hf: dict[str, Any]) -> bool:
         return bool(hf["rope_interleave"])
 
+    def unserved_layers(self, hf: dict[str, Any]) -> int:
+        return int(hf.get("num_nextn_predict_layers") or 0)
+
     def routing(self, hf: dict[str, Any]) -> dict[str, Any]:
         return {"routing": "grouped_sigmoid", "num_groups": int(hf["n_group"]), "topk_groups": int(hf["topk_group"])}
 
