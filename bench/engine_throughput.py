@@ -57,7 +57,9 @@ def main() -> None:
                 if peer:
                     runners[peer] = _hf(hf_model, prompts.to(device), static=peer == "hf_static")
             for name, run in runners.items():
-                measured = measure_run(run, args.new_tokens, batch_size, args.prompt_len, full_warm_up=name == "hf_static")
+                measured = measure_run(
+                    run, args.new_tokens, batch_size, args.prompt_len, full_warm_up=name == "hf_static"
+                )
                 measured["decode_hbm_fraction"] = _decode_bandwidth_fraction(
                     llm, measured["decode_tok_s"], batch_size, args.prompt_len + args.new_tokens // 2
                 )

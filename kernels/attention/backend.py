@@ -73,8 +73,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Attention of each new token ([tokens, heads, head_dim]) over its sequence's cached keys."""
 
-    def check_model(self, *, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Raise ValueError, naming the setting, if this backend cannot serve the model (checked at start)."""
+    def check_model(
+        self, *, head_dim: int, dtype: torch.dtype, device: torch.device, value_dim: int | None = None
+    ) -> None:
+        """Raise ValueError, naming the setting, if this backend cannot serve the model (checked at start).
+        `value_dim`: the values' width where it is not the keys' (multi-head latent attention)."""
 
     def __call__(
         self,

@@ -26,5 +26,9 @@ def rotary_and_cache_write(*args, **kwargs) -> torch.Tensor:
     return _fused().rotary_and_cache_write(*args, **kwargs)
 
 
+def mla_rope_and_cache_write(*args, **kwargs) -> None:
+    _fused().mla_rope_and_cache_write(*args, **kwargs)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _fused().silu_and_mul(gate_up)

@@ -80,10 +80,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x0, x1), (x2, x3), ... of each head where they stand, DeepSeek's interleaved layout;
-    cos and sin are RotaryEmbedding's tables, whose first half holds one angle per pair."""
-    half = x.shape[-1] // 2
-    cos, sin = cos[..., :half], sin[..., :half]
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rope layout, adjacent pairs (x0, x1), (x2, x3), ..., regrouped into halves [x0, x2,
+    ..., x1, x3, ...], so apply_rotary turns each pair by its frequency. Queries and keys regrouped
+    alike keep their dot products; HF's V3 writes its rotated pairs in this layout too."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)

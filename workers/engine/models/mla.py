@@ -15,7 +15,8 @@ plane, the value cache its leading kv_lora_rank columns. Nothing per head is eve
 decode step reads kv_lora_rank + qk_rope_head_dim values per context token for all heads at once.
 
 Rotary embeddings rotate adjacent pairs of the rope dims (DeepSeek's interleaved layout) or their
-two halves, as the config says; a query and a key rotate alike, so their product is HF's.
+two halves, as the config says; either way the rotated rope part is kept in halves (HF V3's layout,
+and the fused kernel's), and a query and a key rotate alike, so their product is HF's.
 """
 
 from typing import Any
@@ -25,8 +26,9 @@ from torch import nn
 
 from kernels.attention import AttentionBackend
 from workers.engine.config import ModelConfig
+from workers.engine.layers.fused import mla_rope_and_cache_write
 from workers.engine.layers.norm import RMSNorm
-from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_pairs
+from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary, deinterleave
 
 # HF builds q_a_layernorm and kv_a_layernorm with the norm's default eps, not the config's.
 LATENT_NORM_EPS = 1e-6
@@ -65,7 +67,8 @@ class MLAAttention(nn.Module):
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
-        """`angles`: the step's cos/sin (None on the fused path, which looks them up itself)."""
+        """`angles`: the step's cos/sin for the reference path; None selects the fused kernel, which
+        reads `rotary`'s tables by position itself."""
         mla = self.mla
         tokens = hidden.shape[0]
         (latent_cache,) = kv_cache
@@ -74,18 +77,29 @@ class MLAAttention(nn.Module):
         compressed, k_rope = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         compressed = self.kv_a_layernorm(compressed)
         if angles is None:
-            angles = rotary.angles(positions, hidden.dtype)
-        rotate = apply_rotary_pairs if mla.rope_interleave else apply_rotary
-        q_rope = rotate(q_rope, *angles)
-        k_rope = rotate(k_rope.unsqueeze(1), *angles).squeeze(1)
-        write_latent(latent_cache, torch.cat([compressed, k_rope], dim=-1), metadata.slot_mapping)
+            # One kernel rotates the query's rope part in place and writes the latent with its rotated key.
+            mla_rope_and_cache_write(
+                q_rope,
+                k_rope,
+                compressed,
+                positions,
+                rotary.cos,
+                rotary.sin,
+                latent_cache,
+                metadata.slot_mapping,
+                interleave=mla.rope_interleave,
+            )
+        else:
+            if mla.rope_interleave:
+                q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+            q_rope = apply_rotary(q_rope, *angles)
+            k_rope = apply_rotary(k_rope.unsqueeze(1), *angles).squeeze(1)
+            write_latent(latent_cache, torch.cat([compressed, k_rope], dim=-1), metadata.slot_mapping)
         w_uk, w_uv = self._absorbed_weights()
         # [heads, tokens, nope] @ [heads, nope, kv_lora_rank]: each head's query against the latent.
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         absorbed = torch.cat([q_latent, q_rope], dim=-1)
-        out = backend(
-            absorbed, latent_cache, latent_cache[..., : mla.kv_lora_rank], metadata, scale=mla.softmax_scale
-        )
+        out = backend(absorbed, latent_cache, latent_cache[..., : mla.kv_lora_rank], metadata, scale=mla.softmax_scale)
         # [heads, tokens, kv_lora_rank] @ [heads, kv_lora_rank, v_head_dim]: each head's value.
         values = torch.bmm(out.transpose(0, 1), w_uv).transpose(0, 1)
         return self.o_proj(values.reshape(tokens, self.num_heads * mla.v_head_dim))

@@ -83,7 +83,11 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = get_backend(attention_backend)
         config = model.config
-        self.backend.check_model(head_dim=config.head_dim, dtype=kv_cache.layers[0][0].dtype, device=device)
+        # An MLA layer attends its latent: keys as wide as the latent, values its compressed part.
+        key_dim, value_dim = (
+            (config.mla.latent_width, config.mla.kv_lora_rank) if config.mla else (config.head_dim, None)
+        )
+        self.backend.check_model(head_dim=key_dim, value_dim=value_dim, dtype=kv_cache.dtype, device=device)
         self.device = device
         self.min_rows = min_invariant_rows() if device.type == "cpu" else 1
         self.sampler = Sampler(seed=seed)

@@ -12,7 +12,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from tests.workers.engine.models.deepseek_configs import V2_LITE, V3
-from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary_pairs, inverse_frequencies
+from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary, deinterleave, inverse_frequencies
 from workers.engine.models.registry import model_config
 
 ROPE_WIDTH = 64
@@ -112,25 +112,24 @@ def rotary_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return positions, q, k
 
 
-def test_v2_rotates_adjacent_pairs_in_place():
+def test_v2_adjacent_pairs_rotate_as_hfs_in_halves_layout():
     positions, q, k = rotary_inputs(seed=4)
     raw = {**V2_LITE, "rope_theta": 10000.0}
     hf_config = DeepseekV2Config(**{key: v for key, v in raw.items() if key != "architectures"})
     freqs_cis = DeepseekV2RotaryEmbedding(hf_config)(q, positions[None])  # [1, T, width / 2]
-    # HF's layout: [batch, heads, T, width].
+    # HF's layout: [batch, heads, T, width]; V2 rotates each pair where it stands.
     hf_q, hf_k = apply_rotary_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], freqs_cis)
 
     config = model_config(raw)
     cos, sin = RotaryEmbedding(config.rope, config.mla.qk_rope_head_dim, 70_001).angles(positions, torch.float32)
 
     assert config.mla.rope_interleave
-    torch.testing.assert_close(apply_rotary_pairs(q, cos, sin), hf_q[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(apply_rotary_pairs(k, cos, sin), hf_k[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    for ours, theirs in ((q, hf_q), (k, hf_k)):
+        rotated = apply_rotary(deinterleave(ours), cos, sin)
+        torch.testing.assert_close(rotated, deinterleave(theirs[0].transpose(0, 1)), rtol=1e-5, atol=1e-5)
 
 
-def test_v3_interleave_is_pairs_rotated_then_deinterleaved():
-    # HF's V3 writes the rotated pairs' first elements, then their second ones: a fixed permutation
-    # of the rope dims, the same for queries and keys, so attention is that of in-place pairs.
+def test_v3_interleave_is_hfs_exactly():
     positions, q, k = rotary_inputs(seed=5)
     raw, hf_config = deepseek_v3(V3["rope_scaling"])
     hf_cos, hf_sin = DeepseekV3RotaryEmbedding(hf_config)(q, positions[None])
@@ -138,8 +137,7 @@ def test_v3_interleave_is_pairs_rotated_then_deinterleaved():
 
     config = model_config(raw)
     cos, sin = RotaryEmbedding(config.rope, config.mla.qk_rope_head_dim, 70_001).angles(positions, torch.float32)
-    q_pairs, k_pairs = apply_rotary_pairs(q, cos, sin), apply_rotary_pairs(k, cos, sin)
 
     assert config.mla.rope_interleave
-    torch.testing.assert_close(torch.cat([q_pairs[..., 0::2], q_pairs[..., 1::2]], dim=-1), hf_q, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(q_pairs @ k_pairs.transpose(1, 2), hf_q @ hf_k.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rotary(deinterleave(q), cos, sin), hf_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rotary(deinterleave(k), cos, sin), hf_k, rtol=1e-5, atol=1e-5)
