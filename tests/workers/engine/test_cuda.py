@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.workers.engine.hf_moe_reference import TINY_MOE_CONFIGS
 from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
 from workers.engine import LLM, SamplingParams
 from workers.protocol.engine_request import EngineRequest
@@ -43,7 +44,10 @@ def test_bfloat16_batch_with_preemption_completes_on_cuda():
     assert llm.engine.stats().num_preemptions > 0
 
 
-def test_cuda_graphs_and_async_scheduling_on_or_off_give_the_same_tokens():
+@pytest.mark.parametrize(
+    "config", [TINY_CONFIGS["llama"], TINY_MOE_CONFIGS["deepseek_v3"]], ids=["llama", "deepseek_v3 (MLA)"]
+)
+def test_cuda_graphs_and_async_scheduling_on_or_off_give_the_same_tokens(config):
     """Greedy and seeded rows, stop tokens, max_tokens, an abort, prefix hits and preemption."""
     from tests.workers.engine.workloads import ABORTED, mixed_requests, run_mixed
 
@@ -51,7 +55,7 @@ def test_cuda_graphs_and_async_scheduling_on_or_off_give_the_same_tokens():
     for eager in (False, True):
         for async_scheduling in (False, True):
             engine = LLM(
-                TINY_CONFIGS["llama"],
+                config,
                 device="cuda",
                 dtype="float32",
                 seed=0,
