@@ -498,9 +498,11 @@ class KVPoolOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pool_id: str  # one per engine start: a decode worker maps each pool once
     host_id: str  # the sending host's boot id: a pool maps only on the same host (kernel)
     handle: CudaIpcHandle | HostMemoryHandle
-    # The pool tensor: [layers, 2 (key, value), kv_heads, num_pages, page_size, head_dim] of `dtype`.
+    # The pool tensor: [layers, planes, heads, num_pages, page_size, width] of `dtype`, laid out as
+    # `kv_layout` says (KVCacheSpecs.layout): a receiver whose cache is laid out otherwise refuses it.
     shape: tuple[int, int, int, int, int, int]
     dtype: str
+    kv_layout: str
     pages: list[int]  # the request's pages in the pool, in token order: ceil(num_computed_tokens / page_size)
     # CLOCK_MONOTONIC of the sending host, comparable on the same host: the pages stay pinned until
     # then at least; a copy finished later is not trusted.
@@ -518,7 +520,8 @@ class KVTransferHeader(msgspec.Struct, tag="kv_header", frozen=True, forbid_unkn
     cache_namespace: str
     kv_model_id: str  # model and dtype the KV was computed with
     dtype: str  # "float32", "bfloat16" or "float16"
-    layer_shape: tuple[int, int, int, int]  # of every layer frame
+    kv_layout: str  # the sender's KVCacheSpecs.layout: a receiver whose cache is laid out otherwise refuses it
+    layer_shape: tuple[int, int, int, int]  # of every layer frame: [planes, heads, num_computed_tokens, width]
     num_layers: int
     chunk_layers: int  # layers per message; this one carries layers [0, min(chunk_layers, num_layers))
     # Sent by a draining decode worker (a migration), not by a prefill worker.

@@ -28,6 +28,7 @@ from tests.workers.worker_process import (
 from workers.engine import SamplingParams
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens
+from workers.engine.kv.spec import KVCacheSpecs
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.models.registry import model_config
 from workers.protocol.messages import (
@@ -82,15 +83,19 @@ def request_handoff(request_id: str, *, heads: int = HEADS, layers: list[torch.T
         cache_namespace="",
         kv_model_id=f"{MODEL}:float32",
         kv_dtype=torch.float32,
-        num_kv_heads=heads,
-        head_dim=HEAD_DIM,
+        kv_layout=KVCacheSpecs.of_model(tiny_config(heads), dtype=torch.float32, page_size=PAGE).layout,
+        token_shape=(2, heads, HEAD_DIM),
         num_layers=LAYERS,
         layers=layers if layers is not None else [torch.randn(shape, generator=generator) for _ in range(LAYERS)],
     )
 
 
+def tiny_config(heads: int = HEADS):
+    return model_config({**CONFIG, "num_key_value_heads": heads})
+
+
 def shared_cache(heads: int = HEADS, page_size: int = PAGE) -> KVCache:
-    config = model_config({**CONFIG, "num_key_value_heads": heads})
+    config = tiny_config(heads)
     cache = KVCache.for_model(
         config, num_pages=8, page_size=page_size, dtype=torch.float32, device=torch.device("cpu"), shareable=True
     )
@@ -339,7 +344,7 @@ def test_a_prefill_worker_offers_its_pages_sends_frames_when_asked_and_frees_the
                 sender, lead = fake_decode.recv_multipart()
                 header = msgspec.msgpack.decode(lead, type=KVTransferHeader)
                 assert isinstance(header.pool.handle, HostMemoryHandle) and len(header.pool.pages) == 3
-                pool = PoolMaps().open(header.pool)
+                pool = PoolMaps().open(header.pool, header.kv_layout)
                 index = torch.tensor(header.pool.pages)
                 offered = [
                     torch.stack([gather_tokens(pool[i, 0], index, TOKENS), gather_tokens(pool[i, 1], index, TOKENS)])
