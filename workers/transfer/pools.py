@@ -96,6 +96,10 @@ class PoolMaps:
         self.max_pools = max_pools
         self._pools: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # pool id → (exporter, tensor)
 
+    def __len__(self) -> int:
+        """Pools mapped now."""
+        return len(self._pools)
+
     def usable(self, offer: KVPoolOffer) -> str:
         """ "" when `offer` can be mapped in this process, else why not (another host, no such device)."""
         if offer.host_id != host_id():
