@@ -191,7 +191,11 @@ REFUSALS = {
         lambda c: offer(c["two heads"], [1, 2, 3], shape=(LAYERS, 2, HEADS, 64, PAGE, HEAD_DIM)),
         "the pool's memory holds .* bytes; its shape needs",
     ),
-    "a pool of another layout than its header": (lambda c: offer(c["one head"], [1, 2, 3]), "differ in layout"),
+    "a pool of another layout than its header": (
+        lambda c: offer(c["one head"], [1, 2, 3]),
+        r"offers a pool laid out as 'full attention of layers 0-2: 1 KV heads of 16 \(float32\)', its KV as 'full "
+        r"attention of layers 0-2: 2 KV heads",
+    ),
     "memory that is not a KV cache": (
         lambda c: offer(c["two heads"], [1, 2, 3], handle=HostMemoryHandle(pid=os.getpid(), fd=0, num_bytes=1 << 20)),
         "is not a KV cache's memory",
@@ -202,12 +206,26 @@ REFUSALS = {
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_an_offer_that_does_not_describe_what_it_maps_is_refused_and_no_page_is_kept(decode, name):
     make, message = REFUSALS[name]
+    refused_offer(decode, make, HEADS, message)
+
+
+def test_an_offer_of_another_layout_than_the_workers_cache_is_refused_naming_both(decode):
+    message = (
+        r"laid out as 'full attention of layers 0-2: 1 KV heads of 16 \(float32\)'; this worker's cache holds "
+        r"'full attention of layers 0-2: 2 KV heads of 16 \(float32\)'"
+    )
+    refused_offer(decode, lambda c: offer(c["one head"], [1, 2, 3]), 1, message)
+
+
+def refused_offer(decode, make, heads: int, message: str) -> None:
+    """Offer the decode worker a handoff of `heads` KV heads with `make`'s offer: refused with `message`,
+    and the worker keeps no page."""
     request_id = f"refused-{uuid.uuid4().hex[:6]}"
     with expect(decode, request_id) as dealer:
         forger = Forger(transfer_endpoint(decode.directory, "d"))
         try:
             caches = {"two heads": shared_cache(), "one head": shared_cache(heads=1)}  # alive until answered
-            forger.send([encode_offer(request_handoff(request_id), make(caches))])
+            forger.send([encode_offer(request_handoff(request_id, heads=heads), make(caches))])
             answer = forger.reply()
             error = dealer.receive()
         finally:
@@ -248,15 +266,19 @@ def test_an_offer_this_worker_cannot_map_is_answered_frames_and_the_frames_are_t
     "messages, message",
     [
         (
-            lambda h: encode_handoff(replace(h, num_kv_heads=1, layers=[t[:, :1] for t in h.layers])),
-            "this engine's cache holds",
+            lambda h: encode_handoff(request_handoff(h.request_id, heads=1)),
+            "laid out as 'full attention of layers 0-2: 1 KV heads of 16 (float32)'; this worker's cache holds 'full",
+        ),
+        (
+            lambda h: encode_handoff(replace(h, token_shape=(2, 1, HEAD_DIM), layers=[t[:, :1] for t in h.layers])),
+            "(2, 1, 16) per token, which is not its layout 'full attention of layers 0-2: 2 KV heads",
         ),
         (
             lambda h: [[msgspec.msgpack.encode(transfer_header(h, chunk_layers=LAYERS)), *[b"\x00" * 64] * LAYERS]],
             "layer 0 has 64 bytes",
         ),
     ],
-    ids=["another layout", "frames of another size"],
+    ids=["another layout", "a shape that is not its layout", "frames of another size"],
 )
 def test_frames_of_another_layout_or_size_than_their_header_says_are_refused(decode, messages, message):
     request_id = f"bad-frames-{uuid.uuid4().hex[:6]}"
