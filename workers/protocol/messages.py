@@ -459,8 +459,8 @@ WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 # A prefill worker's DEALER sends a request's KV to a decode worker's ROUTER in one of two ways:
 # - frames, through host memory (any two hosts): one multipart message per chunk of `chunk_layers`
 #   layers, the first [KVTransferHeader, its layers], each later one [KVTransferChunk, its layers]. A
-#   layer frame is the raw bytes of a C-order little-endian [2 (key, value), kv_heads,
-#   num_computed_tokens, head_dim] tensor of `dtype`: never pickled.
+#   layer frame is the raw bytes of a C-order little-endian [planes, heads, num_computed_tokens,
+#   width] tensor of `dtype` (keys and values, or a latent: workers.engine.kv.spec): never pickled.
 # - a pool offer (two engines of one host): the header alone, its `pool` naming the prefill engine's
 #   whole KV cache (mapped once per pool by the decode worker: CUDA IPC between GPU processes, shared
 #   memory between CPU ones) and the request's pages in it. The decode worker copies the pages into
@@ -469,6 +469,8 @@ WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 #   the frames follow, header first.
 # A decode worker that refuses or fails a transfer it was offered answers "failed", so that the prefill
 # worker releases the pages at once.
+# Both name the sender's KV layout (KVCacheSpecs.layout), which a decode worker whose cache is laid out
+# otherwise refuses at the header, before any KV is read.
 
 
 class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", frozen=True, forbid_unknown_fields=True):

@@ -11,7 +11,9 @@ arrive as views of the received frames when those are writable and aligned (zmq.
 
 The receiver trusts nothing in a transfer: every count, length, dtype and shape is checked before a
 byte is interpreted, and any mismatch raises KVTransferError and drops that transfer's partial
-state, so a malformed or truncated transfer costs that one request only. Both ends must share byte
+state, so a malformed or truncated transfer costs that one request only. The header names the KV's
+layout (KVCacheSpecs.layout), and a receiver that knows its cache's refuses another there, before a
+byte of KV is taken in. Both ends must share byte
 order (every host we run on is little-endian).
 """
 
