@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from workers import curve
+from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
 from workers.engine.kv_handoff import KVHandoff
 from workers.protocol.messages import GenerateOutput, GenerateRequest
 from workers.protocol.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ MODES = ("plain", "curve")
 
 def kv_handoff(tokens: int) -> KVHandoff:
     generator = torch.Generator().manual_seed(0)
+    full_attention_spec = KVCacheSpec(
+        KVKind.FULL, tuple(range(LAYERS)), torch.float32, page_size=16, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM
+    )
     return KVHandoff(
         request_id="r",
         prompt_token_ids=list(range(tokens + 1)),
@@ -49,8 +53,8 @@ def kv_handoff(tokens: int) -> KVHandoff:
         cache_namespace="",
         kv_model_id="bench",
         kv_dtype=torch.float32,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
+        kv_layout=KVCacheSpecs((full_attention_spec,)).layout,
+        token_shape=full_attention_spec.token_shape,
         num_layers=LAYERS,
         layers=[torch.randn((2, KV_HEADS, tokens, HEAD_DIM), generator=generator) for _ in range(LAYERS)],
     )

@@ -29,8 +29,14 @@ import torch
 import torch.multiprocessing as mp
 
 # (layers, kv_heads, head_dim): SmolLM2-135M, the model `make run` serves, a Llama-3.1-8B shape (the
-# served-stack benchmark's) and a Qwen3-30B-A3B shape (48 layers, 4 KV heads of 128).
-SHAPES = {"smollm2_135m": (30, 3, 64), "llama3_8b": (32, 8, 128), "qwen3_30b_a3b": (48, 4, 128)}
+# served-stack benchmark's) and a Qwen3-30B-A3B shape (48 layers, 4 KV heads of 128); for multi-head
+# latent attention (layers, 0, latent_width): DeepSeek-V3's (61 layers, a latent of 512 + 64).
+SHAPES = {
+    "smollm2_135m": (30, 3, 64),
+    "llama3_8b": (32, 8, 128),
+    "qwen3_30b_a3b": (48, 4, 128),
+    "deepseek_v3": (61, 0, 576),
+}
 DTYPE = torch.bfloat16
 PAGE_SIZE = 16
 SEED = 1234
@@ -39,27 +45,21 @@ MODES = ("zmq", "pages")
 RUN_TIMEOUT_S = 120.0
 
 
+def kv_spec(shape: tuple[int, int, int]):
+    from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
+
+    layers, heads, width = shape
+    if heads:
+        spec = KVCacheSpec(KVKind.FULL, tuple(range(layers)), DTYPE, PAGE_SIZE, num_kv_heads=heads, head_dim=width)
+    else:
+        spec = KVCacheSpec(KVKind.LATENT, tuple(range(layers)), DTYPE, PAGE_SIZE, latent_width=width)
+    return KVCacheSpecs((spec,))
+
+
 def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, device: str):
     from workers.engine.kv.kv_cache import KVCache
-    from workers.engine.models.registry import model_config
 
-    layers, heads, head_dim = shape
-    config = model_config(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": 128,
-            "hidden_size": heads * head_dim,
-            "intermediate_size": 128,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": heads,
-            "max_position_embeddings": 1 << 20,
-        }
-    )
-    cache = KVCache.for_model(
-        config, num_pages=num_pages, page_size=PAGE_SIZE, dtype=DTYPE, device=torch.device(device), shareable=True
-    )
+    cache = KVCache(kv_spec(shape), num_pages=num_pages, device=torch.device(device), shareable=True)
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
         for layer in cache.pages:
@@ -88,8 +88,8 @@ def handoff_of(request_id: str, cache, pages: list[int], tokens: int):
         cache_namespace="",
         kv_model_id="bench",
         kv_dtype=DTYPE,
-        num_kv_heads=layers.num_kv_heads,
-        head_dim=layers.head_dim,
+        kv_layout=layers.layout,
+        token_shape=layers.token_shape,
         num_layers=len(layers),
         layers=layers,
         pages=tuple(pages),
@@ -151,7 +151,7 @@ def _receive(
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.bind(endpoint)
-    receiver = TransferReceiver(router, default_timeout_s=600.0)
+    receiver = TransferReceiver(router, default_timeout_s=600.0, kv_layout=own.specs.layout)
     maps, stream = PoolMaps(), torch.cuda.Stream() if device == "cuda" else None
     seconds, setup_s = [], None
     try:
@@ -173,7 +173,7 @@ def _receive(
                 raise RuntimeError(f"{mode} run {run}: {received.error}")
             if received.offer is not None:
                 began = time.monotonic()
-                pool = maps.open(received.offer)
+                pool = maps.open(received.offer, own.specs.layout)
                 setup_s = setup_s if setup_s is not None else time.monotonic() - began
                 copy = PageCopy.start(pool, received.offer.pages, own.pages, placed, stream)
                 while not copy.done():
@@ -186,12 +186,10 @@ def _receive(
             _, start, pages = starts.get()
             seconds.append(end - start - (setup_s if run == 0 and setup_s is not None else 0.0))
             sent, got = torch.tensor(pages, device=device), torch.tensor(placed, device=device)
-            for (k, v), (own_k, own_v) in zip(reference.layers, own.layers, strict=True):
-                if not (
-                    torch.equal(gather_tokens(k, sent, tokens), gather_tokens(own_k, got, tokens))
-                    and torch.equal(gather_tokens(v, sent, tokens), gather_tokens(own_v, got, tokens))
-                ):
-                    raise AssertionError(f"{mode}: run {run} received KV that differs from what was sent")
+            for planes, own_planes in zip(reference.layers, own.layers, strict=True):
+                for plane, own_plane in zip(planes, own_planes, strict=True):
+                    if not torch.equal(gather_tokens(plane, sent, tokens), gather_tokens(own_plane, got, tokens)):
+                        raise AssertionError(f"{mode}: run {run} received KV that differs from what was sent")
         ready.put(None)  # every run is in: the sender may close
     finally:
         router.close(linger=0)
@@ -230,9 +228,12 @@ def main() -> None:
         raise SystemExit("bench.kv_handoff --device cuda needs a CUDA device")
     rows = []
     for name in args.shapes.split(","):
-        layers, heads, head_dim = shape = SHAPES[name]
-        nbytes = layers * 2 * heads * args.tokens * head_dim * DTYPE.itemsize
-        row = {"model_shape": name, "layers": layers, "kv_heads": heads, "head_dim": head_dim, "kv_bytes": nbytes}
+        shape = SHAPES[name]
+        (spec,) = kv_spec(shape).groups
+        planes, heads, width = spec.token_shape
+        nbytes = spec.bytes_per_token * args.tokens
+        row = {"model_shape": name, "layers": len(spec.layers), "planes": planes, "heads": heads, "width": width}
+        row["kv_bytes"] = nbytes
         for mode in MODES:
             seconds, setup_s = measure(mode, shape, args.tokens, args.runs, args.device)
             median = statistics.median(seconds)

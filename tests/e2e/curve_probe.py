@@ -56,7 +56,7 @@ def send_attempts(way: str, args: argparse.Namespace, context: zmq.Context) -> d
         {"type": "kv_header", "request_id": f"{args.transfer_request_id}-{way}", "prompt_token_ids": [1]}
         | {"output_token_ids": [2], "params": {}, "num_computed_tokens": 1, "num_cached_tokens": 0}
         | {"traffic_class": "chat", "cache_namespace": "", "kv_model_id": "x", "dtype": "int8"}
-        | {"layer_shape": [2, 1, 1, 1], "num_layers": 1, "chunk_layers": 1}
+        | {"kv_layout": "x", "layer_shape": [2, 1, 1, 1], "num_layers": 1, "chunk_layers": 1}
     )
     sockets["request"].send(msgspec.msgpack.encode(request))
     sockets["register"].send(msgspec.msgpack.encode(registration))

@@ -123,8 +123,8 @@ def handoff(request_id: str) -> KVHandoff:
         cache_namespace="",
         kv_model_id="tiny",
         kv_dtype=torch.float32,
-        num_kv_heads=1,
-        head_dim=4,
+        kv_layout="full attention of layers 0-1: 1 KV heads of 4 (float32)",
+        token_shape=(2, 1, 4),
         num_layers=2,
         layers=[torch.arange(24, dtype=torch.float32).reshape(2, 1, 3, 4) for _ in range(2)],
     )

@@ -9,9 +9,11 @@ for every request.
 A draining decode engine hands its running requests to another decode engine the same way (a
 migration): the handoff of a request suspended between two decode steps has the same shape.
 
-The KV travels in one of two ways (workers.transfer). As host copies, one tensor per layer, [2 (key,
-value), kv_heads, num_computed_tokens, head_dim]: token-major, independent of either engine's page
-size. `PagedLayers` copies a layer out of the prefill engine's pages only when it is read, so a
+The KV travels in one of two ways (workers.transfer). As host copies, one tensor per layer, [planes,
+heads, num_computed_tokens, width] (workers.engine.kv.spec: keys and values, or a latent):
+token-major, independent of either engine's page size. The handoff names the layout of its KV
+(`kv_layout`, the sender's KVCacheSpecs.layout), and a receiver whose cache is laid out otherwise
+refuses it. `PagedLayers` copies a layer out of the prefill engine's pages only when it is read, so a
 sender can ship layer i while layer i + 1 is still being copied; `write_layers` puts received
 layers into the decode engine's pages. Or page to page, between engines of one host: the export
 names its pages (`pages`) and the decode side copies them straight into the pages it reserved
@@ -26,7 +28,6 @@ import torch
 
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
-from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
 from workers.engine.request import Request
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.sampling_params import SamplingParams
@@ -46,10 +47,10 @@ class KVHandoff:
     # The model and dtype the KV was computed with (LLMEngine.kv_model_id): KV of another never fits.
     kv_model_id: str
     kv_dtype: torch.dtype
-    num_kv_heads: int
-    head_dim: int
+    kv_layout: str  # the sender's KVCacheSpecs.layout
+    token_shape: tuple[int, int, int]  # of one token in one layer: (planes, heads, width)
     num_layers: int
-    # Per layer: [2, num_kv_heads, num_computed_tokens, head_dim] of kv_dtype, contiguous, on the CPU;
+    # Per layer: [planes, heads, num_computed_tokens, width] of kv_dtype, contiguous, on the CPU;
     # none when the KV goes page to page.
     layers: Sequence[torch.Tensor] = ()
     # The exporting engine's pages that hold the KV, in token order (an export only).
@@ -59,7 +60,8 @@ class KVHandoff:
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
-        return (2, self.num_kv_heads, self.num_computed_tokens, self.head_dim)
+        planes, heads, width = self.token_shape
+        return (planes, heads, self.num_computed_tokens, width)
 
     def materialized(self) -> "KVHandoff":
         """The same handoff with every layer copied out now (a PagedLayers reads pages lazily)."""
@@ -74,11 +76,13 @@ class PagedLayers(Sequence[torch.Tensor]):
     """
 
     def __init__(self, kv_cache: KVCache, pages: list[int], num_tokens: int) -> None:
+        if len(kv_cache.specs.groups) != 1:
+            raise ValueError(f"a handoff carries one KV group; this cache holds {kv_cache.specs.layout}")
         self._layers = kv_cache.layers
-        key_cache, _ = kv_cache.layers[0]
-        self.dtype = key_cache.dtype
-        self.num_kv_heads, _, _, self.head_dim = key_cache.shape
-        self._index = torch.tensor(pages, device=kv_cache.layers[0][0].device)
+        self.dtype = kv_cache.dtype
+        self.layout = kv_cache.specs.layout
+        self.token_shape = kv_cache.specs.groups[0].token_shape
+        self._index = torch.tensor(pages, device=kv_cache.device)
         self._num_tokens = num_tokens
         self._closed = False
 
@@ -99,12 +103,10 @@ class PagedLayers(Sequence[torch.Tensor]):
             return [self[i] for i in range(*index.indices(len(self)))]
         if self._closed:
             raise RuntimeError("the request's pages were released; export the KV before release_transfer")
-        key_cache, value_cache = self._layers[index]
         with torch.inference_mode():
-            keys = gather_tokens(key_cache, self._index, self._num_tokens)
-            values = gather_tokens(value_cache, self._index, self._num_tokens)
+            planes = [gather_tokens(plane, self._index, self._num_tokens) for plane in self._layers[index]]
             # torch.stack makes a fresh contiguous tensor; on the CPU it is the only copy.
-            return torch.stack([keys, values]).to("cpu")
+            return torch.stack(planes).to("cpu")
 
 
 def export_handoff(request: Request, layers: "PagedLayers", kv_model_id: str) -> KVHandoff:
@@ -120,8 +122,8 @@ def export_handoff(request: Request, layers: "PagedLayers", kv_model_id: str) ->
         cache_namespace=request.cache_namespace,
         kv_model_id=kv_model_id,
         kv_dtype=layers.dtype,
-        num_kv_heads=layers.num_kv_heads,
-        head_dim=layers.head_dim,
+        kv_layout=layers.layout,
+        token_shape=layers.token_shape,
         num_layers=len(layers),
         layers=layers,
         pages=tuple(request.pages),
@@ -154,9 +156,17 @@ def check_handoff(handoff: KVHandoff, *, kv_model_id: str, vocab_size: int, max_
         raise InvalidRequestError(
             f"handoff {name!r} reports {handoff.num_cached_tokens} cached tokens for a prompt of {len(prompt)}"
         )
-    theirs = _layout(handoff, kv_cache.page_size)
-    if theirs != kv_cache.specs.layout:
-        raise InvalidRequestError(f"handoff {name!r} holds {theirs}; this engine's cache holds {kv_cache.specs.layout}")
+    ours = kv_cache.specs
+    if handoff.kv_layout != ours.layout:
+        raise InvalidRequestError(
+            f"handoff {name!r} holds KV laid out as {handoff.kv_layout!r}; this engine's cache holds {ours.layout!r}"
+        )
+    shape = (handoff.num_layers, handoff.kv_dtype, tuple(handoff.token_shape))
+    if len(ours.groups) != 1 or shape != (ours.num_layers, kv_cache.dtype, ours.groups[0].token_shape):
+        raise InvalidRequestError(
+            f"handoff {name!r} has {handoff.num_layers} layers of {handoff.kv_dtype} {handoff.token_shape} per token, "
+            f"which is not its layout {handoff.kv_layout!r}"
+        )
 
 
 def check_layers(handoff: KVHandoff) -> list[torch.Tensor]:
@@ -178,29 +188,13 @@ def check_layers(handoff: KVHandoff) -> list[torch.Tensor]:
     return layers
 
 
-def _layout(handoff: KVHandoff, page_size: int) -> str:
-    """The layout of the handoff's KV (KVCacheSpecs.layout): one full-attention group of its layers."""
-    try:
-        spec = KVCacheSpec(
-            KVKind.FULL,
-            tuple(range(handoff.num_layers)),
-            handoff.kv_dtype,
-            page_size,
-            num_kv_heads=handoff.num_kv_heads,
-            head_dim=handoff.head_dim,
-        )
-    except (TypeError, ValueError) as error:
-        raise InvalidRequestError(f"handoff {handoff.request_id!r} has no valid KV layout: {error}") from None
-    return KVCacheSpecs((spec,)).layout
-
-
 @torch.inference_mode()
 def write_layers(kv_cache: KVCache, pages: list[int], layers: Sequence[torch.Tensor], *, start: int) -> None:
     """Write tokens [start, num_computed_tokens) of `layers` into the request's `pages` (all of them,
     from the first); `start` is page-aligned: the pages before it came from the prefix cache."""
     page_size = kv_cache.page_size
     first_page = start // page_size
-    index = torch.tensor(pages[first_page:], device=kv_cache.layers[0][0].device)
-    for (key_cache, value_cache), layer in zip(kv_cache.layers, layers, strict=True):
-        scatter_tokens(key_cache, index, layer[0, :, start:])
-        scatter_tokens(value_cache, index, layer[1, :, start:])
+    index = torch.tensor(pages[first_page:], device=kv_cache.device)
+    for planes, layer in zip(kv_cache.layers, layers, strict=True):
+        for plane, data in zip(planes, layer, strict=True):
+            scatter_tokens(plane, index, data[:, start:])

@@ -459,8 +459,8 @@ WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 # A prefill worker's DEALER sends a request's KV to a decode worker's ROUTER in one of two ways:
 # - frames, through host memory (any two hosts): one multipart message per chunk of `chunk_layers`
 #   layers, the first [KVTransferHeader, its layers], each later one [KVTransferChunk, its layers]. A
-#   layer frame is the raw bytes of a C-order little-endian [2 (key, value), kv_heads,
-#   num_computed_tokens, head_dim] tensor of `dtype`: never pickled.
+#   layer frame is the raw bytes of a C-order little-endian [planes, heads, num_computed_tokens,
+#   width] tensor of `dtype` (keys and values, or a latent: workers.engine.kv.spec): never pickled.
 # - a pool offer (two engines of one host): the header alone, its `pool` naming the prefill engine's
 #   whole KV cache (mapped once per pool by the decode worker: CUDA IPC between GPU processes, shared
 #   memory between CPU ones) and the request's pages in it. The decode worker copies the pages into
@@ -469,6 +469,8 @@ WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 #   the frames follow, header first.
 # A decode worker that refuses or fails a transfer it was offered answers "failed", so that the prefill
 # worker releases the pages at once.
+# Both name the sender's KV layout (KVCacheSpecs.layout), which a decode worker whose cache is laid out
+# otherwise refuses at the header, before any KV is read.
 
 
 class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", frozen=True, forbid_unknown_fields=True):
@@ -498,9 +500,11 @@ class KVPoolOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pool_id: str  # one per engine start: a decode worker maps each pool once
     host_id: str  # the sending host's boot id: a pool maps only on the same host (kernel)
     handle: CudaIpcHandle | HostMemoryHandle
-    # The pool tensor: [layers, 2 (key, value), kv_heads, num_pages, page_size, head_dim] of `dtype`.
+    # The pool tensor: [layers, planes, heads, num_pages, page_size, width] of `dtype`, laid out as
+    # `kv_layout` says (KVCacheSpecs.layout): a receiver whose cache is laid out otherwise refuses it.
     shape: tuple[int, int, int, int, int, int]
     dtype: str
+    kv_layout: str
     pages: list[int]  # the request's pages in the pool, in token order: ceil(num_computed_tokens / page_size)
     # CLOCK_MONOTONIC of the sending host, comparable on the same host: the pages stay pinned until
     # then at least; a copy finished later is not trusted.
@@ -518,7 +522,8 @@ class KVTransferHeader(msgspec.Struct, tag="kv_header", frozen=True, forbid_unkn
     cache_namespace: str
     kv_model_id: str  # model and dtype the KV was computed with
     dtype: str  # "float32", "bfloat16" or "float16"
-    layer_shape: tuple[int, int, int, int]  # of every layer frame
+    kv_layout: str  # the sender's KVCacheSpecs.layout: a receiver whose cache is laid out otherwise refuses it
+    layer_shape: tuple[int, int, int, int]  # of every layer frame: [planes, heads, num_computed_tokens, width]
     num_layers: int
     chunk_layers: int  # layers per message; this one carries layers [0, min(chunk_layers, num_layers))
     # Sent by a draining decode worker (a migration), not by a prefill worker.

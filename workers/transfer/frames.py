@@ -11,10 +11,13 @@ arrive as views of the received frames when those are writable and aligned (zmq.
 
 The receiver trusts nothing in a transfer: every count, length, dtype and shape is checked before a
 byte is interpreted, and any mismatch raises KVTransferError and drops that transfer's partial
-state, so a malformed or truncated transfer costs that one request only. Both ends must share byte
+state, so a malformed or truncated transfer costs that one request only. The header names the KV's
+layout (KVCacheSpecs.layout), and a receiver that knows its cache's refuses another there, before a
+byte of KV is taken in. Both ends must share byte
 order (every host we run on is little-endian).
 """
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +34,8 @@ from workers.protocol.messages import KVPoolOffer, KVTransferChunk, KVTransferHe
 # The KV dtypes a transfer may name (those the engine runs in); anything else is refused before it
 # is interpreted.
 DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in ENGINE_DTYPES}
+# A header's layout string longer than this is refused unread (a layout names a few groups in a line).
+MAX_LAYOUT_CHARS = 1024
 # Transfers a receiver assembles at once; a header past this is refused (bounds memory held by
 # senders that died mid-transfer; HandoffAssembler.discard drops one explicitly).
 MAX_PARTIAL_TRANSFERS = 64
@@ -67,6 +72,7 @@ def transfer_header(handoff: KVHandoff, *, chunk_layers: int = 1, pool: KVPoolOf
         cache_namespace=handoff.cache_namespace,
         kv_model_id=handoff.kv_model_id,
         dtype=dtype,
+        kv_layout=handoff.kv_layout,
         layer_shape=handoff.layer_shape,
         num_layers=handoff.num_layers,
         chunk_layers=chunk_layers,
@@ -112,8 +118,11 @@ class HandoffAssembler:
     when that message completes it, else None; it raises KVTransferError for anything malformed.
     """
 
-    def __init__(self, *, max_partial: int = MAX_PARTIAL_TRANSFERS) -> None:
+    def __init__(self, *, max_partial: int = MAX_PARTIAL_TRANSFERS, kv_layout: str | None = None) -> None:
+        """`kv_layout`, when given, is the receiving cache's layout: a transfer of another is refused at
+        its header, before any of its KV is taken in."""
         self.max_partial = max_partial
+        self.kv_layout = kv_layout
         self.partial: dict[str, _Partial] = {}
 
     def feed(self, frames: Sequence[Frame]) -> KVHandoff | None:
@@ -152,9 +161,8 @@ class HandoffAssembler:
             raise KVTransferError(f"{len(self.partial)} transfers are already being assembled")
         if header.pool is not None:
             raise KVTransferError("a pool offer carries no frames")
-        dtype = check_header(header)
-        _, heads, tokens, head_dim = header.layer_shape
-        layer_bytes = 2 * heads * tokens * head_dim * dtype.itemsize
+        dtype = check_header(header, self.kv_layout)
+        layer_bytes = math.prod(header.layer_shape) * dtype.itemsize
         state = _Partial(header=header, dtype=dtype, layer_bytes=layer_bytes)
         self.partial[header.request_id] = state
         return state
@@ -176,18 +184,27 @@ def decode_lead(frame: Frame) -> KVTransferMessage:
         raise KVTransferError(f"unreadable header frame: {error}") from None
 
 
-def check_header(header: KVTransferHeader) -> torch.dtype:
-    """The dtype of a header whose counts and shapes agree with each other; else KVTransferError."""
+def check_header(header: KVTransferHeader, kv_layout: str | None = None) -> torch.dtype:
+    """The dtype of a header whose counts and shapes agree with each other, and whose layout is
+    `kv_layout` when that is given (the receiving cache's); else KVTransferError."""
     dtype = DTYPES.get(header.dtype)
     if dtype is None:
         raise KVTransferError(f"dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
-    two, heads, tokens, head_dim = header.layer_shape
+    if not 0 < len(header.kv_layout) <= MAX_LAYOUT_CHARS:
+        raise KVTransferError(f"its KV layout has {len(header.kv_layout)} characters, not 1 to {MAX_LAYOUT_CHARS}")
+    if header.pool is not None and header.pool.kv_layout != header.kv_layout:
+        raise KVTransferError(
+            f"it offers a pool laid out as {header.pool.kv_layout[:MAX_LAYOUT_CHARS]!r}, its KV as {header.kv_layout!r}"
+        )
+    if kv_layout is not None and header.kv_layout != kv_layout:
+        raise KVTransferError(f"it holds KV laid out as {header.kv_layout!r}; this worker's cache holds {kv_layout!r}")
+    planes, heads, tokens, width = header.layer_shape
     num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
     if not 0 < header.num_computed_tokens <= num_tokens:
         raise KVTransferError(f"num_computed_tokens {header.num_computed_tokens} is not in [1, {num_tokens}]")
-    if two != 2 or heads < 1 or head_dim < 1 or tokens != header.num_computed_tokens:
+    if planes not in (1, 2) or heads < 1 or width < 1 or tokens != header.num_computed_tokens:
         raise KVTransferError(
-            f"layer shape {header.layer_shape} is not [2, heads, {header.num_computed_tokens}, head_dim]"
+            f"layer shape {header.layer_shape} is not [1 or 2 planes, heads, {header.num_computed_tokens}, width]"
         )
     if header.num_layers < 1 or header.chunk_layers < 1:
         raise KVTransferError(f"num_layers {header.num_layers} and chunk_layers {header.chunk_layers} must be >= 1")
@@ -196,7 +213,7 @@ def check_header(header: KVTransferHeader) -> torch.dtype:
 
 def handoff_of(header: KVTransferHeader, layers: Sequence[torch.Tensor] = ()) -> KVHandoff:
     """The handoff a checked header describes (check_header), with the layers that came with it."""
-    _, heads, _, head_dim = header.layer_shape
+    planes, heads, _, width = header.layer_shape
     return KVHandoff(
         request_id=header.request_id,
         prompt_token_ids=header.prompt_token_ids,
@@ -208,8 +225,8 @@ def handoff_of(header: KVTransferHeader, layers: Sequence[torch.Tensor] = ()) ->
         cache_namespace=header.cache_namespace,
         kv_model_id=header.kv_model_id,
         kv_dtype=DTYPES[header.dtype],
-        num_kv_heads=heads,
-        head_dim=head_dim,
+        kv_layout=header.kv_layout,
+        token_shape=(planes, heads, width),
         num_layers=header.num_layers,
         layers=layers,
         migrated=header.migrated,

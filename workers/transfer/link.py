@@ -304,8 +304,8 @@ class _SenderState:
 
 
 def _offered_bytes(offer: KVPoolOffer) -> int:
-    layers, two, heads, _, page_size, head_dim = offer.shape
-    return layers * two * heads * page_size * head_dim * DTYPES[offer.dtype].itemsize * len(offer.pages)
+    layers, planes, heads, _, page_size, width = offer.shape
+    return layers * planes * heads * page_size * width * DTYPES[offer.dtype].itemsize * len(offer.pages)
 
 
 @dataclass(slots=True)
@@ -335,9 +335,14 @@ class Received:
 class TransferReceiver:
     router: zmq.Socket
     default_timeout_s: float  # for an expectation that names no timeout of its own
-    assembler: HandoffAssembler = field(default_factory=HandoffAssembler)
+    # The receiving cache's layout (KVCacheSpecs.layout): a transfer of another is refused at its header.
+    kv_layout: str | None = None
+    assembler: HandoffAssembler = field(init=False)
     expected: dict[str, Expectation] = field(default_factory=dict)
     _started: dict[str, float] = field(default_factory=dict)  # request id → its frames' first arrival
+
+    def __post_init__(self) -> None:
+        self.assembler = HandoffAssembler(kv_layout=self.kv_layout)
 
     def expect(
         self, request_id: str, peer: bytes, constraint: OutputConstraintSpec | None, timeout_s: float = 0.0
@@ -414,7 +419,7 @@ class TransferReceiver:
         request_id = header.request_id
         expectation = self.drop(request_id)
         try:
-            check_header(header)
+            check_header(header, self.kv_layout)
         except KVTransferError as error:
             self.reply(sender, request_id, REPLY_FAILED, str(error))
             return Received(request_id, expectation, error=f"KV transfer {request_id!r}: {error}")

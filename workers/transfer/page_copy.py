@@ -35,8 +35,8 @@ class PageCopy:
         stream: "torch.cuda.Stream | None",
     ) -> "PageCopy":
         """Copy `source_pages` of `source` into `destination_pages` of `destination`, both pools
-        [layers, 2, kv_heads, pages, page_size, head_dim] of one layout and dtype; `stream` is the
-        side stream on a GPU, None on the CPU."""
+        [layers, planes, heads, pages, page_size, width] of one layout and dtype; `stream` is the side
+        stream on a GPU, None on the CPU."""
         if source.shape[:3] + source.shape[4:] != destination.shape[:3] + destination.shape[4:]:
             raise PageCopyError(f"pool {tuple(source.shape)} and pages {tuple(destination.shape)} differ in layout")
         if source.dtype != destination.dtype:

@@ -59,6 +59,7 @@ class PoolExport:
     handle: CudaIpcHandle | HostMemoryHandle
     shape: tuple[int, int, int, int, int, int]
     dtype: str
+    kv_layout: str  # KVCacheSpecs.layout
 
     @classmethod
     def of(cls, kv_cache: KVCache, exporter: str) -> "PoolExport | None":
@@ -70,7 +71,8 @@ class PoolExport:
             handle = HostMemoryHandle(pid=memory.pid, fd=memory.fd, num_bytes=memory.num_bytes)
         else:
             return None
-        return cls(exporter, f"{exporter}/{uuid.uuid4().hex}", handle, tuple(pages.shape), dtype_name(pages.dtype))
+        pool_id = f"{exporter}/{uuid.uuid4().hex}"
+        return cls(exporter, pool_id, handle, tuple(pages.shape), dtype_name(pages.dtype), kv_cache.specs.layout)
 
     def offer(self, pages: list[int], hold_s: float) -> KVPoolOffer:
         """An offer of `pages`, which the exporter keeps pinned for `hold_s` from now at least."""
@@ -81,6 +83,7 @@ class PoolExport:
             handle=self.handle,
             shape=self.shape,
             dtype=self.dtype,
+            kv_layout=self.kv_layout,
             pages=pages,
             expires_at=time.monotonic() + hold_s,
         )
@@ -93,6 +96,10 @@ class PoolMaps:
         self.max_pools = max_pools
         self._pools: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # pool id → (exporter, tensor)
 
+    def __len__(self) -> int:
+        """Pools mapped now."""
+        return len(self._pools)
+
     def usable(self, offer: KVPoolOffer) -> str:
         """ "" when `offer` can be mapped in this process, else why not (another host, no such device)."""
         if offer.host_id != host_id():
@@ -101,9 +108,10 @@ class PoolMaps:
             return f"GPU {offer.handle.device_uuid} is not visible to this worker"
         return ""
 
-    def open(self, offer: KVPoolOffer) -> torch.Tensor:
-        """The offer's pool tensor, mapped once; PoolError when it cannot be mapped or its handle maps
-        fewer bytes than its shape needs."""
+    def open(self, offer: KVPoolOffer, kv_layout: str) -> torch.Tensor:
+        """The offer's pool tensor, mapped once; PoolError when it is not laid out as `kv_layout` (the
+        receiving cache's), cannot be mapped, or its handle maps fewer bytes than its shape needs."""
+        check_layout(offer, kv_layout)
         mapped = self._pools.get(offer.pool_id)
         if mapped is not None:
             self._pools.move_to_end(offer.pool_id)
@@ -112,8 +120,8 @@ class PoolMaps:
             dtype = torch_dtype(offer.dtype)
         except ValueError as error:
             raise PoolError(str(error)) from None
-        if len(offer.shape) != 6 or any(size < 1 for size in offer.shape):
-            raise PoolError(f"pool shape {offer.shape} is not [layers, 2, kv_heads, pages, page_size, head_dim]")
+        if len(offer.shape) != 6 or any(size < 1 for size in offer.shape) or offer.shape[1] not in (1, 2):
+            raise PoolError(f"pool shape {offer.shape} is not [layers, 1 or 2 planes, heads, pages, page_size, width]")
         numel = math.prod(offer.shape)
         try:
             if isinstance(offer.handle, CudaIpcHandle):
@@ -130,6 +138,12 @@ class PoolMaps:
             self._pools.popitem(last=False)
         log.info("mapped KV pool %s (%s, %d bytes)", offer.pool_id, backend_of(offer), numel * dtype.itemsize)
         return pool
+
+
+def check_layout(offer: KVPoolOffer, kv_layout: str) -> None:
+    """PoolError unless the offered pool is laid out as `kv_layout` (the receiving cache's)."""
+    if offer.kv_layout != kv_layout:
+        raise PoolError(f"the pool holds KV laid out as {offer.kv_layout!r}; this worker's cache holds {kv_layout!r}")
 
 
 def _cuda_ipc_handle(pages: torch.Tensor) -> CudaIpcHandle:

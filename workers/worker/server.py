@@ -94,7 +94,9 @@ class Worker:
             router = context.socket(zmq.ROUTER)
             curve.bind(router, config.transfer_endpoint, key)
             transfer_endpoint = connectable_endpoint(router, advertised_host)
-            receiver = TransferReceiver(router, default_timeout_s=config.transfer_timeout_s)
+            receiver = TransferReceiver(
+                router, default_timeout_s=config.transfer_timeout_s, kv_layout=engine.kv_cache.specs.layout
+            )
             self.poller.register(router, zmq.POLLIN)
         sender: TransferSender | None = None
         # Prefill workers send every request's KV; decode workers send their requests' when a drain

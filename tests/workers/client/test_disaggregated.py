@@ -255,7 +255,7 @@ def test_malformed_or_missing_transfers_fail_their_request_and_the_decode_worker
     header = msgspec.msgpack.encode(
         {"type": "kv_header", "request_id": "bad-dtype", "prompt_token_ids": [1], "output_token_ids": [2]}
         | {"params": {}, "num_computed_tokens": 1, "num_cached_tokens": 0, "traffic_class": "chat"}
-        | {"cache_namespace": "", "kv_model_id": "x", "dtype": "int8", "layer_shape": [2, 1, 1, 1]}
+        | {"cache_namespace": "", "kv_model_id": "x", "dtype": "int8", "kv_layout": "x", "layer_shape": [2, 1, 1, 1]}
         | {"num_layers": 1, "chunk_layers": 1}
     )
     try:

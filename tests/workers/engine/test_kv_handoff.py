@@ -23,6 +23,8 @@ from workers.protocol.engine_request import EngineRequest
 SLIDING = "qwen3_qknorm_layer_types"  # windowed and full layers, q/k norm
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PAGES = 1 << 22  # kv_cache_bytes: plenty of pages for these tests
+FULL_0_1 = "full attention of layers 0-1: 2 KV heads of 32 (float32)"
+LATENT_0_2 = "latent of layers 0-2: a latent of 64 (float32)"
 
 
 def prompt(length: int, seed: int = 0) -> list[int]:
@@ -282,16 +284,20 @@ def test_over_capacity_raises_overloaded_and_leaks_nothing():
         (lambda h: replace(h, kv_model_id="other:float32"), "holds KV of"),
         (lambda h: replace(h, layers=h.layers[:-1]), "2 layers of KV; it says 3"),
         (
-            lambda h: replace(h, layers=h.layers[:-1], num_layers=2),
-            r"holds full attention of layers 0-1: 2 KV heads of 32 \(float32\); this engine's cache holds full "
-            r"attention of layers 0-2: 2 KV heads of 32 \(float32\)",
+            lambda h: replace(h, layers=h.layers[:-1], num_layers=2, kv_layout=FULL_0_1),
+            r"holds KV laid out as 'full attention of layers 0-1: 2 KV heads of 32 \(float32\)'; this engine's cache "
+            r"holds 'full attention of layers 0-2: 2 KV heads of 32 \(float32\)'",
         ),
         (
-            lambda h: replace(h, head_dim=16),
-            r"layers 0-2: 2 KV heads of 16 \(float32\); this engine's cache holds full attention of layers 0-2: 2 KV",
+            lambda h: replace(h, kv_layout=LATENT_0_2, token_shape=(1, 1, 64)),
+            r"holds KV laid out as 'latent of layers 0-2: a latent of 64 \(float32\)'; this engine's cache holds "
+            r"'full attention of layers 0-2: 2 KV heads of 32 \(float32\)'",
         ),
-        (lambda h: replace(h, kv_dtype=torch.bfloat16), r"KV heads of 32 \(bfloat16\); this engine's cache holds"),
-        (lambda h: replace(h, layers=[], num_layers=0), "has no valid KV layout: a KV group's layers must be"),
+        (lambda h: replace(h, layers=h.layers[:-1], num_layers=2), r"has 2 layers of torch.float32 \(2, 2, 32\)"),
+        (lambda h: replace(h, token_shape=(2, 2, 16)), r"\(2, 2, 16\) per token, which is not its layout 'full"),
+        (lambda h: replace(h, token_shape=(1, 4, 32)), r"\(1, 4, 32\) per token, which is not its layout 'full"),
+        (lambda h: replace(h, kv_dtype=torch.bfloat16), r"torch.bfloat16 \(2, 2, 32\) per token, which is not"),
+        (lambda h: replace(h, layers=[], num_layers=0), "has 0 layers of"),
         (lambda h: replace(h, layers=[t.to(torch.bfloat16) for t in h.layers]), "layer 0 is torch.bfloat16"),
         (lambda h: replace(h, layers=[t[:, :, :-1] for t in h.layers]), r"expected torch.float32 \(2, 2, 40, 32\)"),
         (lambda h: replace(h, num_computed_tokens=39), "KV for 39 tokens"),

@@ -16,7 +16,7 @@ from workers.engine import LLM, SamplingParams
 from workers.engine.kv_handoff import KVHandoff
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.messages import KVTransferChunk, KVTransferHeader
-from workers.transfer.frames import HandoffAssembler, KVTransferError, encode_handoff, send_handoff
+from workers.transfer.frames import MAX_LAYOUT_CHARS, HandoffAssembler, KVTransferError, encode_handoff, send_handoff
 
 NUM_LAYERS = 5
 
@@ -35,8 +35,8 @@ def handoff(request_id: str = "r", dtype: torch.dtype = torch.float32, tokens: i
         cache_namespace="tenant-a",
         kv_model_id="random:float32",
         kv_dtype=dtype,
-        num_kv_heads=2,
-        head_dim=8,
+        kv_layout=f"full attention of layers 0-{NUM_LAYERS - 1}: 2 KV heads of 8 ({str(dtype).removeprefix('torch.')})",
+        token_shape=(2, 2, 8),
         num_layers=NUM_LAYERS,
         layers=[torch.randn(shape, generator=generator).to(dtype) for _ in range(NUM_LAYERS)],
     )
@@ -143,7 +143,12 @@ MALFORMED = {
     "dtype not allowed": lambda m: [replace_header(m[0], dtype="int64"), *m[1:]],
     "dtype of another size": lambda m: [replace_header(m[0], dtype="float16"), *m[1:]],
     "shape disagrees with the token count": lambda m: [replace_header(m[0], layer_shape=(2, 2, 20, 8)), *m[1:]],
-    "shape not key and value": lambda m: [replace_header(m[0], layer_shape=(1, 4, 21, 8)), *m[1:]],
+    "shape of three planes": lambda m: [replace_header(m[0], layer_shape=(3, 2, 21, 8)), *m[1:]],
+    "shape of no planes": lambda m: [replace_header(m[0], layer_shape=(0, 2, 21, 8)), *m[1:]],
+    "one plane where the frames hold two": lambda m: [replace_header(m[0], layer_shape=(1, 2, 21, 8)), *m[1:]],
+    "no layout": lambda m: [replace_header(m[0], kv_layout=""), *m[1:]],
+    "a layout too long to be one": lambda m: [replace_header(m[0], kv_layout="x" * (MAX_LAYOUT_CHARS + 1)), *m[1:]],
+    "header without a layout": lambda m: [header_map(m[0], kv_layout=None), *m[1:]],
     "negative heads": lambda m: [replace_header(m[0], layer_shape=(2, -2, 21, -8)), *m[1:]],
     "more computed tokens than tokens": lambda m: [
         replace_header(m[0], num_computed_tokens=40, layer_shape=(2, 2, 40, 8)),

@@ -28,6 +28,7 @@ from tests.workers.worker_process import (
 from workers.engine import SamplingParams
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens
+from workers.engine.kv.spec import KVCacheSpecs
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.models.registry import model_config
 from workers.protocol.messages import (
@@ -82,15 +83,19 @@ def request_handoff(request_id: str, *, heads: int = HEADS, layers: list[torch.T
         cache_namespace="",
         kv_model_id=f"{MODEL}:float32",
         kv_dtype=torch.float32,
-        num_kv_heads=heads,
-        head_dim=HEAD_DIM,
+        kv_layout=KVCacheSpecs.of_model(tiny_config(heads), dtype=torch.float32, page_size=PAGE).layout,
+        token_shape=(2, heads, HEAD_DIM),
         num_layers=LAYERS,
         layers=layers if layers is not None else [torch.randn(shape, generator=generator) for _ in range(LAYERS)],
     )
 
 
+def tiny_config(heads: int = HEADS):
+    return model_config({**CONFIG, "num_key_value_heads": heads})
+
+
 def shared_cache(heads: int = HEADS, page_size: int = PAGE) -> KVCache:
-    config = model_config({**CONFIG, "num_key_value_heads": heads})
+    config = tiny_config(heads)
     cache = KVCache.for_model(
         config, num_pages=8, page_size=page_size, dtype=torch.float32, device=torch.device("cpu"), shareable=True
     )
@@ -186,7 +191,11 @@ REFUSALS = {
         lambda c: offer(c["two heads"], [1, 2, 3], shape=(LAYERS, 2, HEADS, 64, PAGE, HEAD_DIM)),
         "the pool's memory holds .* bytes; its shape needs",
     ),
-    "a pool of another layout than its header": (lambda c: offer(c["one head"], [1, 2, 3]), "differ in layout"),
+    "a pool of another layout than its header": (
+        lambda c: offer(c["one head"], [1, 2, 3]),
+        r"offers a pool laid out as 'full attention of layers 0-2: 1 KV heads of 16 \(float32\)', its KV as 'full "
+        r"attention of layers 0-2: 2 KV heads",
+    ),
     "memory that is not a KV cache": (
         lambda c: offer(c["two heads"], [1, 2, 3], handle=HostMemoryHandle(pid=os.getpid(), fd=0, num_bytes=1 << 20)),
         "is not a KV cache's memory",
@@ -197,12 +206,26 @@ REFUSALS = {
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_an_offer_that_does_not_describe_what_it_maps_is_refused_and_no_page_is_kept(decode, name):
     make, message = REFUSALS[name]
+    refused_offer(decode, make, HEADS, message)
+
+
+def test_an_offer_of_another_layout_than_the_workers_cache_is_refused_naming_both(decode):
+    message = (
+        r"laid out as 'full attention of layers 0-2: 1 KV heads of 16 \(float32\)'; this worker's cache holds "
+        r"'full attention of layers 0-2: 2 KV heads of 16 \(float32\)'"
+    )
+    refused_offer(decode, lambda c: offer(c["one head"], [1, 2, 3]), 1, message)
+
+
+def refused_offer(decode, make, heads: int, message: str) -> None:
+    """Offer the decode worker a handoff of `heads` KV heads with `make`'s offer: refused with `message`,
+    and the worker keeps no page."""
     request_id = f"refused-{uuid.uuid4().hex[:6]}"
     with expect(decode, request_id) as dealer:
         forger = Forger(transfer_endpoint(decode.directory, "d"))
         try:
             caches = {"two heads": shared_cache(), "one head": shared_cache(heads=1)}  # alive until answered
-            forger.send([encode_offer(request_handoff(request_id), make(caches))])
+            forger.send([encode_offer(request_handoff(request_id, heads=heads), make(caches))])
             answer = forger.reply()
             error = dealer.receive()
         finally:
@@ -243,15 +266,19 @@ def test_an_offer_this_worker_cannot_map_is_answered_frames_and_the_frames_are_t
     "messages, message",
     [
         (
-            lambda h: encode_handoff(replace(h, num_kv_heads=1, layers=[t[:, :1] for t in h.layers])),
-            "this engine's cache holds",
+            lambda h: encode_handoff(request_handoff(h.request_id, heads=1)),
+            "laid out as 'full attention of layers 0-2: 1 KV heads of 16 (float32)'; this worker's cache holds 'full",
+        ),
+        (
+            lambda h: encode_handoff(replace(h, token_shape=(2, 1, HEAD_DIM), layers=[t[:, :1] for t in h.layers])),
+            "(2, 1, 16) per token, which is not its layout 'full attention of layers 0-2: 2 KV heads",
         ),
         (
             lambda h: [[msgspec.msgpack.encode(transfer_header(h, chunk_layers=LAYERS)), *[b"\x00" * 64] * LAYERS]],
             "layer 0 has 64 bytes",
         ),
     ],
-    ids=["another layout", "frames of another size"],
+    ids=["another layout", "a shape that is not its layout", "frames of another size"],
 )
 def test_frames_of_another_layout_or_size_than_their_header_says_are_refused(decode, messages, message):
     request_id = f"bad-frames-{uuid.uuid4().hex[:6]}"
@@ -339,7 +366,7 @@ def test_a_prefill_worker_offers_its_pages_sends_frames_when_asked_and_frees_the
                 sender, lead = fake_decode.recv_multipart()
                 header = msgspec.msgpack.decode(lead, type=KVTransferHeader)
                 assert isinstance(header.pool.handle, HostMemoryHandle) and len(header.pool.pages) == 3
-                pool = PoolMaps().open(header.pool)
+                pool = PoolMaps().open(header.pool, header.kv_layout)
                 index = torch.tensor(header.pool.pages)
                 offered = [
                     torch.stack([gather_tokens(pool[i, 0], index, TOKENS), gather_tokens(pool[i, 1], index, TOKENS)])

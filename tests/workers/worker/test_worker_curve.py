@@ -193,7 +193,7 @@ def transfer_outcome(decode: WorkerRegistration, request_id: str, key: CurveKey 
     malformed = msgspec.msgpack.encode(  # whole but for its dtype: a worker that reads it fails the request
         {"type": "kv_header", "request_id": request_id, "prompt_token_ids": [1], "output_token_ids": [2]}
         | {"params": {}, "num_computed_tokens": 1, "num_cached_tokens": 0, "traffic_class": "chat"}
-        | {"cache_namespace": "", "kv_model_id": "x", "dtype": "int8", "layer_shape": [2, 1, 1, 1]}
+        | {"cache_namespace": "", "kv_model_id": "x", "dtype": "int8", "kv_layout": "x", "layer_shape": [2, 1, 1, 1]}
         | {"num_layers": 1, "chunk_layers": 1}
     )
     with KeyedDealer(decode.request_endpoint, KEY) as dealer, zmq.Context() as context:

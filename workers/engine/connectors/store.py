@@ -73,7 +73,7 @@ class LoadedBlocks:
 
     first_page: int
     num_pages: int
-    # One tensor per block: [layers, 2 (key, value), kv_heads, block_tokens, head_dim] of the stored
+    # One tensor per block: [layers, planes, heads, block_tokens, width] of the stored
     # group's layers; a prompt tail, last, holds fewer tokens (whole pages).
     blocks: list[torch.Tensor]
 
@@ -224,8 +224,8 @@ class StoreConnector(KVConnector):
             self.num_blocks_read += len(load.blocks)
             pages = torch.tensor(load.pages, device=self.kv_cache.layers[0][0].device)
             for index, layer in enumerate(self.spec.layers):
-                for kind, cache in enumerate(self.kv_cache.layers[layer]):
-                    scatter_tokens(cache, pages, torch.cat([block[index, kind] for block in load.blocks], dim=1))
+                for plane, cache in enumerate(self.kv_cache.layers[layer]):
+                    scatter_tokens(cache, pages, torch.cat([block[index, plane] for block in load.blocks], dim=1))
 
     @torch.inference_mode()
     def save(self, requests: Sequence[Request]) -> None:
@@ -363,7 +363,7 @@ class StoreConnector(KVConnector):
         return index, tokens, hash_block(parent, tail_tokens, request.hash_extra + TAIL_EXTRA)
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
-        """[stored layers, 2 (key, value), heads, tokens of the pages, dim] on the cache's device."""
+        """[stored layers, planes, heads, tokens of the pages, width] on the cache's device."""
         index = torch.tensor(pages, device=self.device)
         tokens = len(pages) * self.kv_cache.page_size
         per_layer = [

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.config import ModelConfig
-from workers.engine.kv.spec import KVCacheSpecs, KVKind
+from workers.engine.kv.spec import KVCacheSpecs
 
 SHARED_MEMORY_NAME = "sluice-kv-cache"  # a shareable CPU cache's memfd, as /proc/<pid>/fd/ shows it
 
@@ -26,27 +26,26 @@ class SharedHostMemory:
 
 
 class KVCache:
-    """Per-layer key and value page tensors: [kv_heads, num_pages, page_size, head_dim].
+    """Per layer, its planes' page tensors, each [heads, num_pages, page_size, width] (see
+    workers.engine.kv.spec): `layers[i]` is (key, value) for a full-attention layer, (latent,) for a
+    latent one.
 
-    Head-major, so gathering a sequence's pages yields each KV head's keys contiguously. Each KV group's
-    (workers.engine.kv.spec) layers are views of one tensor, [group layers, 2, kv_heads, num_pages,
-    page_size, head_dim]; a model of one group (every model today) has its whole cache in `pages`,
-    which is shared with a process on the same host by one handle (workers.transfer.pools): a CUDA
-    IPC handle on a GPU; on the CPU, a `shareable` cache lives in shared memory (`shared_memory`).
+    Head-major, so gathering a sequence's pages yields each head's tokens contiguously. Each KV group's
+    layers are views of one tensor, [group layers, planes, heads, num_pages, page_size, width]; a
+    model of one group (every model today) has its whole cache in `pages`, which is shared with a
+    process on the same host by one handle (workers.transfer.pools): a CUDA IPC handle on a GPU; on
+    the CPU, a `shareable` cache lives in shared memory (`shared_memory`).
     """
 
     def __init__(self, specs: KVCacheSpecs, *, num_pages: int, device: torch.device, shareable: bool = False):
-        for spec in specs.groups:
-            if spec.kind is KVKind.LATENT:
-                raise ValueError(f"the device cache has no latent layout yet: {spec.layout}")
         if shareable and len(specs.groups) > 1:
             raise ValueError(f"a cache of {len(specs.groups)} KV groups is not one tensor to share")
         self.specs = specs
         self.shared_memory: SharedHostMemory | None = None
         self.group_pages: list[torch.Tensor] = []
-        by_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        by_layer: dict[int, tuple[torch.Tensor, ...]] = {}
         for spec in specs.groups:
-            shape = (len(spec.layers), 2, spec.num_kv_heads, num_pages, spec.page_size, spec.head_dim)
+            shape = spec.pages_shape(num_pages)
             # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs);
             # a fresh memfd reads as zeros.
             if shareable and device.type == "cpu":
@@ -57,7 +56,7 @@ class KVCache:
                 pages = torch.zeros(shape, dtype=spec.dtype, device=device)
             self.group_pages.append(pages)
             for i, layer in enumerate(spec.layers):
-                by_layer[layer] = (pages[i, 0], pages[i, 1])
+                by_layer[layer] = tuple(pages[i].unbind(0))
         self.layers = [by_layer[layer] for layer in range(specs.num_layers)]
         self.num_pages = num_pages
         self.page_size = specs.page_size
@@ -78,8 +77,8 @@ class KVCache:
 
     @property
     def pages(self) -> torch.Tensor:
-        """The whole cache as one tensor, [layers, 2, kv_heads, num_pages, page_size, head_dim]: a
-        cache of one KV group."""
+        """The whole cache as one tensor, [layers, planes, heads, num_pages, page_size, width]: a cache
+        of one KV group."""
         if len(self.group_pages) != 1:
             raise ValueError(f"a cache of {len(self.group_pages)} KV groups is not one tensor")
         return self.group_pages[0]

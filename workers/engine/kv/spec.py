@@ -1,17 +1,20 @@
 """KV cache specs: what one group of layers keeps per token, from which every holder of KV (the device
 cache, the block manager, the store's block files, the handoff) sizes and lays out its data.
 
-A model's layers fall into groups, each keeping its KV one way (KVCacheSpec.kind):
-- full attention: every token's keys and values, [2, kv_heads, head_dim] per token and layer;
+A model's layers fall into groups, each keeping its KV one way (KVCacheSpec.kind), and every group
+keeps per token and layer `planes` × `heads` × `width` values, so that one layout serves them all:
+- full attention: every token's keys and values, 2 planes (key, value) of kv_heads heads of head_dim;
 - sliding window: the same per token, but a query reads only the last `window` tokens, so pages
   that fall out of the window go back to the pool, and the group is not stored globally (its state
   stays with the worker that computed it);
-- latent (MLA): one latent vector of `latent_width` per token and layer, read by every head.
+- latent (MLA): one latent vector of `latent_width` per token and layer, read by every query head:
+  1 plane of 1 head of latent_width.
 
 `KVCacheSpec.layout` is the spec's fingerprint, a short readable string: stored blocks and transfers
 record it, and a reader whose layout differs refuses the data instead of misreading its bytes.
 
-Every model today is one full-attention group of all its layers: a layer with a sliding window
+A model is one group of all its layers: a latent group for a model with multi-head latent attention
+(ModelConfig.mla), else a full-attention group. A layer with a sliding window
 (ModelConfig.layer_windows) still keeps every token in the device cache and only masks what it
 reads, so its KV is laid out, stored and handed off as full attention's.
 """
@@ -59,11 +62,24 @@ class KVCacheSpec:
             raise ValueError(f"a sliding-window KV group, and only one, has a positive window, got {self}")
 
     @property
-    def token_shape(self) -> tuple[int, ...]:
-        """The KV of one token in one layer: [2 (key, value), kv_heads, head_dim], or [latent_width]."""
-        if self.kind is KVKind.LATENT:
-            return (self.latent_width,)
-        return (2, self.num_kv_heads, self.head_dim)
+    def planes(self) -> int:
+        """Tensors a layer keeps per token: 2 (key, value), or 1 (the latent)."""
+        return 1 if self.kind is KVKind.LATENT else 2
+
+    @property
+    def heads(self) -> int:
+        """Heads of each plane: the KV heads, or 1 (the latent, read by every query head)."""
+        return 1 if self.kind is KVKind.LATENT else self.num_kv_heads
+
+    @property
+    def width(self) -> int:
+        """Values of one head of one plane: head_dim, or latent_width."""
+        return self.latent_width if self.kind is KVKind.LATENT else self.head_dim
+
+    @property
+    def token_shape(self) -> tuple[int, int, int]:
+        """The KV of one token in one layer: [planes, heads, width]."""
+        return (self.planes, self.heads, self.width)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -83,7 +99,7 @@ class KVCacheSpec:
     def head_page_elements(self) -> int:
         """Elements of one page of one KV head (of the latent): the attention kernels address a head's
         pages with 32-bit offsets of page id × this."""
-        return self.page_size * (self.latent_width if self.kind is KVKind.LATENT else self.head_dim)
+        return self.page_size * self.width
 
     @property
     def stored_globally(self) -> bool:
@@ -91,12 +107,14 @@ class KVCacheSpec:
         worker that computed it, never in the store."""
         return self.kind is not KVKind.SLIDING_WINDOW
 
-    def run_shape(self, num_tokens: int) -> tuple[int, ...]:
-        """A token-major run of the group's KV (a store block, a handoff): [layers, 2, kv_heads,
-        tokens, head_dim], or [layers, tokens, latent_width]."""
-        if self.kind is KVKind.LATENT:
-            return (len(self.layers), num_tokens, self.latent_width)
-        return (len(self.layers), 2, self.num_kv_heads, num_tokens, self.head_dim)
+    def run_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        """A token-major run of the group's KV (a store block, a handoff): [layers, planes, heads,
+        tokens, width]."""
+        return (len(self.layers), self.planes, self.heads, num_tokens, self.width)
+
+    def pages_shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
+        """The group's pages in the device cache: [layers, planes, heads, num_pages, page_size, width]."""
+        return (len(self.layers), self.planes, self.heads, num_pages, self.page_size, self.width)
 
     @property
     def layout(self) -> str:
@@ -128,8 +146,12 @@ class KVCacheSpecs:
 
     @classmethod
     def of_model(cls, config: ModelConfig, *, dtype: torch.dtype, page_size: int) -> "KVCacheSpecs":
-        """The groups of a model: one full-attention group of every layer (see the module docstring)."""
-        return cls((full_attention(range(config.num_layers), config, dtype=dtype, page_size=page_size),))
+        """The groups of a model: one group of every layer, latent for a model with multi-head latent
+        attention, else full attention (see the module docstring)."""
+        layers = range(config.num_layers)
+        if config.mla is not None:
+            return cls((latent(layers, config.mla.latent_width, dtype=dtype, page_size=page_size),))
+        return cls((full_attention(layers, config, dtype=dtype, page_size=page_size),))
 
     @property
     def num_layers(self) -> int:
@@ -166,6 +188,12 @@ def full_attention(layers: Sequence[int], config: ModelConfig, *, dtype: torch.d
         page_size=page_size,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
+    )
+
+
+def latent(layers: Sequence[int], latent_width: int, *, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
+    return KVCacheSpec(
+        kind=KVKind.LATENT, layers=tuple(layers), dtype=dtype, page_size=page_size, latent_width=latent_width
     )
 
 

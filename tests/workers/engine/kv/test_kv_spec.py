@@ -38,8 +38,8 @@ def test_each_kind_sizes_its_tokens():
     latent = KVCacheSpec(KVKind.LATENT, (0,), torch.bfloat16, 16, latent_width=576)
 
     assert window.token_shape == (2, 4, 8) and window.bytes_per_token == 2 * (2 * 4 * 8 * 2)
-    assert latent.token_shape == (576,) and latent.bytes_per_token == 576 * 2
-    assert latent.run_shape(32) == (1, 32, 576) and window.run_shape(32) == (2, 2, 4, 32, 8)
+    assert latent.token_shape == (1, 1, 576) and latent.bytes_per_token == 576 * 2
+    assert latent.run_shape(32) == (1, 1, 1, 32, 576) and window.run_shape(32) == (2, 2, 4, 32, 8)
     assert latent.head_page_elements == 16 * 576 and window.head_page_elements == 16 * 8
     assert not window.stored_globally and latent.stored_globally and full([0]).stored_globally
 
