@@ -163,6 +163,7 @@ class LLMEngine(EngineCore):
             max_model_len=loaded.max_model_len,
             kv_model_id=self.kv_model_id,
             page_size=config.args.page_size,
+            kv_layout=kv_cache.specs.layout,
             kv_block_tokens=config.args.kv_block_tokens if store is not None else 0,
             kv_transfer=config.args.kv_transfer,
         )

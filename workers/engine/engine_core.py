@@ -33,6 +33,7 @@ class EngineInfo:
     max_model_len: int
     kv_model_id: str  # what decides the bytes of a KV block besides its tokens
     page_size: int  # tokens per KV page
+    kv_layout: str  # its KV's layout (KVCacheSpecs.layout): a transfer or pool of another is refused
     kv_block_tokens: int  # tokens per KV store block; 0 without a store
     kv_transfer: str  # how its KV travels to another engine: "auto" (a mapped pool where it can), "zmq" (frames)
 

@@ -95,7 +95,7 @@ class Worker:
             curve.bind(router, config.transfer_endpoint, key)
             transfer_endpoint = connectable_endpoint(router, advertised_host)
             receiver = TransferReceiver(
-                router, default_timeout_s=config.transfer_timeout_s, kv_layout=engine.kv_cache.specs.layout
+                router, default_timeout_s=config.transfer_timeout_s, kv_layout=engine.info.kv_layout
             )
             self.poller.register(router, zmq.POLLIN)
         sender: TransferSender | None = None

@@ -267,7 +267,7 @@ class Transfers:
             self._refuse(received, f"{len(offer.pages)} pages offered for {handoff.num_computed_tokens} tokens")
             return
         try:
-            pool = self.pool_maps.open(offer, self.engine.kv_cache.specs.layout)
+            pool = self.pool_maps.open(offer, self.engine.info.kv_layout)
         except PoolError as error:
             self._refuse(received, str(error))
             return

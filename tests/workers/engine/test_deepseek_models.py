@@ -1,5 +1,5 @@
 """DeepSeek-V2 and -V3 (multi-head latent attention over a latent paged cache) through the engine, on
-tiny random weights: batch invariance, prefix-cache hits, preemption, the global KV store, a
+tiny random weights: batching and bitwise batch invariance, prefix-cache hits, preemption, the global KV store, a
 prefill → decode handoff, and the latent cache's size. Logits and greedy tokens against HF are in
 test_moe_models, whose reference configs include both families."""
 
@@ -78,6 +78,19 @@ def test_a_batch_of_mixed_lengths_and_chunked_prefill_give_each_prompts_tokens_a
     assert tokens(batched, prompts) == reference(prompts)
 
 
+def test_latent_attention_is_bitwise_batch_invariant_on_the_cpu(family):
+    # Every layer dense: the routed experts' CPU loop multiplies as many rows as an expert got, so it
+    # is not bitwise batch-invariant (in any MoE family); attention and the dense layers are.
+    config = {**TINY_MOE_CONFIGS[family], "first_k_dense_replace": TINY_MOE_CONFIGS[family]["num_hidden_layers"]}
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    prompts = [prompt(3 + 13 * i % 71, seed=i) for i in range(12)]
+    alone = LLM(config, seed=0, kv_cache_bytes=1 << 22, enable_prefix_caching=False, max_num_batched_tokens=1024)
+    expected = [alone.generate([p], params)[0] for p in prompts]
+    batched = LLM(config, seed=0, kv_cache_bytes=1 << 22, max_num_batched_tokens=23).generate(prompts, params)
+    for ours, theirs in zip(batched, expected, strict=True):
+        assert [e.logprob for e in ours.logprobs] == [e.logprob for e in theirs.logprobs]
+
+
 def test_prefix_hits_skip_the_shared_pages_and_change_no_token(family, reference):
     shared = prompt(70, seed=9)
     first, second = shared + [1, 2, 3], shared + [4, 5]
@@ -89,9 +102,10 @@ def test_prefix_hits_skip_the_shared_pages_and_change_no_token(family, reference
 
 
 def test_a_tiny_cache_preempts_and_every_request_completes_identically(family, reference):
-    prompts = [prompt(n, seed=n) for n in (40, 35, 50, 28)]
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    tight = LLM(TINY_MOE_CONFIGS[family], seed=0, num_pages=10)
+    prompts = [prompt(n, seed=n) for n in (40, 35, 50, 28, 45, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # 13 usable pages of 16 tokens: enough for any one request (<= 90 tokens = 6 pages), not for all.
+    tight = LLM(TINY_MOE_CONFIGS[family], seed=0, num_pages=14)
     roomy = llm(family, enable_prefix_caching=False)
     assert tokens(tight, prompts, params) == tokens(roomy, prompts, params)
     assert tight.engine.stats().num_preemptions > 0
