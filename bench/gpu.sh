@@ -13,10 +13,14 @@
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
 # The served stack has a script of its own, bench/gpu_stack.sh (its wheels include these).
-# STEPS (default "tests attention moe ep handoff cached sanitizer profile throughput fit") picks what runs.
+# Then the MLA decode kernel alone (DeepSeek-V3's 128 heads) against the copy bandwidth, and decode of the
+# shapes in bench.shapes (Llama-3.1-8B, Qwen3-30B-A3B's 16 layers, DeepSeek-V2-Lite) as fractions of
+# their memory rooflines, and a profile of a MoE shape's graphed decode step at batch 1.
+# STEPS (default "tests attention mla moe ep handoff cached sanitizer profile roofline throughput fit")
+# picks what runs.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention moe ep handoff cached sanitizer profile throughput fit}
+steps=${STEPS:-tests attention mla moe ep handoff cached sanitizer profile roofline throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf pyzmq; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -37,6 +41,9 @@ if has tests; then
 fi
 if has attention; then
   python3 -m bench.decode_attention | tee "$out/decode_attention_h200.json"
+fi
+if has mla; then
+  python3 -m bench.mla_decode | tee "$out/mla_decode_gpu.json" || echo "MLA DECODE BENCHMARK FAILED"
 fi
 if has moe; then
   python3 -m bench.moe_layer | tee "$out/moe_layer_h200.json"
@@ -63,6 +70,20 @@ if has profile; then
     python3 -m bench.profile_step --device cuda --batch-size "$batch" --steps 5 >"$out/profile_b$batch.txt" 2>&1 || true
     head -8 "$out/profile_b$batch.txt"
   done
+  for moe_shape in qwen3_30b_a3b_16_layers deepseek_v2_lite; do
+    python3 -m bench.profile_step --device cuda --shape "$moe_shape" --batch-size 1 --steps 5 \
+      >"$out/profile_${moe_shape}_b1.txt" 2>&1 || true
+    head -30 "$out/profile_${moe_shape}_b1.txt"
+  done
+fi
+if has roofline; then
+  python3 -m bench.decode_roofline --batch-sizes "${BATCH_SIZES:-1,16,64,256}" >"$out/decode_roofline_gpu.json" \
+    2>"$out/decode_roofline_gpu.log" || echo "DECODE ROOFLINE BENCHMARK FAILED"
+  python3 -c "
+import json; d = json.load(open('$out/decode_roofline_gpu.json'))
+print('shape batch decode_tok_s step_ms roofline_step_ms roofline_fraction')
+for s in d['shapes']:
+    for r in s['rows']: print(s['shape'], r['batch_size'], r['decode_tok_s'], r['step_ms'], r['roofline_step_ms'], r['roofline_fraction'])"
 fi
 if has throughput; then
   python3 -m bench.engine_throughput --device cuda --random-weights --batch-sizes "${BATCH_SIZES:-1,16,64,256}" \

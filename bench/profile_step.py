@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the host's share and the kernels', for tuning.
 
 python -m bench.profile_step --device cuda --batch-size 64 --prompt-len 512 --steps 5 [--enforce-eager]
+    [--shape qwen3_30b_a3b_16_layers]  (a shape of bench.shapes, random weights; SmolLM2-135M's by default)
 
 Prefills the batch first, then profiles `--steps` decode steps: prints the wall time of each step,
 the device time of its kernels (from the profiler), and the top kernels. With CUDA graphs the
@@ -17,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.smollm2_config import SMOLLM2_135M_CONFIG
+from bench.shapes import SHAPES, shape
 from workers.engine import LLM, SamplingParams
 from workers.protocol.engine_request import EngineRequest
 
@@ -30,9 +31,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--max-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--shape", default="smollm2_135m", choices=sorted(SHAPES))
     args = parser.parse_args()
+    config = shape(args.shape)
     llm = LLM(
-        SMOLLM2_135M_CONFIG,
+        config,
         device=args.device,
         enable_prefix_caching=False,
         max_num_seqs=max(args.batch_size, 1),
@@ -41,7 +44,7 @@ def main() -> None:
         max_model_len=args.prompt_len + 64,
         enforce_eager=args.enforce_eager,
     )
-    prompts = torch.randint(0, 49152, (args.batch_size, args.prompt_len)).tolist()
+    prompts = torch.randint(0, config["vocab_size"], (args.batch_size, args.prompt_len)).tolist()
     engine = llm.engine
     for index, prompt in enumerate(prompts):
         engine.add_request(
