@@ -1,10 +1,11 @@
 """A MoE layer's routed experts at a Qwen3-30B-A3B layer's shape (128 experts, top-8, hidden 2048,
-expert intermediate 768, bf16) with random routing: the fused op (kernels.moe.fused_experts, the
-direct path up to kernels.moe.configs.DIRECT_MAX_PAIRS pairs, the aligned grouped GEMMs beyond)
-against the aligned path alone (what every token count ran before the direct path) and the
-per-expert torch loop (kernels.moe.reference):
+expert intermediate 768, bf16) with random routing: the fused op's two paths, the aligned grouped
+GEMMs (what every token count ran before the direct path; still the op's path beyond
+kernels.moe.configs.DIRECT_MAX_PAIRS pairs) and the direct path (kernels.moe.direct, the op's path
+up to that bound, timed here up to DIRECT_BENCH_MAX_PAIRS), against the per-expert torch loop
+(kernels.moe.reference); `fused_path` says which one kernels.moe.fused_experts takes:
 
-    python -m bench.moe_layer [--tokens 1,2,4,8,16,64,256] [--runs 50]
+    python -m bench.moe_layer [--tokens 1,2,4,8,16,32,64,256] [--runs 50]
     python -m bench.moe_layer --tiny    # a toy shape, runnable on the CPU (Triton's interpreter)
 
 Per token count: the median of --runs timed calls after warm-up (CUDA events on the GPU) of the
@@ -25,6 +26,9 @@ from collections.abc import Callable
 
 import torch
 
+# The direct path is timed beside the aligned one up to 4x the pairs fused_experts gives it
+# (kernels.moe.configs.DIRECT_MAX_PAIRS), to show where the bound should sit.
+DIRECT_BENCH_MAX_PAIRS = 256
 QWEN3_30B = dict(experts=128, top_k=8, hidden=2048, intermediate=768)
 TINY = dict(experts=8, top_k=2, hidden=64, intermediate=32)
 
@@ -102,7 +106,9 @@ def streamed_bytes(inputs: tuple[torch.Tensor, ...]) -> int:
 def measure(
     tokens: int, shape: dict, dtype: torch.dtype, device: torch.device, runs: int, warmup: int, bandwidth: float | None
 ) -> dict:
-    from kernels.moe import experts_reference, fused_experts
+    from kernels.moe import experts_reference
+    from kernels.moe.configs import tile_config
+    from kernels.moe.direct import direct_experts
     from kernels.moe.fused import aligned_experts
 
     inputs = routed_inputs(tokens, shape, dtype, device)
@@ -112,7 +118,10 @@ def measure(
     row = {"tokens": tokens, "loop_ms": round(loop_ms, 4), "loop_tflops": round(flops / (loop_ms / 1000) / 1e12, 2)}
     if bandwidth is not None:
         row["roofline_ms"] = round(streamed_bytes(inputs) / bandwidth * 1000, 4)
-    for name, op in (("aligned", aligned_experts), ("fused", fused_experts)):
+    paths = {"aligned": aligned_experts}
+    if tokens * shape["top_k"] <= DIRECT_BENCH_MAX_PAIRS:
+        paths["direct"] = direct_experts
+    for name, op in paths.items():
         row[f"{name}_max_abs_diff"] = (op(*inputs).float() - reference).abs().max().item()
         row[f"{name}_ms"] = round(median_ms(lambda op=op: op(*inputs), runs=runs, warmup=warmup, device=device), 4)
         if device.type != "cuda":
@@ -122,15 +131,16 @@ def measure(
         row[f"{name}_graph_ms"] = round(graph_ms, 4)
         row[f"{name}_graph_roofline_fraction"] = round(row["roofline_ms"] / graph_ms, 3)
         row[f"{name}_graph_tflops"] = round(flops / (graph_ms / 1000) / 1e12, 2)
-    if device.type == "cuda":
-        row["fused_graph_speedup_over_aligned"] = round(row["aligned_graph_ms"] / row["fused_graph_ms"], 2)
+    row["fused_path"] = "direct" if tile_config(tokens * shape["top_k"], shape["experts"]).direct else "aligned"
+    if device.type == "cuda" and "direct" in paths:
+        row["direct_graph_speedup_over_aligned"] = round(row["aligned_graph_ms"] / row["direct_graph_ms"], 2)
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--tokens", default=None, help="comma-separated token counts (default 1,2,4,8,16,64,256; tiny 2,4,24)"
+        "--tokens", default=None, help="comma-separated token counts (default 1,2,4,8,16,32,64,256; tiny 2,4,24)"
     )
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
@@ -147,7 +157,7 @@ def main() -> None:
         patch_interpreter()
     shape = TINY if args.tiny else QWEN3_30B
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    tokens = [int(t) for t in (args.tokens or ("2,4,24" if args.tiny else "1,2,4,8,16,64,256")).split(",")]
+    tokens = [int(t) for t in (args.tokens or ("2,4,24" if args.tiny else "1,2,4,8,16,32,64,256")).split(",")]
     bandwidth = copy_bandwidth(device, args.runs, args.warmup) if device.type == "cuda" else None
     rows = [measure(t, shape, dtype, device, args.runs, args.warmup, bandwidth) for t in tokens]
     print(json.dumps({"benchmark": "moe_layer", "device": torch.cuda.get_device_name() if device.type == "cuda"
