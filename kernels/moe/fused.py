@@ -1,6 +1,7 @@
-"""The routed experts as grouped GEMMs in Triton: each (token, choice) pair is sorted by its slot,
-every slot's pairs padded to whole BLOCK_M tiles, and each tile multiplies its rows by that slot's
-weights only.
+"""The routed experts as grouped GEMMs in Triton. For a few pairs `fused_experts` takes the direct
+path (direct.py: no sort, three launches); otherwise the aligned path below: each (token, choice)
+pair is sorted by its slot, every slot's pairs padded to whole BLOCK_M tiles, and each tile
+multiplies its rows by that slot's weights only.
 
 1. Align (torch ops): the T * k pairs sorted by slot (stable, so a slot's pairs stay in token
    order), each slot's run padded to a multiple of BLOCK_M; `sorted_pairs[i]` is the pair at padded
@@ -16,40 +17,17 @@ weights only.
 
 No host syncs: every buffer and grid is sized from shapes (T * k pairs plus at most BLOCK_M - 1 of
 padding per slot), tiles past the last one exit at once, so the op is safe to capture in a CUDA graph.
-Tile sizes follow the mean pairs per slot: small tiles for decode, larger for prefill (first
-guesses for the H200, to be tuned with bench.moe_layer).
+Paths and tile sizes: kernels.moe.configs.
 """
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.moe.checks import check_experts_inputs
-
-
-@dataclass(frozen=True, slots=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-# By mean pairs per slot (T * k / S), the first whose bound it does not exceed.
-TILE_CONFIGS = (
-    (16, TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    (48, TileConfig(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-    (None, TileConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
-)
-COMBINE_BLOCK = 1024
-
-
-def tile_config(num_pairs: int, num_slots: int) -> TileConfig:
-    per_slot = num_pairs / num_slots
-    return next(config for bound, config in TILE_CONFIGS if bound is None or per_slot <= bound)
+from kernels.moe.combine import combine_pairs
+from kernels.moe.configs import TileConfig, aligned_config, block_k_for, tile_config
+from kernels.moe.direct import direct_experts
 
 
 def fused_experts(
@@ -59,19 +37,34 @@ def fused_experts(
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """What kernels.moe.experts_reference computes, as grouped GEMMs (see the module docstring)."""
+    """What kernels.moe.experts_reference computes: the direct path (direct.py) for a few pairs,
+    else the aligned grouped GEMMs (the module docstring), as kernels.moe.configs chooses."""
     check_experts_inputs(hidden, w13, w2, topk_slots, topk_weights)
-    tokens, hidden_size = hidden.shape
-    if tokens == 0:
+    if hidden.shape[0] == 0:
         return torch.empty_like(hidden)
-    num_slots, intermediate = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_slots.shape[1]
     topk_slots = topk_slots.contiguous()
     topk_weights = topk_weights.contiguous()
-    config = tile_config(tokens * top_k, num_slots)
-    # The configs are sized for 2-byte elements; float32 halves the depth so that the pipelined
-    # tiles still fit in shared memory.
-    block_k = config.block_k * 2 // hidden.element_size()
+    config = tile_config(topk_slots.numel(), w13.shape[0])
+    if config.direct:
+        return direct_experts(hidden, w13, w2, topk_slots, topk_weights, config)
+    return aligned_experts(hidden, w13, w2, topk_slots, topk_weights, config)
+
+
+def aligned_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """The aligned path at any token count (the benchmark's baseline for the direct one); inputs
+    checked, contiguous routing, tokens >= 1 (fused_experts sees to all three)."""
+    tokens, hidden_size = hidden.shape
+    num_slots, intermediate = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_slots.shape[1]
+    config = config or aligned_config(tokens * top_k, num_slots)
+    block_k = block_k_for(config, hidden.element_size())
     sorted_pairs, tile_slots = align_pairs(topk_slots, num_slots, config.block_m)
     padded = sorted_pairs.shape[0]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
@@ -125,18 +118,7 @@ def fused_experts(
         num_stages=config.num_stages,
     )
     out = torch.empty_like(hidden)
-    grid = (tokens, triton.cdiv(hidden_size, COMBINE_BLOCK))
-    _combine_kernel[grid](
-        pair_out,
-        topk_slots,
-        out,
-        top_k,
-        num_slots,
-        hidden_size,
-        pair_out.stride(0),
-        out.stride(0),
-        BLOCK=COMBINE_BLOCK,
-    )
+    combine_pairs(pair_out, topk_slots, num_slots, out)
     return out
 
 
@@ -265,28 +247,3 @@ def _down_kernel(
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * out_row_stride + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _combine_kernel(
-    pair_out_ptr,
-    slots_ptr,
-    out_ptr,
-    top_k,
-    num_slots,
-    hidden_size,
-    pair_row_stride,
-    out_row_stride,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    col_mask = cols < hidden_size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for choice in range(top_k):
-        pair = token * top_k + choice
-        slot = tl.load(slots_ptr + pair)
-        held = (slot >= 0) & (slot < num_slots)
-        row = tl.load(pair_out_ptr + pair * pair_row_stride + cols, mask=col_mask & held, other=0.0)
-        acc += row.to(tl.float32)
-    tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)

@@ -17,6 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.moe import experts, experts_reference, fused_experts  # noqa: E402
+from kernels.moe.configs import DIRECT, DIRECT_MAX_PAIRS, tile_config  # noqa: E402
+from kernels.moe.direct import direct_experts  # noqa: E402
+from kernels.moe.fused import aligned_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=2e-2)}
@@ -103,18 +106,41 @@ def test_align_pairs_gives_each_slot_whole_tiles():
 
 
 @pytest.mark.parametrize(
-    "dtype, tokens",
+    "dtype, tokens, direct",
     [
-        (torch.float32, 13),  # 16-row tiles; columns and depth not multiples of the blocks
-        (torch.bfloat16, 40),  # 32-row tiles
-        (torch.float32, 100),  # 64-row tiles
+        (torch.float32, 1, True),  # the direct path: no sort, one tile per slot
+        (torch.bfloat16, 2, True),
+        (torch.float32, 8, True),
+        (torch.bfloat16, 8, True),
+        (torch.float32, 30, False),  # aligned, 16-row tiles; columns and depth not multiples of the blocks
+        (torch.bfloat16, 40, False),  # aligned, 32-row tiles
+        (torch.float32, 100, False),  # aligned, 64-row tiles
     ],
 )
-def test_fused_experts_equals_the_reference(dtype, tokens):
+def test_fused_experts_equals_the_reference(dtype, tokens, direct):
     inputs = make_inputs(tokens=tokens, dtype=dtype, device=DEVICE)
+    assert tile_config(inputs[3].numel(), inputs[1].shape[0]).direct == direct
     out = fused_experts(*inputs)
     assert out.dtype == dtype and out.shape == inputs[0].shape
     torch.testing.assert_close(out, experts_reference(*inputs), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_direct_path_equals_the_aligned_path(tokens):
+    x, w13, w2, ids, weights = make_inputs(tokens=tokens, device=DEVICE)
+    ids = ids.contiguous()
+    torch.testing.assert_close(
+        direct_experts(x, w13, w2, ids, weights), aligned_experts(x, w13, w2, ids, weights), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_direct_path_takes_a_slot_named_more_times_than_a_tile_has_rows():
+    # 8 tokens naming slot 2 three times each: 24 pairs of one slot, two 16-row tiles.
+    x, w13, w2, ids, weights = make_inputs(tokens=8, device=DEVICE)
+    ids = torch.full_like(ids, 2)
+    ids[3, 1] = -1
+    assert DIRECT.block_m < ids.numel() <= DIRECT_MAX_PAIRS
+    torch.testing.assert_close(fused_experts(x, w13, w2, ids, weights), experts_reference(x, w13, w2, ids, weights))
 
 
 def test_fused_experts_with_every_pair_elsewhere_or_no_tokens():
@@ -154,7 +180,7 @@ def qwen3_30b_routing(tokens: int, seed: int):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("tokens", [1, 64, 512, 4096])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16, 64, 512, 4096])
 def test_gpu_fused_experts_at_qwen3_30b_sizes(qwen3_30b_weights, tokens):
     w13, w2 = qwen3_30b_weights
     x, ids, weights = qwen3_30b_routing(tokens, seed=tokens)
@@ -164,15 +190,27 @@ def test_gpu_fused_experts_at_qwen3_30b_sizes(qwen3_30b_weights, tokens):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_fused_experts_replays_in_a_cuda_graph(qwen3_30b_weights):
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_gpu_direct_path_equals_the_aligned_path_at_qwen3_30b_sizes(qwen3_30b_weights, tokens):
     w13, w2 = qwen3_30b_weights
-    x, ids, weights = qwen3_30b_routing(64, seed=0)
+    x, ids, weights = qwen3_30b_routing(tokens, seed=tokens)
+    assert tile_config(ids.numel(), w13.shape[0]).direct
+    direct = direct_experts(x, w13, w2, ids, weights)
+    torch.testing.assert_close(direct, aligned_experts(x, w13, w2, ids, weights), **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_gpu_fused_experts_replays_in_a_cuda_graph(qwen3_30b_weights, tokens):
+    w13, w2 = qwen3_30b_weights
+    x, ids, weights = qwen3_30b_routing(tokens, seed=0)
     experts(x, w13, w2, ids, weights)  # compiles the kernels outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = experts(x, w13, w2, ids, weights)
     for seed in (1, 2):
-        for static, new in zip((x, ids, weights), qwen3_30b_routing(64, seed=seed)):
+        for static, new in zip((x, ids, weights), qwen3_30b_routing(tokens, seed=seed)):
             static.copy_(new)
         graph.replay()
         torch.testing.assert_close(out, experts_reference(x, w13, w2, ids, weights), **TOLERANCE[torch.bfloat16])
@@ -180,10 +218,11 @@ def test_gpu_fused_experts_replays_in_a_cuda_graph(qwen3_30b_weights):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_slots_out_of_range_are_not_read():
+@pytest.mark.parametrize("tokens", [8, 40])  # the direct path, the aligned one
+def test_gpu_slots_out_of_range_are_not_read(tokens):
     # On CUDA the wrapper does not read slot values (a host sync); the kernels skip any slot outside
     # [0, S), so a bad id costs that pair, never a read past the weights.
-    x, w13, w2, ids, weights = make_inputs(tokens=40, dtype=torch.bfloat16, device=DEVICE)
+    x, w13, w2, ids, weights = make_inputs(tokens=tokens, dtype=torch.bfloat16, device=DEVICE)
     bad = ids.clone()
     bad[:, 0] = 1000
     expected = experts_reference(x, w13, w2, torch.where(bad == 1000, -1, bad), weights)
