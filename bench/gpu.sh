@@ -52,7 +52,7 @@ if has ep; then
   python3 -m bench.ep_layer | tee "$out/ep_layer_h200.json"
 fi
 if has handoff; then
-  python3 -m bench.kv_handoff --shapes smollm2_135m,llama3_8b | tee "$out/kv_handoff_gpu.json" || echo "KV HANDOFF BENCHMARK FAILED"
+  python3 -m bench.kv_handoff --shapes smollm2_135m,llama3_8b,deepseek_v2_lite | tee "$out/kv_handoff_gpu.json" || echo "KV HANDOFF BENCHMARK FAILED"
 fi
 if has cached; then
   python3 -m bench.cached_prefill | tee "$out/cached_prefill_gpu.json" || echo "CACHED PREFILL BENCHMARK FAILED"

@@ -28,21 +28,25 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-# (layers, kv_heads, head_dim): SmolLM2-135M, the model `make run` serves, a Llama-3.1-8B shape (the
-# served-stack benchmark's) and a Qwen3-30B-A3B shape (48 layers, 4 KV heads of 128); for multi-head
-# latent attention (layers, 0, latent_width): DeepSeek-V3's (61 layers, a latent of 512 + 64).
-SHAPES = {
-    "smollm2_135m": (30, 3, 64),
-    "llama3_8b": (32, 8, 128),
-    "qwen3_30b_a3b": (48, 4, 128),
-    "deepseek_v3": (61, 0, 576),
-}
+from bench.shapes import SHAPES as MODEL_SHAPES
+from bench.shapes import kv_specs
+
 DTYPE = torch.bfloat16
 PAGE_SIZE = 16
 SEED = 1234
 MODES = ("zmq", "pages")
 # How long one run may take to arrive before the benchmark gives up on it (a stalled transfer).
 RUN_TIMEOUT_S = 120.0
+
+
+def kv_shape(name: str) -> tuple[int, int, int]:
+    (spec,) = kv_specs(name, dtype=DTYPE, page_size=PAGE_SIZE).groups
+    return (len(spec.layers), spec.num_kv_heads, spec.latent_width or spec.head_dim)
+
+
+# (layers, kv_heads, head_dim) of each shape of bench.shapes, or (layers, 0, latent_width) for multi-head
+# latent attention: what a handoff of its KV carries per token.
+SHAPES = {name: kv_shape(name) for name in MODEL_SHAPES}
 
 
 def kv_spec(shape: tuple[int, int, int]):

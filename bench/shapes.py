@@ -8,7 +8,11 @@ slice that fits one GPU beside its KV cache, with every layer's bytes as the ful
 
 from typing import Any
 
+import torch
+
 from bench.smollm2_config import SMOLLM2_135M_CONFIG
+from workers.engine.kv.spec import KVCacheSpecs
+from workers.engine.models.registry import model_config
 
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2_135m": SMOLLM2_135M_CONFIG,
@@ -100,6 +104,49 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    # All 61 layers; in BF16 (the published checkpoint is FP8, which is not served yet).
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "max_position_embeddings": 163840,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 
@@ -107,3 +154,8 @@ def shape(name: str) -> dict[str, Any]:
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
     return {**SHAPES[name], "_name_or_path": name}
+
+
+def kv_specs(name: str, *, dtype: torch.dtype = torch.bfloat16, page_size: int = 16) -> KVCacheSpecs:
+    """The KV cache spec of a shape's model: what its device cache, store blocks and handoffs hold."""
+    return KVCacheSpecs.of_model(model_config(shape(name)), dtype=dtype, page_size=page_size)
