@@ -106,19 +106,19 @@ def test_align_pairs_gives_each_slot_whole_tiles():
 
 
 @pytest.mark.parametrize(
-    "dtype, tokens, direct",
+    "dtype, tokens, slots, direct",
     [
-        (torch.float32, 1, True),  # the direct path: no sort, one tile per slot
-        (torch.bfloat16, 2, True),
-        (torch.float32, 8, True),
-        (torch.bfloat16, 8, True),
-        (torch.float32, 30, False),  # aligned, 16-row tiles; columns and depth not multiples of the blocks
-        (torch.bfloat16, 40, False),  # aligned, 32-row tiles
-        (torch.float32, 100, False),  # aligned, 64-row tiles
+        (torch.float32, 1, 6, True),  # the direct path: no sort, one tile per slot
+        (torch.bfloat16, 2, 6, True),
+        (torch.float32, 8, 6, True),
+        (torch.bfloat16, 40, 6, True),  # a slot's pairs fill several tiles
+        (torch.float32, 90, 18, False),  # aligned, 16-row tiles; columns and depth not multiples of the blocks
+        (torch.bfloat16, 100, 12, False),  # aligned, 32-row tiles
+        (torch.float32, 100, 6, False),  # aligned, 64-row tiles
     ],
 )
-def test_fused_experts_equals_the_reference(dtype, tokens, direct):
-    inputs = make_inputs(tokens=tokens, dtype=dtype, device=DEVICE)
+def test_fused_experts_equals_the_reference(dtype, tokens, slots, direct):
+    inputs = make_inputs(tokens=tokens, slots=slots, dtype=dtype, device=DEVICE)
     assert tile_config(inputs[3].numel(), inputs[1].shape[0]).direct == direct
     out = fused_experts(*inputs)
     assert out.dtype == dtype and out.shape == inputs[0].shape
@@ -218,7 +218,7 @@ def test_gpu_fused_experts_replays_in_a_cuda_graph(qwen3_30b_weights, tokens):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("tokens", [8, 40])  # the direct path, the aligned one
+@pytest.mark.parametrize("tokens", [8, 100])  # the direct path, the aligned one
 def test_gpu_slots_out_of_range_are_not_read(tokens):
     # On CUDA the wrapper does not read slot values (a host sync); the kernels skip any slot outside
     # [0, S), so a bad id costs that pair, never a read past the weights.
