@@ -17,22 +17,8 @@ import time
 
 import torch
 
+from bench.shapes import shape
 from workers.protocol.engine_request import EngineRequest
-
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-}
 
 
 def first_token_s(engine, request_id: str, prompt: list[int]) -> float:
@@ -66,7 +52,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     args = parser.parse_args()
-    config = {**LLAMA_8B, "num_hidden_layers": args.layers}
+    config = {**shape("llama3_8b"), "num_hidden_layers": args.layers}
     engine = LLM(config, device="cuda", max_model_len=16384).engine
     generator = torch.Generator().manual_seed(0)
     vocab = config["vocab_size"]
