@@ -74,11 +74,8 @@ class GroupedSigmoidRouter(nn.Module):
         scores = F.linear(hidden.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
         tokens, num_experts = choice.shape
-        by_group = choice.view(tokens, self.num_groups, num_experts // self.num_groups)
-        group_scores = by_group.topk(2, dim=-1).values.sum(dim=-1)
-        best_groups = group_scores.topk(self.topk_groups, dim=-1).indices
-        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-        choice = by_group.masked_fill(~allowed[:, :, None], float("-inf")).view(tokens, num_experts)
+        group_scores = choice.view(tokens, self.num_groups, num_experts // self.num_groups).topk(2, dim=-1).values
+        choice = within_best_groups(choice, group_scores.sum(dim=-1), self.topk_groups)
         ids = choice.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
@@ -114,13 +111,20 @@ class GroupedSoftmaxRouter(nn.Module):
         choice = scores
         if self.topk_groups < self.num_groups:
             tokens, num_experts = scores.shape
-            by_group = scores.view(tokens, self.num_groups, num_experts // self.num_groups)
-            best_groups = by_group.amax(dim=-1).topk(self.topk_groups, dim=-1).indices
-            allowed = torch.zeros(tokens, self.num_groups, dtype=torch.bool, device=scores.device)
-            allowed.scatter_(1, best_groups, True)
-            choice = by_group.masked_fill(~allowed[:, :, None], float("-inf")).view(tokens, num_experts)
+            group_scores = scores.view(tokens, self.num_groups, num_experts // self.num_groups).amax(dim=-1)
+            choice = within_best_groups(scores, group_scores, self.topk_groups)
         ids = choice.topk(self.top_k, dim=-1).indices
         return ids, scores.gather(1, ids) * self.routed_scaling_factor
+
+
+def within_best_groups(choice: torch.Tensor, group_scores: torch.Tensor, topk_groups: int) -> torch.Tensor:
+    """`choice` [T, E] with every expert outside a token's topk_groups best groups (by `group_scores`
+    [T, G], the experts split into G equal groups in order) at -inf."""
+    tokens, num_groups = group_scores.shape
+    best_groups = group_scores.topk(topk_groups, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    by_group = choice.view(tokens, num_groups, -1)
+    return by_group.masked_fill(~allowed[:, :, None], float("-inf")).view(tokens, -1)
 
 
 def build_router(moe: MoeConfig, hidden_size: int) -> nn.Module:
