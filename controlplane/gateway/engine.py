@@ -32,9 +32,14 @@ def _store_index() -> BlockIndex | None:
 
 async def _started_client() -> EngineClient:
     client = EngineClient(store_index=_store_index(), key=data_plane_key())
-    for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
-        client.add_worker(request_endpoint, heartbeat_endpoint)
-    await client.start()
+    try:
+        for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
+            client.add_worker(request_endpoint, heartbeat_endpoint)
+        await client.start()
+    except BaseException:
+        # A start that fails (a worker on the network without a key) leaves no sockets or context open.
+        await client.close()
+        raise
     if settings.SLUICE_WORKER_DISCOVERY_INTERVAL_S > 0:
         global _discovery
         known = set(settings.SLUICE_WORKER_ENDPOINTS)
