@@ -39,31 +39,12 @@ MODES = ("zmq", "pages")
 RUN_TIMEOUT_S = 120.0
 
 
-def kv_shape(name: str) -> tuple[int, int, int]:
-    (spec,) = kv_specs(name, dtype=DTYPE, page_size=PAGE_SIZE).groups
-    return (len(spec.layers), spec.num_kv_heads, spec.latent_width or spec.head_dim)
-
-
-# (layers, kv_heads, head_dim) of each shape of bench.shapes, or (layers, 0, latent_width) for multi-head
-# latent attention: what a handoff of its KV carries per token.
-SHAPES = {name: kv_shape(name) for name in MODEL_SHAPES}
-
-
-def kv_spec(shape: tuple[int, int, int]):
-    from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
-
-    layers, heads, width = shape
-    if heads:
-        spec = KVCacheSpec(KVKind.FULL, tuple(range(layers)), DTYPE, PAGE_SIZE, num_kv_heads=heads, head_dim=width)
-    else:
-        spec = KVCacheSpec(KVKind.LATENT, tuple(range(layers)), DTYPE, PAGE_SIZE, latent_width=width)
-    return KVCacheSpecs((spec,))
-
-
-def kv_cache(shape: tuple[int, int, int], num_pages: int, seed: int | None, device: str):
+def kv_cache(shape: str, num_pages: int, seed: int | None, device: str):
+    """A paged cache of the KV of `shape` (a name of bench.shapes), filled from `seed` unless None."""
     from workers.engine.kv.kv_cache import KVCache
 
-    cache = KVCache(kv_spec(shape), num_pages=num_pages, device=torch.device(device), shareable=True)
+    specs = kv_specs(shape, dtype=DTYPE, page_size=PAGE_SIZE)
+    cache = KVCache(specs, num_pages=num_pages, device=torch.device(device), shareable=True)
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
         for layer in cache.pages:
@@ -105,7 +86,7 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, ready, starts, device: str) -> None:
+def _sender(mode: str, shape: str, tokens: int, runs: int, endpoint: str, ready, starts, device: str) -> None:
     import zmq
 
     from workers.transfer.link import TransferSender
@@ -138,7 +119,7 @@ def _sender(mode: str, shape, tokens: int, runs: int, endpoint: str, ready, star
 
 
 def _receive(
-    mode: str, shape, tokens: int, runs: int, endpoint: str, ready, starts, device: str, sender
+    mode: str, shape: str, tokens: int, runs: int, endpoint: str, ready, starts, device: str, sender
 ) -> tuple[list[float], float | None]:
     import zmq
 
@@ -201,7 +182,7 @@ def _receive(
     return seconds, setup_s
 
 
-def measure(mode: str, shape, tokens: int, runs: int, device: str) -> tuple[list[float], float | None]:
+def measure(mode: str, shape: str, tokens: int, runs: int, device: str) -> tuple[list[float], float | None]:
     spawn = mp.get_context("spawn")
     # One queue each way: the receiver says it expects a run, the sender when it started it.
     ready, starts = spawn.Queue(), spawn.Queue()
@@ -225,21 +206,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
+    parser.add_argument(
+        "--shapes", default=",".join(MODEL_SHAPES), help="comma-separated, of " + ", ".join(MODEL_SHAPES)
+    )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.kv_handoff --device cuda needs a CUDA device")
     rows = []
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
-        (spec,) = kv_spec(shape).groups
+        (spec,) = kv_specs(name, dtype=DTYPE, page_size=PAGE_SIZE).groups
         planes, heads, width = spec.token_shape
         nbytes = spec.bytes_per_token * args.tokens
         row = {"model_shape": name, "layers": len(spec.layers), "planes": planes, "heads": heads, "width": width}
         row["kv_bytes"] = nbytes
         for mode in MODES:
-            seconds, setup_s = measure(mode, shape, args.tokens, args.runs, args.device)
+            seconds, setup_s = measure(mode, name, args.tokens, args.runs, args.device)
             median = statistics.median(seconds)
             row[f"{mode}_s"] = round(median, 5)
             row[f"{mode}_gb_s"] = round(nbytes / median / 1e9, 2)
