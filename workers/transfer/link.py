@@ -21,8 +21,12 @@ loop touches the engine.
 
 Receiver: a transfer is taken in only for a request the gateway said to expect
 (ExpectTransferRequest); an expectation whose KV has not arrived within its timeout (the one the
-gateway predicted for it, else the worker's default) fails, as does any malformed transfer, and a
-transfer nobody expects is dropped (an offer of one is answered "failed", so its pages go at once).
+gateway predicted for it, else the worker's default) fails, as does any malformed transfer. The
+gateway sends the expectation before the prefill worker gets the request, but over another
+connection than the KV comes on, so nothing orders the two: the KV can arrive first (a connection
+still being set up, a loaded host). A message of a request not expected yet is held, for up to
+EARLY_HOLD_S and EARLY_MAX_BYTES in all, and taken in when its expectation comes; past either limit,
+or of a request aborted here, it is dropped (an offer of one is answered "failed", so its pages go).
 """
 
 import logging
@@ -64,6 +68,8 @@ log = logging.getLogger(__name__)
 SEND_TIMEOUT_MS = 2000  # longest a send waits for a decode worker to connect or take a message
 FRAMES = "zmq"  # the backend of frames through host memory, as metrics and logs name it
 CLOSE_GRACE_S = 2.0  # how long closing waits for the answers to offers under way
+EARLY_HOLD_S = 5.0  # how long a transfer that arrived before its expectation waits for it
+EARLY_MAX_BYTES = 256 << 20  # the most bytes of such transfers held at once
 _senders = count()
 _reply_encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(KVTransferReply)
@@ -332,6 +338,17 @@ class Received:
 
 
 @dataclass(slots=True)
+class _Early:
+    """A transfer message that arrived before its request's expectation."""
+
+    sender: bytes
+    frames: Sequence[zmq.Frame]
+    arrived: float  # time.monotonic()
+    is_offer: bool
+    num_bytes: int
+
+
+@dataclass(slots=True)
 class TransferReceiver:
     router: zmq.Socket
     default_timeout_s: float  # for an expectation that names no timeout of its own
@@ -340,18 +357,35 @@ class TransferReceiver:
     assembler: HandoffAssembler = field(init=False)
     expected: dict[str, Expectation] = field(default_factory=dict)
     _started: dict[str, float] = field(default_factory=dict)  # request id → its frames' first arrival
+    early: dict[str, list[_Early]] = field(default_factory=dict)  # request id → its messages held
+    early_bytes: int = 0
+    _aborted: dict[str, float] = field(default_factory=dict)  # request id → when; kept EARLY_HOLD_S
 
     def __post_init__(self) -> None:
         self.assembler = HandoffAssembler(kv_layout=self.kv_layout)
 
     def expect(
         self, request_id: str, peer: bytes, constraint: OutputConstraintSpec | None, timeout_s: float = 0.0
-    ) -> None:
-        """Wait for the request's KV for `timeout_s` from now (0: the default)."""
+    ) -> list[Received]:
+        """Wait for the request's KV for `timeout_s` from now (0: the default); what its messages
+        that arrived before settled."""
         timeout_s = timeout_s or self.default_timeout_s
         self.expected[request_id] = Expectation(peer, constraint, timeout_s, time.monotonic() + timeout_s)
+        held = self.early.pop(request_id, [])
+        if not held:
+            return []
+        self.early_bytes -= sum(message.num_bytes for message in held)
+        self._started[request_id] = held[0].arrived
+        settled = (self._feed(message.sender, message.frames) for message in held)
+        return [received for received in settled if received is not None]
 
     def drop(self, request_id: str) -> Expectation | None:
+        """Forget the request (aborted): what still comes of its KV is refused, not held."""
+        self._aborted[request_id] = time.monotonic()
+        self._release_early(request_id, "it was aborted")
+        return self._forget(request_id)
+
+    def _forget(self, request_id: str) -> Expectation | None:
         self.assembler.discard(request_id)
         self._started.pop(request_id, None)
         return self.expected.pop(request_id, None)
@@ -379,10 +413,15 @@ class TransferReceiver:
         return settled
 
     def expired(self, now: float) -> list[Received]:
+        held_too_long = [request_id for request_id, held in self.early.items() if held[0].arrived + EARLY_HOLD_S <= now]
+        for request_id in held_too_long:
+            self._release_early(request_id, f"no request expected it within {EARLY_HOLD_S:g} s")
+        for request_id in [request_id for request_id, at in self._aborted.items() if at + EARLY_HOLD_S <= now]:
+            del self._aborted[request_id]
         late = [request_id for request_id, expectation in self.expected.items() if expectation.deadline <= now]
         settled = []
         for request_id in late:
-            expectation = self.drop(request_id)
+            expectation = self._forget(request_id)
             settled.append(Received(request_id, expectation, error=f"no KV arrived within {expectation.timeout_s:g} s"))
         return settled
 
@@ -399,9 +438,7 @@ class TransferReceiver:
             return None
         request_id = lead.request_id
         if request_id not in self.expected:
-            log.warning("dropped a KV transfer message of %s: no request expects it", request_id)
-            if isinstance(lead, KVTransferHeader) and lead.pool is not None:
-                self.reply(sender, request_id, REPLY_FAILED, "no request expects this transfer")
+            self._hold_early(request_id, sender, frames, isinstance(lead, KVTransferHeader) and lead.pool is not None)
             return None
         started = self._started.setdefault(request_id, time.monotonic())
         if isinstance(lead, KVTransferHeader) and lead.pool is not None:
@@ -415,9 +452,31 @@ class TransferReceiver:
         del self._started[request_id]
         return Received(request_id, self.expected.pop(request_id), handoff=handoff, sender=sender, started=started)
 
+    def _hold_early(self, request_id: str, sender: bytes, frames: Sequence[zmq.Frame], is_offer: bool) -> None:
+        message = _Early(sender, frames, time.monotonic(), is_offer, sum(len(frame) for frame in frames))
+        if request_id in self._aborted:
+            self._refuse(request_id, [message], "it was aborted")
+        elif self.early_bytes + message.num_bytes > EARLY_MAX_BYTES:
+            self._refuse(request_id, [message], f"{EARLY_MAX_BYTES} bytes of transfers are already waiting")
+        else:
+            self.early.setdefault(request_id, []).append(message)
+            self.early_bytes += message.num_bytes
+
+    def _release_early(self, request_id: str, reason: str) -> None:
+        held = self.early.pop(request_id, [])
+        if held:
+            self.early_bytes -= sum(message.num_bytes for message in held)
+            self._refuse(request_id, held, reason)
+
+    def _refuse(self, request_id: str, messages: list[_Early], reason: str) -> None:
+        log.warning("dropped %d KV transfer messages of %s: %s", len(messages), request_id, reason)
+        for message in messages:
+            if message.is_offer:
+                self.reply(message.sender, request_id, REPLY_FAILED, f"no request expects this transfer: {reason}")
+
     def _offered(self, sender: bytes, header: KVTransferHeader, started: float) -> Received:
         request_id = header.request_id
-        expectation = self.drop(request_id)
+        expectation = self._forget(request_id)
         try:
             check_header(header, self.kv_layout)
         except KVTransferError as error:

@@ -170,7 +170,8 @@ class Transfers:
             except InvalidConstraintError as error:
                 self.send(peer, GenerateError(request_id, "invalid_constraint", str(error)))
                 return
-            self.receiver.expect(request_id, peer, request.constraint, request.timeout_s)
+            for received in self.receiver.expect(request_id, peer, request.constraint, request.timeout_s):
+                self._take(received)
 
     def send_after_prefill(self, request_id: str, decode_endpoint: str) -> None:
         """Remember where a prefill-only request's KV goes once its first token is out."""
