@@ -1,30 +1,42 @@
-"""The Triton MLA decode kernel alone at DeepSeek-V3's shape (128 heads, latent 512 + 64, values 512,
-bf16, pages of 16), against the device's own copy bandwidth measured in the same run:
+"""The Triton MLA decode kernel alone (latent 512 + 64, values 512, bf16, pages of 16; DeepSeek-V3's
+128 heads unless --heads says otherwise), against the device's own copy bandwidth measured in the
+same run:
 
-    python -m bench.mla_decode [--batch-sizes 64,128] [--context 4096] [--num-splits 8]
+    python -m bench.mla_decode [--heads 128] [--batch-sizes 64,128] [--context 4096] [--sweep]
 
 Each call is timed in CUDA-graph replays of LAUNCHES launches (median of REPEATS replays, after a
 warmup replay). Bytes moved are what the call must touch at least: every row's latents (context x
 576 x 2 bytes), its queries and its outputs; the split partials the kernel writes and merges are
 reported beside them, not counted. The peer is a large device-to-device tensor copy (bytes read
-plus written). Prints one JSON object.
+plus written). Without --sweep, the config the engine uses (DECODE_CONFIG); with it, every kernel
+config of SWEEP (the batch sizes' largest batch), then the best few with each split count and
+partial dtype at every batch size, and the best config overall (geometric mean over the batches).
+Prints one JSON object.
 """
 
 import argparse
+import itertools
 import json
+import math
 import sys
+from dataclasses import asdict, replace
 
 import torch
 
-from kernels.attention.triton.mla_decode import BLOCK_H, DECODE_KEY_TILE, NUM_SPLITS, paged_mla_decode
+from kernels.attention.triton.mla_decode import DECODE_CONFIG, MlaDecodeConfig, paged_mla_decode
 
-HEADS, V_DIM, ROPE_DIM = 128, 512, 64
+V_DIM, ROPE_DIM = 512, 64
 LATENT_DIM = V_DIM + ROPE_DIM
 PAGE = 16  # workers/args.py's default page_size
 DTYPE = torch.bfloat16
 LAUNCHES = 10  # per graph replay
 REPEATS = 20
 COPY_BYTES = 2**31  # the peer copy's source: far larger than L2
+# The kernel configs a sweep times: heads per program, keys per tile, warps, pipeline stages.
+SWEEP = {"block_h": (16, 32, 64), "block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+SWEEP_SPLITS = (2, 4, 8, 16)
+SWEEP_PARTIALS = (torch.float32, torch.bfloat16)
+SWEEP_FINALISTS = 3
 
 
 def median_ms(run, launches: int) -> float:
@@ -55,24 +67,22 @@ def copy_bandwidth() -> float:
     return 2 * COPY_BYTES / ms / 1e6
 
 
-def time_decode(batch: int, context: int, num_splits: int) -> dict:
+def time_decode(batch: int, heads: int, context: int, config: MlaDecodeConfig) -> dict:
     device = torch.device("cuda")
     pages_per_row = -(-context // PAGE)
     cache = torch.randn(1, batch * pages_per_row + 1, PAGE, LATENT_DIM, device=device, dtype=DTYPE)
     tables = (torch.arange(batch * pages_per_row, device=device, dtype=torch.int32) + 1).view(batch, pages_per_row)
     seq_lens = torch.full((batch,), context, device=device, dtype=torch.int32)
-    q = torch.randn(batch, HEADS, LATENT_DIM, device=device, dtype=DTYPE)
-    out = torch.empty(batch, HEADS, V_DIM, device=device, dtype=DTYPE)
+    q = torch.randn(batch, heads, LATENT_DIM, device=device, dtype=DTYPE)
+    out = torch.empty(batch, heads, V_DIM, device=device, dtype=DTYPE)
 
     def run() -> None:
-        paged_mla_decode(
-            q, cache, tables, seq_lens, v_dim=V_DIM, scale=LATENT_DIM**-0.5, out=out, num_splits=num_splits
-        )
+        paged_mla_decode(q, cache, tables, seq_lens, v_dim=V_DIM, scale=LATENT_DIM**-0.5, out=out, config=config)
 
     ms = median_ms(run, LAUNCHES)
-    element = DTYPE.itemsize
-    moved = batch * (context * LATENT_DIM + HEADS * LATENT_DIM + HEADS * V_DIM) * element
-    partials = batch * HEADS * num_splits * (V_DIM + 1) * 4  # fp32, written once and read once by the merge
+    moved = batch * (context * LATENT_DIM + heads * LATENT_DIM + heads * V_DIM) * DTYPE.itemsize
+    # Written once and read once by the merge: outputs in the partial dtype, log-sum-exps in float32.
+    partials = batch * heads * config.num_splits * (V_DIM * config.partial_dtype.itemsize + 4)
     return {
         "us_per_call": round(ms * 1000, 2),
         "bytes_moved": moved,
@@ -81,24 +91,73 @@ def time_decode(batch: int, context: int, num_splits: int) -> dict:
     }
 
 
+def described(config: MlaDecodeConfig) -> dict:
+    return {**asdict(config), "partial_dtype": str(config.partial_dtype).removeprefix("torch.")}
+
+
+def timed_or_failed(batch: int, heads: int, context: int, config: MlaDecodeConfig, peer: float) -> dict:
+    """The config's figures, or why it did not run (a config over the SM's registers or shared memory
+    fails to compile)."""
+    try:
+        result = time_decode(batch, heads, context, config)
+        result["fraction_of_copy"] = round(result["achieved_gb_s"] / peer, 3)
+    except Exception as error:  # noqa: BLE001 - any failing config is reported, the sweep goes on
+        result = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+    # Progress on stderr: a sweep compiles dozens of kernels.
+    print(json.dumps({"batch": batch, **described(config), **result}), file=sys.stderr, flush=True)
+    return result
+
+
+def sweep(heads: int, batches: list[int], context: int, peer: float) -> dict:
+    kernels = [
+        replace(DECODE_CONFIG, block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
+        for block_h, block_n, warps, stages in itertools.product(*SWEEP.values())
+        if block_h <= max(16, 1 << (heads - 1).bit_length())
+    ]
+    largest = max(batches)
+    timed = [(config, timed_or_failed(largest, heads, context, config, peer)) for config in kernels]
+    ran = sorted((pair for pair in timed if "error" not in pair[1]), key=lambda pair: pair[1]["us_per_call"])
+    finalists = [config for config, _ in ran[:SWEEP_FINALISTS]]
+    candidates = [
+        replace(c, num_splits=splits, partial_dtype=dtype)
+        for c in finalists
+        for splits, dtype in itertools.product(SWEEP_SPLITS, SWEEP_PARTIALS)
+    ]
+    rows = []
+    for config in candidates:
+        by_batch = {batch: timed_or_failed(batch, heads, context, config, peer) for batch in batches}
+        if all("error" not in result for result in by_batch.values()):
+            mean = math.exp(sum(math.log(result["fraction_of_copy"]) for result in by_batch.values()) / len(batches))
+            rows.append({"config": described(config), "geomean_fraction_of_copy": round(mean, 3), "by_batch": by_batch})
+    rows.sort(key=lambda row: -row["geomean_fraction_of_copy"])
+    return {
+        "kernel_configs_at_batch": largest,
+        "kernel_configs": [{**described(config), **result} for config, result in timed],
+        "finalists": rows,
+        "best": rows[0] if rows else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--batch-sizes", default="64,128")
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--num-splits", type=int, default=NUM_SPLITS)
+    parser.add_argument("--sweep", action="store_true", help="time the configs of SWEEP, not just the engine's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.mla_decode times a CUDA kernel: it needs a CUDA device")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
     peer = copy_bandwidth()
-    results = {}
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        result = time_decode(batch, args.context, args.num_splits)
-        result["fraction_of_copy"] = round(result["achieved_gb_s"] / peer, 3)
-        results[batch] = result
-    print(json.dumps({"benchmark": "mla_decode", "device": torch.cuda.get_device_name(), "heads": HEADS,
-                      "latent_dim": LATENT_DIM, "v_dim": V_DIM, "page_size": PAGE, "dtype": str(DTYPE),
-                      "context": args.context, "num_splits": args.num_splits, "block_h": BLOCK_H,
-                      "key_tile": DECODE_KEY_TILE, "copy_gb_s": round(peer, 1), "by_batch": results}))  # fmt: skip
+    config = DECODE_CONFIG
+    results = {batch: timed_or_failed(batch, args.heads, args.context, config, peer) for batch in batches}
+    report = {"benchmark": "mla_decode", "device": torch.cuda.get_device_name(), "heads": args.heads,
+              "latent_dim": LATENT_DIM, "v_dim": V_DIM, "page_size": PAGE, "dtype": str(DTYPE),
+              "context": args.context, "config": described(config), "copy_gb_s": round(peer, 1),
+              "by_batch": results}  # fmt: skip
+    if args.sweep:
+        report["sweep"] = sweep(args.heads, batches, args.context, peer)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Without CUDA the kernels run in Triton's interpreter on the CPU, so latents stay
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from kernels.attention.backend import DeviceStepTensors  # noqa: E402
 from kernels.attention.triton import check_mla_supported, paged_mla_decode, paged_mla_prefill  # noqa: E402
 from kernels.attention.triton.backend import TritonBackend  # noqa: E402
 from kernels.attention.triton.decode import arrival_counters  # noqa: E402
-from kernels.attention.triton.mla_decode import MIN_SPLIT_KEYS, NUM_SPLITS  # noqa: E402
+from kernels.attention.triton.mla_decode import DECODE_CONFIG, MIN_SPLIT_KEYS, MlaDecodeConfig  # noqa: E402
 from kernels.fused.mla_rotary import mla_rope_and_cache_write, mla_rope_and_cache_write_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,7 +70,7 @@ def assert_matches(out, expected, dtype):
     torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def run_decode(seq_lens, *, heads, v_dim, rope_dim, page, dtype, seed=0, extra_columns=0, num_splits=NUM_SPLITS):
+def run_decode(seq_lens, *, heads, v_dim, rope_dim, page, dtype, seed=0, extra_columns=0, config=None):
     cache, block_tables, tables = latent_cache(
         seq_lens, latent_dim=v_dim + rope_dim, page=page, dtype=dtype, seed=seed, extra_columns=extra_columns
     )
@@ -77,7 +78,7 @@ def run_decode(seq_lens, *, heads, v_dim, rope_dim, page, dtype, seed=0, extra_c
     q = q.to(DEVICE, dtype)
     scale = (v_dim + rope_dim) ** -0.5
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = paged_mla_decode(q, cache, block_tables, lens, v_dim=v_dim, scale=scale, num_splits=num_splits)
+    out = paged_mla_decode(q, cache, block_tables, lens, v_dim=v_dim, scale=scale, config=config)
     expected = reference(q, cache, tables, [1] * len(seq_lens), seq_lens, v_dim=v_dim, scale=scale)
     assert out.dtype == dtype and out.shape == (len(seq_lens), heads, v_dim)
     assert_matches(out, expected, dtype)
@@ -121,7 +122,22 @@ def test_decode_matches_reference(heads):
 
 def test_decode_with_few_splits_of_many_keys():
     """Two splits over 700 keys: a split of 352 keys, longer than MIN_SPLIT_KEYS, ending mid-page."""
-    run_decode([700, 3, 0], heads=4, v_dim=V_DIM, rope_dim=ROPE_DIM, page=16, dtype=torch.float32, num_splits=2)
+    config = replace(DECODE_CONFIG, num_splits=2)
+    run_decode([700, 3, 0], heads=4, v_dim=V_DIM, rope_dim=ROPE_DIM, page=16, dtype=torch.float32, config=config)
+
+
+# 64 heads a program on 70 heads: a full block and one mostly idle; and partials kept in bfloat16,
+# short key tiles, one pipeline stage.
+@pytest.mark.parametrize(
+    "config, dtype",
+    [
+        (MlaDecodeConfig(64, 32, 8, 2, num_splits=4, partial_dtype=torch.float32), torch.float32),
+        (MlaDecodeConfig(16, 16, 4, 1, num_splits=3, partial_dtype=torch.bfloat16), torch.bfloat16),
+    ],
+    ids=["64 heads a program", "bf16 partials"],
+)
+def test_decode_matches_reference_in_every_config(config, dtype):
+    run_decode(DECODE_LENS, heads=70, v_dim=V_DIM, rope_dim=ROPE_DIM, page=8, dtype=dtype, config=config)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

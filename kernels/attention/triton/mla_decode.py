@@ -16,11 +16,13 @@ depend only on the row's own length and the split count, never on the batch or t
 width, and the workspace stays [B, H, num_splits, Dv] however wide the table is. Grid:
 (head_blocks, num_splits, B), head blocks fastest so the programs reading one latent tile run
 together and share it through L2. A split holding keys writes its normalized output and its base-2
-log-sum-exp to an fp32 workspace; then each program counts its arrival on the (sequence, head
-block)'s counter, and the last to arrive merges the non-empty splits in split order and resets the
-counter (decode.py's scheme and counters: one launch, replayable from a CUDA graph, two streams
+log-sum-exp to a workspace (in the config's partial dtype); then each program counts its arrival on
+the (sequence, head block)'s counter, and the last to arrive merges the non-empty splits in split
+order and resets the counter (decode.py's scheme and counters: one launch, replayable from a CUDA graph, two streams
 must not run it at once on one device). A padding row (seq_len 0) has no split and writes zeros.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,15 +37,29 @@ from kernels.attention.triton.decode import (
     arrival_counters,
 )
 
-# Block sizes are not timed on a GPU yet. They were chosen from compiled sm_90 code (ptxas, bf16,
-# 512 + 64, Triton's default 3 stages): 16 heads x 32 keys at 8 warps takes 213 registers and no
-# spill; 4 warps, 64-key tiles, and 32 or 64 heads per program all spill.
-BLOCK_H = 16  # query heads per program: the rows of each tl.dot (its minimum M on tensor cores)
-DECODE_KEY_TILE = 32  # keys per latent tile
-DECODE_WARPS = 8
-# Splits per sequence. Each program's keys are 1/NUM_SPLITS of its row's; more splits fill the GPU at
-# small batches but write and merge more partials (H x Dv fp32 each per split and row).
-NUM_SPLITS = 8
+
+@dataclass(frozen=True, slots=True)
+class MlaDecodeConfig:
+    """How the decode kernel cuts its work. A row's result depends on the config (its split lengths,
+    the order of its sums), never on the batch: the engine keeps one, DECODE_CONFIG."""
+
+    block_h: int  # query heads per program: the rows of each tl.dot (16 at least, for tensor cores)
+    block_n: int  # keys per latent tile
+    num_warps: int
+    num_stages: int
+    num_splits: int  # splits per sequence: more fill the GPU at small batches but write more partials
+    partial_dtype: torch.dtype  # of the split partials' workspace, merged in float32
+
+
+# At DeepSeek-V3's 128 heads this reaches 14% of the copy bandwidth on an H100
+# (bench/results/mla_decode_h100.json); bench.mla_decode --sweep times the alternatives, not yet run
+# on a GPU. Chosen from compiled sm_90 code (ptxas, bf16, 512 + 64): 16 heads x 32 keys at 8 warps and 3 stages take 213 registers
+# and no spill; 4 warps, 64-key tiles, and 32 or 64 heads per program spill.
+DECODE_CONFIG = MlaDecodeConfig(
+    block_h=16, block_n=32, num_warps=8, num_stages=3, num_splits=8, partial_dtype=torch.float32
+)
+
+
 MIN_SPLIT_KEYS = 256  # short rows use fewer, larger splits: a split is never shorter than this
 MIN_PART_DIM = 16  # tl.dot's smallest K: the latent's value part and its rope part are each at least this
 
@@ -124,27 +140,29 @@ def paged_mla_decode(
     v_dim: int,
     scale: float,
     out: torch.Tensor | None = None,
-    num_splits: int = NUM_SPLITS,
+    config: MlaDecodeConfig | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA of each sequence's last token over its cached latents: [B, H, v_dim] in query's dtype.
 
     query: [B, H, Dk], the query at position seq_lens[b] - 1 (its latent already in the cache);
     latent_cache: [1, pages, page_size, Dk], values are each latent's first v_dim entries;
     block_tables: [B, max_pages] int32; seq_lens: [B] int32, 0 for a padding row (its output is
-    zeros). num_splits: splits per sequence (a row's result depends on it: one engine keeps one).
+    zeros). config: how the kernel cuts the work (default: DECODE_CONFIG).
     """
     check_mla_inputs(query, latent_cache, block_tables, seq_lens, out, v_dim)
     if query.shape[0] != block_tables.shape[0]:
         raise ValueError(f"query has {query.shape[0]} rows for {block_tables.shape[0]} sequences")
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be positive, got {num_splits}")
     batch, heads, head_dim = query.shape
+    config = config or DECODE_CONFIG
+    if config.num_splits < 1:
+        raise ValueError(f"num_splits must be positive, got {config.num_splits}")
+    num_splits = config.num_splits
     _, _, page_size, _ = latent_cache.shape
     out = torch.empty(batch, heads, v_dim, dtype=query.dtype, device=query.device) if out is None else out
     if batch == 0:
         return out
-    head_blocks = triton.cdiv(heads, BLOCK_H)
-    part_out = torch.empty(batch, heads, num_splits, v_dim, dtype=torch.float32, device=query.device)
+    head_blocks = triton.cdiv(heads, config.block_h)
+    part_out = torch.empty(batch, heads, num_splits, v_dim, dtype=config.partial_dtype, device=query.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=query.device)
     _mla_decode_kernel[(head_blocks, num_splits, batch)](
         query,
@@ -164,13 +182,14 @@ def paged_mla_decode(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        BLOCK_H=BLOCK_H,
+        BLOCK_H=config.block_h,
         V_DIM=v_dim,
         ROPE_DIM=head_dim - v_dim,
         PAGE_SIZE=page_size,
-        BLOCK_N=DECODE_KEY_TILE,
+        BLOCK_N=config.block_n,
         MIN_SPLIT=MIN_SPLIT_KEYS,
-        num_warps=DECODE_WARPS,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
@@ -311,4 +330,9 @@ def _attend_latent_split(
     has_keys = row_sum > 0  # every split holds at least one key, so this holds for every real row
     row_sum = tl.where(has_keys, row_sum, 1.0)
     tl.store(part_lse_ptr + part, tl.where(has_keys, row_max + tl.log2(row_sum), float("-inf")), mask=row_ok)
-    tl.store(part_out_ptr + part[:, None] * V_DIM + v_dims[None, :], acc / row_sum[:, None], mask=row_ok[:, None])
+    partial = acc / row_sum[:, None]
+    tl.store(
+        part_out_ptr + part[:, None] * V_DIM + v_dims[None, :],
+        partial.to(part_out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
