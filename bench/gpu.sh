@@ -17,7 +17,8 @@
 # shapes in bench.shapes (Llama-3.1-8B, Qwen3-30B-A3B's 16 layers, DeepSeek-V2-Lite) as fractions of
 # their memory rooflines, and a profile of a MoE shape's graphed decode step at batch 1.
 # STEPS (default "tests attention mla moe ep handoff cached sanitizer profile roofline throughput fit")
-# picks what runs.
+# picks what runs; "mla_sweep" (not a default: it compiles about 70 kernels, several minutes) times the
+# MLA decode kernel's configs at DeepSeek-V3's 128 heads and V2-Lite's 16.
 set -euo pipefail
 out=${OUT:-bench-out}
 steps=${STEPS:-tests attention mla moe ep handoff cached sanitizer profile roofline throughput fit}
@@ -44,6 +45,12 @@ if has attention; then
 fi
 if has mla; then
   python3 -m bench.mla_decode | tee "$out/mla_decode_gpu.json" || echo "MLA DECODE BENCHMARK FAILED"
+fi
+if has mla_sweep; then
+  python3 -m bench.mla_decode --sweep >"$out/mla_sweep_128_heads.json" 2>"$out/mla_sweep_128_heads.log" \
+    || echo "MLA DECODE SWEEP FAILED (128 heads)"
+  python3 -m bench.mla_decode --sweep --heads 16 --batch-sizes 1,16,64,256 >"$out/mla_sweep_16_heads.json" \
+    2>"$out/mla_sweep_16_heads.log" || echo "MLA DECODE SWEEP FAILED (16 heads)"
 fi
 if has moe; then
   python3 -m bench.moe_layer | tee "$out/moe_layer_h200.json"
