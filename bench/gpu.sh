@@ -13,15 +13,17 @@
 # Everything else the engine and the benchmark import (torch, triton, numpy, safetensors,
 # tokenizers, jinja2, tqdm, pyyaml, transformers) is in the image.
 # The served stack has a script of its own, bench/gpu_stack.sh (its wheels include these).
-# Then the MLA decode kernel alone (DeepSeek-V3's 128 heads) against the copy bandwidth, and decode of the
-# shapes in bench.shapes (Llama-3.1-8B, Qwen3-30B-A3B's 16 layers, DeepSeek-V2-Lite) as fractions of
-# their memory rooflines, and a profile of a MoE shape's graphed decode step at batch 1.
-# STEPS (default "tests attention mla moe ep handoff cached sanitizer profile roofline throughput fit")
+# Then the MLA decode kernel alone (DeepSeek-V3's 128 heads) against the copy bandwidth, MLA prefill's
+# absorbed form against its decompressed form per chunk and cached prefix (DeepSeek-V2-Lite's 16 heads
+# and V3's 128), and decode of the shapes in bench.shapes (Llama-3.1-8B, Qwen3-30B-A3B's 16 layers,
+# DeepSeek-V2-Lite) as fractions of their memory rooflines, and a profile of a MoE shape's graphed
+# decode step at batch 1.
+# STEPS (default "tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit")
 # picks what runs; "mla_sweep" (not a default: it compiles about 70 kernels, several minutes) times the
 # MLA decode kernel's configs at DeepSeek-V3's 128 heads and V2-Lite's 16.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention mla moe ep handoff cached sanitizer profile roofline throughput fit}
+steps=${STEPS:-tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit}
 mkdir -p "$out"
 for wheel in msgspec gguf pyzmq; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -51,6 +53,9 @@ if has mla_sweep; then
     || echo "MLA DECODE SWEEP FAILED (128 heads)"
   python3 -m bench.mla_decode --sweep --heads 16 --batch-sizes 1,16,64,256 >"$out/mla_sweep_16_heads.json" \
     2>"$out/mla_sweep_16_heads.log" || echo "MLA DECODE SWEEP FAILED (16 heads)"
+fi
+if has mla_prefill; then
+  python3 -m bench.mla_prefill_forms | tee "$out/mla_prefill_forms_gpu.json" || echo "MLA PREFILL FORMS BENCHMARK FAILED"
 fi
 if has moe; then
   python3 -m bench.moe_layer | tee "$out/moe_layer_h200.json"
