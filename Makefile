@@ -7,7 +7,7 @@ TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/sluice
 PYTEST_ARGS ?=
 PORT ?= 8000
 
-.PHONY: setup model run demo test clean
+.PHONY: setup model chromium run demo test screenshots clean
 
 setup: $(STAMP)
 
@@ -32,9 +32,16 @@ demo: model
 	$(PY) -m workers.engine.demo
 
 # The dashboard's browser test drives Debian's chromium.
-test: model
+chromium:
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: model chromium
 	DATABASE_URL=$(TEST_DATABASE_URL) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The README's picture of the dashboard, from the browser test's run against the real stack.
+screenshots: model chromium
+	DATABASE_URL=$(TEST_DATABASE_URL) SLUICE_DASHBOARD_SCREENSHOT=$(CURDIR)/docs/images/dashboard.png \
+		$(PY) -m pytest -q tests/e2e/test_dashboard_browser.py
 
 clean:
 	rm -rf $(VENV) var

@@ -1,10 +1,13 @@
 """The operator dashboard in headless Chromium (Debian's package, driven by Playwright) against the real
 stack: an operator signs in, the dashboard renders live, and the hit rate it shows rises after a burst of
 requests that share a long prefix, whose KV handoffs and engine steps it shows too. The screenshot is
-left in tests/artifacts/ (gitignored)."""
+left in tests/artifacts/ (gitignored), or where SLUICE_DASHBOARD_SCREENSHOT says: `make screenshots`
+writes the README's picture with it."""
 
+import os
 import re
 import uuid
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import Frame, Page, expect, sync_playwright
@@ -16,7 +19,7 @@ pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"
 # This machine's network is closed: Chromium's own background traffic would only fail, noisily.
 CHROMIUM_ARGS = ["--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic"]
-SCREENSHOT = ROOT / "tests" / "artifacts" / "dashboard.png"
+SCREENSHOT = Path(os.environ.get("SLUICE_DASHBOARD_SCREENSHOT") or ROOT / "tests" / "artifacts" / "dashboard.png")
 USERNAME, PASSWORD = "dash-operator", "dash-operator-pw"
 CREATE_OPERATOR = (
     "from django.contrib.auth.models import Group, User; "
