@@ -255,8 +255,11 @@ def data_plane_key_problems(items: list[Container]) -> list[str]:
     secret = creator.argv[4]
     key, source = creator.flags["--from-file"].split("=", 1)
     problems = []
-    if Path(source).parent != Path(export.argv[3]).parent or export.argv[3] != source:
-        problems.append(f"{creator.label}: stores {source}, {export.label} writes {export.argv[3]}")
+    folder = str(Path(source).parent)
+    if export.argv[3] != source or creator.workload is not export.workload or creator.volume(folder) is None:
+        problems.append(f"{creator.label}: stores {source}, which {export.label} does not write into its volume")
+    elif creator.volume(folder) != export.volume(folder):
+        problems.append(f"{creator.label}: reads {folder} from another volume than {export.label} writes")
     for c in items:
         if c.init or not _speaks_zmq_over_the_network(c.argv):
             continue
