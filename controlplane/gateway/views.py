@@ -92,6 +92,7 @@ async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
             generation_tokens=usage.completion_tokens,
             finish_reasons=tuple(usage.finish_reasons.values()),
             e2e_s=tuple(usage.e2e_s),
+            tpot_s=tuple(usage.tpot_s),
             queue_s=tuple(usage.queue_s),
             prefill_s=tuple(usage.prefill_s),
             decode_s=tuple(usage.decode_s),

@@ -32,10 +32,20 @@ _TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0),
     registry=REQUEST_REGISTRY,
 )
+# Per-token times: a step's output gap, and a request's mean time per token after its first.
+TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)
 _ITL = Histogram(
     "vllm:inter_token_latency_seconds",
     "Time between consecutive outputs of one request (one per engine step).",
-    buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0),
+    buckets=TOKEN_TIME_BUCKETS,
+    registry=REQUEST_REGISTRY,
+)
+# vLLM's current name for the per-request TPOT; its older vllm:time_per_output_token_seconds was
+# per step, which is vllm:inter_token_latency_seconds now.
+_TPOT = Histogram(
+    "vllm:request_time_per_output_token_seconds",
+    "Per finished choice: time from its first token to its last, over its tokens after the first.",
+    buckets=TOKEN_TIME_BUCKETS,
     registry=REQUEST_REGISTRY,
 )
 _PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", registry=REQUEST_REGISTRY)
@@ -93,6 +103,7 @@ def observe_request(sample: RequestSample) -> None:
         _REQUEST_SUCCESS.labels(finished_reason=reason).inc()
     for histogram, values in (
         (_E2E, sample.e2e_s),
+        (_TPOT, sample.tpot_s),
         (_QUEUE, sample.queue_s),
         (_PREFILL, sample.prefill_s),
         (_DECODE, sample.decode_s),
