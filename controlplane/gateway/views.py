@@ -22,7 +22,7 @@ from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
 from controlplane.telemetry.selectors import kv_store_gcs_reporting
 from controlplane.telemetry.windows import RequestSample
-from controlplane.topology.selectors import pool_scaling_summary
+from controlplane.topology.selectors import pool_scaling_summary, scaling_event_counts
 from recipe.api import list_models
 from workers.kvstore.block_hash import scoped_namespace
 
@@ -134,4 +134,5 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     workers = (await engine_client()).healthy_workers()
     pools = await sync_to_async(pool_scaling_summary)()
     store_gcs = await sync_to_async(kv_store_gcs_reporting)()
-    return HttpResponse(exposition(workers, pools, store_gcs), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    events = await sync_to_async(scaling_event_counts)()
+    return HttpResponse(exposition(workers, pools, store_gcs, events), content_type=CONTENT_TYPE_PLAIN_0_0_4)

@@ -119,11 +119,13 @@ class _Scrape:
         self,
         workers: list[WorkerHeartbeat],
         pools: list[dict],
+        scaling_events: list[dict],
         expert_load: dict[str, list[list[int]]],
         store_gcs: Sequence["KVStoreGC"],
     ) -> None:
         self._workers = workers
         self._pools = pools
+        self._scaling_events = scaling_events
         self._expert_load = expert_load
         self._store_gcs = store_gcs
 
@@ -131,19 +133,27 @@ class _Scrape:
         yield from REQUEST_REGISTRY.collect()
         yield from heartbeat_families(self._workers, self._expert_load, self._store_gcs)
         yield from serving_time_families(self._workers)
-        yield from pool_families(self._pools)
+        yield from pool_families(self._pools, self._scaling_events)
 
 
-def exposition(workers: list[WorkerHeartbeat], pools: list[dict] = (), store_gcs: Sequence["KVStoreGC"] = ()) -> bytes:
+def exposition(
+    workers: list[WorkerHeartbeat],
+    pools: list[dict] = (),
+    store_gcs: Sequence["KVStoreGC"] = (),
+    scaling_events: list[dict] = (),
+) -> bytes:
     """The text exposition format; `workers` are the healthy workers' latest heartbeats, `pools` the
     topology's pools as controlplane.topology.selectors.pool_scaling_summary gives them, `store_gcs`
-    the KV store GC processes reporting now (selectors.kv_store_gcs_reporting), expert loads the
-    window the collector summed (its latest snapshot)."""
-    return generate_latest(_Scrape(workers, list(pools), live.current_snapshot()["expert_load"], store_gcs))
+    the KV store GC processes reporting now (selectors.kv_store_gcs_reporting), `scaling_events` the
+    audit trail's counts (topology selectors.scaling_event_counts), expert loads the window the
+    collector summed (its latest snapshot)."""
+    expert_load = live.current_snapshot()["expert_load"]
+    return generate_latest(_Scrape(workers, list(pools), list(scaling_events), expert_load, store_gcs))
 
 
-def pool_families(pools: list[dict]) -> list[Metric]:
-    """What the autoscaler (or an operator) wants of each pool against what it has."""
+def pool_families(pools: list[dict], scaling_events: list[dict] = ()) -> list[Metric]:
+    """What the autoscaler (or an operator) wants of each pool against what it has, and what was done
+    to it (the ScalingEvent audit trail, counted from the database: every gateway shows the same)."""
     desired = GaugeMetricFamily(
         "sluice:pool_desired_instances", "The pool's target instance count (autoscaler or operator).", labels=["pool"]
     )
@@ -158,7 +168,14 @@ def pool_families(pools: list[dict]) -> list[Metric]:
         paused.add_metric([pool["pool"]], 1.0 if pool["autoscale_paused"] else 0.0)
         for state, count in sorted(pool["instances"].items()):
             instances.add_metric([pool["pool"], state], count)
-    return [desired, instances, paused]
+    events = CounterMetricFamily(
+        "sluice:scaling_events",
+        "Scaling actions recorded in the audit trail, by pool and action (instance events under their pool).",
+        labels=["pool", "action"],
+    )
+    for event in scaling_events:
+        events.add_metric([event["pool"], event["action"]], event["count"])
+    return [desired, instances, paused, events]
 
 
 def heartbeat_families(
