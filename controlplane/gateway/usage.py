@@ -36,11 +36,16 @@ class UsageCount:
     finish_reasons: dict[int, str] = field(default_factory=dict)  # by choice; a choice cut short has none
     # Per choice that finished: seconds from the start to its last output (vLLM's e2e latency).
     e2e_s: list[float] = field(default_factory=list)
+    # Per choice that finished with more than one token: seconds per token after its first, (last
+    # output - first output) / (tokens - 1), as vLLM's per-request TPOT.
+    tpot_s: list[float] = field(default_factory=list)
     # Seconds the workers timed (RequestPhaseTimes): each worker a choice ran on sends its phases.
     queue_s: list[float] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
+    _first_output_at: dict[int, float] = field(default_factory=dict)
     _last_output_at: dict[int, float] = field(default_factory=dict)
+    _choice_tokens: dict[int, int] = field(default_factory=dict)
 
     def add(self, output: GenerateOutput, *, choice: int = 0) -> None:
         now = time.monotonic()
@@ -53,7 +58,9 @@ class UsageCount:
                 self.ttft_s = now - self.started_at
             if choice in self._last_output_at:
                 self.inter_token_s.append(now - self._last_output_at[choice])
+            self._first_output_at.setdefault(choice, now)
             self._last_output_at[choice] = now
+            self._choice_tokens[choice] = self._choice_tokens.get(choice, 0) + len(output.token_ids)
         times = output.phase_times
         if times is not None:
             phases = ((times.queue_s, self.queue_s), (times.prefill_s, self.prefill_s), (times.decode_s, self.decode_s))
@@ -63,6 +70,9 @@ class UsageCount:
         if output.finish_reason is not None:
             self.finish_reasons[choice] = output.finish_reason
             self.e2e_s.append(now - self.started_at)
+            tokens = self._choice_tokens.get(choice, 0)
+            if tokens > 1:
+                self.tpot_s.append((self._last_output_at[choice] - self._first_output_at[choice]) / (tokens - 1))
 
 
 async def record_usage(tenant_id: int, usage: UsageCount) -> None:

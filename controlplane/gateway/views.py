@@ -22,7 +22,7 @@ from controlplane.telemetry.collector import record_finished_request
 from controlplane.telemetry.metrics import exposition
 from controlplane.telemetry.selectors import kv_store_gcs_reporting
 from controlplane.telemetry.windows import RequestSample
-from controlplane.topology.selectors import pool_scaling_summary
+from controlplane.topology.selectors import pool_scaling_summary, scaling_event_counts
 from recipe.api import list_models
 from workers.kvstore.block_hash import scoped_namespace
 
@@ -92,6 +92,7 @@ async def _generation_ended(tenant_id: int, usage: UsageCount) -> None:
             generation_tokens=usage.completion_tokens,
             finish_reasons=tuple(usage.finish_reasons.values()),
             e2e_s=tuple(usage.e2e_s),
+            tpot_s=tuple(usage.tpot_s),
             queue_s=tuple(usage.queue_s),
             prefill_s=tuple(usage.prefill_s),
             decode_s=tuple(usage.decode_s),
@@ -133,4 +134,5 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     workers = (await engine_client()).healthy_workers()
     pools = await sync_to_async(pool_scaling_summary)()
     store_gcs = await sync_to_async(kv_store_gcs_reporting)()
-    return HttpResponse(exposition(workers, pools, store_gcs), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    events = await sync_to_async(scaling_event_counts)()
+    return HttpResponse(exposition(workers, pools, store_gcs, events), content_type=CONTENT_TYPE_PLAIN_0_0_4)

@@ -32,10 +32,20 @@ _TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 6.0, 12.0, 30.0, 60.0, 120.0),
     registry=REQUEST_REGISTRY,
 )
+# Per-token times: a step's output gap, and a request's mean time per token after its first.
+TOKEN_TIME_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)
 _ITL = Histogram(
     "vllm:inter_token_latency_seconds",
     "Time between consecutive outputs of one request (one per engine step).",
-    buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0),
+    buckets=TOKEN_TIME_BUCKETS,
+    registry=REQUEST_REGISTRY,
+)
+# vLLM's current name for the per-request TPOT; its older vllm:time_per_output_token_seconds was
+# per step, which is vllm:inter_token_latency_seconds now.
+_TPOT = Histogram(
+    "vllm:request_time_per_output_token_seconds",
+    "Per finished choice: time from its first token to its last, over its tokens after the first.",
+    buckets=TOKEN_TIME_BUCKETS,
     registry=REQUEST_REGISTRY,
 )
 _PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", registry=REQUEST_REGISTRY)
@@ -93,6 +103,7 @@ def observe_request(sample: RequestSample) -> None:
         _REQUEST_SUCCESS.labels(finished_reason=reason).inc()
     for histogram, values in (
         (_E2E, sample.e2e_s),
+        (_TPOT, sample.tpot_s),
         (_QUEUE, sample.queue_s),
         (_PREFILL, sample.prefill_s),
         (_DECODE, sample.decode_s),
@@ -108,11 +119,13 @@ class _Scrape:
         self,
         workers: list[WorkerHeartbeat],
         pools: list[dict],
+        scaling_events: list[dict],
         expert_load: dict[str, list[list[int]]],
         store_gcs: Sequence["KVStoreGC"],
     ) -> None:
         self._workers = workers
         self._pools = pools
+        self._scaling_events = scaling_events
         self._expert_load = expert_load
         self._store_gcs = store_gcs
 
@@ -120,19 +133,27 @@ class _Scrape:
         yield from REQUEST_REGISTRY.collect()
         yield from heartbeat_families(self._workers, self._expert_load, self._store_gcs)
         yield from serving_time_families(self._workers)
-        yield from pool_families(self._pools)
+        yield from pool_families(self._pools, self._scaling_events)
 
 
-def exposition(workers: list[WorkerHeartbeat], pools: list[dict] = (), store_gcs: Sequence["KVStoreGC"] = ()) -> bytes:
+def exposition(
+    workers: list[WorkerHeartbeat],
+    pools: list[dict] = (),
+    store_gcs: Sequence["KVStoreGC"] = (),
+    scaling_events: list[dict] = (),
+) -> bytes:
     """The text exposition format; `workers` are the healthy workers' latest heartbeats, `pools` the
     topology's pools as controlplane.topology.selectors.pool_scaling_summary gives them, `store_gcs`
-    the KV store GC processes reporting now (selectors.kv_store_gcs_reporting), expert loads the
-    window the collector summed (its latest snapshot)."""
-    return generate_latest(_Scrape(workers, list(pools), live.current_snapshot()["expert_load"], store_gcs))
+    the KV store GC processes reporting now (selectors.kv_store_gcs_reporting), `scaling_events` the
+    audit trail's counts (topology selectors.scaling_event_counts), expert loads the window the
+    collector summed (its latest snapshot)."""
+    expert_load = live.current_snapshot()["expert_load"]
+    return generate_latest(_Scrape(workers, list(pools), list(scaling_events), expert_load, store_gcs))
 
 
-def pool_families(pools: list[dict]) -> list[Metric]:
-    """What the autoscaler (or an operator) wants of each pool against what it has."""
+def pool_families(pools: list[dict], scaling_events: list[dict] = ()) -> list[Metric]:
+    """What the autoscaler (or an operator) wants of each pool against what it has, and what was done
+    to it (the ScalingEvent audit trail, counted from the database: every gateway shows the same)."""
     desired = GaugeMetricFamily(
         "sluice:pool_desired_instances", "The pool's target instance count (autoscaler or operator).", labels=["pool"]
     )
@@ -147,7 +168,14 @@ def pool_families(pools: list[dict]) -> list[Metric]:
         paused.add_metric([pool["pool"]], 1.0 if pool["autoscale_paused"] else 0.0)
         for state, count in sorted(pool["instances"].items()):
             instances.add_metric([pool["pool"], state], count)
-    return [desired, instances, paused]
+    events = CounterMetricFamily(
+        "sluice:scaling_events",
+        "Scaling actions recorded in the audit trail, by pool and action (instance events under their pool).",
+        labels=["pool", "action"],
+    )
+    for event in scaling_events:
+        events.add_metric([event["pool"], event["action"]], event["count"])
+    return [desired, instances, paused, events]
 
 
 def heartbeat_families(

@@ -27,6 +27,7 @@ class RequestSample:
     generation_tokens: int
     finish_reasons: tuple[str, ...] = ()  # one per choice that finished
     e2e_s: tuple[float, ...] = ()  # one per choice that finished
+    tpot_s: tuple[float, ...] = ()  # one per choice that finished with more than one token
     # As the workers timed them, one per worker and choice (controlplane.gateway.usage).
     queue_s: tuple[float, ...] = ()
     prefill_s: tuple[float, ...] = ()

@@ -1,6 +1,7 @@
 from datetime import datetime
 
 from django.db.models import Count, Exists, F, OuterRef, QuerySet, Sum
+from django.db.models.functions import Coalesce
 
 from controlplane.topology.models import (
     LIVE_STATES,
@@ -32,6 +33,23 @@ def pool_scaling_summary() -> list[dict]:
         }
         for pool in pool_list()
     ]
+
+
+def scaling_event_counts() -> list[dict]:
+    """Scaling events ever recorded, by pool and action: [{"pool", "action", "count"}]. An instance's
+    event counts under its instance's pool; one of neither under pool "". Events are never deleted,
+    so each count only grows (a Prometheus counter)."""
+    rows = (
+        ScalingEvent.objects.annotate(of_pool=Coalesce("pool_id", "instance__pool_id"))
+        .values_list("of_pool", "action")
+        .annotate(count=Count("id"))
+        .order_by()
+    )
+    names = {pool.pk: str(pool) for pool in pool_list()}
+    return sorted(
+        ({"pool": names.get(pool_id, ""), "action": action, "count": count} for pool_id, action, count in rows),
+        key=lambda row: (row["pool"], row["action"]),
+    )
 
 
 def pool_by_name(*, name: str, cluster_name: str | None = None) -> list[Pool]:

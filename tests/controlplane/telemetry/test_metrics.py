@@ -2,6 +2,8 @@
 parser reads it), open to a scraper without a key, counters that move as requests are served, and
 per-worker gauges that exist only while the worker sends heartbeats."""
 
+import asyncio
+
 import pytest
 
 pytest.importorskip("recipe.api")  # the gateway's views need it
@@ -217,3 +219,55 @@ def test_request_phases_and_whole_times_are_observed_from_the_outputs(api, make_
     assert moved("vllm:request_decode_time_seconds_sum") == pytest.approx(0.2)
     assert moved("vllm:e2e_request_latency_seconds_count") == 1
     assert moved("vllm:e2e_request_latency_seconds_sum") >= 0.0
+
+
+def test_time_per_output_token_is_one_per_choice_over_its_tokens_after_the_first(api, make_api_key, fake_engine):
+    key = make_api_key("acme")
+
+    async def spread(request):
+        # Three tokens, the last two ~20 ms apart each: ~20 ms per token after the first.
+        common = {"request_id": request.request_id, "text": "a", "num_prompt_tokens": len(request.prompt_token_ids)}
+        yield GenerateOutput(token_ids=[28], **common)
+        await asyncio.sleep(0.02)
+        yield GenerateOutput(token_ids=[29], **common)
+        await asyncio.sleep(0.02)
+        yield GenerateOutput(token_ids=[30], finish_reason="length", **common)
+
+    fake_engine(spread)
+    before = scrape(api)
+
+    response = api.post("chat.completions", valid_body("chat.completions", max_tokens=3), headers=key_headers(key))
+    assert response.status_code == 200, response.text
+    after = scrape(api)
+
+    def moved(name: str, **labels: str) -> float:
+        sample = (name, tuple(sorted(labels.items())))
+        return after[sample] - before.get(sample, 0.0)
+
+    assert moved("vllm:request_time_per_output_token_seconds_count") == 1
+    assert 0.02 <= moved("vllm:request_time_per_output_token_seconds_sum") < 0.2
+    assert moved("vllm:request_time_per_output_token_seconds_bucket", le="0.01") == 0
+
+
+def test_a_choice_of_one_token_has_no_time_per_output_token(api, make_api_key, fake_engine):
+    key = make_api_key("acme")
+
+    async def single(request):
+        yield GenerateOutput(
+            request_id=request.request_id,
+            token_ids=[28],
+            text="a",
+            finish_reason="length",
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
+
+    fake_engine(single)
+    before = scrape(api)
+
+    response = api.post("chat.completions", valid_body("chat.completions", max_tokens=1), headers=key_headers(key))
+    assert response.status_code == 200, response.text
+    after = scrape(api)
+
+    tpot, e2e = ("vllm:request_time_per_output_token_seconds_count", ()), ("vllm:e2e_request_latency_seconds_count", ())
+    assert after[tpot] == before.get(tpot, 0.0)
+    assert after[e2e] == before.get(e2e, 0.0) + 1
