@@ -1,0 +1,18 @@
+"""`sluice serve [MODEL]`: manage.py serve, with the model as an optional positional argument."""
+
+import argparse
+
+from controlplane.management.commands import serve
+
+
+class ServeCommand(serve.Command):
+    def add_arguments(self, parser) -> None:
+        super().add_arguments(parser)
+        # Suppressed when absent, so serve's --model (and its default) stands.
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=argparse.SUPPRESS,
+            metavar="MODEL",
+            help="a packaged model or a model directory (--model)",
+        )
