@@ -98,11 +98,12 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> None:
     from controlplane.cli.preflight import check_database, check_model, check_port_free
     from controlplane.cli.serve_command import ServeCommand
 
-    options = ServeCommand().create_parser("sluice", "serve").parse_args(serve_argv)
+    command = ServeCommand()
+    options = command.parse_options(serve_argv)
     check_database()
     check_port_free(options.host, options.port)
     check_model(options.model)
-    ServeCommand().run_from_argv(["sluice", "serve", *serve_argv])
+    command.run_from_argv(["sluice", "serve", *serve_argv])
 
 
 def _api_key_create(args: argparse.Namespace, _: list[str]) -> None:

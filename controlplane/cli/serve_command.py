@@ -16,3 +16,8 @@ class ServeCommand(serve.Command):
             metavar="MODEL",
             help="a packaged model or a model directory (--model)",
         )
+
+    def parse_options(self, argv: list[str]) -> argparse.Namespace:
+        """serve's options in `argv`; a bad one ends the command with argparse's usage and error."""
+        self._called_from_command_line = True  # else Django's parser raises a CommandError, a traceback here
+        return self.create_parser("sluice", "serve").parse_args(argv)

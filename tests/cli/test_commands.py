@@ -90,6 +90,14 @@ def test_a_port_in_use_is_one_line_and_exit_code_2(user):
     assert "sluice is starting" not in completed.stdout
 
 
+def test_a_bad_option_of_serve_is_argparses_error(user):
+    completed = sluice_from_checkout(*user, "serve", "--no-such-option")
+
+    assert completed.returncode == 2
+    assert "Traceback" not in completed.stderr
+    assert completed.stderr.strip().splitlines()[-1] == "sluice serve: error: unrecognized arguments: --no-such-option"
+
+
 def assert_bad_input(completed, says: str) -> None:
     assert completed.returncode == 2, (completed.stdout, completed.stderr)
     assert "Traceback" not in completed.stderr
