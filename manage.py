@@ -1,14 +1,5 @@
 #!/usr/bin/env python
-import os
-import sys
-
-
-def main() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    from django.core.management import execute_from_command_line
-
-    execute_from_command_line(sys.argv)
-
+from controlplane.manage import main
 
 if __name__ == "__main__":
     main()

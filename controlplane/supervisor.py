@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ PR_SET_PDEATHSIG = 1
 RESTART_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER = 60.0  # a child that ran this long has its restart delay reset
 GRACE_PERIOD = 10.0
+# Where the code this supervisor runs was imported from (a checkout, or site-packages once installed).
+SOURCE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def _die_with_parent() -> None:
@@ -171,10 +174,14 @@ class Supervisor:
 
 def child_env(**overrides: str) -> dict[str, str]:
     env = dict(os.environ)
+    # Children start with `python -m`, which imports from the working directory first: this puts the
+    # supervisor's own code ahead, so a checkout started from elsewhere runs the same code in every process.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SOURCE_ROOT, env.get("PYTHONPATH")]))
     env.update(overrides)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def manage_py(*args: str) -> list[str]:
-    return [sys.executable, os.path.join(os.path.dirname(os.path.dirname(__file__)), "manage.py"), *args]
+def management_command(*args: str) -> list[str]:
+    """The command line of a child that runs one of Django's management commands."""
+    return [sys.executable, "-m", "controlplane.manage", *args]

@@ -17,6 +17,7 @@ gateway reads the index to weigh each request's prefill work by its hit length.
 
 import argparse
 import socket
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +30,7 @@ from django.utils import timezone
 from controlplane.common.migrated import MIGRATE, pending_migrations
 from controlplane.dev_key import dev_api_key
 from controlplane.policies.tasks import ep_rebalance_tick_task
-from controlplane.supervisor import Child, StopStep, Supervisor, Timer, child_env, manage_py
+from controlplane.supervisor import Child, StopStep, Supervisor, Timer, child_env, management_command
 from controlplane.topology.node_agent import reconcile_local, record_exit
 from controlplane.topology.selectors import local_workers_kv_capacity, local_workers_registered
 from controlplane.topology.services import autoscale_tick, topology_ensure_local
@@ -191,7 +192,7 @@ class Command(BaseCommand):
             children.append(
                 Child(
                     name="kv-gc",
-                    argv=manage_py(
+                    argv=management_command(
                         "run_kv_gc",
                         f"--kv-store={engine.kv_store}",
                         *(
@@ -210,7 +211,7 @@ class Command(BaseCommand):
         children.append(
             Child(
                 name="registry",
-                argv=manage_py("run_registry", f"--endpoint={registry_endpoint}"),
+                argv=management_command("run_registry", f"--endpoint={registry_endpoint}"),
                 env=child_env(),
                 stop_stage=STOP_SERVICES,
             )
@@ -219,7 +220,7 @@ class Command(BaseCommand):
             Child(
                 name="gateway",
                 argv=[
-                    *manage_py()[:1],
+                    sys.executable,
                     "-m",
                     "uvicorn",
                     "controlplane.asgi:application",
@@ -351,7 +352,7 @@ def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) 
 
 def worker_command(args: WorkerArgs) -> list[str]:
     """The command that starts one of serve's workers with `args`."""
-    return manage_py("run_worker", *args.to_argv())
+    return management_command("run_worker", *args.to_argv())
 
 
 def _worker_name(role: str, index: int) -> str:

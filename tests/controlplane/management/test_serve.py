@@ -71,7 +71,7 @@ def test_serve_and_the_node_agent_start_a_worker_with_the_command_line_of_one_wo
     )
     assert started == [node_agent.worker_command(args)]
     assert started[0][1:3] == ["-m", "workers.worker"]
-    assert serve.worker_command(args)[2:] == ["run_worker", *started[0][3:]]
+    assert serve.worker_command(args)[1:] == ["-m", "controlplane.manage", "run_worker", *started[0][3:]]
 
 
 class FakeProcess:
