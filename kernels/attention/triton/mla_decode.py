@@ -53,8 +53,9 @@ class MlaDecodeConfig:
 
 # At DeepSeek-V3's 128 heads this reaches 14% of the copy bandwidth on an H100
 # (bench/results/mla_decode_h100.json); bench.mla_decode --sweep times the alternatives, not yet run
-# on a GPU. Chosen from compiled sm_90 code (ptxas, bf16, 512 + 64): 16 heads x 32 keys at 8 warps and 3 stages take 213 registers
-# and no spill; 4 warps, 64-key tiles, and 32 or 64 heads per program spill.
+# on a GPU. Chosen from compiled sm_90 code (ptxas, bf16, 512 + 64): 16 heads x 32 keys at 8 warps
+# and 3 stages take 213 registers and no spill; 4 warps, 64-key tiles, and 32 or 64 heads per
+# program spill.
 DECODE_CONFIG = MlaDecodeConfig(
     block_h=16, block_n=32, num_warps=8, num_stages=3, num_splits=8, partial_dtype=torch.float32
 )
