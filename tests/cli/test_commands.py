@@ -11,15 +11,6 @@ from tests.cli.running import sluice_from_checkout
 from tests.e2e.conftest import free_port
 
 
-@pytest.fixture
-def user(tmp_path):
-    """A home directory and an empty working directory."""
-    home, cwd = tmp_path / "home", tmp_path / "cwd"
-    home.mkdir()
-    cwd.mkdir()
-    return home, cwd
-
-
 def test_help_lists_every_command(user):
     # when the user asks for help
     completed = sluice_from_checkout(*user, "--help")

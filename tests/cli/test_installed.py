@@ -50,14 +50,6 @@ def installed(tmp_path_factory) -> Path:
     return venv / "bin"
 
 
-@pytest.fixture
-def user(tmp_path):
-    home, cwd = tmp_path / "home", tmp_path / "cwd"
-    home.mkdir()
-    cwd.mkdir()
-    return home, cwd
-
-
 def test_the_installed_package_holds_every_file_beside_the_code_it_reads(installed, user):
     # The templates Django finds in the installed dashboard app (the rest it reads is Python).
     home, cwd = user
