@@ -173,6 +173,29 @@ def kv_store_figure(kv_store: dict | None) -> go.Figure:
     return figure
 
 
+def swa_figure(swa: dict | None) -> go.Figure:
+    """Where sliding-window models' prefix hits found their SWA state since each worker started, with
+    what the replays of missing states recomputed and the bytes kept out of the store."""
+    title = "SWA state of prefix hits"
+    if swa is None:
+        return _empty_figure(title, "no sliding-window model served")
+    outcomes = {
+        "host cache": swa["state_hits"],
+        "fetched": swa["state_fetches"],
+        "replayed": swa["state_misses"],
+    }
+    figure = _layout(
+        go.Figure(go.Bar(x=list(outcomes.values()), y=list(outcomes), orientation="h", text=list(outcomes.values()))),
+        title,
+    )
+    figure.update_layout(height=220)
+    figure.update_xaxes(
+        title=f"prefix hits · {swa['replayed_tokens']:,} tokens replayed in {swa['replays']:,} replays · "
+        f"{swa['store_bytes_not_written']:,} bytes kept out of the store"
+    )
+    return figure
+
+
 def scaling_timeline(events: Sequence) -> go.Figure:
     """ScalingEvents over time, one row per pool, one trace per action; the hover text says who acted
     and why, with the autoscaler's rule and its main figures."""

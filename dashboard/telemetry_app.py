@@ -79,6 +79,7 @@ app.layout = html.Div(
         html.Div(id="kv-handoff"),
         *(_graph(graph_id) for graph_id in figures.SERIES),
         dcc.Graph(id="kv-store-graph"),
+        dcc.Graph(id="swa-graph"),
         dcc.Graph(id="scaling-graph"),
         html.H3("Expert load"),
         html.Div(id="expert-load"),
@@ -168,6 +169,7 @@ def seed_series(minutes: int):
     Output("instances", "children"),
     Output("kv-handoff", "children"),
     Output("kv-store-graph", "figure"),
+    Output("swa-graph", "figure"),
     Output("scaling-graph", "figure"),
     Output("expert-load", "children"),
     Input("snapshot", "data"),
@@ -190,6 +192,7 @@ def render_live(snapshot: dict | None):
             empty="no KV handoffs in the last 60 s",
         ),
         figures.kv_store_figure(snapshot["kv_store"]),
+        figures.swa_figure(snapshot["swa"]),
         figures.scaling_timeline(events),
         figures.expert_heatmaps(snapshot["expert_load"]),
     )

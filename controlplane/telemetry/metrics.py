@@ -304,4 +304,40 @@ def heartbeat_families(
         recovery,
         load,
         slot_load,
+        *swa_families(workers),
     ]
+
+
+def swa_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
+    """The SWA state of the workers serving a model with sliding-window layers (workers.engine.kv.spec):
+    where each prefix hit's state came from, what the replays of missing ones recomputed, and the
+    bytes the store did not write."""
+    state = CounterMetricFamily(
+        "sluice:swa_state_lookups",
+        "Prefix hits of a sliding-window model by where their SWA state came from: this worker's host "
+        "cache (hit), the worker holding it (fetched), or nowhere (missed: replayed).",
+        labels=["worker", "outcome"],
+    )
+    replays = CounterMetricFamily(
+        "sluice:swa_replays", "Bounded replays of a missing SWA state the worker ran.", labels=["worker"]
+    )
+    replayed = CounterMetricFamily(
+        "sluice:swa_replayed_tokens", "Tokens the worker recomputed in bounded replays.", labels=["worker"]
+    )
+    not_written = CounterMetricFamily(
+        "sluice:kv_store_bytes_not_written",
+        "Bytes of sliding-window layers' KV the worker kept out of the global store.",
+        labels=["worker"],
+    )
+    for heartbeat in workers:
+        swa = heartbeat.swa
+        if swa is None:
+            continue
+        worker = heartbeat.worker_id
+        state.add_metric([worker, "hit"], swa.state_hits)
+        state.add_metric([worker, "fetched"], swa.state_fetches)
+        state.add_metric([worker, "missed"], swa.state_misses)
+        replays.add_metric([worker], swa.replays)
+        replayed.add_metric([worker], swa.replayed_tokens)
+        not_written.add_metric([worker], swa.store_bytes_not_written)
+    return [state, replays, replayed, not_written]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from controlplane.telemetry.windows import Totals, percentiles
 from controlplane.telemetry.worker_counters import CounterSums, summed
-from workers.protocol.messages import WorkerHeartbeat
+from workers.protocol.messages import SwaTotals, WorkerHeartbeat
 
 if TYPE_CHECKING:
     from controlplane.telemetry.models import KVStoreGC
@@ -56,6 +56,7 @@ def build_snapshot(
         "ttft_s": percentiles(totals.ttft_s),
         "itl_s": percentiles(totals.inter_token_s),
         "kv_store": kv_store(workers, store_gcs),
+        "swa": swa_state(workers),
         "expert_load": expert_load or {},
         "engine": cluster.engine(seconds),
         "kv_handoff": cluster.kv_handoff(seconds),
@@ -87,6 +88,15 @@ def kv_store(workers: list[WorkerHeartbeat], store_gcs: Sequence["KVStoreGC"] = 
     else:
         limits = (None, None, None)
     return {**size, "capacity_bytes": limits[0], "low_watermark": limits[1], "high_watermark": limits[2]}
+
+
+def swa_state(workers: list[WorkerHeartbeat]) -> dict | None:
+    """The SWA state of the workers serving sliding-window models, summed since each started; None when
+    none does."""
+    reporting = [heartbeat.swa for heartbeat in workers if heartbeat.swa is not None]
+    if not reporting:
+        return None
+    return {field: sum(getattr(totals, field) for totals in reporting) for field in SwaTotals.__struct_fields__}
 
 
 def _worker(heartbeat: WorkerHeartbeat, counters: dict[str, CounterSums], seconds: float) -> dict:

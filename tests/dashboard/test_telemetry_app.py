@@ -17,6 +17,7 @@ LIVE_OUTPUTS = [
     ("instances", "children"),
     ("kv-handoff", "children"),
     ("kv-store-graph", "figure"),
+    ("swa-graph", "figure"),
     ("scaling-graph", "figure"),
     ("expert-load", "children"),
 ]
@@ -61,6 +62,7 @@ def _snapshot(**fields) -> dict:
         "ttft_s": None,
         "itl_s": None,
         "kv_store": None,
+        "swa": None,
         "expert_load": {},
         "engine": NO_STEPS,
         "kv_handoff": {"received_mean_s": None, "by_backend": []},
@@ -116,6 +118,7 @@ def test_a_snapshot_with_workers_fills_the_overview(client_as, make_pool):
     assert "decode-0" in json.dumps(rendered["instances.children"])
     assert "25.00%" in json.dumps(rendered["pools.children"])
     assert rendered["kv-store-graph.figure"]["data"][0]["x"] == [0.5]
+    assert rendered["swa-graph.figure"]["data"] == []  # no sliding-window model
     assert rendered["expert-load.children"][0]["props"]["figure"]["data"][0]["z"] == [[1, 2], [3, 4]]
 
 
@@ -198,3 +201,23 @@ def test_the_step_and_handoff_times_are_seeded_from_the_minutes_rollups(client_a
     traces = seeded["serving-time-graph.figure"]["data"]
     assert [trace["name"] for trace in traces] == ["engine step mean", "KV handoff mean (until usable)"]
     assert [trace["y"] for trace in traces] == [[0.01], [0.05]]
+
+
+@pytest.mark.django_db
+def test_the_swa_state_of_sliding_window_models_is_shown(client_as):
+    client = client_as("operator")
+    swa = {
+        "state_hits": 7,
+        "state_fetches": 3,
+        "state_misses": 2,
+        "replays": 2,
+        "replayed_tokens": 256,
+        "store_bytes_not_written": 4096,
+    }
+
+    figure = _render_live(client, _snapshot(swa=swa))["swa-graph.figure"]
+
+    (bars,) = figure["data"]
+    assert dict(zip(bars["y"], bars["x"])) == {"host cache": 7, "fetched": 3, "replayed": 2}
+    axis = figure["layout"]["xaxis"]["title"]["text"]
+    assert "256 tokens replayed in 2 replays" in axis and "4,096 bytes kept out of the store" in axis

@@ -271,6 +271,19 @@ STOPPING = "stopping"
 HEARTBEAT_TIMEOUT_S = 3.0
 
 
+class SwaTotals(msgspec.Struct, frozen=True):
+    """A sliding-window model's SWA state since the worker started (workers.engine.kv.swa_stats):
+    prefix hits whose state was in the worker's host cache, fetched from its holder, or missing;
+    bounded replays and the tokens they recomputed; bytes the store did not write."""
+
+    state_hits: int = 0
+    state_fetches: int = 0
+    state_misses: int = 0
+    replays: int = 0
+    replayed_tokens: int = 0
+    store_bytes_not_written: int = 0
+
+
 class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: str
     role: str  # "mixed" (prefill and decode in one process), "prefill" or "decode"
@@ -355,6 +368,8 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     num_store_fetches: int = 0
     store_fetch_bytes: int = 0
     store_fetch_seconds: float = 0.0
+    # A model with sliding-window layers: what became of its SWA state (None for other models).
+    swa: SwaTotals | None = None
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a

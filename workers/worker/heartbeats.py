@@ -5,17 +5,18 @@ thread every heartbeat interval."""
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import msgspec
 import torch
 import zmq
 
 from workers.engine.engine_core import EngineCore
+from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
-from workers.protocol.messages import HistogramCounts, WorkerHeartbeat, WorkerRegistration
+from workers.protocol.messages import HistogramCounts, SwaTotals, WorkerHeartbeat, WorkerRegistration
 from workers.worker.args import WorkerArgs
 from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers
@@ -146,6 +147,7 @@ class Heartbeats:
             num_store_fetches=store.num_fetches if store else 0,
             store_fetch_bytes=store.fetch_bytes if store else 0,
             store_fetch_seconds=store.fetch_seconds if store else 0.0,
+            swa=swa_totals(stats.swa) if stats.swa else None,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 
@@ -164,6 +166,10 @@ class Heartbeats:
         else:
             self.store_usage_failing = False
         return self.store_usage
+
+
+def swa_totals(stats: SwaStats) -> SwaTotals:
+    return SwaTotals(**asdict(stats))
 
 
 def histogram_counts(buckets: Buckets) -> HistogramCounts:

@@ -18,7 +18,7 @@ from controlplane.telemetry.collector import (
     telemetry_collector,
 )
 from controlplane.telemetry.windows import RequestSample
-from workers.protocol.messages import HandoffTotals, HistogramCounts
+from workers.protocol.messages import HandoffTotals, HistogramCounts, SwaTotals
 
 SNAPSHOT_KEYS = {
     "at",
@@ -32,6 +32,7 @@ SNAPSHOT_KEYS = {
     "ttft_s",
     "itl_s",
     "kv_store",
+    "swa",
     "expert_load",
     "engine",
     "kv_handoff",
@@ -228,7 +229,7 @@ def test_without_workers_the_snapshot_is_empty_but_complete(collector):
     assert snapshot["workers"] == [] and snapshot["pools"] == []
     assert snapshot["requests"] == 0 and snapshot["prompt_tokens_per_s"] == 0.0
     assert snapshot["cache_hit_rate"] is None and snapshot["ttft_s"] is None and snapshot["itl_s"] is None
-    assert snapshot["kv_store"] is None and snapshot["expert_load"] == {}
+    assert snapshot["kv_store"] is None and snapshot["swa"] is None and snapshot["expert_load"] == {}
     assert snapshot["engine"] == NO_STEPS and snapshot["kv_handoff"] == {"received_mean_s": None, "by_backend": []}
     assert json.loads(json.dumps(snapshot)) == snapshot
 
@@ -277,3 +278,24 @@ def test_the_gateways_requests_reach_this_loops_collector(db, no_workers):
     snapshot = async_to_sync(record_then_tick)()
 
     assert snapshot["requests"] == 1 and snapshot["cache_hit_rate"] == 0.5
+
+
+def test_the_swa_state_is_summed_over_the_workers_that_serve_sliding_window_models(
+    collector, heartbeats, make_heartbeat
+):
+    heartbeats.workers = [
+        make_heartbeat("p0", swa=SwaTotals(state_hits=3, state_misses=1, replays=1, replayed_tokens=100)),
+        make_heartbeat("p1", swa=SwaTotals(state_hits=1, state_fetches=2, store_bytes_not_written=512)),
+        make_heartbeat("p2"),  # a dense model's
+    ]
+
+    swa = tick(collector)["swa"]
+
+    assert swa == {
+        "state_hits": 4,
+        "state_fetches": 2,
+        "state_misses": 1,
+        "replays": 1,
+        "replayed_tokens": 100,
+        "store_bytes_not_written": 512,
+    }

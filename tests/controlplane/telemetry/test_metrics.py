@@ -12,7 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from controlplane.telemetry.metrics import exposition  # noqa: E402
 from tests.controlplane.gateway.helpers import key_headers, three_token_script, valid_body  # noqa: E402
-from workers.protocol.messages import GenerateOutput, HandoffTotals, HistogramCounts, RequestPhaseTimes  # noqa: E402
+from workers.protocol.messages import (  # noqa: E402
+    GenerateOutput,
+    HandoffTotals,
+    HistogramCounts,
+    RequestPhaseTimes,
+    SwaTotals,
+)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -127,6 +133,25 @@ def test_decode_workers_report_migrations_failovers_recomputed_tokens_and_recove
     assert running[("sluice:failover_max_recomputed_tokens", (("worker", "d1"),))] == 16
     assert running[("sluice:failover_recovery_seconds_total", (("worker", "d1"),))] == 1.5
     assert ("sluice:failovers_total", (("worker", "p0"),)) not in running  # only decode workers move requests
+
+
+def test_sliding_window_workers_report_their_swa_state_and_others_none(make_heartbeat):
+    swa = SwaTotals(
+        state_hits=5, state_fetches=2, state_misses=1, replays=1, replayed_tokens=128, store_bytes_not_written=9000
+    )
+    hybrid = make_heartbeat("p0", role="prefill", pool="prefill", swa=swa)
+    dense = make_heartbeat("p1", role="prefill", pool="prefill")
+
+    running = samples(exposition([hybrid, dense]).decode())
+
+    lookups = "sluice:swa_state_lookups_total"
+    assert running[(lookups, (("outcome", "hit"), ("worker", "p0")))] == 5
+    assert running[(lookups, (("outcome", "fetched"), ("worker", "p0")))] == 2
+    assert running[(lookups, (("outcome", "missed"), ("worker", "p0")))] == 1
+    assert running[("sluice:swa_replays_total", (("worker", "p0"),))] == 1
+    assert running[("sluice:swa_replayed_tokens_total", (("worker", "p0"),))] == 128
+    assert running[("sluice:kv_store_bytes_not_written_total", (("worker", "p0"),))] == 9000
+    assert not any(dict(labels).get("worker") == "p1" for name, labels in running if "swa" in name)
 
 
 def test_expert_load_is_declared_and_empty_for_dense_models(make_heartbeat):
