@@ -11,10 +11,10 @@ each keeping W tokens of its own.
 A window counts the query itself (KVCacheSpec.window), so a request continuing at a prefix end reads
 the KV of the W - 1 tokens before it: `window_blocks` blocks of them.
 
-Bounded by bytes, least recently used first out: a put or a `window` that found its blocks counts as a
-use. `on_evict` hears of the blocks that went (so that their "held by this worker" registrations in the
-index go too); it is called outside the cache's lock. Thread-safe: the engine puts while the thread
-that answers other workers' fetches reads.
+Bounded by bytes, least recently used first out: a put, a `window` that found its blocks and a `get`
+(another worker's fetch) count as uses. `on_evict` hears of the blocks that went, so that their "held
+by this worker" registrations (workers.kvstore.holders) go too; it is called outside the cache's lock.
+Thread-safe: the engine puts while the thread that answers other workers' fetches reads.
 """
 
 import threading
@@ -119,9 +119,14 @@ class SwaStateCache:
         return True
 
     def get(self, keys: Sequence[BlockHash]) -> list[torch.Tensor | None]:
-        """Each key's run, None for a key not held; no use is recorded (the fetch server's read)."""
+        """Each key's run, None for a key not held (what a fetch server sends another worker): a use
+        of each found."""
         with self._lock:
-            return [self._runs.get(key) for key in keys]
+            runs = [self._runs.get(key) for key in keys]
+            for key, run in zip(keys, runs):
+                if run is not None:
+                    self._runs.move_to_end(key)
+        return runs
 
     def window(self, prefix_keys: Sequence[BlockHash]) -> list[torch.Tensor] | None:
         """The SWA state at the end of the prefix `prefix_keys`: the runs of its `window_keys`, oldest
