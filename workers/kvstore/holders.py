@@ -7,14 +7,16 @@ hits a prefix asks who holds every block of that prefix end's window (`holders_o
 the state from one of them (workers.transfer.swa_fetch), or backs off and replays
 (workers.engine.kv.swa_replay).
 
-One interface, two backends, like the block index: `MemoryHolders` in one process, `RedisHolders`
-(workers.kvstore.redis_holders) shared by every process and host of a cluster. Both pass
-tests/workers/kvstore/test_holders.py.
+One interface and the block index's backends (workers.kvstore.store.open_holders picks one from the
+index's URL): `MemoryHolders` in one process; `RemoteHolders` (workers.kvstore.remote_holders), the
+MemoryHolders the store's GC process serves beside its index to the embedded default's processes;
+`RedisHolders` (workers.kvstore.redis_holders), shared by every process and host of a cluster. All
+pass tests/workers/kvstore/test_holders.py.
 
 A registration is a promise the holder may fail to keep (it restarted, its drop was lost): a fetch
 from it then answers "missing", and the request replays. What keeps stale promises few: a worker's
 registrations go at once when it is known dead (`drop_worker`, also at a worker's start, for those of
-an earlier life under its id), and each worker holds at most `max_per_worker` of them, its oldest
+an earlier life under its id), and each backend keeps at most `max_per_worker` per worker, its oldest
 going first past that.
 """
 
@@ -31,11 +33,6 @@ MAX_PER_WORKER = 1 << 16
 
 
 class HolderIndex(ABC):
-    def __init__(self, max_per_worker: int = MAX_PER_WORKER) -> None:
-        if max_per_worker < 1:
-            raise ValueError(f"max_per_worker must be positive, got {max_per_worker}")
-        self.max_per_worker = max_per_worker
-
     @abstractmethod
     def register(self, keys: Sequence[BlockHash], worker_id: str) -> None:
         """`worker_id` holds these blocks; each counts as its newest registration, and its oldest
@@ -66,11 +63,17 @@ def check_worker_id(worker_id: str) -> str:
     return worker_id
 
 
+def check_max_per_worker(max_per_worker: int) -> int:
+    if max_per_worker < 1:
+        raise ValueError(f"max_per_worker must be positive, got {max_per_worker}")
+    return max_per_worker
+
+
 class MemoryHolders(HolderIndex):
     """Thread-safe: an engine's thread registers while its fetch server's thread reads."""
 
     def __init__(self, max_per_worker: int = MAX_PER_WORKER) -> None:
-        super().__init__(max_per_worker)
+        self.max_per_worker = check_max_per_worker(max_per_worker)
         self._lock = threading.Lock()
         self._by_key: dict[BlockHash, set[str]] = {}
         self._by_worker: dict[str, OrderedDict[BlockHash, None]] = {}  # oldest registration first

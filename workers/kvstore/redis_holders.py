@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import redis
 
 from workers.kvstore.block_hash import BlockHash
-from workers.kvstore.holders import MAX_PER_WORKER, HolderIndex, check_worker_id
+from workers.kvstore.holders import MAX_PER_WORKER, HolderIndex, check_max_per_worker, check_worker_id
 
 _REGISTER = """
 local prefix, worker, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -59,7 +59,7 @@ return #keys
 
 class RedisHolders(HolderIndex):
     def __init__(self, client: redis.Redis, prefix: str = "sluice:swa", max_per_worker: int = MAX_PER_WORKER) -> None:
-        super().__init__(max_per_worker)
+        self.max_per_worker = check_max_per_worker(max_per_worker)
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ValueError("RedisHolders needs a client with decode_responses=False: block keys are raw bytes")
         self.client = client

@@ -1,15 +1,26 @@
-"""One suite for every SWA holder index backend: MemoryHolders in process and RedisHolders on the real
-Redis."""
+"""One suite for every SWA holder index backend: MemoryHolders in process, RedisHolders on the real
+Redis, and RemoteHolders talking to an IndexServer that serves holders beside its block index over a
+real ipc socket; then what that server answers requests it cannot take."""
 
+import shutil
+import tempfile
+import threading
 from collections.abc import Iterator
 from hashlib import blake2b
 
+import msgspec
 import pytest
 import redis
+import zmq
 
 from tests.workers.kvstore.conftest import REDIS_URL
 from workers.kvstore.holders import HolderIndex, MemoryHolders
+from workers.kvstore.index_messages import KVHoldersLookup, KVHoldersRegister, KVIndexReply
+from workers.kvstore.index_server import IndexServer
+from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.redis_holders import RedisHolders
+from workers.kvstore.remote_holders import RemoteHolders
+from workers.kvstore.store import open_holders
 
 
 def key(i: int) -> bytes:
@@ -20,20 +31,43 @@ def key(i: int) -> bytes:
 KEYS = [key(i) for i in range(10)]
 
 
-@pytest.fixture(params=["memory", "redis"])
+class Served:
+    """An IndexServer on a thread, serving `holders` beside an empty block index (ipc paths must be short)."""
+
+    def __init__(self, holders: HolderIndex | None) -> None:
+        self.directory = tempfile.mkdtemp(prefix="kvhold-")
+        self.context = zmq.Context()
+        self.stop = threading.Event()
+        self.server = IndexServer(MemoryIndex(), f"ipc://{self.directory}/index", self.context, holders=holders)
+        self.endpoint = self.server.endpoint
+        self.thread = threading.Thread(target=self.server.serve, args=(self.stop,))
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.context.destroy(linger=0)
+        shutil.rmtree(self.directory)
+
+
+@pytest.fixture(params=["memory", "redis", "served"])
 def make_holders(request, redis_prefix: str) -> Iterator:
-    clients = []
+    opened = []
 
     def make(max_per_worker: int = 1000) -> HolderIndex:
         if request.param == "memory":
             return MemoryHolders(max_per_worker)
+        if request.param == "served":
+            served = Served(MemoryHolders(max_per_worker))
+            opened.append(served)
+            return RemoteHolders(served.endpoint, context=served.context)
         client = redis.Redis.from_url(REDIS_URL)
-        clients.append(client)
+        opened.append(client)
         return RedisHolders(client, redis_prefix, max_per_worker)
 
     yield make
-    for client in clients:
-        client.close()
+    for thing in opened:
+        thing.close()
 
 
 def test_registered_blocks_name_their_holders(make_holders) -> None:
@@ -97,3 +131,49 @@ def test_redis_holders_need_raw_bytes() -> None:
     with pytest.raises(ValueError, match="decode_responses"):
         RedisHolders(client, "x")
     client.close()
+
+
+def test_open_holders_follows_the_index_url(redis_prefix: str) -> None:
+    assert isinstance(open_holders("memory"), MemoryHolders)
+    assert isinstance(open_holders("ipc:///tmp/nowhere/index"), RemoteHolders)
+    on_redis = open_holders(f"{REDIS_URL}?prefix={redis_prefix}")
+    assert isinstance(on_redis, RedisHolders) and on_redis.prefix == f"{redis_prefix}:swa"
+    on_redis.register(KEYS[:1], "w1")
+    assert on_redis.holders(KEYS[:1]) == [{"w1"}]
+    on_redis.client.close()
+    with pytest.raises(ValueError, match="unknown KV index URL"):
+        open_holders("tcp://127.0.0.1:7999")
+
+
+def ask(endpoint: str, frame: bytes) -> KVIndexReply:
+    with zmq.Context() as context, context.socket(zmq.DEALER) as dealer:
+        dealer.connect(endpoint)
+        dealer.send(frame)
+        assert dealer.poll(10_000), "no reply"
+        return msgspec.msgpack.decode(dealer.recv(), type=KVIndexReply)
+
+
+def test_a_served_holder_request_it_cannot_take_gets_an_error_reply_and_the_server_goes_on() -> None:
+    served = Served(MemoryHolders())
+    try:
+        ill_typed = ask(
+            served.endpoint, msgspec.msgpack.encode({"type": "kv_holders.holders", "call_id": 3, "keys": 7})
+        )
+        no_worker = ask(served.endpoint, msgspec.msgpack.encode(KVHoldersRegister(5, KEYS[:1], "")))
+        holders = RemoteHolders(served.endpoint, context=served.context)
+        holders.register(KEYS[:1], "w1")
+        assert holders.holders(KEYS[:1]) == [{"w1"}]
+    finally:
+        served.close()
+    assert ill_typed.call_id == 0 and "invalid KV index request" in ill_typed.error and "keys" in ill_typed.error
+    assert no_worker.call_id == 5
+    assert no_worker.error == "KVHoldersRegister failed: a holder's worker_id is a non-empty string, got ''"
+
+
+def test_a_server_without_holders_says_so() -> None:
+    served = Served(None)
+    try:
+        reply = ask(served.endpoint, msgspec.msgpack.encode(KVHoldersLookup(4, KEYS[:1])))
+    finally:
+        served.close()
+    assert reply.call_id == 4 and reply.error == "this index serves no SWA holders (KVHoldersLookup)"
