@@ -1,8 +1,12 @@
 """The SWA hit policy: the full-attention hit decides the length, the SWA state whether to back off
 one block, and the replay mode how far back prefill rebuilds the window."""
 
+import subprocess
+import sys
+
 import pytest
 
+from tests.workers.worker_process import REPO_ROOT
 from workers.engine.kv.swa_replay import EXACT, SwaHit, SwaStateSource, swa_hit
 
 LOCAL, REMOTE, NONE = SwaStateSource.LOCAL, SwaStateSource.REMOTE, SwaStateSource.NONE
@@ -57,3 +61,14 @@ def test_bad_settings_are_refused(kwargs: dict, says: str) -> None:
     settings = {"block_tokens": 16, "window": 9} | kwargs
     with pytest.raises(ValueError, match=says):
         swa_hit(3, NONE, **settings)
+
+
+def test_the_policy_and_the_holder_index_load_neither_torch_nor_redis() -> None:
+    # The entrypoint decides hits with them, and it never loads torch.
+    script = (
+        "import sys, workers.engine.kv.swa_replay, workers.kvstore.holders, workers.kvstore.store\n"
+        "print(' '.join(name for name in ('torch', 'redis') if name in sys.modules))"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == []

@@ -73,6 +73,20 @@ def test_capacity_evicts_the_least_recently_used_and_reports_the_keys() -> None:
     assert cache.num_bytes == 3 * one and cache.num_evictions == 2
 
 
+def test_a_fetch_from_another_worker_counts_as_a_use() -> None:
+    evicted: list[bytes] = []
+    spec = swa_spec(window=5)
+    cache = SwaStateCache(
+        spec, BLOCK, capacity_bytes=2 * SwaStateCache(spec, BLOCK, 0).run_bytes, on_evict=evicted.extend
+    )
+    cache.put(KEYS[0], run(0))
+    cache.put(KEYS[1], run(1))
+    assert [r is not None for r in cache.get([KEYS[0], KEYS[5]])] == [True, False]
+    cache.put(KEYS[2], run(2))
+    assert evicted == [KEYS[1]]
+    assert (cache.num_hits, cache.num_misses) == (0, 0)  # windows only
+
+
 def test_a_capacity_under_one_run_keeps_nothing() -> None:
     cache = SwaStateCache(swa_spec(), BLOCK, capacity_bytes=10)
     assert not cache.put(KEYS[0], run(0))
