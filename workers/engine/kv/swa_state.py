@@ -42,7 +42,7 @@ def window_keys(prefix_keys: Sequence[BlockHash], window: int, block_tokens: int
     """The keys whose runs make the SWA state at the end of the prefix `prefix_keys` (its block keys,
     in order): the last `window_blocks` of them, or all of a shorter prefix."""
     needed = window_blocks(window, block_tokens)
-    return list(prefix_keys[len(prefix_keys) - needed :]) if needed else []
+    return list(prefix_keys[max(0, len(prefix_keys) - needed) :]) if needed else []
 
 
 class SwaStateCache:
