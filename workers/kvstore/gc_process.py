@@ -6,14 +6,15 @@ Its view of the whole store:
 - With the Redis index every process shares one index already: this process reads it.
 - Without one (the embedded default) this process keeps the store's index itself (DirectoryIndex):
   built from the block directory at start, served on an ipc:// endpoint (`--serve-index`) that the
-  workers and the gateway use as their index (`--kv-store-index ipc://...`), so it records every
-  write, hit and cache hint, and reconciled with the directory before each run, for processes with
-  an index of their own (their reads show as file mtimes, their writes as files) and for files left
-  behind. Why not a GC that only lists the directory: it would know last accesses (readers touch a
-  file's mtime) but neither hit counts, which the segmented LRU ranks by, nor clients' retention
-  hints; and workers keeping their own indexes would go on promising blocks this process deleted.
-  The price: a worker's look-up is an ipc round trip (tens of microseconds) instead of a dict
-  look-up, and while this process restarts look-ups fail at once and count as misses.
+  workers and the gateway use as their index (`--kv-store-index ipc://...`), beside the SWA holder
+  index (workers.kvstore.holders, kept here in memory), so it records every write, hit and cache
+  hint, and reconciled with the directory before each run, for processes with an index of their own
+  (their reads show as file mtimes, their writes as files) and for files left behind. Why not a GC
+  that only lists the directory: it would know last accesses (readers touch a file's mtime) but
+  neither hit counts, which the segmented LRU ranks by, nor clients' retention hints; and workers
+  keeping their own indexes would go on promising blocks this process deleted. The price: a
+  worker's look-up is an ipc round trip (tens of microseconds) instead of a dict look-up, and while
+  this process restarts look-ups fail at once and count as misses.
 
 Each run: reconcile (in-process index only), take the current TTL policy (`ttl_source`), expire
 then evict (workers.kvstore.gc), delete checkpoint files no request can resume from and temp files
@@ -44,6 +45,7 @@ from workers.kvstore.directory_index import DirectoryIndex
 from workers.kvstore.eviction import POLICIES
 from workers.kvstore.gc import GarbageCollector, GCReport
 from workers.kvstore.gc_options import CAPACITY_BYTES, EVICTION_POLICY, GC_INTERVAL_S, add_gc_arguments
+from workers.kvstore.holders import MemoryHolders
 from workers.kvstore.index import BlockIndex
 from workers.kvstore.index_server import IndexServer, check_ipc_endpoint
 from workers.kvstore.store import open_index
@@ -236,7 +238,9 @@ def run_store_gc_process(
     context = zmq.Context()
     try:
         if config.serve_index:
-            server = IndexServer(store_gc.index, config.serve_index, context)
+            # The workers' SWA holder registrations live only as long as this process: a restart
+            # forgets them, which costs replays, not wrong state.
+            server = IndexServer(store_gc.index, config.serve_index, context, holders=MemoryHolders())
             server_thread = threading.Thread(target=server.serve, args=(stop,), name="kv-index-server", daemon=True)
             server_thread.start()
             served = f", served on {config.serve_index}"

@@ -2,7 +2,8 @@
 
 A store without a shared Redis index has its GC process keep the index and serve it: each other
 process sends one request per BlockIndex call on a DEALER (workers.kvstore.remote_index) and gets
-one KVIndexReply with the same call id. ipc:// only: the socket is not authenticated.
+one KVIndexReply with the same call id; the SWA holder index (workers.kvstore.holders) is served the
+same way, on the same socket. ipc:// only: the socket is not authenticated.
 """
 
 import msgspec
@@ -68,6 +69,32 @@ class KVIndexTrafficClasses(msgspec.Struct, tag="kv_index.traffic_classes", froz
     call_id: int
 
 
+# The SWA holder index (workers.kvstore.holders) served beside the block index: one request per
+# HolderIndex call, answered with a KVIndexReply as the others are.
+
+
+class KVHoldersRegister(msgspec.Struct, tag="kv_holders.register", frozen=True, forbid_unknown_fields=True):
+    call_id: int
+    keys: list[bytes]
+    worker_id: str
+
+
+class KVHoldersDrop(msgspec.Struct, tag="kv_holders.drop", frozen=True, forbid_unknown_fields=True):
+    call_id: int
+    keys: list[bytes]
+    worker_id: str
+
+
+class KVHoldersDropWorker(msgspec.Struct, tag="kv_holders.drop_worker", frozen=True, forbid_unknown_fields=True):
+    call_id: int
+    worker_id: str
+
+
+class KVHoldersLookup(msgspec.Struct, tag="kv_holders.holders", frozen=True, forbid_unknown_fields=True):
+    call_id: int
+    keys: list[bytes]
+
+
 KVIndexRequest = (
     KVIndexAdd
     | KVIndexGet
@@ -80,6 +107,10 @@ KVIndexRequest = (
     | KVIndexEntries
     | KVIndexUsage
     | KVIndexTrafficClasses
+    | KVHoldersRegister
+    | KVHoldersDrop
+    | KVHoldersDropWorker
+    | KVHoldersLookup
 )
 
 

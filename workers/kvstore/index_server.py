@@ -1,5 +1,6 @@
 """Serves one process's block index to the store's other processes: a ROUTER that answers each
-KVIndex* request (workers.kvstore.index_messages) by calling the index, one request at a time.
+KVIndex* request (workers.kvstore.index_messages) by calling the index, one request at a time; and,
+when given one, the SWA holder index (workers.kvstore.holders) the same way, its KVHolders* requests.
 
 Run by the store's GC process when the store has no shared Redis index, so that every process of
 the store, however many, sees one index: what any of them wrote, read or was asked to keep. The
@@ -15,8 +16,13 @@ from typing import Any
 import msgspec
 import zmq
 
+from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
 from workers.kvstore.index_messages import (
+    KVHoldersDrop,
+    KVHoldersDropWorker,
+    KVHoldersLookup,
+    KVHoldersRegister,
     KVIndexAdd,
     KVIndexContainsMany,
     KVIndexEntries,
@@ -47,6 +53,15 @@ def check_ipc_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+def _holder_handlers(holders: HolderIndex) -> dict[type, Callable[[Any], Any]]:
+    return {
+        KVHoldersRegister: lambda request: holders.register(request.keys, request.worker_id),
+        KVHoldersDrop: lambda request: holders.drop(request.keys, request.worker_id),
+        KVHoldersDropWorker: lambda request: holders.drop_worker(request.worker_id),
+        KVHoldersLookup: lambda request: [sorted(workers) for workers in holders.holders(request.keys)],
+    }
+
+
 def _handlers(index: BlockIndex) -> dict[type, Callable[[Any], Any]]:
     return {
         KVIndexAdd: lambda request: index.add(request.entries),
@@ -66,10 +81,13 @@ def _handlers(index: BlockIndex) -> dict[type, Callable[[Any], Any]]:
 
 
 class IndexServer:
-    def __init__(self, index: BlockIndex, endpoint: str, context: zmq.Context) -> None:
-        """Binds at once, so that clients started after this returns find the socket."""
+    def __init__(
+        self, index: BlockIndex, endpoint: str, context: zmq.Context, *, holders: HolderIndex | None = None
+    ) -> None:
+        """Binds at once, so that clients started after this returns find the socket. `holders`: the
+        SWA holder index to serve too (a holder request to a server without one is an error reply)."""
         self.endpoint = check_ipc_endpoint(endpoint)
-        self._handlers = _handlers(index)
+        self._handlers = _handlers(index) | (_holder_handlers(holders) if holders is not None else {})
         self._decoder = msgspec.msgpack.Decoder(KVIndexRequest)
         self._encoder = msgspec.msgpack.Encoder()
         self._socket = context.socket(zmq.ROUTER)
@@ -96,8 +114,11 @@ class IndexServer:
             request = self._decoder.decode(frames[0])
         except msgspec.DecodeError as error:
             return KVIndexReply(0, error=f"invalid KV index request: {error}")
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            return KVIndexReply(request.call_id, error=f"this index serves no SWA holders ({type(request).__name__})")
         try:
-            result = self._handlers[type(request)](request)
+            result = handler(request)
         except Exception as error:
             log.exception("KV index request %s failed", type(request).__name__)
             return KVIndexReply(request.call_id, error=f"{type(request).__name__} failed: {error}")

@@ -52,7 +52,10 @@ class RemoteIndexError(ConnectionError):
     """The served index did not answer: its server is down, too slow, or failed the call."""
 
 
-class RemoteIndex(BlockIndex):
+class IndexCalls:
+    """One DEALER to a served index: each call a request and its reply (see the module docstring).
+    Thread-safe: calls take turns."""
+
     def __init__(self, endpoint: str, *, timeout_s: float = TIMEOUT_S, context: zmq.Context | None = None) -> None:
         self.endpoint = check_ipc_endpoint(endpoint)
         self.timeout_s = timeout_s
@@ -62,6 +65,50 @@ class RemoteIndex(BlockIndex):
         self._call_ids = itertools.count(1)
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_reply = msgspec.msgpack.Decoder(KVIndexReply).decode
+
+    def call(self, request_type: type, result_type: Any, *fields: Any) -> Any:
+        """The result of one request, decoded as `result_type`; RemoteIndexError when none comes."""
+        with self._lock:
+            call_id = next(self._call_ids)
+            socket = self._connected()
+            try:
+                socket.send(self._encode(request_type(call_id, *fields)), zmq.NOBLOCK)
+            except zmq.Again:
+                raise RemoteIndexError(f"the KV index at {self.endpoint} is not up") from None
+            reply = self._reply(socket, call_id)
+        if reply.error:
+            raise RemoteIndexError(f"the KV index at {self.endpoint} failed: {reply.error}")
+        return msgspec.msgpack.decode(reply.result, type=result_type)
+
+    def _connected(self) -> zmq.Socket:
+        if self._socket is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IMMEDIATE, 1)
+            socket.connect(self.endpoint)
+            socket.poll(CONNECT_WAIT_S * 1000, zmq.POLLOUT)
+            self._socket = socket
+        return self._socket
+
+    def _reply(self, socket: zmq.Socket, call_id: int) -> KVIndexReply:
+        deadline = time.monotonic() + self.timeout_s
+        while (remaining := deadline - time.monotonic()) > 0 and socket.poll(remaining * 1000):
+            try:
+                reply = self._decode_reply(socket.recv())
+            except msgspec.DecodeError as error:
+                raise RemoteIndexError(f"the KV index at {self.endpoint} sent an unreadable reply: {error}") from None
+            if reply.call_id == call_id:
+                return reply
+            log.debug("dropping a late KV index reply (call %d)", reply.call_id)
+        raise RemoteIndexError(f"the KV index at {self.endpoint} did not answer within {self.timeout_s} s")
+
+
+class RemoteIndex(BlockIndex):
+    def __init__(self, endpoint: str, *, timeout_s: float = TIMEOUT_S, context: zmq.Context | None = None) -> None:
+        self._calls = IndexCalls(endpoint, timeout_s=timeout_s, context=context)
+        self.endpoint = self._calls.endpoint
+        self.timeout_s = timeout_s
+        self._call = self._calls.call
 
     def add(self, entries: Sequence[BlockEntry]) -> int:
         return self._call(KVIndexAdd, int, list(entries)) if entries else 0
@@ -97,38 +144,3 @@ class RemoteIndex(BlockIndex):
 
     def traffic_classes(self) -> set[str]:
         return set(self._call(KVIndexTrafficClasses, list[str]))
-
-    def _call(self, request_type: type, result_type: Any, *fields: Any) -> Any:
-        with self._lock:
-            call_id = next(self._call_ids)
-            socket = self._connected()
-            try:
-                socket.send(self._encode(request_type(call_id, *fields)), zmq.NOBLOCK)
-            except zmq.Again:
-                raise RemoteIndexError(f"the KV index at {self.endpoint} is not up") from None
-            reply = self._reply(socket, call_id)
-        if reply.error:
-            raise RemoteIndexError(f"the KV index at {self.endpoint} failed: {reply.error}")
-        return msgspec.msgpack.decode(reply.result, type=result_type)
-
-    def _connected(self) -> zmq.Socket:
-        if self._socket is None:
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.IMMEDIATE, 1)
-            socket.connect(self.endpoint)
-            socket.poll(CONNECT_WAIT_S * 1000, zmq.POLLOUT)
-            self._socket = socket
-        return self._socket
-
-    def _reply(self, socket: zmq.Socket, call_id: int) -> KVIndexReply:
-        deadline = time.monotonic() + self.timeout_s
-        while (remaining := deadline - time.monotonic()) > 0 and socket.poll(remaining * 1000):
-            try:
-                reply = self._decode_reply(socket.recv())
-            except msgspec.DecodeError as error:
-                raise RemoteIndexError(f"the KV index at {self.endpoint} sent an unreadable reply: {error}") from None
-            if reply.call_id == call_id:
-                return reply
-            log.debug("dropping a late KV index reply (call %d)", reply.call_id)
-        raise RemoteIndexError(f"the KV index at {self.endpoint} did not answer within {self.timeout_s} s")

@@ -11,12 +11,17 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from workers.kvstore.block_files import BlockFiles, BlockLayoutError, BlockMeta
 from workers.kvstore.block_hash import BlockHash
+from workers.kvstore.holders import HolderIndex, MemoryHolders
 from workers.kvstore.index import BlockEntry, BlockIndex
 from workers.kvstore.memory_index import MemoryIndex
+
+if TYPE_CHECKING:
+    import redis
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +165,30 @@ def open_index(url: str) -> BlockIndex:
         from workers.kvstore.remote_index import RemoteIndex
 
         return RemoteIndex(url)
+    client, prefix = _redis(url)
+    from workers.kvstore.redis_index import RedisIndex
+
+    return RedisIndex(client, prefix)
+
+
+def open_holders(url: str) -> HolderIndex:
+    """The SWA holder index (workers.kvstore.holders) beside the block index at `url` (open_index's
+    URL): its own in process ('memory'), the one the GC process serves beside its index (ipc://), or
+    on the same Redis under the index's prefix + ':swa'."""
+    if url == "memory":
+        return MemoryHolders()
+    if url.startswith("ipc://"):
+        from workers.kvstore.remote_holders import RemoteHolders
+
+        return RemoteHolders(url)
+    client, prefix = _redis(url)
+    from workers.kvstore.redis_holders import RedisHolders
+
+    return RedisHolders(client, f"{prefix}:swa")
+
+
+def _redis(url: str) -> "tuple[redis.Redis, str]":
+    """The Redis client and key prefix of an index URL."""
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss"):
         raise ValueError(f"unknown KV index URL {url!r}: expected {INDEX_URL_HELP}")
@@ -172,9 +201,7 @@ def open_index(url: str) -> BlockIndex:
     # Imported here: only a Redis index needs redis, which the engine's machines may lack.
     import redis
 
-    from workers.kvstore.redis_index import RedisIndex
-
-    return RedisIndex(redis.Redis.from_url(client_url), prefix)
+    return redis.Redis.from_url(client_url), prefix
 
 
 def open_store(directory: Path, index_url: str = "memory", *, fsync: bool = False) -> KVStore:

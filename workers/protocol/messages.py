@@ -564,3 +564,34 @@ class KVTransferReply(msgspec.Struct, tag="kv_reply", frozen=True, forbid_unknow
     request_id: str
     action: str  # REPLY_DONE: the pages were copied; REPLY_FRAMES: send them as frames; REPLY_FAILED
     error: str = ""  # why, for REPLY_FAILED and REPLY_FRAMES
+
+
+# --- SWA state fetch (a worker → the worker holding it; workers.transfer.swa_fetch) ---
+# A sliding-window group's KV is not stored globally: the worker that computed a block keeps its SWA
+# state in host memory (workers.engine.kv.swa_state) and registers itself as its holder
+# (workers.kvstore.holders). A worker that hits a prefix whose state another worker holds sends a
+# SwaStateRequest from a DEALER to the holder's SWA state ROUTER, which answers one multipart message:
+# [SwaStateReply, one frame per block of `found`, in that order]. A frame is the raw bytes of a C-order
+# little-endian run of `dtype` shaped `run_shape` ([layers, planes, heads, block tokens, width]:
+# KVCacheSpec.run_shape of the SWA group): never pickled. A block the holder no longer has is named in
+# `missing` at once; a receiver that gets no answer by its deadline takes every block as missing. The
+# reply names the holder's layout (KVCacheSpec.layout of its SWA group), and a receiver whose SWA group
+# is laid out otherwise refuses it.
+
+# Blocks one request may ask for: a window of a few thousand tokens is tens of blocks.
+MAX_SWA_STATE_KEYS = 256
+
+
+class SwaStateRequest(msgspec.Struct, tag="swa_state.request", frozen=True, forbid_unknown_fields=True):
+    fetch_id: int  # chosen by the requester, positive; its reply carries it
+    keys: list[bytes]  # block keys (workers.kvstore.block_hash), at most MAX_SWA_STATE_KEYS
+
+
+class SwaStateReply(msgspec.Struct, tag="swa_state.reply", frozen=True, forbid_unknown_fields=True):
+    fetch_id: int  # 0: the request could not be read
+    kv_layout: str = ""  # the holder's SWA group layout (KVCacheSpec.layout)
+    dtype: str = ""  # "float32", "bfloat16" or "float16"
+    run_shape: tuple[int, ...] = ()  # of every frame: [layers, planes, heads, block tokens, width]
+    found: list[bytes] = []  # keys whose runs follow, one frame each, in this order
+    missing: list[bytes] = []  # keys the holder does not hold (any more)
+    error: str = ""  # why the request was refused; then nothing else is set

@@ -179,7 +179,7 @@ class HandoffAssembler:
 def decode_lead(frame: Frame) -> KVTransferMessage:
     """A transfer message's first frame; KVTransferError when it is not one."""
     try:
-        return _decoder.decode(_buffer(frame))
+        return _decoder.decode(frame_buffer(frame))
     except msgspec.DecodeError as error:
         raise KVTransferError(f"unreadable header frame: {error}") from None
 
@@ -240,21 +240,31 @@ def _layer_frame(handoff: KVHandoff, index: int) -> np.ndarray:
             f"layer {index} is {layer.dtype} {tuple(layer.shape)}; the handoff says {handoff.kv_dtype} "
             f"{handoff.layer_shape}"
         )
-    # Bytes, not the dtype: numpy has no bfloat16.
-    return layer.to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+    return tensor_frame(layer.to("cpu"))
 
 
-def _buffer(frame: Frame) -> memoryview:
+def frame_buffer(frame: Frame) -> memoryview:
+    """The bytes of a received (or to be sent) frame, without a copy."""
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
 
 
-def _tensor(frame: Frame, state: _Partial, index: int) -> torch.Tensor:
-    buffer = _buffer(frame)
-    if buffer.nbytes != state.layer_bytes:
-        raise KVTransferError(f"layer {index} has {buffer.nbytes} bytes, expected {state.layer_bytes}")
+def frame_tensor(buffer: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` over a frame's bytes, whose length the caller checked."""
     data = np.frombuffer(buffer, dtype=np.uint8)
     # A read-only buffer (bytes) or one the dtype cannot be read from in place is copied; zmq.Frame
-    # buffers are writable and malloc-aligned, so received layers are views of the frames.
-    if not data.flags.writeable or data.ctypes.data % state.dtype.itemsize:
+    # buffers are writable and malloc-aligned, so received tensors are views of the frames.
+    if not data.flags.writeable or data.ctypes.data % dtype.itemsize:
         data = data.copy()
-    return torch.from_numpy(data).view(state.dtype).view(state.header.layer_shape)
+    return torch.from_numpy(data).view(dtype).view(tuple(shape))
+
+
+def tensor_frame(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes as a frame ZMQ sends zero-copy (bytes, not the dtype: numpy has no bfloat16)."""
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def _tensor(frame: Frame, state: _Partial, index: int) -> torch.Tensor:
+    buffer = frame_buffer(frame)
+    if buffer.nbytes != state.layer_bytes:
+        raise KVTransferError(f"layer {index} has {buffer.nbytes} bytes, expected {state.layer_bytes}")
+    return frame_tensor(buffer, state.dtype, state.header.layer_shape)
