@@ -102,6 +102,7 @@ def test_graph_safe_experts_agree_with_the_routed_ones():
         ({"num_experts_per_tok": 5}, r"num_experts_per_tok must be in \[1, 4\]"),
         ({"num_local_experts": 0}, "at least one expert"),
         ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config: mxfp4"),
+        ({"quantization_config": "fp8"}, "quantization_config: fp8"),
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "unsupported rope scaling type 'longrope'"),
     ],
 )

@@ -141,8 +141,9 @@ class GptOss(DecoderFamily):
     model_class = GptOssForCausalLM
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
-        if hf.get("quantization_config"):
-            method = hf["quantization_config"].get("quant_method", "?")
+        quantization = hf.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
             raise ModelLoadError(
                 f"quantized gpt-oss checkpoints (quantization_config: {method}) are not served; "
                 "use a dequantized (bf16) one"
