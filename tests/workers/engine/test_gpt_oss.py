@@ -2,6 +2,8 @@
 checkpoint directory: prefill logits on both torch backends, greedy generation through the engine
 (chunked prefill, a prefix-cache hit), and bad configs and checkpoints refused by name."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -51,26 +53,38 @@ def test_prefill_logits_match_hf(hf_checkpoint, backend):
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_generation_matches_hf_generate_with_chunks_and_a_prefix_hit(hf_checkpoint):
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        return hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+
+
+# The torch reference path, and the device path (Triton attention with sinks, fused ops; under
+# Triton's interpreter on the CPU).
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch_blockwise",
+        pytest.param("triton", marks=pytest.mark.skipif(not importlib.util.find_spec("triton"), reason="no triton")),
+    ],
+)
+def test_greedy_generation_matches_hf_generate_with_chunks_and_a_prefix_hit(hf_checkpoint, backend):
     hf_model, directory = hf_checkpoint
-    llm = LLM(directory, seed=0, kv_cache_bytes=1 << 24, max_num_batched_tokens=16)  # chunked prefill
+    llm = LLM(directory, seed=0, kv_cache_bytes=1 << 24, max_num_batched_tokens=16, attention_backend=backend)
     shared = list(range(40, 75))
     prompts = [shared + [3, 14], shared + [15, 92, 65]]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = llm.generate([prompts[0]], params)[0]
-    second = llm.generate([prompts[1]], params)[0]
+    second = llm.generate([prompts[1]], params)[0]  # chunked prefill of the prompts (16 tokens a step)
     assert second.num_cached_tokens == 32  # the shared prompt's two full pages of 16
-    for prompt, result in zip(prompts, [first, second], strict=True):
-        with torch.no_grad():
-            reference = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=20,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert result.token_ids == reference
+    assert first.token_ids == hf_greedy(hf_model, prompts[0], 8)
+    assert second.token_ids == hf_greedy(hf_model, prompts[1], 8)
 
 
 def test_graph_safe_experts_agree_with_the_routed_ones():
