@@ -1,5 +1,5 @@
 """Paged attention backends (see backend.AttentionBackend): each builds its own per-step metadata
-and is called as (query, k_cache, v_cache, metadata, scale=, window=)."""
+and is called as (query, k_cache, v_cache, metadata, scale=, window=, sinks=)."""
 
 import functools
 import importlib

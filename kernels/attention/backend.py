@@ -70,8 +70,10 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of each new token ([tokens, heads, head_dim]) over its sequence's cached keys."""
+        """Attention of each new token ([tokens, heads, head_dim]) over its sequence's cached keys.
+        `sinks` ([heads] logits, kernels.attention.sinks) join each row's softmax with no value."""
 
     def check_model(
         self, *, head_dim: int, dtype: torch.dtype, device: torch.device, value_dim: int | None = None
@@ -88,5 +90,6 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.forward(query, k_cache, v_cache, metadata, scale=scale, window=window)
+        return self.forward(query, k_cache, v_cache, metadata, scale=scale, window=window, sinks=sinks)

@@ -18,6 +18,7 @@ from kernels.attention import NULL_PAGE, AttentionMetadata  # noqa: E402
 from kernels.attention.torch_blockwise import paged_attention_blockwise  # noqa: E402
 from kernels.attention.triton import check_supported, paged_decode_attention, paged_prefill_attention  # noqa: E402
 from kernels.attention.triton.decode import SPLIT_KEYS, arrival_counters  # noqa: E402
+from kernels.attention.triton.prefill import KEY_TILE  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -45,8 +46,9 @@ def paged_cache(seq_lens, *, kv_heads, head_dim, page, dtype, seed=0, extra_colu
     return k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), block_tables.to(DEVICE), tables
 
 
-def reference(q, k_cache, v_cache, tables, query_lens, seq_lens, *, scale, window):
-    """float64 attention of each sequence's new tokens over its keys, gathered page by page."""
+def reference(q, k_cache, v_cache, tables, query_lens, seq_lens, *, scale, window, sinks=None):
+    """float64 attention of each sequence's new tokens over its keys, gathered page by page; each
+    head's sink logit, if any, joins the softmax with no value."""
     kv_heads, _, page, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
     q, k_cache, v_cache = q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double()
@@ -64,7 +66,11 @@ def reference(q, k_cache, v_cache, tables, query_lens, seq_lens, *, scale, windo
             visible = key_pos <= query_pos
             if window is not None:
                 visible &= key_pos > query_pos - window
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sinks is not None:
+                sink_column = sinks.cpu().double()[:, None, None].expand(-1, q_len, 1)
+                scores = torch.cat([scores, sink_column], dim=-1)
+            probs = scores.softmax(dim=-1)[..., :s_len]
             rows.append(torch.einsum("htk,hkd->thd", probs, v))
         start += q_len
     return torch.cat(rows)
@@ -75,7 +81,7 @@ def assert_matches(out, expected, dtype):
     torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def run_decode(seq_lens, *, heads, kv_heads, head_dim, page, dtype, window, seed=0, extra_columns=0):
+def run_decode(seq_lens, *, heads, kv_heads, head_dim, page, dtype, window, seed=0, extra_columns=0, sinks=None):
     k_cache, v_cache, block_tables, tables = paged_cache(
         seq_lens, kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=dtype, seed=seed, extra_columns=extra_columns
     )
@@ -83,14 +89,16 @@ def run_decode(seq_lens, *, heads, kv_heads, head_dim, page, dtype, window, seed
     q = q.to(DEVICE, dtype)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale=scale, window=window)
-    expected = reference(q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, scale=scale, window=window)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens_t, scale=scale, window=window, sinks=sinks)
+    expected = reference(
+        q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, scale=scale, window=window, sinks=sinks
+    )
     assert out.dtype == dtype and out.shape == q.shape
     assert_matches(out, expected, dtype)
     return out
 
 
-def run_prefill(seqs, *, heads, kv_heads, head_dim, page, dtype, window, seed=0):
+def run_prefill(seqs, *, heads, kv_heads, head_dim, page, dtype, window, seed=0, sinks=None):
     query_lens, seq_lens = [q for q, _ in seqs], [s for _, s in seqs]
     k_cache, v_cache, block_tables, tables = paged_cache(
         seq_lens, kv_heads=kv_heads, head_dim=head_dim, page=page, dtype=dtype, seed=seed
@@ -109,8 +117,9 @@ def run_prefill(seqs, *, heads, kv_heads, head_dim, page, dtype, window, seed=0)
         max_query_len=max(query_lens),
         scale=scale,
         window=window,
+        sinks=sinks,
     )
-    expected = reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale=scale, window=window)
+    expected = reference(q, k_cache, v_cache, tables, query_lens, seq_lens, scale=scale, window=window, sinks=sinks)
     assert out.dtype == dtype and out.shape == q.shape
     assert_matches(out, expected, dtype)
 
@@ -126,6 +135,126 @@ PREFILL_SEQS = [(5, 300), (40, 40), (3, 16), (70, 90), (1, 37), (12, 12)]
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (6, 2, 5), (2, 2, 300)])
 def test_decode_matches_reference(heads, kv_heads, window):
     run_decode(DECODE_LENS, heads=heads, kv_heads=kv_heads, head_dim=32, page=8, dtype=torch.float32, window=window)
+
+
+def head_sinks(heads, seed=11):
+    """Sink logits on the scale of the scores (some above, some below), on the device."""
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2).to(DEVICE)
+
+
+# A padding row (zeros with a sink too), several splits, a window that starts past the first split.
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (6, 2, SPLIT_KEYS + 5), (2, 2, 7)])
+def test_decode_with_sinks_matches_reference(heads, kv_heads, window):
+    out = run_decode(
+        DECODE_LENS,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=32,
+        page=8,
+        dtype=torch.float32,
+        window=window,
+        sinks=head_sinks(heads),
+    )
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (6, 2, 7)])
+def test_prefill_with_sinks_matches_reference(heads, kv_heads, window):
+    run_prefill(
+        PREFILL_SEQS,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=32,
+        page=8,
+        dtype=torch.float32,
+        window=window,
+        sinks=head_sinks(heads),
+    )
+
+
+def test_sinks_in_half_precision_and_of_the_model_dtype():
+    """bf16 sinks (a bf16 model's parameter) are read as float32 logits."""
+    sinks = head_sinks(6).bfloat16()
+    run_decode(
+        [1, 17, SPLIT_KEYS + 1],
+        heads=6,
+        kv_heads=2,
+        head_dim=64,
+        page=16,
+        dtype=torch.bfloat16,
+        window=None,
+        sinks=sinks,
+    )
+    run_prefill(
+        [(5, 70), (30, 30)], heads=6, kv_heads=2, head_dim=64, page=16, dtype=torch.bfloat16, window=50, sinks=sinks
+    )
+
+
+def test_sinks_are_checked():
+    q, k_cache, v_cache, block_tables, lens = decode_inputs()
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale=0.25, sinks=torch.zeros(2, device=DEVICE))
+    start = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="float"):
+        paged_prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            start,
+            lens,
+            max_query_len=1,
+            scale=0.25,
+            sinks=torch.zeros(4, dtype=torch.int32, device=DEVICE),
+        )
+
+
+def test_prefill_skips_key_tiles_before_the_window():
+    """Key tiles wholly before a query tile's earliest window are never loaded: their values are
+    NaN here, and a kernel that only masked them would multiply a zero weight by NaN."""
+    seq_len, window = 200, 40
+    k_cache, v_cache, block_tables, tables = paged_cache(
+        [seq_len], kv_heads=2, head_dim=32, page=8, dtype=torch.float32
+    )
+    first_tile = (seq_len - 4 - window + 1) // KEY_TILE * KEY_TILE  # the tile holding the earliest visible key
+    assert first_tile >= 2 * KEY_TILE
+    for page in tables[0][: first_tile // 8]:
+        k_cache[:, page] = float("nan")
+        v_cache[:, page] = float("nan")
+    q = torch.randn(4, 4, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.tensor([0, 4], dtype=torch.int32, device=DEVICE),
+        torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+        max_query_len=4,
+        scale=0.2,
+        window=window,
+    )
+    expected = reference(
+        q, k_cache.nan_to_num(), v_cache.nan_to_num(), tables, [4], [seq_len], scale=0.2, window=window
+    )
+    assert_matches(out, expected, torch.float32)
+
+
+def test_decode_never_loads_keys_before_the_window():
+    """Decode skips whole splits before the window and masks its loads, so NaN there never shows."""
+    seq_len, window = 3 * SPLIT_KEYS, 20
+    k_cache, v_cache, block_tables, tables = paged_cache(
+        [seq_len], kv_heads=2, head_dim=32, page=8, dtype=torch.float32
+    )
+    for page in tables[0][: (seq_len - window) // 8]:
+        k_cache[:, page] = float("nan")
+        v_cache[:, page] = float("nan")
+    q = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale=0.2, window=window)
+    expected = reference(
+        q, k_cache.nan_to_num(), v_cache.nan_to_num(), tables, [1], [seq_len], scale=0.2, window=window
+    )
+    assert_matches(out, expected, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -346,3 +475,13 @@ def test_gpu_decode_replays_in_a_cuda_graph():
         expected = reference(q, k_cache, v_cache, tables, [1] * len(lens), shorter, scale=0.125, window=None)
         assert_matches(out, expected, torch.bfloat16)
         assert (arrival_counters(q.device, 1) == 0).all()
+
+
+def test_mla_path_refuses_sinks():
+    """A value cache narrower than the keys is MLA's latent, whose kernels have no sinks."""
+    from kernels.attention.triton.backend import TritonBackend
+
+    latent = torch.zeros(1, 4, 16, 48, device=DEVICE)
+    q = torch.zeros(2, 4, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="MLA kernels have no attention sinks"):
+        TritonBackend()(q, latent, latent[..., :32], None, scale=0.1, sinks=torch.zeros(4, device=DEVICE))

@@ -11,7 +11,7 @@ from workers.cost_model import PrefillCostModel
 from workers.engine.dtypes import torch_dtype
 from workers.protocol.errors import ModelLoadError
 
-ROUTINGS = ("softmax", "grouped_sigmoid", "grouped_softmax")
+ROUTINGS = ("softmax", "grouped_sigmoid", "grouped_softmax", "topk_softmax")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,7 @@ class MoeConfig:
     # top-k within the best topk_groups of num_groups groups, chosen with e_score_correction_bias.
     # "grouped_softmax": DeepSeek-V2's softmax scores, top-k within the best topk_groups of num_groups
     # groups, each scored by its best expert (one group: plain top-k), times routed_scaling_factor.
+    # "topk_softmax": gpt-oss's softmax over the top-k logits of a router with a bias.
     routing: str
     norm_topk_prob: bool
     # Per layer: whether its feed-forward is the routed experts (else the dense MLP).
@@ -52,6 +53,10 @@ class MoeConfig:
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0  # of the shared expert(s), 0 for none
     shared_expert_gate: bool = False  # Qwen2-MoE scales the shared expert by sigmoid(gate(x))
+    # gpt-oss's experts (with biases): the gate clamped above and the up projection to ±swiglu_limit,
+    # then gate * sigmoid(swiglu_alpha * gate) * (up + 1). None: SiLU(gate) * up, no biases.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def validate(self) -> None:
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -73,6 +78,10 @@ class MoeConfig:
             raise ModelLoadError("norm_topk_prob is not supported with DeepSeek-V2 routing")
         if self.shared_intermediate_size < 0:
             raise ModelLoadError(f"the shared expert's size must not be negative, got {self.shared_intermediate_size}")
+        if self.swiglu_limit is not None and not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
+            raise ModelLoadError(f"swiglu_limit must be a positive number, got {self.swiglu_limit}")
+        if not math.isfinite(self.swiglu_alpha):
+            raise ModelLoadError(f"swiglu_alpha must be a finite number, got {self.swiglu_alpha}")
 
     def _validate_groups(self) -> None:
         if self.num_groups < 1 or self.num_experts % self.num_groups:

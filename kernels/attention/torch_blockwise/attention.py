@@ -11,6 +11,8 @@ not depend on the batch:
   taken against it;
 - the blocks' partial sums are added one after another (cumsum), so all-masked blocks that only
   other sequences need, before or after a row's keys, add exact zeros.
+Attention sinks (kernels.attention.sinks) join the row maximum and, after the blocks' sequential
+sum, the denominator: the same arithmetic for a row whatever the batch.
 Small problems (decode) run as a fixed number of batched ops however many blocks there are; large
 ones (prefill) loop over the blocks with the very same arithmetic. Long queries are attended in
 row chunks to bound memory; rows are independent, so chunking changes no bit.
@@ -18,6 +20,7 @@ row chunks to bound memory; rows are independent, so chunking changes no bit.
 
 import torch
 
+from kernels.attention.sinks import check_sinks
 from kernels.attention.torch_common.metadata import (
     AttentionMetadata,
     SequenceGroup,
@@ -42,9 +45,11 @@ def paged_attention_blockwise(
     *,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached keys: [tokens, heads, head_dim]."""
     check_paged_inputs(query, k_cache, v_cache, metadata)
+    check_sinks(sinks, heads=query.shape[1], device=query.device)
     if KEY_BLOCK % k_cache.shape[2]:
         raise ValueError(f"page size {k_cache.shape[2]} must divide the key block {KEY_BLOCK}")
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
@@ -57,6 +62,7 @@ def paged_attention_blockwise(
         keys = gather_pages(k_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, head_dim)
         values = gather_pages(v_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, v_cache.shape[3])
         hidden = _hidden_keys(group, layout, window)
+        row_sinks = None if sinks is None else _row_sinks(sinks.to(query.dtype), kv_heads, layout)
         result = torch.cat(
             [
                 _attend_rows(
@@ -64,6 +70,7 @@ def paged_attention_blockwise(
                     keys,
                     values,
                     hidden[..., rows, :],
+                    None if row_sinks is None else row_sinks[..., rows, :],
                     group.scratch,
                     ("blocks", layout.rows, window, rows.start),
                 )
@@ -75,20 +82,34 @@ def paged_attention_blockwise(
     return out
 
 
+def _row_sinks(sinks: torch.Tensor, kv_heads: int, layout: RowLayout) -> torch.Tensor:
+    """[kv, 1, 1, rows, 1]: each row's sink, that of its query head (rows are (token, head) pairs,
+    token-major; padding rows take whatever head their index falls on, and are discarded)."""
+    head_in_group = torch.arange(layout.rows, device=sinks.device) % layout.per_kv
+    return sinks.view(kv_heads, layout.per_kv)[:, head_in_group].view(kv_heads, 1, 1, layout.rows, 1)
+
+
 def _attend_rows(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, scratch: dict, cache_key: tuple
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    hidden: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scratch: dict,
+    cache_key: tuple,
 ) -> torch.Tensor:
-    """q [kv, n, 1, r, d] over keys/values [kv, n, blocks, KEY_BLOCK, d] → [kv, n, r, d].
+    """q [kv, n, 1, r, d] over keys/values [kv, n, blocks, KEY_BLOCK, d] → [kv, n, r, d]; sinks
+    [kv, 1, 1, r, 1] or None.
 
     Both strategies below do the same arithmetic on every element in the same order, so they
     give the same bits; the choice only trades op count against memory.
     """
     kv, n, blocks, _, head_dim = keys.shape
     if kv * n * blocks * q.shape[3] * (KEY_BLOCK + head_dim) <= BATCHED_ELEMENTS:
-        return _attend_all_blocks_at_once(q, keys, values, hidden)
+        return _attend_all_blocks_at_once(q, keys, values, hidden, sinks)
     if cache_key not in scratch:
         scratch[cache_key] = _block_visibility(hidden)
-    return _attend_block_by_block(q, keys, values, hidden, scratch[cache_key])
+    return _attend_block_by_block(q, keys, values, hidden, sinks, scratch[cache_key])
 
 
 def _block_visibility(hidden: torch.Tensor) -> list[tuple[int, bool]]:
@@ -104,14 +125,21 @@ def _block_visibility(hidden: torch.Tensor) -> list[tuple[int, bool]]:
 
 
 def _attend_all_blocks_at_once(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     scores = torch.matmul(q, keys.transpose(-1, -2)).masked_fill_(hidden, float("-inf"))  # [kv, n, b, r, K]
-    probs = torch.exp(scores - _finite(scores.amax(dim=(2, 4), keepdim=True)))
+    row_max = scores.amax(dim=(2, 4), keepdim=True)  # [kv, n, 1, r, 1]
+    if sinks is not None:
+        row_max = torch.maximum(row_max, sinks)
+    shift = _finite(row_max)
+    probs = torch.exp(scores - shift)
     partial_sums = probs.sum(dim=-1, keepdim=True)  # [kv, n, b, r, 1]
     partial_outputs = torch.matmul(probs, values)  # [kv, n, b, r, d]
     # cumsum adds the blocks in order, one at a time: the last entry is their sequential sum.
-    return partial_outputs.cumsum(dim=2)[:, :, -1] / partial_sums.cumsum(dim=2)[:, :, -1]
+    total_sum = partial_sums.cumsum(dim=2)[:, :, -1]
+    if sinks is not None:
+        total_sum = total_sum + torch.exp(sinks - shift)[:, :, 0]
+    return partial_outputs.cumsum(dim=2)[:, :, -1] / total_sum
 
 
 def _attend_block_by_block(
@@ -119,6 +147,7 @@ def _attend_block_by_block(
     keys: torch.Tensor,
     values: torch.Tensor,
     hidden: torch.Tensor,
+    sinks: torch.Tensor | None,
     visibility: list[tuple[int, bool]],
 ) -> torch.Tensor:
     """Two passes over the visible blocks: their scores and the row maximum, then the sums."""
@@ -131,6 +160,9 @@ def _attend_block_by_block(
     row_max = scores[0].amax(dim=-1, keepdim=True)
     for block in scores[1:]:
         row_max = torch.maximum(row_max, block.amax(dim=-1, keepdim=True))
+    if sinks is not None:
+        sinks = sinks.squeeze(2)  # [kv, 1, r, 1]
+        row_max = torch.maximum(row_max, sinks)
     shift = _finite(row_max)
     total_sum = total_output = None
     for block, b in zip(scores, live, strict=True):
@@ -138,6 +170,8 @@ def _attend_block_by_block(
         partial_sum, partial_output = probs.sum(dim=-1, keepdim=True), torch.matmul(probs, values[:, :, b])
         total_sum = partial_sum if total_sum is None else total_sum + partial_sum
         total_output = partial_output if total_output is None else total_output + partial_output
+    if sinks is not None:
+        total_sum = total_sum + torch.exp(sinks - shift)
     return total_output / total_sum
 
 

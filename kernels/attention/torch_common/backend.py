@@ -31,5 +31,6 @@ class TorchBackend(AttentionBackend):
         *,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return type(self).attend(query, k_cache, v_cache, metadata, scale=scale, window=window)
+        return type(self).attend(query, k_cache, v_cache, metadata, scale=scale, window=window, sinks=sinks)

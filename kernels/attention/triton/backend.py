@@ -49,12 +49,22 @@ class TritonBackend(AttentionBackend):
         *,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if v_cache.shape[-1] != k_cache.shape[-1]:
+            if sinks is not None:
+                raise ValueError("the triton MLA kernels have no attention sinks")
             return self._forward_mla(query, k_cache, v_cache, metadata, scale=scale, window=window)
         if metadata.decode_only:
             return paged_decode_attention(
-                query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale=scale, window=window
+                query,
+                k_cache,
+                v_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                scale=scale,
+                window=window,
+                sinks=sinks,
             )
         return paged_prefill_attention(
             query,
@@ -66,6 +76,7 @@ class TritonBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
             scale=scale,
             window=window,
+            sinks=sinks,
         )
 
     def _forward_mla(

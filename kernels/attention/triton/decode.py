@@ -14,6 +14,9 @@ are zero again whenever no launch is running: the kernel replays from a CUDA gra
 are a persistent per-device workspace shared by every layer, whose launches are stream-ordered;
 two streams must not run this kernel at once on one device.
 
+Attention sinks (kernels.attention.sinks, one logit per query head) join once, in the merge: the
+sink's logit is one more log-sum-exp with a zero output.
+
 A group of two or more heads multiplies with tl.dot, its rows padded to 16; a lone head (no GQA)
 with a broadcast multiply-sum. With a window, key tiles before the query's window are skipped and
 the boundary tile is masked.
@@ -25,13 +28,15 @@ positions and the merge visits only the splits that hold visible keys, always in
 so a row's result does not depend on how wide the batch's block table is nor on which program
 arrives last.
 
-The input checks shared with the prefill wrapper (`check_supported`, `check_paged_inputs`) live
-here too.
+The input checks shared with the prefill wrapper (`check_supported`, `check_paged_inputs`,
+`sinks_log2`) live here too.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention.sinks import check_sinks
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -124,6 +129,13 @@ def check_paged_inputs(
         )
 
 
+def sinks_log2(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The sinks checked against q ([rows, heads, head_dim]) and put in the kernels' base-2 units,
+    float32: a new [heads] tensor (a few bytes per layer and step)."""
+    check_sinks(sinks, heads=q.shape[1], device=q.device)
+    return None if sinks is None else sinks.float() * LOG2_E
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -133,6 +145,7 @@ def paged_decode_attention(
     *,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     split_keys: int = SPLIT_KEYS,
 ) -> torch.Tensor:
@@ -140,10 +153,12 @@ def paged_decode_attention(
 
     q: [B, heads, head_dim], the query at position seq_lens[b] - 1 (its K/V already in the cache);
     k_cache, v_cache: [kv_heads, pages, page_size, head_dim]; block_tables: [B, max_pages] int32;
-    seq_lens: [B] int32, 0 for a padding row (its output is zeros); split_keys: keys per split, a
-    multiple of the key tile (a row's result depends on it, so one engine keeps one value).
+    seq_lens: [B] int32, 0 for a padding row (its output is zeros); sinks: [heads] logits or None;
+    split_keys: keys per split, a multiple of the key tile (a row's result depends on it, so one
+    engine keeps one value).
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    sinks = sinks_log2(sinks, q)
     if split_keys < 1 or split_keys % key_tile(q.shape[2]):
         raise ValueError(f"split_keys must be a positive multiple of {key_tile(q.shape[2])}, got {split_keys}")
     if q.shape[0] != block_tables.shape[0]:
@@ -171,6 +186,7 @@ def paged_decode_attention(
         part_lse,
         arrival_counters(q.device, batch * kv_heads),
         out,
+        q if sinks is None else sinks,  # never read without sinks
         scale * LOG2_E,
         window or 0,
         max_pages,
@@ -190,6 +206,7 @@ def paged_decode_attention(
         SPLIT_KEYS=split_keys,
         USE_WINDOW=window is not None,
         USE_DOT=use_dot,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -226,6 +243,7 @@ def _decode_kernel(
     part_lse_ptr,
     arrivals_ptr,
     out_ptr,
+    sinks_ptr,  # [heads] fp32 sink logits * log2(e), read only with HAS_SINKS
     scale_log2,  # softmax scale * log2(e): scores go through exp2
     window,
     max_pages,
@@ -245,6 +263,7 @@ def _decode_kernel(
     SPLIT_KEYS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -303,10 +322,12 @@ def _decode_kernel(
             first_split,
             end_split,
             out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            sinks_ptr + heads,
             row_ok,
             dims,
             BLOCK_H,
             HEAD_DIM,
+            HAS_SINKS,
         )
 
 
@@ -382,21 +403,28 @@ def _merge_splits(
     first_split,
     end_split,
     out_ptrs,
+    sink_ptrs,
     row_ok,
     dims,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """The group's output from its splits [first_split, end_split), merged in split order. Loads
-    bypass L1 (.cg): the partials were written by other programs, possibly on other SMs."""
-    lse_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    """The group's output from its splits [first_split, end_split), merged in split order, with the
+    rows' sinks as one more split of zero output. Loads bypass L1 (.cg): the partials were written
+    by other programs, possibly on other SMs."""
+    if HAS_SINKS:
+        sink = tl.load(sink_ptrs, mask=row_ok, other=float("-inf"))
+    else:
+        sink = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lse_max = sink
     for s in range(first_split, end_split):
         lse = tl.load(part_lse_ptr + part + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         lse_max = tl.maximum(lse_max, lse)
     shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # a padding row: every weight is zero
 
     total = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    weight_sum = tl.zeros([BLOCK_H], tl.float32)
+    weight_sum = tl.exp2(sink - shift)  # 0 without a sink
     for s in range(first_split, end_split):
         lse = tl.load(part_lse_ptr + part + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         weight = tl.exp2(lse - shift)

@@ -270,10 +270,12 @@ def _mla_decode_kernel(
             0,
             end_split,
             out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + v_dims[None, :],
+            part_lse_ptr,  # no sinks: never read
             row_ok,
             v_dims,
             BLOCK_H,
             V_DIM,
+            False,
         )
 
 

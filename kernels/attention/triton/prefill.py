@@ -7,15 +7,16 @@ are (token, head of the kv head's GQA group) pairs, BLOCK_Q = BLOCK_M // group t
 BLOCK_M % group rows idle), so each K/V tile is loaded once for the whole group. It walks key
 tiles of BLOCK_N from the first key the tile's earliest token may see (0, or the start of its
 window: earlier tiles are skipped) to the tile's last token, masking per row for causality and
-the window, with an online softmax in fp32. Grid: (cdiv(max_query_len, BLOCK_Q), B, kv_heads);
-tiles past a sequence's new tokens return at once.
+the window, with an online softmax in fp32 whose running maximum starts at the row's attention
+sink (kernels.attention.sinks) and its running sum at 1, where a model has sinks.
+Grid: (cdiv(max_query_len, BLOCK_Q), B, kv_heads); tiles past a sequence's new tokens return at once.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.triton.decode import DOT_PRECISION, LOG2_E, check_paged_inputs
+from kernels.attention.triton.decode import DOT_PRECISION, LOG2_E, check_paged_inputs, sinks_log2
 
 KEY_TILE = 32  # keys per K/V tile (see decode.key_tile on how block sizes were chosen)
 
@@ -31,6 +32,7 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached keys: [T, heads, head_dim] in q.dtype.
@@ -38,10 +40,11 @@ def paged_prefill_attention(
     q: [T, heads, head_dim], the new tokens of all sequences concatenated; sequence b owns rows
     query_start[b]:query_start[b + 1] ([B + 1] int32) and its i-th new token sits at position
     seq_lens[b] - q_len_b + i. seq_lens: [B] int32, cached + new tokens. max_query_len: the
-    longest q_len_b (sizes the grid only; longer sequences would be cut short). Rows past
-    query_start[B] are left as they are in `out` (zeros when `out` is None).
+    longest q_len_b (sizes the grid only; longer sequences would be cut short). sinks: [heads]
+    logits or None. Rows past query_start[B] are left as they are in `out` (zeros when `out` is None).
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    sinks = sinks_log2(sinks, q)
     if query_start.dtype != torch.int32:
         raise ValueError(f"query_start must be int32, got {query_start.dtype}")
     if query_start.shape != (block_tables.shape[0] + 1,) or query_start.device != q.device:
@@ -70,6 +73,7 @@ def paged_prefill_attention(
         query_start,
         seq_lens,
         out,
+        q if sinks is None else sinks,  # never read without sinks
         scale * LOG2_E,
         window or 0,
         max_pages,
@@ -87,6 +91,7 @@ def paged_prefill_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=KEY_TILE,
         USE_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -100,6 +105,7 @@ def _prefill_kernel(
     query_start_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,  # [heads] fp32 sink logits * log2(e), read only with HAS_SINKS
     scale_log2,  # softmax scale * log2(e): scores go through exp2
     window,
     max_pages,
@@ -117,6 +123,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -153,8 +160,13 @@ def _prefill_kernel(
         first_visible = tl.maximum(context_len + first_token - window + 1, 0)
         start = first_visible // BLOCK_N * BLOCK_N  # prune tiles before the earliest token's window
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink is the first "key" seen: exp2(sink - sink) = 1 in the sum, nothing in acc.
+        row_max = tl.load(sinks_ptr + heads, mask=row_ok, other=float("-inf"))
+        row_sum = tl.where(row_max > float("-inf"), 1.0, 0.0)
+    else:
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for tile_start in range(start, num_keys, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)

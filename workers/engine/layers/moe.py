@@ -4,7 +4,8 @@ experts run them, and optional shared experts see every token.
 The three parts are separate modules so each can be replaced without touching the model code:
 - a router: `forward(hidden [T, H]) -> (topk_ids int64 [T, k] logical expert ids, topk_weights
   float32 [T, k])`; `SoftmaxTopKRouter` (Qwen2-MoE, Qwen3-MoE), `GroupedSigmoidRouter`
-  (DeepSeek-V3 routing) and `GroupedSoftmaxRouter` (DeepSeek-V2 routing);
+  (DeepSeek-V3 routing), `GroupedSoftmaxRouter` (DeepSeek-V2 routing) and `TopKSoftmaxRouter`
+  (gpt-oss);
 - the experts: `forward(hidden, topk_ids, topk_weights) -> [T, H]`; `RoutedExperts` holds all E
   experts of a layer in one process (slot = expert id), an expert-parallel module holds some of them;
   either loads a checkpoint's per-expert tensors through `load_expert_weight`;
@@ -117,6 +118,21 @@ class GroupedSoftmaxRouter(nn.Module):
         return ids, scores.gather(1, ids) * self.routed_scaling_factor
 
 
+class TopKSoftmaxRouter(nn.Module):
+    """The k largest logits of a linear router with a bias, weighted by their softmax (gpt-oss): the
+    same experts and weights as a renormalised top-k of softmax over all of them, in HF's op order."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts))
+        self.top_k = top_k
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, ids = F.linear(hidden, self.weight, self.bias).topk(self.top_k, dim=-1)
+        return ids, values.softmax(dim=-1, dtype=torch.float32)
+
+
 def within_best_groups(choice: torch.Tensor, group_scores: torch.Tensor, topk_groups: int) -> torch.Tensor:
     """`choice` [T, E] with every expert outside a token's topk_groups best groups (by `group_scores`
     [T, G], the experts split into G equal groups in order) at -inf."""
@@ -149,6 +165,8 @@ def build_router(moe: MoeConfig, hidden_size: int) -> nn.Module:
             topk_groups=moe.topk_groups,
             routed_scaling_factor=moe.routed_scaling_factor,
         )
+    if moe.routing == "topk_softmax":
+        return TopKSoftmaxRouter(hidden_size, moe.num_experts, moe.top_k)
     raise ModelLoadError(f"unknown MoE routing {moe.routing!r}; known: {', '.join(ROUTINGS)}")
 
 

@@ -17,7 +17,7 @@ a decode layer is about ten kernels.
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Per query head, a logit in the softmax with no value (gpt-oss); None for none.
+        self.sinks: nn.Parameter | None = None
 
     def forward(
         self,
@@ -92,7 +94,7 @@ class Attention(nn.Module):
             # Queries and keys rotate together: one set of ops instead of two.
             q, k = apply_rotary(qk, *angles).split([self.num_heads, self.num_kv_heads], dim=1)
             write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = backend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window)
+        out = backend(q, k_cache, v_cache, metadata, scale=self.scale, window=self.window, sinks=self.sinks)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -128,9 +130,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAAttention(config) if config.mla else Attention(config, config.layer_windows[layer])
+        self.self_attn = self.build_attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = feed_forward(config, layer)
+        self.mlp = self.build_feed_forward(config, layer)
+
+    def build_attention(self, config: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s attention; a family whose attention differs overrides it."""
+        return MLAAttention(config) if config.mla else Attention(config, config.layer_windows[layer])
+
+    def build_feed_forward(self, config: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s feed-forward; a family whose experts differ overrides it."""
+        return feed_forward(config, layer)
 
     def forward(
         self,
@@ -171,13 +181,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary_width = config.mla.qk_rope_head_dim if config.mla else config.head_dim
         self.rotary = RotaryEmbedding(config.rope, rotary_width, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, layer) for layer in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -260,10 +272,13 @@ class DecoderForCausalLM(nn.Module):
             with torch.no_grad():
                 rows.copy_(tensor.to(param.dtype))
             loaded.add(hf_name)
-        expected = _expected_hf_names(self.config)
-        missing = sorted(expected - loaded)
+        missing = sorted(self.expected_hf_names() - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def expected_hf_names(self) -> set[str]:
+        """The checkpoint tensors this model needs, by their Hugging Face names."""
+        return _expected_hf_names(self.config)
 
     def _unserved(self, hf_name: str) -> bool:
         """A tensor of a layer the checkpoint holds past the served ones (ModelConfig.unserved_layers)."""

@@ -6,6 +6,7 @@ from workers.engine.config import ModelConfig
 from workers.engine.models.deepseek import DeepseekV2, DeepseekV3
 from workers.engine.models.dots1 import Dots1
 from workers.engine.models.family import DecoderFamily
+from workers.engine.models.gpt_oss import GptOss
 from workers.engine.models.llama import Llama
 from workers.engine.models.qwen2 import Qwen2
 from workers.engine.models.qwen3 import Qwen3
@@ -21,6 +22,7 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
     "Dots1ForCausalLM": Dots1(),
     "DeepseekV2ForCausalLM": DeepseekV2(),
     "DeepseekV3ForCausalLM": DeepseekV3(),
+    "GptOssForCausalLM": GptOss(),
 }
 
 
