@@ -6,7 +6,9 @@ from workers.engine.config import ModelConfig
 from workers.engine.models.deepseek import DeepseekV2, DeepseekV3
 from workers.engine.models.dots1 import Dots1
 from workers.engine.models.family import DecoderFamily
+from workers.engine.models.gemma3 import Gemma3
 from workers.engine.models.llama import Llama
+from workers.engine.models.mistral import Mistral
 from workers.engine.models.qwen2 import Qwen2
 from workers.engine.models.qwen3 import Qwen3
 from workers.engine.models.qwen_moe import Qwen2Moe, Qwen3Moe
@@ -21,6 +23,8 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
     "Dots1ForCausalLM": Dots1(),
     "DeepseekV2ForCausalLM": DeepseekV2(),
     "DeepseekV3ForCausalLM": DeepseekV3(),
+    "Gemma3ForCausalLM": Gemma3(),
+    "MistralForCausalLM": Mistral(),
 }
 
 
