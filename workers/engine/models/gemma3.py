@@ -12,7 +12,7 @@ Gemma 3 has no fused-ops path: on CUDA it runs the torch reference ops (use_fuse
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -51,10 +51,10 @@ SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 class Gemma3Config(ModelConfig):
     """The decoder shape with what only Gemma 3 has; `rope` is the global layers' rope."""
 
-    sliding_rope: RopeConfig = RopeConfig(theta=10_000.0)
-    attention_scale: float = 256**-0.5
-    gelu_approximation: str = "tanh"
-    final_logit_softcapping: float | None = None
+    sliding_rope: RopeConfig = field(kw_only=True)
+    attention_scale: float = field(kw_only=True)  # query_pre_attn_scalar ** -0.5
+    gelu_approximation: str = field(kw_only=True)  # torch's name: "tanh" or "none"
+    final_logit_softcapping: float | None = field(kw_only=True)
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -192,7 +192,7 @@ class Gemma3(DecoderFamily):
         # DecoderFamily reads the global layers' rope, alone, from rope_parameters.
         base = super().model_config({**hf, "rope_scaling": None, "rope_parameters": full_rope})
         return Gemma3Config(
-            **{field.name: getattr(base, field.name) for field in fields(ModelConfig)},
+            **{shared.name: getattr(base, shared.name) for shared in fields(ModelConfig)},
             sliding_rope=sliding_rope,
             attention_scale=_positive(hf, "query_pre_attn_scalar") ** -0.5,
             gelu_approximation=GELU_APPROXIMATIONS[hf["hidden_activation"]],
@@ -255,11 +255,11 @@ def _rope_by_layer_type(hf: dict[str, Any]) -> tuple[dict[str, Any], RopeConfig]
     return full, RopeConfig(theta=theta)
 
 
-def _positive(hf: dict[str, Any], field: str) -> float:
+def _positive(hf: dict[str, Any], name: str) -> float:
     try:
-        value = float(hf[field])
+        value = float(hf[name])
     except (TypeError, ValueError):
-        raise ModelLoadError(f"{field} must be a number, got {hf[field]!r}") from None
+        raise ModelLoadError(f"{name} must be a number, got {hf[name]!r}") from None
     if not value > 0:
-        raise ModelLoadError(f"{field} must be positive, got {hf[field]!r}")
+        raise ModelLoadError(f"{name} must be positive, got {hf[name]!r}")
     return value
