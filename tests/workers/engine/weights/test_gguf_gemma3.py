@@ -15,6 +15,7 @@ from workers.engine import LLM, SamplingParams
 from workers.engine.models.registry import model_config
 from workers.engine.weights import resolve_model
 from workers.engine.weights.gguf_convert import convert_gguf
+from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.tokenizer import Tokenizer
 
 
@@ -101,3 +102,5 @@ def test_sentencepiece_tokenizer_reads_back_through_the_engine_tokenizer(tiny: T
     assert tokenizer.decode(encoded) == "the a  é\n<start_of_turn>"
     assert b"".join(tokenizer.token_bytes(token_id) for token_id in encoded[1:7]).decode() == "the a  é"
     assert tokenizer.eos_token_ids == {ids["<eos>"], ids["<end_of_turn>"]}
+    streamed = IncrementalDetokenizer(tokenizer)
+    assert [streamed.push([token_id]) for token_id in encoded[1:8]] == ["th", "e", " a", "  ", "", "é", "\n"]
