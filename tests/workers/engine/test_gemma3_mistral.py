@@ -148,3 +148,23 @@ def test_a_mistral_config_without_sliding_window_gets_transformers_default_windo
     del config["sliding_window"]
     assert model_config(config).layer_windows == (4096,) * 3
     assert model_config({**config, "sliding_window": None}).layer_windows == (None,) * 3
+
+
+def test_gemma3_runs_the_reference_ops_when_asked_for_fused_ones(caplog: pytest.LogCaptureFixture):
+    model = family_of(GEMMA3).model_class(model_config(GEMMA3), max_positions=64)
+
+    model.use_fused_ops(True)
+
+    assert model.fused_ops is False
+    assert "Gemma 3 has no fused-ops path" in caplog.text
+
+
+def test_gemma3_random_weights_start_its_offset_norms_at_identity():
+    model = family_of(GEMMA3).model_class(model_config(GEMMA3), max_positions=64)
+
+    model.init_random_weights(seed=0)
+
+    norms = {name: p for name, p in model.named_parameters() if name.endswith("norm.weight")}
+    assert len(norms) == 1 + 6 * GEMMA3["num_hidden_layers"]
+    assert all(not p.any() for p in norms.values())
+    assert model.layers[0].self_attn.qkv_proj.weight.std() > 0.01
