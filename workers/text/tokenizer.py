@@ -1,12 +1,14 @@
 """Text ↔ token ids for one model, and its chat template.
 
-Built on the `tokenizers` library with the model's `tokenizer.json`. User text never becomes a control
-token unless the caller asks for it, and every token maps to the exact bytes it stands for, so that
-output can be decoded incrementally (see `workers.text.detokenizer`).
+Built on the `tokenizers` library with the model's `tokenizer.json` (byte-level BPE, or SentencePiece
+BPE with byte fallback as Gemma's). User text never becomes a control token unless the caller asks for
+it, and every token maps to the exact bytes it stands for, so that output can be decoded incrementally
+(see `workers.text.detokenizer`).
 """
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +21,16 @@ from workers.protocol.errors import InvalidRequestError, ModelLoadError
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where newer transformers versions save the template
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# SentencePiece BPE's decoder in a tokenizer.json (Gemma's): "▁" back to a space, byte tokens to bytes.
+SENTENCEPIECE_DECODER = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ],
+}
+SENTENCEPIECE_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -53,16 +65,14 @@ class Tokenizer:
         chat_template: str | None,
         source: Path,
     ) -> None:
-        decoder_type = (json.loads(tokenizer_json).get("decoder") or {}).get("type")
-        if decoder_type != "ByteLevel":
-            raise ModelLoadError(f"{source}: decoder {decoder_type!r} is not supported (only byte-level BPE)")
+        spelled_bytes = _token_spelling(json.loads(tokenizer_json).get("decoder") or {}, source)
         # encode_special_tokens is state on the object, so one object per setting keeps encode thread-safe.
         self._parses_specials = tokenizers.Tokenizer.from_str(tokenizer_json)
         self._specials_as_text = tokenizers.Tokenizer.from_str(tokenizer_json)
         self._specials_as_text.encode_special_tokens = True
 
         self.vocab_size: int = self._parses_specials.get_vocab_size(with_added_tokens=True)
-        self._token_bytes = _token_bytes_table(self._parses_specials)
+        self._token_bytes = _token_bytes_table(self._parses_specials, spelled_bytes)
         self.special_token_ids: frozenset[int] = frozenset(
             token_id for token_id, added in self._parses_specials.get_added_tokens_decoder().items() if added.special
         )
@@ -138,15 +148,33 @@ class Tokenizer:
         return fallback if isinstance(fallback, int) else None
 
 
-def _token_bytes_table(backend: tokenizers.Tokenizer) -> tuple[bytes, ...]:
+def _token_spelling(decoder: Mapping[str, object], source: Path) -> Callable[[str], bytes]:
+    """How a token's text spells its bytes, by the decoder of the tokenizer: byte-level BPE's, or
+    SentencePiece's ("▁" for a space, <0x0A> for a byte, as Gemma's tokenizer.json decodes)."""
+    if decoder.get("type") == "ByteLevel":
+        return _byte_level_bytes
+    if decoder == SENTENCEPIECE_DECODER:
+        return _sentencepiece_bytes
+    raise ModelLoadError(
+        f"{source}: decoder {decoder.get('type')!r} is not supported (byte-level BPE, or SentencePiece's "
+        "with byte fallback)"
+    )
+
+
+def _token_bytes_table(backend: tokenizers.Tokenizer, spelled_bytes: Callable[[str], bytes]) -> tuple[bytes, ...]:
     vocab = backend.get_vocab(with_added_tokens=True)
     table = [b""] * (max(vocab.values(), default=-1) + 1)
     for token, token_id in vocab.items():
-        table[token_id] = _spelled_bytes(token)
+        table[token_id] = spelled_bytes(token)
     return tuple(table)
 
 
-def _spelled_bytes(token: str) -> bytes:
+def _sentencepiece_bytes(token: str) -> bytes:
+    byte = SENTENCEPIECE_BYTE_TOKEN.fullmatch(token)
+    return bytes([int(byte[1], 16)]) if byte else token.replace("▁", " ").encode("utf-8")
+
+
+def _byte_level_bytes(token: str) -> bytes:
     # Same rule as the tokenizers ByteLevel decoder: a token spelled wholly in the byte alphabet
     # stands for those bytes; any other token (an added token with other characters) for its UTF-8.
     try:

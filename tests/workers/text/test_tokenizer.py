@@ -114,11 +114,31 @@ def test_chat_template_has_hf_variables_and_filters() -> None:
     assert rendered == '<|im_start|>|<|im_end|>|[{"role": "user", "content": "é<b>"}]|True|True'
 
 
-def test_tokenizers_other_than_byte_level_are_refused() -> None:
+# Metaspace, and Llama 2's SentencePiece decoder, which strips the space it prefixed: only byte-level
+# BPE and SentencePiece with byte fallback and no prefix space (Gemma's) spell every token's bytes.
+@pytest.mark.parametrize(
+    ("decoder", "named"),
+    [
+        ({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}, "Metaspace"),
+        (
+            {
+                "type": "Sequence",
+                "decoders": [
+                    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                    {"type": "ByteFallback"},
+                    {"type": "Fuse"},
+                    {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+                ],
+            },
+            "Sequence",
+        ),
+    ],
+)
+def test_tokenizers_other_than_byte_level_or_gemma_sentencepiece_are_refused(decoder: dict, named: str) -> None:
     spec = json.loads(tiny_tokenizer_json())
-    spec["decoder"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
+    spec["decoder"] = decoder
 
-    with pytest.raises(ModelLoadError, match="decoder 'Metaspace'"):
+    with pytest.raises(ModelLoadError, match=f"decoder '{named}'"):
         Tokenizer(
             tokenizer_json=json.dumps(spec),
             tokenizer_config={},

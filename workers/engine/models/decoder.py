@@ -181,16 +181,20 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
+    # Parts a family's model may build its own way (Gemma 3's scaled embeddings, sandwich-norm layers
+    # and offset norm), each constructed as the default is.
+    embedding_class: ClassVar[type[nn.Embedding]] = nn.Embedding
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = self.embedding_class(config.vocab_size, config.hidden_size)
         rotary_width = config.mla.qk_rope_head_dim if config.mla else config.head_dim
         self.rotary = RotaryEmbedding(config.rope, rotary_width, max_positions)
         self.layers = nn.ModuleList(self.layer_class(config, layer) for layer in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )

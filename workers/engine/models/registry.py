@@ -6,8 +6,10 @@ from workers.engine.config import ModelConfig
 from workers.engine.models.deepseek import DeepseekV2, DeepseekV3
 from workers.engine.models.dots1 import Dots1
 from workers.engine.models.family import DecoderFamily
+from workers.engine.models.gemma3 import Gemma3
 from workers.engine.models.gpt_oss import GptOss
 from workers.engine.models.llama import Llama
+from workers.engine.models.mistral import Mistral
 from workers.engine.models.qwen2 import Qwen2
 from workers.engine.models.qwen3 import Qwen3
 from workers.engine.models.qwen_moe import Qwen2Moe, Qwen3Moe
@@ -23,6 +25,8 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
     "DeepseekV2ForCausalLM": DeepseekV2(),
     "DeepseekV3ForCausalLM": DeepseekV3(),
     "GptOssForCausalLM": GptOss(),
+    "Gemma3ForCausalLM": Gemma3(),
+    "MistralForCausalLM": Mistral(),
 }
 
 

@@ -2,8 +2,9 @@
 
 A GGUF file stores the vocabulary and merges under llama.cpp's keys (`tokenizer.ggml.*`) and names the
 pre-tokenizer only by a tag (`tokenizer.ggml.pre`); the split rules themselves live in llama.cpp's
-source. We support the byte-level BPE vocabularies we can vouch for, and refuse the rest by name
-rather than tokenize differently from the model's own tokenizer.
+source. We support the byte-level BPE vocabularies we can vouch for and Gemma's SentencePiece BPE
+(gguf_sentencepiece), and refuse the rest by name rather than tokenize differently from the model's
+own tokenizer.
 """
 
 from collections.abc import Mapping, Sequence
@@ -12,11 +13,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from workers.engine.weights.gguf_sentencepiece import CONTROL_TOKEN_TYPE, USER_DEFINED_TOKEN_TYPE, sentencepiece_bpe
 from workers.protocol.errors import ModelLoadError
-
-# llama.cpp's token types (gguf TokenType): NORMAL=1, CONTROL=3, USER_DEFINED=4.
-CONTROL_TOKEN_TYPE = 3
-USER_DEFINED_TOKEN_TYPE = 4
 
 # Tokens llama.cpp treats as ending generation besides the eos id (llama-vocab.cpp): a GGUF names
 # one eos id, but chat models also stop on their end-of-turn and end-of-text tokens.
@@ -69,26 +67,38 @@ class GgufTokenizer:
 def tokenizer_from_gguf(metadata: Mapping[str, object], *, source: Path) -> GgufTokenizer:
     """`metadata` maps GGUF keys to their values; `source` names the file in error messages."""
     tokenizer_model = metadata.get("tokenizer.ggml.model")
-    if tokenizer_model != "gpt2":
+    builders = {"gpt2": _byte_level_bpe, "llama": sentencepiece_bpe}
+    if tokenizer_model not in builders:
         raise ModelLoadError(
-            f"{source}: tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', byte-level BPE)"
+            f"{source}: tokenizer model {tokenizer_model!r} is not supported "
+            "(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)"
         )
+    tokens = _string_list(metadata, "tokenizer.ggml.tokens", source)
+    token_types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ModelLoadError(f"{source}: {len(tokens)} tokens but {len(token_types)} token types")
+    tokenizer = builders[tokenizer_model](metadata, tokens, token_types, source)
+    return GgufTokenizer(
+        tokenizer_json=tokenizer.to_str(),
+        tokenizer_config=_tokenizer_config(metadata, tokens),
+        end_of_generation_ids=_end_of_generation_ids(metadata, tokens, token_types),
+    )
+
+
+def _byte_level_bpe(
+    metadata: Mapping[str, object], tokens: list[str], token_types: list[int], source: Path
+) -> Tokenizer:
     pre_type = metadata.get("tokenizer.ggml.pre")
     if pre_type not in PRE_TOKENIZERS:
         raise ModelLoadError(
             f"{source}: pre-tokenizer {pre_type!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
         )
-    tokens = _string_list(metadata, "tokenizer.ggml.tokens", source)
     merges = _string_list(metadata, "tokenizer.ggml.merges", source)
-    token_types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    if len(token_types) != len(tokens):
-        raise ModelLoadError(f"{source}: {len(tokens)} tokens but {len(token_types)} token types")
     added = [
         token
         for token, token_type in zip(tokens, token_types)
         if token_type in (CONTROL_TOKEN_TYPE, USER_DEFINED_TOKEN_TYPE)
     ]
-
     tokenizer = Tokenizer(
         models.BPE(
             vocab=_byte_level_vocab(tokens, frozenset(added), source),
@@ -101,12 +111,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, object], *, source: Path) -> Gguf
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in added])
-
-    return GgufTokenizer(
-        tokenizer_json=tokenizer.to_str(),
-        tokenizer_config=_tokenizer_config(metadata, tokens),
-        end_of_generation_ids=_end_of_generation_ids(metadata, tokens, token_types),
-    )
+    return tokenizer
 
 
 def _string_list(metadata: Mapping[str, object], key: str, source: Path) -> list[str]:

@@ -2,6 +2,7 @@
 
 A packaged model (see `registry`) or a `.gguf` file is converted once into
 `<cache_dir>/models/<name>/` and served from there afterwards; a Hugging Face directory is used as is.
+A packaged GGUF that ships in parts is first joined into `<cache_dir>/gguf/`.
 Finding a model's files loads no torch (the gateway finds its models' tokenizers here): only loading
 weights and converting do.
 Conversion runs under an exclusive file lock and builds the directory under a temporary name before
@@ -9,6 +10,7 @@ renaming it into place, so concurrent processes convert once and never see a hal
 """
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-from workers.engine.weights.registry import find_packaged_model, packaged_model_names
+from workers.engine.weights.registry import PackagedModel, find_packaged_model, packaged_model_names
 from workers.kvstore.fsync import fsync_path
 from workers.protocol.errors import ModelLoadError, UnknownModelError
 
@@ -61,7 +63,7 @@ def resolve_model(
     cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
     packaged = find_packaged_model(name_or_path) if isinstance(name_or_path, str) else None
     if packaged is not None:
-        return _converted(packaged.name, packaged.gguf_path(), cache_dir, progress=progress)
+        return _converted(packaged.name, _packaged_gguf(packaged, cache_dir), cache_dir, progress=progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return _read_model_directory(path.resolve(), name=path.resolve().name)
@@ -144,12 +146,67 @@ def _read_json_if_present(path: Path) -> dict:
     return _read_json(path) if path.is_file() else {}
 
 
-def _converted(name: str, gguf_path: Path, cache_dir: Path, *, progress: bool) -> ModelFiles:
-    models_dir = cache_dir / "models"
+def _cache_subdir(cache_dir: Path, name: str) -> Path:
+    directory = cache_dir / name
     try:
-        models_dir.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ModelLoadError(f"cannot create the model cache {models_dir} (set SLUICE_CACHE_DIR): {error}") from error
+        raise ModelLoadError(f"cannot create the model cache {directory} (set SLUICE_CACHE_DIR): {error}") from error
+    return directory
+
+
+def _packaged_gguf(packaged: PackagedModel, cache_dir: Path) -> Path:
+    """The packaged GGUF file; one that ships in parts is joined once, checked against its sha256."""
+    if not packaged.is_split:
+        return packaged.gguf_path()
+    parts = packaged.part_paths()
+    directory = _cache_subdir(cache_dir, "gguf")
+    target = directory / packaged.filename
+    with _exclusive_lock(directory / f".{packaged.filename}.lock"):
+        if not _joined_from(target, parts):
+            _join_into_place(parts, target, sha256=packaged.sha256, name=packaged.name)
+    return target
+
+
+def _joined_from(target: Path, parts: list[Path]) -> bool:
+    """Whether `target` was joined from these parts as installed now. Joining renames a whole file into
+    place, so one of the parts' total size is whole; parts installed since (a reinstall) are newer."""
+    if not target.is_file():
+        return False
+    joined = target.stat()
+    installed = [part.stat() for part in parts]
+    return joined.st_size == sum(part.st_size for part in installed) and all(
+        part.st_mtime_ns <= joined.st_mtime_ns for part in installed
+    )
+
+
+def _join_into_place(parts: list[Path], target: Path, *, sha256: str | None, name: str) -> None:
+    logger.info("joining the %d parts of %s into %s (once)", len(parts), name, target)
+    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex}")
+    digest = hashlib.sha256()
+    try:
+        with staging.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as source:
+                    while block := source.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise ModelLoadError(
+                f"model {name!r}: its joined parts have sha256 {digest.hexdigest()}, expected {sha256} "
+                f"(reinstall its packages; parts: {', '.join(str(part) for part in parts)})"
+            )
+        staging.chmod(0o644)
+        fsync_path(staging)
+        os.replace(staging, target)
+        fsync_path(target.parent)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+
+
+def _converted(name: str, gguf_path: Path, cache_dir: Path, *, progress: bool) -> ModelFiles:
+    models_dir = _cache_subdir(cache_dir, "models")
     target = models_dir / name
     source = _source_record(gguf_path)
     with _exclusive_lock(models_dir / f".{name}.lock"):

@@ -97,7 +97,7 @@ def test_tokens_stored_in_plain_text_are_respelled_byte_level() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("tokenizer.ggml.model", "llama", "tokenizer model 'llama' is not supported"),
+        ("tokenizer.ggml.model", "t5", "tokenizer model 't5' is not supported"),
         ("tokenizer.ggml.pre", "qwen2", "pre-tokenizer 'qwen2' is not supported"),
         ("tokenizer.ggml.merges", None, "'tokenizer.ggml.merges' is missing"),
         ("tokenizer.ggml.merges", ["Ġt"], "merge 0"),

@@ -97,7 +97,7 @@ def test_directory_without_config_is_reported(tmp_path: Path) -> None:
 
 
 def test_unknown_name_lists_the_known_names() -> None:
-    with pytest.raises(UnknownModelError, match="known: smollm2-135m-instruct"):
+    with pytest.raises(UnknownModelError, match="known: gemma3-270m, smollm2-135m-instruct"):
         resolve_model("no-such-model")
 
 

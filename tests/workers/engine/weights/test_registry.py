@@ -20,4 +20,4 @@ def test_packaged_gguf_is_found_without_importing_its_package() -> None:
 
 
 def test_names_are_listed() -> None:
-    assert packaged_model_names() == ("smollm2-135m-instruct",)
+    assert packaged_model_names() == ("gemma3-270m", "smollm2-135m-instruct")
