@@ -18,8 +18,9 @@ PAGE = 16
 KV_HEADS, HEADS, HEAD_DIM = 2, 6, 32
 
 
-def naive_attention(q, k, v, positions, window):
-    """float64 softmax attention of queries at `positions` over keys 0..len(k)-1."""
+def naive_attention(q, k, v, positions, window, sinks=None):
+    """float64 softmax attention of queries at `positions` over keys 0..len(k)-1; with `sinks`, each
+    head's sink logit joins its softmax and adds no value."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
@@ -29,7 +30,11 @@ def naive_attention(q, k, v, positions, window):
     if window is not None:
         mask &= key_pos[None, :] > positions[:, None] - window
     scores = scores.masked_fill(~mask[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    sink_column = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
+    probs = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def paged_batch(seqs, seed=0):

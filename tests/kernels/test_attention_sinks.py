@@ -7,23 +7,7 @@ import pytest
 import torch
 
 from kernels.attention import TORCH_BACKENDS, batch_invariant, get_backend, sdpa_is_batch_invariant
-from tests.kernels.test_attention import HEAD_DIM, HEADS, MIXED, paged_batch
-
-
-def naive_attention_with_sinks(q, k, v, positions, window, sinks):
-    """float64 softmax over the visible keys' scores and each head's sink logit; the sink adds no value."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * HEAD_DIM**-0.5
-    key_pos = torch.arange(k.shape[0])
-    mask = key_pos[None, :] <= positions[:, None]
-    if window is not None:
-        mask &= key_pos[None, :] > positions[:, None] - window
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    sink_column = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
-    probs = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs, v)
+from tests.kernels.test_attention import HEAD_DIM, HEADS, MIXED, naive_attention, paged_batch
 
 
 def test_sinks_change_the_output():
@@ -39,14 +23,14 @@ def test_sinks_change_the_output():
 
 @pytest.mark.parametrize("backend", TORCH_BACKENDS)
 @pytest.mark.parametrize("window", [None, 7, 100])
-def test_backends_match_naive_attention_with_sinks(backend, window):
+def test_backends_match_naive_attention(backend, window):
     query, k_cache, v_cache, metadata, full_kv = paged_batch(MIXED)
     sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(2)) * 2
     out = get_backend(backend)(query, k_cache, v_cache, metadata, scale=HEAD_DIM**-0.5, window=window, sinks=sinks)
     for b, (q_len, s_len) in enumerate(MIXED):
         rows = slice(metadata.query_start[b], metadata.query_start[b + 1])
         k, v = full_kv[b]
-        expected = naive_attention_with_sinks(query[rows], k, v, torch.arange(s_len - q_len, s_len), window, sinks)
+        expected = naive_attention(query[rows], k, v, torch.arange(s_len - q_len, s_len), window, sinks)
         torch.testing.assert_close(out[rows].double(), expected, atol=2e-5, rtol=1e-5)
 
 
@@ -58,7 +42,7 @@ def test_sdpa_sink_slot_fits_a_sequence_filling_its_key_blocks():
     out = get_backend("torch_sdpa")(query, k_cache, v_cache, metadata, scale=HEAD_DIM**-0.5, sinks=sinks)
     for b, (q_len, s_len) in enumerate(seqs):
         rows = slice(metadata.query_start[b], metadata.query_start[b + 1])
-        expected = naive_attention_with_sinks(query[rows], *full_kv[b], torch.arange(s_len - q_len, s_len), None, sinks)
+        expected = naive_attention(query[rows], *full_kv[b], torch.arange(s_len - q_len, s_len), None, sinks)
         torch.testing.assert_close(out[rows].double(), expected, atol=2e-5, rtol=1e-5)
 
 
