@@ -21,6 +21,7 @@ from tests.workers.swa_worker import prompt_keys, stand_in_run
 from tests.workers.worker_process import (
     collect,
     connected_client,
+    role_options,
     start_worker,
     wait_for_heartbeat,
     wait_for_worker_heartbeat,
@@ -140,6 +141,33 @@ def test_a_dead_worker_s_registrations_are_dropped_by_the_client_and_routing_bac
     # Even read against the endpoints it knew while "a" lived, the hit backs off a block and replays
     # the window's 5 tokens before it: the registrations are gone.
     assert (backed_off.hit_tokens, backed_off.compute_from, backed_off.holders) == (32, 27, set())
+
+
+def test_a_split_request_of_a_sliding_window_model_is_routed_by_its_swa_hit(tmp_path, index_url):
+    holders, index = open_holders(index_url), open_index(index_url)
+    prefill = start(tmp_path, "p", index_url, *role_options(tmp_path, "p", "prefill"))
+    decode = start(tmp_path, "d", index_url, *role_options(tmp_path, "d", "decode"))
+    second = GenerateRequest("second", [*PROMPT, 7, 7, 7], greedy(2))
+
+    async def run():
+        client = await connected_client(prefill.endpoints, decode.endpoints, store_index=index, holders=holders)
+        try:
+            first = await collect(client, GenerateRequest("first", PROMPT, greedy(2)))
+            keys = prompt_keys(second, client.healthy_workers()[0].kv_model_id, BLOCK)
+            await asyncio.to_thread(wait_until, lambda: index.match_prefix(keys) == 3)
+            return first, await collect(client, second), keys
+        finally:
+            await client.close()
+
+    try:
+        first, outputs, keys = asyncio.run(run())
+    finally:
+        prefill.stop()
+        decode.stop()
+    assert [o.finish_reason for o in (first[-1], outputs[-1])] == ["length", "length"]
+    # The prefill worker kept the prompt's blocks (the stand-in), so the hit stood: 3 whole blocks.
+    assert outputs[0].num_cached_tokens == 48
+    assert holders.holders(keys) == [set()] * 3  # both stopped cleanly
 
 
 def test_a_worker_that_keeps_no_state_advertises_its_window_without_an_endpoint(tmp_path, index_url):
