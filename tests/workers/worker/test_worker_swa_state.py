@@ -6,6 +6,7 @@ registrations, a clean shutdown its own, and a client that finds it dead drops t
 routing backs off a block."""
 
 import asyncio
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ import zmq
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from tests.workers.kvstore.conftest import REDIS_URL
 from tests.workers.swa_worker import prompt_keys, stand_in_run
+from tests.workers.worker.test_worker_curve import KEY, KeyedDealer
+from tests.workers.worker.test_worker_curve import heartbeat as keyed_heartbeat
 from tests.workers.worker_process import (
     collect,
     connected_client,
@@ -26,6 +29,7 @@ from tests.workers.worker_process import (
     wait_for_heartbeat,
     wait_for_worker_heartbeat,
 )
+from workers import curve
 from workers.client.store_hits import live_swa_endpoints, read_store_hit
 from workers.engine import SamplingParams
 from workers.engine.kv.spec import KVCacheSpec, KVKind
@@ -184,3 +188,39 @@ def test_a_negative_swa_state_capacity_is_refused_naming_the_setting():
         WorkerArgs.from_argv(
             ["--model", "m", "--request-endpoint", "ipc://r", "--heartbeat-endpoint", "ipc://h", "--swa-state-bytes=-1"]
         )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_over_the_network_the_swa_state_socket_is_curve_like_the_others(tmp_path, index_url):
+    key_file = tmp_path / "cluster.key"
+    curve.write_key_file(key_file, KEY)
+    request_endpoint, heartbeat_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    worker = start(
+        tmp_path, "k", index_url, "--request-endpoint", request_endpoint, "--heartbeat-endpoint", heartbeat_endpoint,
+        "--curve-key-file", str(key_file),
+    )  # fmt: skip
+    try:
+        beat = keyed_heartbeat(heartbeat_endpoint, KEY)
+        endpoint = beat.swa_layers.state_endpoint
+        assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
+        request = GenerateRequest("r", PROMPT, greedy(1))
+        with KeyedDealer(request_endpoint, KEY) as dealer:
+            dealer.send(request)
+            while dealer.receive().finish_reason is None:
+                pass
+        keys = prompt_keys(request, beat.kv_model_id, BLOCK)
+        with zmq.Context() as context:
+            keyed = SwaStateFetcher(SPEC, BLOCK, context, key=KEY, timeout_s=5.0)
+            plain = SwaStateFetcher(SPEC, BLOCK, context, timeout_s=0.5)
+            fetched, refused = keyed.fetch(endpoint, keys), plain.fetch(endpoint, keys)
+            keyed.close()
+            plain.close()
+        assert fetched.window() is not None
+        assert refused.window() is None and refused.error  # a peer without the key gets nothing
+    finally:
+        assert worker.stop() == 0
