@@ -2,9 +2,11 @@
 end (one holder-index lookup, in memory and on the real Redis), backs off one block with the window
 replayed otherwise, and the prefill balancer charges the replay and prefers a holder when close."""
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import redis
 
@@ -12,14 +14,16 @@ from tests.workers.kvstore.conftest import REDIS_URL
 from workers.client.routing.balancers.prefill import PrefillBalancer
 from workers.client.routing.prefix_match import StoreHit, stored_prefix, swa_store_hit
 from workers.client.routing.router import Router
-from workers.client.store_hits import live_swa_endpoints, swa_holders
+from workers.client.store_hits import live_swa_endpoints, read_store_hit, swa_holders
 from workers.cost_model import PrefillCostModel
-from workers.kvstore.block_hash import hash_chain
+from workers.engine import SamplingParams
+from workers.kvstore.block_hash import hash_chain, namespace_extra
 from workers.kvstore.holders import HolderIndex, MemoryHolders
 from workers.kvstore.index import BlockEntry
 from workers.kvstore.memory_index import MemoryIndex
 from workers.kvstore.redis_holders import RedisHolders
-from workers.protocol.messages import SwaHolder, SwaLayers, WorkerHeartbeat
+from workers.kvstore.remote_holders import RemoteHolders
+from workers.protocol.messages import GenerateRequest, SwaHolder, SwaLayers, WorkerHeartbeat
 
 BLOCK = 16
 LAYERS = SwaLayers(window=40, num_layers=3, replay="approximate", state_endpoint="ipc://holder.swa")
@@ -150,3 +154,25 @@ def test_a_holder_in_another_tier_does_not_pull_a_request_out_of_its_own():
     lb = PrefillBalancer(["p0", "p1"], LINEAR, tiers=(1000,), step_budget_s=1.0, chunk_limit=4096)
     assert [w.tier for w in lb.workers.values()] == [0, 1]
     assert lb.choose(100, 0, holders={"p1"}) == "p0"
+
+
+def test_read_store_hit_routes_a_holder_index_that_fails_as_a_replay_and_a_dense_model_as_stored(tmp_path):
+    index = MemoryIndex()
+    index.add(
+        [
+            BlockEntry(key=key, size=100, traffic_class="chat", depth=depth, created_at=0.0, last_access=0.0)
+            for depth, key in enumerate(hash_chain(PROMPT, BLOCK, namespace_extra("m", "")))
+        ]
+    )
+    request = GenerateRequest("r", PROMPT, SamplingParams())
+    sliding = msgspec.structs.replace(heartbeat("a", LAYERS), kv_block_tokens=BLOCK, kv_model_id="m")
+    dense = msgspec.structs.replace(sliding, swa_layers=None)
+    down = RemoteHolders(f"ipc://{tmp_path}/no-index", timeout_s=0.1)  # nothing serves there
+
+    async def read(worker):
+        return await read_store_hit(index, down, request, worker, {"a": LAYERS.state_endpoint})
+
+    # 99 reusable tokens: 6 whole blocks stored.
+    assert asyncio.run(read(dense)) == StoreHit(96, 96)
+    assert asyncio.run(read(sliding)) == StoreHit(80, 41)
+    assert asyncio.run(read_store_hit(None, down, request, sliding, {})) == StoreHit(0, 0)
