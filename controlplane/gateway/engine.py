@@ -10,8 +10,9 @@ from controlplane.common.data_plane import data_plane_key
 from controlplane.gateway.worker_discovery import follow_registered_workers
 from workers.client.engine_client import EngineClient
 from workers.eplb.expert_loads import SlotLoads
+from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
-from workers.kvstore.store import open_index
+from workers.kvstore.store import open_holders, open_index
 from workers.protocol.messages import WorkerHeartbeat
 
 # A new client knows no worker as healthy until their first heartbeats (every ~0.1 s) arrive; the
@@ -30,8 +31,15 @@ def _store_index() -> BlockIndex | None:
     return open_index(url) if url and url != "memory" else None
 
 
+def _holders() -> HolderIndex | None:
+    """The SWA holder index beside the shared store index: routing reads who holds a sliding-window
+    model's state from it, and drops the registrations of workers it finds dead."""
+    url = settings.SLUICE_KV_STORE_INDEX
+    return open_holders(url) if url and url != "memory" else None
+
+
 async def _started_client() -> EngineClient:
-    client = EngineClient(store_index=_store_index(), key=data_plane_key())
+    client = EngineClient(store_index=_store_index(), holders=_holders(), key=data_plane_key())
     try:
         for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
             client.add_worker(request_endpoint, heartbeat_endpoint)

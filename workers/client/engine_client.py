@@ -30,11 +30,13 @@ import zmq.asyncio
 
 from workers import curve
 from workers.client.crash_suspects import CrashSuspects
+from workers.client.dead_holders import DeadHolders
 from workers.client.prefill_deadlines import DeadlineModel
 from workers.client.routing.router import Router, cost_model_from_environment, fitted_cost_model_from_environment
 from workers.client.split_stream import SplitStream
 from workers.client.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError
 from workers.eplb.expert_loads import ExpertLoadCounts
+from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
 from workers.protocol.messages import (
     HEARTBEAT_TIMEOUT_S,
@@ -60,6 +62,7 @@ class EngineClient:
         *,
         heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
         store_index: BlockIndex | None = None,
+        holders: HolderIndex | None = None,
         router: Router | None = None,
         deadline_model: DeadlineModel | None = None,
         key: curve.CurveKey | None = None,
@@ -67,8 +70,12 @@ class EngineClient:
         """`store_index`: the global KV store's index, shared with the workers (Redis), from which a
         request's hit length is read to weigh its prefill work; None: every prompt counts whole.
         `deadline_model`: how long a split request's prefill path may take (default: from the
-        fitted cost model, else the conservative rate). `key`: the cluster's CURVE key."""
+        fitted cost model, else the conservative rate). `key`: the cluster's CURVE key. `holders`: the
+        SWA holder index beside the store's (workers.kvstore.store.open_holders), from which a sliding-
+        window model's hits are routed as its workers will use them; a worker this client finds dead
+        has its registrations dropped there (workers.client.dead_holders)."""
         self.store_index = store_index
+        self.holders = holders
         self.router = router or Router(cost_model_from_environment())
         self.deadline_model = deadline_model or DeadlineModel(
             fitted_cost_model_from_environment(), step_budget_s=self.router.step_budget_s
@@ -83,6 +90,7 @@ class EngineClient:
         # only the latest kept; the telemetry collector takes the sums.
         self.expert_loads = ExpertLoadCounts()
         self._links: list[WorkerLink] = []
+        self._dead_holders = DeadHolders(holders) if holders is not None else None
         self._tasks: list[asyncio.Task[None]] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._output_decoder = msgspec.msgpack.Decoder(WorkerOutbound)
@@ -112,6 +120,8 @@ class EngineClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self._dead_holders is not None:
+            await self._dead_holders.wait()
         for link in self._links:
             for request_id in link.streams:
                 self.send_now(link, AbortRequest(request_id))
@@ -233,6 +243,8 @@ class EngineClient:
             await asyncio.sleep(self._heartbeat_timeout_s / 4)
             now = time.monotonic()
             for link in self._links:
+                if self._dead_holders is not None and not link.is_healthy(now, self._heartbeat_timeout_s):
+                    self._dead_holders.found_dead(link.heartbeat)
                 if link.streams and not link.is_healthy(now, self._heartbeat_timeout_s):
                     log.warning(
                         "worker %s sent no heartbeat for %.1f s",

@@ -66,8 +66,9 @@ import msgspec
 
 from workers.client.crash_suspects import CrashSuspects, leaves_another
 from workers.client.prefill_deadlines import DeadlineModel
-from workers.client.routing.prefix_match import store_hit_tokens
+from workers.client.routing.prefix_match import StoreHit
 from workers.client.routing.router import DecodeLoad, Router, expected_peak
+from workers.client.store_hits import live_swa_endpoints, read_store_hit, swa_holders
 from workers.client.worker_link import (
     RequestRejectedError,
     StreamItem,
@@ -75,7 +76,7 @@ from workers.client.worker_link import (
     WorkerUnavailableError,
     least_loaded,
 )
-from workers.kvstore.block_hash import namespace_extra
+from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
 from workers.protocol.messages import (
     AbortRequest,
@@ -86,6 +87,7 @@ from workers.protocol.messages import (
     GenerateRequest,
     MigrateRequest,
     ResumeDecodeRequest,
+    WorkerHeartbeat,
     WorkerInbound,
 )
 
@@ -122,9 +124,12 @@ class StreamClient(Protocol):
     closed: bool
     router: Router
     store_index: BlockIndex | None
+    holders: HolderIndex | None
     deadline_model: DeadlineModel
 
     def ready_links(self) -> list[WorkerLink]: ...
+
+    def healthy_workers(self) -> list[WorkerHeartbeat]: ...
 
     def generate_whole(self, request: GenerateRequest, link: WorkerLink) -> AsyncIterator[GenerateOutput]: ...
 
@@ -249,8 +254,13 @@ class SplitStream:
             yield output
 
     async def _whole(self, link: WorkerLink) -> AsyncIterator[GenerateOutput]:
+        request = self.request
+        if link.heartbeat.swa_layers is not None:
+            # A sliding-window model's worker learns where the state it may fetch is held.
+            hit, live = await self._store_hit(link)
+            request = msgspec.structs.replace(request, swa_holders=swa_holders(hit, live))
         try:
-            async for output in self.client.generate_whole(self.request, link):
+            async for output in self.client.generate_whole(request, link):
                 yield output
         except WorkerUnavailableError as error:
             raise _Retry(str(error), link, crashed=True) from None
@@ -262,10 +272,10 @@ class SplitStream:
             link.mark_draining()
             raise _Retry(f"worker {link.request_endpoint}: draining: {error.message}", link) from None
 
-    async def _choose(self) -> tuple[WorkerLink, WorkerLink, float, int] | WorkerLink:
-        """(prefill, decode, the prefill compute charged to the router, the prompt's tokens in the
-        store), or the one worker to run the request whole on when no prefill or no decode worker
-        but those that failed this request is ready."""
+    async def _choose(self) -> tuple[WorkerLink, WorkerLink, float, StoreHit, dict[str, str]] | WorkerLink:
+        """(prefill, decode, the prefill compute charged to the router, the prompt's hit in the store
+        and the live SWA state endpoints it was read against), or the one worker to run the request
+        whole on when no prefill or no decode worker but those that failed this request is ready."""
         router, request = self.client.router, self.request
         deadline = time.monotonic() + CAPACITY_WAIT_S
         while True:
@@ -290,12 +300,16 @@ class SplitStream:
                     "overloaded", f"no decode worker has room for {kv_tokens + output} tokens of KV"
                 )
             await asyncio.sleep(CAPACITY_POLL_S)
-        hit = await self._store_hit_tokens(prefills[0])
+        hit, live = await self._store_hit(prefills[0])
+        holding = [link.request_endpoint for link in prefills if link.heartbeat.worker_id in hit.holders]
         prefill_key, cost = router.choose_prefill(
-            [(link.request_endpoint, link.heartbeat) for link in prefills], len(request.prompt_token_ids), hit
+            [(link.request_endpoint, link.heartbeat) for link in prefills],
+            len(request.prompt_token_ids),
+            hit.compute_from,
+            holding,
         )
         prefill = next(link for link in prefills if link.request_endpoint == prefill_key)
-        return prefill, by_key[key], cost, hit
+        return prefill, by_key[key], cost, hit, live
 
     def _whole_worker(self, ready: list[WorkerLink]) -> WorkerLink:
         """The least loaded of the ready workers that did not fail this request; for a suspect, only
@@ -314,23 +328,15 @@ class SplitStream:
             raise WorkerUnavailableError(f"no healthy worker ready for request {self.request.request_id}")
         return least_loaded(usable)
 
-    async def _store_hit_tokens(self, prefill: WorkerLink) -> int:
-        """The prompt's hit length in the global KV store (0 when this client cannot read its index)."""
-        index, beat = self.client.store_index, prefill.heartbeat
-        if index is None or not beat.kv_block_tokens:
-            return 0
-        extra = namespace_extra(beat.kv_model_id, self.request.cache_namespace)
-        try:
-            # The index may be a network round trip (Redis): not on the event loop.
-            return await asyncio.to_thread(
-                store_hit_tokens, index, self.request.prompt_token_ids, block_tokens=beat.kv_block_tokens, extra=extra
-            )
-        except Exception as error:
-            log.warning("reading the KV store index failed; routing as a miss: %s", error)
-            return 0
+    async def _store_hit(self, worker: WorkerLink) -> tuple[StoreHit, dict[str, str]]:
+        """The prompt's hit in the global KV store as `worker` uses it (workers.client.store_hits), and
+        the live SWA state endpoints it was read against."""
+        live = live_swa_endpoints(self.client.healthy_workers())
+        hit = await read_store_hit(self.client.store_index, self.client.holders, self.request, worker.heartbeat, live)
+        return hit, live
 
     async def _split(
-        self, prefill: WorkerLink, decode: WorkerLink, cost: float, hit: int
+        self, prefill: WorkerLink, decode: WorkerLink, cost: float, hit: StoreHit, live: dict[str, str]
     ) -> AsyncIterator[GenerateOutput]:
         # Each attempt goes to the workers under an id of its own: the answer to an abort sent when an
         # earlier attempt ended (a decode worker replies to it) must not end this one.
@@ -340,11 +346,11 @@ class SplitStream:
         prompt_tokens = len(request.prompt_token_ids)
         deadlines = client.deadline_model.deadlines(
             prompt_tokens=prompt_tokens,
-            cached_tokens=hit,
+            cached_tokens=hit.compute_from,
             queued_tokens=prefill.queued_prefill_tokens,
             prediction_error=prefill.heartbeat.cost_model_error_p90,
         )
-        queued = max(prompt_tokens - hit, 0)
+        queued = max(prompt_tokens - hit.compute_from, 0)
         prefill.queued_prefill_tokens += queued
         queue: asyncio.Queue[tuple[str, StreamItem]] = asyncio.Queue()
         path = _Path(self, request, queue, deadlines.transfer_s)
@@ -355,7 +361,9 @@ class SplitStream:
         early: collections.deque[GenerateOutput] = collections.deque()  # decode outputs ahead of the prefill's
         try:
             await client.send(decode, ExpectTransferRequest(request_id, request.constraint, deadlines.handoff_s))
-            routed = msgspec.structs.replace(request, decode_endpoint=decode.heartbeat.transfer_endpoint)
+            routed = msgspec.structs.replace(
+                request, decode_endpoint=decode.heartbeat.transfer_endpoint, swa_holders=swa_holders(hit, live)
+            )
             await client.send(prefill, routed)
             while True:
                 if early and path.phase != PREFILL:

@@ -14,7 +14,7 @@ worker. The prefill worker sends the first output (finish_reason "transfer") to 
 KV to the decode worker, which streams the remaining outputs to the peer that sent the expectation.
 """
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -87,6 +87,19 @@ class CacheHint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retain_s: Annotated[float, msgspec.Meta(gt=0)]
 
 
+# Holders of a prefix end's SWA state one request may name: a few workers at most keep the same blocks.
+MAX_SWA_HOLDERS = 8
+
+
+class SwaHolder(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A worker the entrypoint knows as live that holds the SWA state at the end of a request's stored
+    prefix (workers.kvstore.holders): its id, as the holder index names it, and its SWA state endpoint
+    (WorkerHeartbeat.swa_layers), where the worker computing the request fetches the state."""
+
+    worker_id: Annotated[str, msgspec.Meta(min_length=1)]
+    endpoint: Annotated[str, msgspec.Meta(min_length=1)]
+
+
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -109,6 +122,10 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     # prefill) applies them: a decode worker stores blocks with output tokens in them, which no hint
     # covers.
     cache_hints: Annotated[tuple[CacheHint, ...], msgspec.Meta(max_length=MAX_CACHE_HINTS)] = ()
+    # A model with sliding-window layers: the live holders of the SWA state at the end of the prompt's
+    # stored prefix, as routing found them (empty: none, or routing did not look). The worker learns
+    # where they are from it (workers.worker.swa_peers); it still asks the holder index itself.
+    swa_holders: Annotated[tuple[SwaHolder, ...], msgspec.Meta(max_length=MAX_SWA_HOLDERS)] = ()
 
 
 class ExpectTransferRequest(msgspec.Struct, tag="expect_transfer", frozen=True, forbid_unknown_fields=True):
@@ -284,6 +301,18 @@ class SwaTotals(msgspec.Struct, frozen=True):
     store_bytes_not_written: int = 0
 
 
+class SwaLayers(msgspec.Struct, frozen=True):
+    """A worker's model has sliding-window layers: what the entrypoint needs to route a prefix hit the
+    way the worker will serve it (workers.engine.kv.swa_replay.swa_hit), and where the worker answers
+    fetches of the SWA state it keeps (workers.transfer.swa_fetch)."""
+
+    window: Annotated[int, msgspec.Meta(ge=1)]  # tokens a query of a sliding-window layer reads, itself included
+    num_layers: Annotated[int, msgspec.Meta(ge=1)]  # the model's sliding-window layers
+    replay: Literal["approximate", "exact"]  # the worker's replay mode (swa_replay.REPLAY_MODES)
+    # Its SWA state ROUTER, connectable from other hosts; "" when it keeps no state (--swa-state-bytes 0).
+    state_endpoint: str = ""
+
+
 class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: str
     role: str  # "mixed" (prefill and decode in one process), "prefill" or "decode"
@@ -370,6 +399,9 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     store_fetch_seconds: float = 0.0
     # A model with sliding-window layers: what became of its SWA state (None for other models).
     swa: SwaTotals | None = None
+    # A model with sliding-window layers: its window, replay mode and SWA state endpoint (None for
+    # other models). Routing keys its hits with kv_block_tokens and kv_model_id as for any model.
+    swa_layers: SwaLayers | None = None
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a

@@ -16,7 +16,9 @@ has lost all of its other half keeps serving.
 The parts, one job each: `process` (the entry point: title, parent death, crash report), `server`
 (sockets, the loop and the handler table), `transfers` (the disaggregation side: KV sent after
 prefill, KV expected and taken in for decode), `heartbeats` (load reports and the registration),
-`control` (drain state and control commands), `args` (WorkerArgs and its flags).
+`control` (drain state and control commands), `swa_holder` (a sliding-window model's SWA state: kept,
+registered in the holder index, served to and fetched from other workers, whose endpoints `swa_peers`
+learns from requests), `args` (WorkerArgs and its flags).
 
 Run it with `workers.worker.process.run_worker_process(WorkerArgs(...))` or
 `python -m workers.worker --model ...`. The package itself imports nothing, so the control plane can

@@ -16,7 +16,7 @@ from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
-from workers.protocol.messages import HistogramCounts, SwaTotals, WorkerHeartbeat, WorkerRegistration
+from workers.protocol.messages import HistogramCounts, SwaLayers, SwaTotals, WorkerHeartbeat, WorkerRegistration
 from workers.worker.args import WorkerArgs
 from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers
@@ -50,9 +50,12 @@ class Heartbeats:
         stop: threading.Event,
         *,
         transfers: Transfers | None = None,
+        swa_layers: SwaLayers | None = None,
     ) -> None:
-        """`transfers`: the worker's KV transfers, whose migration and handoff counters the heartbeats carry."""
+        """`transfers`: the worker's KV transfers, whose migration and handoff counters the heartbeats carry;
+        `swa_layers`: a sliding-window model's, as every heartbeat says."""
         self.identity = identity
+        self.swa_layers = swa_layers
         self.transfers = transfers
         self.config = config
         self.engine = engine
@@ -148,6 +151,7 @@ class Heartbeats:
             store_fetch_bytes=store.fetch_bytes if store else 0,
             store_fetch_seconds=store.fetch_seconds if store else 0.0,
             swa=swa_totals(stats.swa) if stats.swa else None,
+            swa_layers=self.swa_layers,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 

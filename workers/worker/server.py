@@ -21,6 +21,7 @@ import zmq
 
 from workers import curve
 from workers.engine.engine_core import EngineCore
+from workers.engine.kv.swa_replay import APPROXIMATE
 from workers.engine.outputs import RequestDelta, RequestFailure, output_of
 from workers.engine.request import FinishReason
 from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
@@ -42,6 +43,7 @@ from workers.protocol.messages import (
     SetTTLPolicyRequest,
     ShutdownRequest,
     StatusRequest,
+    SwaLayers,
     WorkerInbound,
     WorkerOutbound,
 )
@@ -54,6 +56,7 @@ from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
 from workers.worker.migration import Migration
 from workers.worker.registry import register_until_acknowledged
 from workers.worker.resumption import Resumption
+from workers.worker.swa_holder import open_swa_holder, swa_group
 from workers.worker.transfers import Transfers
 
 log = logging.getLogger(__name__)
@@ -104,6 +107,21 @@ class Worker:
         if config.role in ("prefill", "decode"):
             sender = TransferSender(context, key=key)
             self.poller.register(sender.results, zmq.POLLIN)
+        spec = swa_group(engine.info)
+        self.swa = (
+            open_swa_holder(config, engine.info, spec, context, worker_id=self.worker_id, key=key) if spec else None
+        )
+        swa_layers = (
+            SwaLayers(
+                window=spec.window,
+                num_layers=len(spec.layers),
+                # The engine replays approximately until it has a setting for the mode (EngineArgs).
+                replay=APPROXIMATE,
+                state_endpoint=connectable(self.swa.endpoint, advertised_host) if self.swa else "",
+            )
+            if spec
+            else None
+        )
         self.identity = WorkerIdentity(
             worker_id=self.worker_id,
             hostname=hostname,
@@ -147,7 +165,15 @@ class Worker:
             engine=engine, control=self.control, transfers=self.transfers, owners=self.owners, send=self._send
         )
         self.heartbeats = Heartbeats(
-            self.identity, config, engine, self.control, collector, publisher, stop, transfers=self.transfers
+            self.identity,
+            config,
+            engine,
+            self.control,
+            collector,
+            publisher,
+            stop,
+            transfers=self.transfers,
+            swa_layers=swa_layers,
         )
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             GenerateRequest: self._on_generate,
@@ -262,6 +288,8 @@ class Worker:
             self._send(peer, GenerateError(message_id, "internal", "the worker failed to handle the message"))
 
     def _on_generate(self, peer: bytes, request: GenerateRequest) -> None:
+        if self.swa is not None:
+            self.swa.peers.learn(request.swa_holders)
         if not self.control.accepting:
             message = f"worker {self.worker_id} is {self.control.state} and takes no new requests"
             self._send(peer, GenerateError(request.request_id, "draining", message))
@@ -373,6 +401,8 @@ class Worker:
             self._abort(request_id)
         self.transfers.close()
         self.resumption.close()
+        if self.swa is not None:
+            self.swa.close()
         self.router.close(linger=CLOSE_LINGER_MS)
         self.heartbeats.join()
         if self.registration_thread is not None:
@@ -407,7 +437,11 @@ def connectable_endpoint(bound: zmq.Socket, advertised_host: str) -> str:
     """The endpoint a socket is bound to, as a peer on another host connects to it: a wildcard TCP
     address names `advertised_host` (--advertise-host, else this host's name) instead, and port 0 the
     port the system chose."""
-    endpoint = bound.getsockopt_string(zmq.LAST_ENDPOINT)
+    return connectable(bound.getsockopt_string(zmq.LAST_ENDPOINT), advertised_host)
+
+
+def connectable(endpoint: str, advertised_host: str) -> str:
+    """A bound endpoint (as ZMQ_LAST_ENDPOINT names it) as a peer on another host connects to it."""
     scheme, _, address = endpoint.partition("://")
     host, _, port = address.rpartition(":")
     if scheme == "tcp" and host in ("0.0.0.0", "[::]", "*"):

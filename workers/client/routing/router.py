@@ -15,7 +15,7 @@ request is retried elsewhere.
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,13 +73,20 @@ class Router:
         self._prefill: PrefillBalancer | None = None
 
     def choose_prefill(
-        self, workers: Sequence[tuple[str, WorkerHeartbeat]], request_tokens: int, hit_tokens: int
+        self,
+        workers: Sequence[tuple[str, WorkerHeartbeat]],
+        request_tokens: int,
+        hit_tokens: int,
+        holders: Collection[str] = (),
     ) -> tuple[str, float]:
-        """The key of the prefill worker to use and the compute it was charged, to pass to prefill_done."""
+        """The key of the prefill worker to use and the compute it was charged, to pass to prefill_done.
+        `hit_tokens`: prompt tokens prefill does not compute (a sliding-window model's replayed window
+        is computed: workers.client.routing.prefix_match.StoreHit.compute_from); `holders`: the keys
+        of the workers that hold its SWA state, preferred when close (PrefillBalancer)."""
         balancer = self._prefill_balancer(workers)
         balancer.rebalance(time.monotonic())
         cost = balancer.predict(request_tokens, hit_tokens)
-        return balancer.choose(request_tokens, hit_tokens), cost
+        return balancer.choose(request_tokens, hit_tokens, holders), cost
 
     def prefill_done(self, key: str, cost: float) -> None:
         if self._prefill is not None and key in self._prefill.workers:

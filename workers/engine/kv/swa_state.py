@@ -9,7 +9,8 @@ into (`window_keys`), so consecutive prefix ends of one conversation share their
 each keeping W tokens of its own.
 
 A window counts the query itself (KVCacheSpec.window), so a request continuing at a prefix end reads
-the KV of the W - 1 tokens before it: `window_blocks` blocks of them.
+the KV of the W - 1 tokens before it: `window_blocks` blocks of them (workers.engine.kv.swa_window,
+torch-free for the entrypoint's routing).
 
 Bounded by bytes, least recently used first out: a put, a `window` that found its blocks and a `get`
 (another worker's fetch) count as uses. `on_evict` hears of the blocks that went, so that their "held
@@ -24,25 +25,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from workers.engine.kv.spec import KVCacheSpec, KVKind
+from workers.engine.kv.swa_window import window_keys
 from workers.kvstore.block_hash import BlockHash
 
 
 class SwaStateError(ValueError):
     """A run that is not the SWA KV of one block as this cache lays it out."""
-
-
-def window_blocks(window: int, block_tokens: int) -> int:
-    """Blocks that hold the W - 1 tokens before a block-aligned prefix end: a continuation's window."""
-    if window < 1 or block_tokens < 1:
-        raise ValueError(f"window and block_tokens must be positive, got {window} and {block_tokens}")
-    return -(-(window - 1) // block_tokens)
-
-
-def window_keys(prefix_keys: Sequence[BlockHash], window: int, block_tokens: int) -> list[BlockHash]:
-    """The keys whose runs make the SWA state at the end of the prefix `prefix_keys` (its block keys,
-    in order): the last `window_blocks` of them, or all of a shorter prefix."""
-    needed = window_blocks(window, block_tokens)
-    return list(prefix_keys[max(0, len(prefix_keys) - needed) :]) if needed else []
 
 
 class SwaStateCache:

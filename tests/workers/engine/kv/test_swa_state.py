@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from workers.engine.kv.spec import KVCacheSpec, KVKind
-from workers.engine.kv.swa_state import SwaStateCache, SwaStateError, window_blocks, window_keys
+from workers.engine.kv.swa_state import SwaStateCache, SwaStateError
+from workers.engine.kv.swa_window import window_blocks, window_keys
 from workers.kvstore.block_hash import hash_chain
 
 BLOCK = 4

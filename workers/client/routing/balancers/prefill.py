@@ -8,13 +8,18 @@ fills its steps); sizing tiers from the last window's demand keeps every tier ab
 others. Whole workers divide demand coarsely, and a burst shifts it within a window, so a request
 spills to the least-loaded worker of the whole pool when its own tier is more than `spill_s` behind.
 
+A sliding-window model's request is cheaper nowhere in particular (any worker fetches the SWA state at
+its hit's end from the worker that holds it), but a holder needs no fetch and does not depend on
+another worker staying up: among the workers the request may go to (its tier's, or the pool's when it
+spills), a holder is preferred while its remaining quota is within `holder_slack_s` of the best's.
+
 Default tier boundaries, for SmolLM2's 8192-token context: 1024 and 4096 tokens (1/8 and 1/2 of
 the window), separating chat turns, medium prompts, and long documents or agent histories. A model
 with a longer window should scale them with it.
 """
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from workers.cost_model import PrefillCostModel
@@ -44,12 +49,15 @@ class PrefillBalancer:
         step_budget_s: float,
         chunk_limit: int,
         spill_s: float | None = None,
+        holder_slack_s: float | None = None,
         now: float = 0.0,
     ) -> None:
         """`tiers` are ascending input-length boundaries: tier i takes prompts of tiers[i-1] up to
         fewer than tiers[i] tokens (the last tier takes the rest). `spill_s` (default: two step
         budgets; math.inf never spills) is how much less quota a tier's best worker may have than
-        the pool's best before a request leaves its tier."""
+        the pool's best before a request leaves its tier. `holder_slack_s` (default: a tenth of a step
+        budget, about a fetch's worth of queueing and the quota estimates' noise) is how much less
+        quota a holder of the request's SWA state may have than the best worker and still take it."""
         if not worker_ids:
             raise ValueError("a prefill balancer needs at least one worker")
         if len(set(worker_ids)) != len(worker_ids):
@@ -64,6 +72,7 @@ class PrefillBalancer:
         self.step_budget_s = step_budget_s
         self.chunk_limit = chunk_limit
         self.spill_s = 2 * step_budget_s if spill_s is None else spill_s
+        self.holder_slack_s = step_budget_s / 10 if holder_slack_s is None else holder_slack_s
         self.workers = {worker_id: PrefillWorker(worker_id) for worker_id in worker_ids}
         self.num_tiers = len(self.boundaries) + 1
         # Until demand has been seen, spread the workers evenly over the tiers.
@@ -79,18 +88,26 @@ class PrefillBalancer:
         """Predicted compute for the uncached suffix, in chunks that fit the step budget."""
         return self.cost_model.predict_prefill(request_tokens, hit_tokens, self.step_budget_s, limit=self.chunk_limit)
 
-    def choose(self, request_tokens: int, hit_tokens: int) -> str:
+    def choose(self, request_tokens: int, hit_tokens: int, holders: Collection[str] = ()) -> str:
+        """`hit_tokens`: prompt tokens prefill does not compute; `holders`: the workers that hold the
+        request's SWA state (a sliding-window model's), preferred when close (see the module docstring)."""
         tier = self.tier_of(request_tokens)
         cost = self.predict(request_tokens, hit_tokens)
         self.demand_s[tier] += cost
         quota = self.window_s
         anywhere = max(self.workers.values(), key=lambda w: w.remaining_quota(quota))
         in_tier = [w for w in self.workers.values() if w.tier == tier]
-        worker = max(in_tier, key=lambda w: w.remaining_quota(quota)) if in_tier else anywhere
+        candidates = in_tier or list(self.workers.values())
+        worker = max(candidates, key=lambda w: w.remaining_quota(quota))
         # Whole workers split the demand coarsely and bursts shift it within a window: when the
         # tier is that much further behind than the pool, the request spills to the pool's best.
         if worker.remaining_quota(quota) < anywhere.remaining_quota(quota) - self.spill_s:
-            worker = anywhere
+            worker, candidates = anywhere, list(self.workers.values())
+        holding = [w for w in candidates if w.worker_id in holders]
+        if holding:
+            holder = max(holding, key=lambda w: w.remaining_quota(quota))
+            if holder.remaining_quota(quota) >= worker.remaining_quota(quota) - self.holder_slack_s:
+                worker = holder
         worker.queued_s += cost
         return worker.worker_id
 
