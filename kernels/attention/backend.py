@@ -5,6 +5,14 @@ metadata its kernels want (`build_metadata`), and every layer then calls the bac
 queries, its KV cache and that metadata. The runner never looks inside the metadata, and the
 model only reads `metadata.slot_mapping` to write new keys and values into the cache.
 
+KV groups (workers.engine.kv.spec): a hybrid model's full-attention layers and each sliding window's
+layers keep their KV in pools of their own, so each group has its own block tables and slots. The
+runner describes the step once per group (StepBatch's block tables, or its DeviceStepTensors' slots
+and tables) and builds one metadata per group; the model's forward receives them per layer
+(`layer_metadata`: layer i gets its group's) and hands each attention layer its own, so layer code is
+the same for one group or several. A model's forward adapts with one line: iterate
+`zip(self.layers, kv_caches, metadata)` and pass the layer's metadata where it passed the step's.
+
 Backends:
 - `torch_blockwise`: the reference; plain torch over fixed key blocks, batch-invariant on the CPU.
 - `torch_sdpa`: torch's fused scaled_dot_product_attention over gathered pages.
@@ -14,6 +22,7 @@ Backends:
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,6 +56,11 @@ class StepBatch:
     page_size: int
     device: torch.device
     tensors: DeviceStepTensors | None = None  # present when the runner keeps a device input batch
+
+
+def layer_metadata(group_metadata: Sequence[Any], group_of_layer: Sequence[int]) -> tuple[Any, ...]:
+    """Per layer, the metadata of its KV group (KVCacheSpecs.group_of_layer): what a model's forward takes."""
+    return tuple(group_metadata[group] for group in group_of_layer)
 
 
 class AttentionBackend(ABC):

@@ -61,7 +61,9 @@ class Disaggregation(KVConnector):
         request = self.transfers.get(request_id)
         if request is None:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting a KV transfer")
-        layers = PagedLayers(self.kv_cache, request.pages, request.num_computed_tokens)
+        layers = PagedLayers(
+            self.kv_cache, request.pages, request.num_computed_tokens, window_pages=self._window_pages(request)
+        )
         self.exports.setdefault(request_id, []).append(layers)
         return export_handoff(request, layers, self.kv_model_id)
 
@@ -121,11 +123,21 @@ class Disaggregation(KVConnector):
             self.starts[request.request_id] = start
             return KVArrival.RESERVED
         try:
-            write_layers(self.kv_cache, request.pages, check_layers(handoff), start=start)
+            write_layers(
+                self.kv_cache,
+                request.pages,
+                check_layers(handoff),
+                start=start,
+                window_pages=self._window_pages(request),
+            )
         except BaseException:
             self.cancel(request.request_id)
             raise
         return KVArrival.READY
+
+    def _window_pages(self, request: Request) -> list[list[int]]:
+        """The request's page tables of the KV groups after the first (sliding windows)."""
+        return [self.block_manager.pages_of(request, group) for group in range(1, len(self.block_manager.pools))]
 
     def discard(self, request_id: str) -> None:
         self.pending.pop(request_id, None)

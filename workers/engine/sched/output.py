@@ -7,9 +7,8 @@ the pages it was given since (per KV-cache group). Per step every scheduled requ
 entry to the parallel step lists: how many tokens it computes, from which position, and whether the
 step reaches its last token (and so samples the next one).
 
-Block ids are given per KV-cache group: one list per group, in the order of the engine's groups.
-The engine has one group today (every layer reads the same table); sliding-window layers will be a
-group of their own whose pages can be freed behind the window.
+Block ids are given per KV-cache group: one list per group, in the order of the engine's groups
+(workers.engine.kv.spec), each indexed by token position.
 
 Nothing here is a tensor: ids, counts and lists of ints only.
 """

@@ -165,16 +165,17 @@ class Scheduler:
                 return False
         return True
 
-    @staticmethod
-    def _describe(request: Request, count: int, output: SchedulerOutput) -> None:
+    def _describe(self, request: Request, count: int, output: SchedulerOutput) -> None:
         """Add the request's share of the step: in full if the runner does not hold it yet, else the
-        pages it was given since it was last described."""
+        pages it was given since it was last described (every group's table grows by the same pages'
+        worth of positions; a window's released pages are not sent, the runner's stale ids for them are
+        never read)."""
         start = request.num_computed_tokens
         output.request_ids.append(request.request_id)
         output.num_scheduled_tokens.append(count)
         output.num_computed_tokens.append(start)
         output.sample.append(start + count == request.num_tokens)
-        pages = request.pages
+        tables = [self.block_manager.pages_of(request, group) for group in range(len(self.block_manager.pools))]
         if request.num_pages_sent < 0:
             output.new_requests.append(
                 NewRequestData(
@@ -184,12 +185,12 @@ class Scheduler:
                     params=request.params,
                     constraint=request.constraint,
                     prompt_logprobs=request.prompt_logprobs,
-                    block_ids=(list(pages),),
+                    block_ids=tuple(list(table) for table in tables),
                 )
             )
-        elif len(pages) > request.num_pages_sent:
-            output.new_block_ids[request.request_id] = (pages[request.num_pages_sent :],)
-        request.num_pages_sent = len(pages)
+        elif len(request.pages) > request.num_pages_sent:
+            output.new_block_ids[request.request_id] = tuple(table[request.num_pages_sent :] for table in tables)
+        request.num_pages_sent = len(request.pages)
 
     def finish_step(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Advance computed-token counts and key the pages that became full."""
