@@ -13,6 +13,12 @@ and tables) and builds one metadata per group; the model's forward receives them
 the same for one group or several. A model's forward adapts with one line: iterate
 `zip(self.layers, kv_caches, metadata)` and pass the layer's metadata where it passed the step's.
 
+A window replay (workers.engine.kv.window_replay) adds two per-sequence bounds to a group's StepBatch:
+`first_keys` (a window group's queries read no key before it) and `first_written` (a full group's
+new tokens before it write nothing: slot -1, which `write_kv` and the fused cache write skip). The torch
+backends honour them; the Triton kernels do not yet (supports_window_replay), so an engine on them
+takes only hits whose window pages are cached.
+
 Backends:
 - `torch_blockwise`: the reference; plain torch over fixed key blocks, batch-invariant on the CPU.
 - `torch_sdpa`: torch's fused scaled_dot_product_attention over gathered pages.
@@ -56,6 +62,11 @@ class StepBatch:
     page_size: int
     device: torch.device
     tensors: DeviceStepTensors | None = None  # present when the runner keeps a device input batch
+    # Per sequence, a window replay's bounds (workers.engine.kv.window_replay), None without one: the
+    # first key its queries may read (a window group's), and the position before which its new tokens
+    # write nothing (a full group's: those slots are -1).
+    first_keys: list[int] | None = None
+    first_written: list[int] | None = None
 
 
 def layer_metadata(group_metadata: Sequence[Any], group_of_layer: Sequence[int]) -> tuple[Any, ...]:
@@ -69,6 +80,8 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether the backend needs StepBatch.tensors (the runner's device input batch).
     needs_device_tensors: ClassVar[bool] = False
+    # Whether it honours StepBatch.first_keys and first_written, which a window replay needs.
+    supports_window_replay: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(self, step: StepBatch) -> Any:

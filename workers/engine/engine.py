@@ -27,6 +27,7 @@ from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.host_memory import reuse_freed_memory
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.spec import KVCacheSpecs
+from workers.engine.kv.window_replay import ReplayPolicy
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
@@ -117,11 +118,16 @@ class LLMEngine(EngineCore):
         # travels as frames.
         kv_transfer = config.args.kv_transfer if len(specs.groups) == 1 else "zmq"
         kv_cache = KVCache(specs, num_pages=kv_size.group_num_pages, device=device, shareable=kv_transfer == "auto")
+        self.runner = ModelRunner.for_engine(
+            loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=config.args.enforce_eager
+        )
+        replay = ReplayPolicy.of(specs, config.args.swa_replay) if self.runner.backend.supports_window_replay else None
         self.block_manager = BlockManager(
             num_pages=kv_size.group_num_pages,
             page_size=config.args.page_size,
             enable_prefix_caching=config.args.enable_prefix_caching,
             windows=specs.windows,
+            replay=replay,
         )
         self.step_budget = (
             StepBudget(config.cost_model, config.step_budget_s) if config.step_budget_s is not None else None
@@ -137,9 +143,6 @@ class LLMEngine(EngineCore):
         # A launched step whose sampled ids are read at the next step (async scheduling), with its
         # scheduler output and start time.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
-        self.runner = ModelRunner.for_engine(
-            loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=config.args.enforce_eager
-        )
         self.store = (
             StoreConnector(
                 store,
@@ -549,6 +552,7 @@ class LLMEngine(EngineCore):
             num_prompt_tokens=self.scheduler.num_admitted_prompt_tokens,
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            window_replays=self.scheduler.window_replays,
             store=self.store.stats() if self.store is not None else None,
             num_pending_transfers=len(self.disaggregation),
             resume=self.resume_stats,

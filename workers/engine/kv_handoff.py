@@ -15,9 +15,12 @@ token-major, independent of either engine's page size. The handoff names the lay
 (`kv_layout`, the sender's KVCacheSpecs.layout), and a receiver whose cache is laid out otherwise
 refuses it. `PagedLayers` copies a layer out of the prefill engine's pages only when it is read, so a
 sender can ship layer i while layer i + 1 is still being copied; `write_layers` puts received
-layers into the decode engine's pages. Or page to page, between engines of one host: the export
-names its pages (`pages`) and the decode side copies them straight into the pages it reserved
-(LLMEngine.reservation); such a handoff carries no layers.
+layers into the decode engine's pages. A hybrid model's layers are read from and written to their own
+KV group's pages (workers.engine.kv.spec); a sliding-window layer's tokens behind its window, whose
+pages were released, travel as zeros, which no query reads. Or page to page, between engines of one
+host: the export names its pages (`pages`) and the decode side copies them straight into the pages it
+reserved (LLMEngine.reservation); such a handoff carries no layers. A hybrid model's cache is one
+tensor per group, which no peer maps: its KV always travels as layers (LLMEngine.info.kv_transfer).
 """
 
 from collections.abc import Sequence
@@ -26,6 +29,7 @@ from typing import overload
 
 import torch
 
+from kernels.attention import NULL_PAGE
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
@@ -206,10 +210,16 @@ def write_layers(
     window_pages: Sequence[list[int]] = (),
 ) -> None:
     """Write tokens [start, num_computed_tokens) of `layers` into the request's `pages` (all of them,
-    from the first) and, for the layers of further KV groups, its `window_pages` tables; `start` is
-    page-aligned: the pages before it came from the prefix cache."""
-    first_page = start // kv_cache.page_size
-    indices = [torch.tensor(table[first_page:], device=kv_cache.device) for table in (pages, *window_pages)]
+    from the first; `start` is page-aligned: the pages before it came from the prefix cache) and, for
+    the layers of further KV groups, into its `window_pages` tables from their first page that is not
+    NULL_PAGE (those before lie behind the window; the others were all given fresh)."""
+    page_size = kv_cache.page_size
+    firsts, indices = [], []
+    for group, table in enumerate((pages, *window_pages)):
+        skip = start // page_size if group == 0 else 0
+        first = next((i for i in range(skip, len(table)) if table[i] != NULL_PAGE), len(table))
+        firsts.append(first * page_size)
+        indices.append(torch.tensor(table[first:], device=kv_cache.device))
     for group, planes, layer in zip(kv_cache.specs.group_of_layer, kv_cache.layers, layers, strict=True):
         for plane, data in zip(planes, layer, strict=True):
-            scatter_tokens(plane, indices[group], data[:, start:])
+            scatter_tokens(plane, indices[group], data[:, firsts[group] :])

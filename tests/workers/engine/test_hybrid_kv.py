@@ -1,13 +1,16 @@
 """A hybrid model (full-attention and sliding-window layers) keeps its windows' KV in pools of their own:
 the engine's output still equals Hugging Face's greedy generation with chunked prefill and prefix hits,
-and a window's pool is sized by its window, not by the context."""
+a window's pool is sized by its window, not by the context, and a handoff fills the window pages the
+decode side reads."""
 
 import pytest
 import torch
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS, build_hf_model
+from tests.workers.engine.requests import hand_over
 from workers.engine import LLM, SamplingParams
 from workers.engine.sizing.kv_sizing import window_group_pages
+from workers.protocol.engine_request import EngineRequest
 
 HYBRID = ["qwen3_qknorm_layer_types", "qwen2_bias_sliding"]
 PROMPT = list(range(40, 90))
@@ -66,3 +69,24 @@ def test_windows_that_would_outgrow_the_full_group_get_as_many_pages_as_it():
     cache = llm.engine.kv_cache
 
     assert cache.group_num_pages == ((1 << 22) // cache.specs.page_bytes,) * 2
+
+
+def test_a_handed_over_request_gets_window_pages_for_the_window_it_reads_only():
+    config = TINY_CONFIGS["qwen3_qknorm_layer_types"]  # a window of 6; pages of 16
+    prefill, decode = (LLM(config, seed=0, kv_cache_bytes=1 << 22).engine for _ in range(2))
+    tokens = list(range(100))
+    prefill.add_request(EngineRequest(request_id="r", prompt_token_ids=tokens, params=GREEDY, prefill_only=True))
+    while not prefill.step():
+        pass
+
+    hand_over(decode, prefill.export_kv("r").materialized())
+
+    request = decode.requests["r"]
+    window = decode.block_manager.pages_of(request, 1)
+    # 100 computed tokens; the first decode step's query (at 100) reads 95..100: pages 5 and 6.
+    assert len(window) == len(request.pages) == 7
+    assert window[:5] == [0] * 5 and 0 not in window[5:]
+    while decode.has_unfinished():
+        decode.step()
+    mixed = LLM(config, seed=0, kv_cache_bytes=1 << 22).generate([tokens], GREEDY)[0]
+    assert request.output_token_ids == mixed.token_ids

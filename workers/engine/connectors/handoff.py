@@ -157,9 +157,14 @@ class Disaggregation(KVConnector):
         decode step needs none), and hold it until admit or cancel; the first token whose KV must be
         written (those before it are the prefix cache's). EngineOverloadedError (and nothing
         changed) when the pages cannot be had."""
-        cached = self.block_manager.find_cached_prefix(request)
-        cached_tokens = len(cached[0]) * self.block_manager.page_size
-        if not self.block_manager.allocate(request, request.num_tokens - cached_tokens, cached):
+        manager = self.block_manager
+        cached = manager.find_cached_prefix(request)
+        windows = [window for window in manager.windows if window is not None]
+        # A hybrid model's window pages: only those of the window its first decode step reads, all
+        # filled from the handoff (write_layers), whatever the prefix cache holds.
+        window_start = max(handoff.num_computed_tokens - max(windows) + 1, 0) if windows else None
+        cached_tokens = len(cached[0]) * manager.page_size
+        if not manager.allocate(request, request.num_tokens - cached_tokens, cached, window_start=window_start):
             raise EngineOverloadedError(
                 f"no room for {request.num_tokens} tokens of KV: "
                 f"{self.block_manager.num_free_pages} of {self.block_manager.num_usable_pages} pages are free"

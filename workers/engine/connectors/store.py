@@ -28,8 +28,9 @@ only when it is full.
 
 A hybrid model (a full-attention group and sliding windows): the store keeps the full group's KV only,
 and a hit of h tokens would also need the windows' KV of the tokens before h, which the store does
-not hold. Until that state can be had (replayed, or fetched from the workers that computed it: see
-`window_state_for_hit`), such a model takes no hits from the store; it still writes its blocks.
+not hold: it is replayed (workers.engine.kv.window_replay), or, where the attention backend cannot
+replay, the hit is not taken (`window_state_for_hit`, where fetching that state from the workers that
+computed it will plug in). Blocks computed after an approximate replay are never stored.
 
 Prompt tails: a prompt that ends inside a block leaves that block partial until the output fills
 it. A decode worker that checkpoints its requests for failover also stores the tail's whole pages
@@ -207,10 +208,12 @@ class StoreConnector(KVConnector):
 
     def window_state_for_hit(self, request: Request, hit_tokens: int) -> bool:
         """Whether the KV of the sliding-window layers for the tokens before a store hit of `hit_tokens`
-        can be had, so that the hit may be taken: trivially for a model without windows. This is
-        where a source of window state (a cross-worker cache) plugs in: it would fill the window pages
-        of those tokens before the step that admits the request."""
-        return len(self.kv_cache.specs.groups) == 1
+        can be had, so that the hit may be taken: trivially for a model without windows, else by a
+        bounded replay (kv.window_replay) where the attention backend runs one. This is where a
+        source of window state (a cross-worker cache) plugs in: when it holds the window before the
+        hit, it fills those window pages before the step that admits the request, and the scheduler
+        takes the hit without a replay (BlockManager.replay_for_hit)."""
+        return len(self.kv_cache.specs.groups) == 1 or self.block_manager.replay is not None
 
     @torch.inference_mode()
     def store_prompt_tail(self, request: Request) -> None:
@@ -253,7 +256,7 @@ class StoreConnector(KVConnector):
         again). The store is asked about all of them at once: one index round trip per step."""
         completed = []  # (request, first unsaved block, full blocks, their keys)
         for request in requests:
-            full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_tokens
+            full = min(request.num_reusable_tokens, request.num_known_tokens) // self.block_tokens
             if full > request.num_saved_blocks:
                 completed.append((request, request.num_saved_blocks, full, self._keys(request, full)))
         if not completed:

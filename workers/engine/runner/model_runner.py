@@ -256,6 +256,8 @@ class ModelRunner:
 
     def _execute_reference(self, scheduled: Sequence[ScheduledSequence]) -> StepOutput:
         input_ids = [token for s in scheduled for token in s.token_ids]
+        replays = [s.state.window_replay for s in scheduled]
+        replaying = any(replay is not None for replay in replays)
         group_metadata: list[AttentionMetadata] = [
             self.backend.build_metadata(
                 StepBatch(
@@ -264,6 +266,8 @@ class ModelRunner:
                     block_tables=[s.state.block_ids[group] for s in scheduled],
                     page_size=self.kv_cache.page_size,
                     device=self.device,
+                    first_keys=[r.start if r else 0 for r in replays] if replaying and group else None,
+                    first_written=[r.end if r else 0 for r in replays] if replaying and not group else None,
                 )
             )
             for group in range(len(self.kv_cache.specs.groups))

@@ -16,6 +16,7 @@ Nothing here is a tensor: ids, counts and lists of ints only.
 from dataclasses import dataclass, field
 
 from workers.engine.connectors.store import KVLoad
+from workers.engine.kv.window_replay import WindowReplay
 from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams
 
@@ -39,6 +40,8 @@ class NewRequestData:
     # are reported by the steps before its first output token.
     prompt_logprobs: int | None
     block_ids: BlockIds  # its pages so far, a copy
+    # The replay of its sliding windows after its prefix hit (workers.engine.kv.window_replay), if any.
+    window_replay: WindowReplay | None = None
 
 
 @dataclass(frozen=True, slots=True)

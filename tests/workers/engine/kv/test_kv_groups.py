@@ -1,7 +1,7 @@
 """A model of two KV groups, full attention and a sliding window, proves the seam between the specs and
 what holds KV: pages are allocated per group, and the global store writes only the full-attention
-group (a window's state is never stored globally) and serves such a model no hits, lacking the
-window's state; a block of another layout is refused there."""
+group (a window's state is never stored globally) and serves such a model no hits where it cannot
+replay its windows (kv.window_replay); a block of another layout is refused there."""
 
 import random
 
@@ -62,7 +62,7 @@ def test_the_store_writes_only_the_full_attention_group(tmp_path):
     assert torch.equal(stored.view(FULL.run_shape(BLOCK)), expected)
 
 
-def test_a_hybrid_model_takes_no_hit_from_the_store(tmp_path):
+def test_a_hybrid_model_that_cannot_replay_its_windows_takes_no_hit_from_the_store(tmp_path):
     cache = KVCache(SPECS, num_pages=8, device=torch.device("cpu"))
     manager = BlockManager(num_pages=8, page_size=PAGE, windows=SPECS.windows)
     request = computed_request(manager, 70)

@@ -108,3 +108,21 @@ def test_a_layout_names_kind_layers_shape_and_dtype_and_differs_when_any_does():
 def test_an_inconsistent_spec_is_refused_clearly(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_gpt_oss_20b_shaped_model_stores_half_its_kv_per_block():
+    # 24 layers alternating sliding (window 128) and full, 8 KV heads of 64, bf16: a store block of
+    # 128 tokens holds the 12 full layers' keys and values, 3 MiB, against 6 MiB for every layer.
+    config = replace(
+        model_config(TINY_CONFIGS["llama"]),
+        num_layers=24,
+        num_kv_heads=8,
+        head_dim=64,
+        layer_windows=tuple(128 if layer % 2 == 0 else None for layer in range(24)),
+    )
+
+    specs = KVCacheSpecs.of_model(config, dtype=torch.bfloat16, page_size=16)
+
+    stored = [group for group in specs.groups if group.stored_globally]
+    assert [group.layers for group in stored] == [tuple(range(1, 24, 2))]
+    assert stored[0].bytes_per_token * 128 == 3 << 20 and specs.bytes_per_token * 128 == 6 << 20
