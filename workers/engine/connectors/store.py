@@ -221,6 +221,9 @@ class StoreConnector(KVConnector):
         KV is computed and the block the prompt ends in is not full yet (a full one is stored as such)."""
         if request.prompt_tail_stored:
             return
+        if request.num_reusable_tokens < request.num_computed_tokens:
+            request.prompt_tail_stored = True  # its KV past an approximate window replay is not stored
+            return
         tail = self._prompt_tail(request)
         if tail is None or request.num_known_tokens >= (tail[0] + 1) * self.block_tokens:
             request.prompt_tail_stored = True

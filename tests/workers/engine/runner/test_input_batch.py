@@ -173,3 +173,24 @@ def test_a_row_reused_by_a_request_without_extras_gets_a_neutral_bias_and_mask()
     assert driver.batch.row_of["plain"] == row
     extras = driver.batch.extras
     assert not extras.bias[row].any() and extras.allowed[row].all()
+
+
+def test_the_step_s_device_tensors_are_per_kv_group_sharing_all_but_slots_and_tables():
+    driver = Driver(max_batched_tokens=6, windows=(None, 5))
+    driver.add(make_request("a", 6))
+    driver.add(make_request("b", 3, start=100))
+    output = driver.scheduler.schedule()
+    dropped = driver.states.update(output)
+    driver.batch.update(output, dropped)
+    plan = driver.batch.plan(output, driver.states)
+
+    layout, packed = driver.batch.prepare(plan, output, driver.states, pad_to=8)  # a CUDA graph's bucket
+    full, window = driver.batch.step_inputs(layout, packed, decode_only=False, max_query_len=6).attention
+
+    manager = driver.scheduler.block_manager
+    a = driver.requests["a"]
+    assert full.positions is window.positions and full.seq_lens is window.seq_lens
+    assert list(full.block_tables[0, :2]) == a.pages and list(window.block_tables[0, :2]) == manager.pages_of(a, 1)
+    assert window.slot_mapping[:6].tolist() == [manager.pages_of(a, 1)[p // PAGE] * PAGE + p % PAGE for p in range(6)]
+    assert full.slot_mapping[6:].tolist() == window.slot_mapping[6:].tolist() == [-1, -1]  # padding writes nothing
+    assert (window.block_tables[2:] == 0).all()  # the padding row
