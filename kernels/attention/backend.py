@@ -16,8 +16,8 @@ the same for one group or several. A model's forward adapts with one line: itera
 A window replay (workers.engine.kv.window_replay) adds two per-sequence bounds to a group's StepBatch:
 `first_keys` (a window group's queries read no key before it) and `first_written` (a full group's
 new tokens before it write nothing: slot -1, which `write_kv` and the fused cache write skip). The torch
-backends honour them; the Triton kernels do not yet (supports_window_replay), so an engine on them
-takes only hits whose window pages are cached.
+backends take them from StepBatch; the Triton backend from the runner's DeviceStepTensors (the
+first keys of a window group's, the -1 slots of a full group's).
 
 Backends:
 - `torch_blockwise`: the reference; plain torch over fixed key blocks, batch-invariant on the CPU.
@@ -50,6 +50,10 @@ class DeviceStepTensors:
     block_tables: torch.Tensor  # [seqs, max_pages] int32
     max_query_len: int  # a host number: sizes grids, never read from the device
     decode_only: bool  # every sequence computes exactly one token
+    # [seqs] int32 of a window group: each sequence's first readable key (StepBatch.first_keys), 0
+    # without a replay; None for a full group. A decode step never needs it: a replay's queries all
+    # come before its sampled token, and past them the window starts after the replay's start.
+    first_keys: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs: ClassVar[bool] = True
     needs_device_tensors: ClassVar[bool] = True
+    supports_window_replay: ClassVar[bool] = True
 
     def build_metadata(self, step: StepBatch) -> DeviceStepTensors:
         if step.tensors is None:
@@ -66,6 +67,7 @@ class TritonBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
             scale=scale,
             window=window,
+            first_keys=metadata.first_keys,
         )
 
     def _forward_mla(

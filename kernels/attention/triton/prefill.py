@@ -32,6 +32,7 @@ def paged_prefill_attention(
     scale: float,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    first_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached keys: [T, heads, head_dim] in q.dtype.
 
@@ -39,7 +40,8 @@ def paged_prefill_attention(
     query_start[b]:query_start[b + 1] ([B + 1] int32) and its i-th new token sits at position
     seq_lens[b] - q_len_b + i. seq_lens: [B] int32, cached + new tokens. max_query_len: the
     longest q_len_b (sizes the grid only; longer sequences would be cut short). Rows past
-    query_start[B] are left as they are in `out` (zeros when `out` is None).
+    query_start[B] are left as they are in `out` (zeros when `out` is None). first_keys: [B] int32,
+    the first key each sequence's queries may read (a window replay's start), None for 0.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
     if query_start.dtype != torch.int32:
@@ -87,6 +89,8 @@ def paged_prefill_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=KEY_TILE,
         USE_WINDOW=window is not None,
+        first_keys_ptr=first_keys if first_keys is not None else seq_lens,
+        USE_FIRST_KEYS=first_keys is not None,
     )
     return out
 
@@ -117,6 +121,8 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    first_keys_ptr,
+    USE_FIRST_KEYS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -152,6 +158,10 @@ def _prefill_kernel(
     if USE_WINDOW:
         first_visible = tl.maximum(context_len + first_token - window + 1, 0)
         start = first_visible // BLOCK_N * BLOCK_N  # prune tiles before the earliest token's window
+    first_readable = 0
+    if USE_FIRST_KEYS:
+        first_readable = tl.load(first_keys_ptr + b)
+        start = tl.maximum(start, first_readable // BLOCK_N * BLOCK_N)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -166,6 +176,8 @@ def _prefill_kernel(
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
         if USE_WINDOW:
             visible &= keys[None, :] > positions[:, None] - window
+        if USE_FIRST_KEYS:
+            visible &= keys[None, :] >= first_readable
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
 

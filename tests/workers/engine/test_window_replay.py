@@ -2,6 +2,7 @@
 exactly, it equals computing from scratch token for token; approximately, the next-token distribution
 stays close to it; either way the full-attention pages of the hit are never written."""
 
+import importlib.util
 import random
 
 import pytest
@@ -172,3 +173,23 @@ def test_a_store_hit_of_a_hybrid_model_loads_the_full_group_and_replays_its_wind
     # each are not written), and none computed after an approximate replay.
     assert stats.store.window_bytes_not_stored == stats.store.num_blocks_written * 2 * 32 * (2 * 2 * 32 * 4)
     assert stats.store.num_blocks_written == (2 if mode == "exact" else 0)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="the device path on the CPU, under Triton's interpreter (the GPU runs it natively)",
+)
+@pytest.mark.parametrize("mode", ["exact", "approximate"])
+def test_the_device_path_replays_as_the_reference_path_does(mode):
+    first, other = prompt(50, seed=1), prompt(50, seed=2)
+    outputs, replays = [], []
+    for backend in ("torch_blockwise", "triton"):
+        # Triton's pages hold 8 tokens at least: a window pool of 5 usable pages.
+        llm = hybrid_llm("qwen3_qknorm_layer_types", swa_replay=mode, attention_backend=backend, page_size=8)
+        llm.generate([first], GREEDY)
+        llm.generate([other], GREEDY)
+        outputs.append(llm.generate([first], GREEDY)[0].token_ids)
+        replays.append(llm.engine.stats().window_replays)
+
+    assert outputs[0] == outputs[1] and replays[0] == replays[1]
+    assert replays[1].num_replayed_tokens == (10 if mode == "exact" else 6)

@@ -37,7 +37,7 @@ from workers.protocol.sampling_params import SamplingParams
 # Sections of the packed step buffer, each `tokens`, `seqs` or `samples` long, in this order
 # ("slot_mapping" is `tokens` long per KV group: [groups, tokens]).
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")
-SEQ_FIELDS = ("seq_lens", "query_start", "rows")
+SEQ_FIELDS = ("seq_lens", "query_start", "rows", "first_keys")
 SAMPLE_FIELDS = ("logit_rows", "sample_rows", "greedy", "top_k", "seed_lo", "seed_hi", "step")
 # Stored as float64 bit patterns in the int64 buffer.
 FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -142,6 +142,10 @@ class InputBatch:
         self._changed: set[int] = set()
         # Per-row settings, written when a request gets its row.
         self.prompt_len = np.zeros(size, dtype=np.int64)
+        # A window replay's bounds (kv.window_replay; 0, 0 without one): the window groups' first
+        # readable key, and the position before which the full group writes nothing.
+        self.replay_start = np.zeros(size, dtype=np.int64)
+        self.replay_end = np.zeros(size, dtype=np.int64)
         self.greedy = np.ones(size, dtype=np.int64)
         self.top_k = np.zeros(size, dtype=np.int64)
         self.seed_lo = np.zeros(size, dtype=np.int64)
@@ -183,6 +187,8 @@ class InputBatch:
                 raise ValueError(f"the input batch holds {self.num_groups} KV-cache groups, got {len(new.block_ids)}")
             row = self._add(new.request_id, new.params, len(new.prompt_token_ids), new.prompt_logprobs is not None)
             self._set_tables(row, new.block_ids, start=0)
+            replay = new.window_replay
+            self.replay_start[row], self.replay_end[row] = (replay.start, replay.end) if replay else (0, 0)
             params = new.params
             self.needs_extras[row] = needs_extras(params, new.constraint is not None)
             self.constrained[row] = new.constraint is not None
@@ -293,10 +299,12 @@ class InputBatch:
         slots = fields["slot_mapping"].reshape(self.num_groups, layout.tokens)
         page = self.tables_np[rows[seq_of_token], :, positions // self.page_size]  # [tokens, groups]
         slots[:, :num_tokens] = (page * self.page_size + (positions % self.page_size)[:, None]).T
+        slots[0, :num_tokens][positions < self.replay_end[rows[seq_of_token]]] = -1
         fields["token_rows"][:num_tokens] = rows[seq_of_token]
         fields["seq_lens"][:n] = starts + counts
         fields["query_start"][: n + 1] = query_start
         fields["rows"][:n] = rows
+        fields["first_keys"][:n] = self.replay_start[rows]
         sampling = plan.sampling
         sample_rows = rows[sampling]
         fields["logit_rows"][:num_samples] = query_start[sampling + 1] - 1
@@ -347,6 +355,7 @@ class InputBatch:
         fields["seq_lens"][n:] = 0
         fields["query_start"][n + 1 :] = num_tokens + np.arange(1, layout.seqs - n + 1)
         fields["rows"][n:] = self.padding_row
+        fields["first_keys"][n:] = 0
         padding_tokens = np.arange(num_tokens, num_tokens + layout.samples - samples)
         fields["logit_rows"][samples:] = np.minimum(padding_tokens, layout.tokens - 1)
         fields["sample_rows"][samples:] = self.padding_row
@@ -379,6 +388,7 @@ class InputBatch:
         tables = self.tables.index_select(0, view["rows"])  # [seqs, groups, max_pages]
         seq_lens = view["seq_lens"].to(torch.int32)
         query_start = view["query_start"].to(torch.int32)
+        first_keys = view["first_keys"].to(torch.int32) if self.num_groups > 1 else None
         attention = tuple(
             DeviceStepTensors(
                 positions=view["positions"],
@@ -388,6 +398,7 @@ class InputBatch:
                 block_tables=tables[:, group].contiguous(),
                 max_query_len=max_query_len,
                 decode_only=decode_only,
+                first_keys=first_keys if group else None,
             )
             for group in range(self.num_groups)
         )
