@@ -25,6 +25,7 @@ from workers.cost_model import PrefillCostModel
 # The dtypes the engine runs models (and so their KV) in, by torch's names.
 DTYPES = ("float32", "bfloat16", "float16")
 KV_TRANSFERS = ("auto", "zmq")
+SWA_REPLAYS = ("approximate", "exact")  # see workers.engine.kv.window_replay
 
 # The KV cache of an engine off CUDA (the CPU) when neither --num-pages nor --kv-cache-bytes is given.
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -108,6 +109,14 @@ class EngineArgs:
     step_budget_ms: float | None = setting(
         None, help="cap each step's predicted time, in milliseconds (needs --cost-model)", none="no cap"
     )
+    swa_replay: str = setting(
+        "approximate",
+        choices=SWA_REPLAYS,
+        help="how a hybrid model (sliding-window and full-attention layers) rebuilds its windows' KV before a "
+        "prefix hit whose window pages are not cached (a store hit, always): approximate recomputes the "
+        "window's tokens before the hit, attending only among them; exact recomputes enough before them "
+        "to rebuild the window exactly",
+    )
     enforce_eager: bool = setting(False, help="run the decode forward eagerly instead of replaying CUDA graphs")
     async_scheduling: bool = setting(
         True,
@@ -142,6 +151,8 @@ class EngineArgs:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
         if self.kv_transfer not in KV_TRANSFERS:
             raise ValueError(f"unknown kv_transfer {self.kv_transfer!r}; choose from {list(KV_TRANSFERS)}")
+        if self.swa_replay not in SWA_REPLAYS:
+            raise ValueError(f"unknown swa_replay {self.swa_replay!r}; choose from {list(SWA_REPLAYS)}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

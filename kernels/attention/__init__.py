@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.attention.backend import AttentionBackend, DeviceStepTensors, StepBatch
+from kernels.attention.backend import AttentionBackend, DeviceStepTensors, StepBatch, layer_metadata
 from kernels.attention.paged import NULL_PAGE, write_kv
 from kernels.attention.torch_common.metadata import AttentionMetadata
 from kernels.attention.torch_sdpa import paged_attention_sdpa
@@ -95,6 +95,7 @@ __all__ = [
     "batch_invariant",
     "default_backend",
     "get_backend",
+    "layer_metadata",
     "sdpa_is_batch_invariant",
     "write_kv",
 ]

@@ -5,6 +5,20 @@ metadata its kernels want (`build_metadata`), and every layer then calls the bac
 queries, its KV cache and that metadata. The runner never looks inside the metadata, and the
 model only reads `metadata.slot_mapping` to write new keys and values into the cache.
 
+KV groups (workers.engine.kv.spec): a hybrid model's full-attention layers and each sliding window's
+layers keep their KV in pools of their own, so each group has its own block tables and slots. The
+runner describes the step once per group (StepBatch's block tables, or its DeviceStepTensors' slots
+and tables) and builds one metadata per group; the model's forward receives them per layer
+(`layer_metadata`: layer i gets its group's) and hands each attention layer its own, so layer code is
+the same for one group or several. A model's forward adapts with one line: iterate
+`zip(self.layers, kv_caches, metadata)` and pass the layer's metadata where it passed the step's.
+
+A window replay (workers.engine.kv.window_replay) adds two per-sequence bounds to a group's StepBatch:
+`first_keys` (a window group's queries read no key before it) and `first_written` (a full group's
+new tokens before it write nothing: slot -1, which `write_kv` and the fused cache write skip). The torch
+backends take them from StepBatch; the Triton backend from the runner's DeviceStepTensors (the
+first keys of a window group's, the -1 slots of a full group's).
+
 Backends:
 - `torch_blockwise`: the reference; plain torch over fixed key blocks, batch-invariant on the CPU.
 - `torch_sdpa`: torch's fused scaled_dot_product_attention over gathered pages.
@@ -14,6 +28,7 @@ Backends:
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +50,10 @@ class DeviceStepTensors:
     block_tables: torch.Tensor  # [seqs, max_pages] int32
     max_query_len: int  # a host number: sizes grids, never read from the device
     decode_only: bool  # every sequence computes exactly one token
+    # [seqs] int32 of a window group: each sequence's first readable key (StepBatch.first_keys), 0
+    # without a replay; None for a full group. A decode step never needs it: a replay's queries all
+    # come before its sampled token, and past them the window starts after the replay's start.
+    first_keys: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +66,16 @@ class StepBatch:
     page_size: int
     device: torch.device
     tensors: DeviceStepTensors | None = None  # present when the runner keeps a device input batch
+    # Per sequence, a window replay's bounds (workers.engine.kv.window_replay), None without one: the
+    # first key its queries may read (a window group's), and the position before which its new tokens
+    # write nothing (a full group's: those slots are -1).
+    first_keys: list[int] | None = None
+    first_written: list[int] | None = None
+
+
+def layer_metadata(group_metadata: Sequence[Any], group_of_layer: Sequence[int]) -> tuple[Any, ...]:
+    """Per layer, the metadata of its KV group (KVCacheSpecs.group_of_layer): what a model's forward takes."""
+    return tuple(group_metadata[group] for group in group_of_layer)
 
 
 class AttentionBackend(ABC):
@@ -55,6 +84,8 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether the backend needs StepBatch.tensors (the runner's device input batch).
     needs_device_tensors: ClassVar[bool] = False
+    # Whether it honours StepBatch.first_keys and first_written, which a window replay needs.
+    supports_window_replay: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(self, step: StepBatch) -> Any:

@@ -37,8 +37,9 @@ def naive_attention(q, k, v, positions, window, sinks=None):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def paged_batch(seqs, seed=0):
-    """Random keys/values per sequence scattered over shuffled pages; returns cache + metadata."""
+def paged_batch(seqs, seed=0, first_keys=None):
+    """Random keys/values per sequence scattered over shuffled pages; returns cache + metadata (with
+    these first readable keys)."""
     gen = torch.Generator().manual_seed(seed)
     total_pages = 1 + sum(-(-s // PAGE) for _, s in seqs)
     free = list(range(1, total_pages))
@@ -64,6 +65,7 @@ def paged_batch(seqs, seed=0):
         block_tables=tables,
         page_size=PAGE,
         device=torch.device("cpu"),
+        first_keys=first_keys,
     )
     assert metadata.slot_mapping.tolist() == slots
     return torch.cat(queries), k_cache, v_cache, metadata, full_kv
@@ -133,6 +135,45 @@ def test_write_kv_stores_at_slots():
     write_kv(k_cache, v_cache, key, -key, torch.tensor([PAGE + 3, 2 * PAGE]))
     assert torch.equal(k_cache[:, 1, 3], key[0]) and torch.equal(k_cache[:, 2, 0], key[1])
     assert torch.equal(v_cache[:, 2, 0], -key[1])
+
+
+def test_write_kv_skips_slot_minus_one():
+    k_cache = torch.zeros(KV_HEADS, 3, PAGE, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(3, KV_HEADS, HEAD_DIM)
+    write_kv(k_cache, v_cache, key, -key, torch.tensor([-1, PAGE + 3, -1]))
+    assert torch.equal(k_cache[:, 1, 3], key[1]) and torch.equal(v_cache[:, 1, 3], -key[1])
+    assert torch.count_nonzero(k_cache) == KV_HEADS * HEAD_DIM  # nothing else, the null page untouched
+
+
+@pytest.mark.parametrize("backend", TORCH_BACKENDS)
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_first_readable_key_hides_the_keys_before_it(backend, window):
+    """A window replay's segment (kv.window_replay): queries read no key before the sequence's first."""
+    seqs = [(12, 40), (3, 20)]
+    first_keys = [20, 17]  # the first query of the second sequence is its first readable key
+    query, k_cache, v_cache, replaying, full_kv = paged_batch(seqs, first_keys=first_keys)
+    out = get_backend(backend)(query, k_cache, v_cache, replaying, scale=HEAD_DIM**-0.5, window=window)
+    for b, ((q_len, s_len), first) in enumerate(zip(seqs, first_keys)):
+        rows = slice(replaying.query_start[b], replaying.query_start[b + 1])
+        k, v = full_kv[b]
+        expected = naive_attention(
+            query[rows], k[first:], v[first:], torch.arange(s_len - q_len, s_len) - first, window
+        )
+        torch.testing.assert_close(out[rows].double(), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_tokens_before_the_first_written_position_get_slot_minus_one():
+    metadata = AttentionMetadata.build(
+        query_lens=[6, 2],
+        seq_lens=[10, 2],
+        block_tables=[[3, 1, 4], [2]],
+        page_size=4,
+        device=torch.device("cpu"),
+        first_written=[8, 0],
+    )
+    # Positions 4..9 of the first sequence, 0..1 of the second: 4..7 are a replay's, written nowhere.
+    assert metadata.slot_mapping.tolist() == [-1, -1, -1, -1, 16, 17, 8, 9]
 
 
 def test_shape_checks_name_the_problem():

@@ -370,6 +370,43 @@ def test_kernels_agree_with_blockwise_backend(window):
     torch.testing.assert_close(decode, expected[[metadata.query_start[b] for b in decode_rows]], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_with_first_readable_keys_agrees_with_blockwise_backend(window):
+    """A window replay's segment (workers.engine.kv.window_replay): no query reads a key before its
+    sequence's first readable key, on the kernels as on the engine's reference backend."""
+    seqs = [(5, 41), (40, 100), (24, 130), (3, 3)]
+    # A replay's queries start at its first readable key or, in a later chunk, past it: at the first
+    # query, in the cached context before it, at a first query past a key tile, none.
+    first_keys = [36, 50, 106, 0]
+    query_lens, seq_lens = [q for q, _ in seqs], [s for _, s in seqs]
+    k_cache, v_cache, block_tables, tables = paged_cache(
+        seq_lens, kv_heads=2, head_dim=32, page=16, dtype=torch.float32, poison_null_page=False
+    )
+    q = torch.randn(sum(query_lens), 6, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    metadata = AttentionMetadata.build(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        page_size=16,
+        device=DEVICE,
+        first_keys=first_keys,
+    )
+    expected = paged_attention_blockwise(q, k_cache, v_cache, metadata, scale=0.2, window=window)
+    prefill = paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.tensor(metadata.query_start, dtype=torch.int32, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        max_query_len=40,
+        scale=0.2,
+        window=window,
+        first_keys=torch.tensor(first_keys, dtype=torch.int32, device=DEVICE),
+    )
+    torch.testing.assert_close(prefill, expected, atol=1e-4, rtol=1e-4)
+
+
 def decode_inputs():
     k_cache, v_cache, block_tables, _ = paged_cache([12, 5], kv_heads=2, head_dim=16, page=8, dtype=torch.float32)
     q = torch.randn(2, 4, 16).to(DEVICE)

@@ -26,6 +26,8 @@ from workers.engine.engine_core import EngineCore, EngineInfo, EngineStats, EPGr
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.host_memory import reuse_freed_memory
 from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.spec import KVCacheSpecs
+from workers.engine.kv.window_replay import ReplayPolicy
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
@@ -111,19 +113,21 @@ class LLMEngine(EngineCore):
         self.kv_model_id = f"{loaded.name}:{str(dtype).removeprefix('torch.')}"
         kv_size = kv_cache_size(loaded, config, dtype=dtype, device=device)
         log.info("KV cache: %s", kv_size)
-        num_pages = kv_size.num_pages
-        kv_cache = KVCache.for_model(
-            loaded.config,
-            num_pages=num_pages,
-            page_size=config.args.page_size,
-            dtype=dtype,
-            device=device,
-            shareable=config.args.kv_transfer == "auto",
+        specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.args.page_size)
+        # A cache of several KV groups is several tensors: no one pool for a peer to map, so its KV
+        # travels as frames.
+        kv_transfer = config.args.kv_transfer if len(specs.groups) == 1 else "zmq"
+        kv_cache = KVCache(specs, num_pages=kv_size.group_num_pages, device=device, shareable=kv_transfer == "auto")
+        self.runner = ModelRunner.for_engine(
+            loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=config.args.enforce_eager
         )
+        replay = ReplayPolicy.of(specs, config.args.swa_replay) if self.runner.backend.supports_window_replay else None
         self.block_manager = BlockManager(
-            num_pages=num_pages,
+            num_pages=kv_size.group_num_pages,
             page_size=config.args.page_size,
             enable_prefix_caching=config.args.enable_prefix_caching,
+            windows=specs.windows,
+            replay=replay,
         )
         self.step_budget = (
             StepBudget(config.cost_model, config.step_budget_s) if config.step_budget_s is not None else None
@@ -139,9 +143,6 @@ class LLMEngine(EngineCore):
         # A launched step whose sampled ids are read at the next step (async scheduling), with its
         # scheduler output and start time.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
-        self.runner = ModelRunner.for_engine(
-            loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=config.args.enforce_eager
-        )
         self.store = (
             StoreConnector(
                 store,
@@ -165,7 +166,7 @@ class LLMEngine(EngineCore):
             page_size=config.args.page_size,
             kv_layout=kv_cache.specs.layout,
             kv_block_tokens=config.args.kv_block_tokens if store is not None else 0,
-            kv_transfer=config.args.kv_transfer,
+            kv_transfer=kv_transfer,
         )
         self.requests: dict[str, Request] = {}
         self.max_pending_transfers = max_pending_transfers
@@ -551,6 +552,7 @@ class LLMEngine(EngineCore):
             num_prompt_tokens=self.scheduler.num_admitted_prompt_tokens,
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            window_replays=self.scheduler.window_replays,
             store=self.store.stats() if self.store is not None else None,
             num_pending_transfers=len(self.disaggregation),
             resume=self.resume_stats,

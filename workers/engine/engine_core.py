@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from workers.engine.config import ModelConfig
 from workers.engine.connectors.store import StoreStats
 from workers.engine.kv.swa_stats import SwaStats
+from workers.engine.kv.window_replay import WindowReplayStats
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.placement import Placement
@@ -67,6 +68,8 @@ class EngineStats:
     cost_model_error: tuple[float, float] = (0.0, 0.0)
     steps: StepStats | None = None  # the engine's step times and tokens since start
     swa: SwaStats | None = None  # a model with sliding-window layers: its SWA state since start
+    # A hybrid model's window replays after prefix hits (workers.engine.kv.window_replay); None: none kept.
+    window_replays: WindowReplayStats | None = None
 
 
 class EngineCore(ABC):

@@ -15,9 +15,12 @@ token-major, independent of either engine's page size. The handoff names the lay
 (`kv_layout`, the sender's KVCacheSpecs.layout), and a receiver whose cache is laid out otherwise
 refuses it. `PagedLayers` copies a layer out of the prefill engine's pages only when it is read, so a
 sender can ship layer i while layer i + 1 is still being copied; `write_layers` puts received
-layers into the decode engine's pages. Or page to page, between engines of one host: the export
-names its pages (`pages`) and the decode side copies them straight into the pages it reserved
-(LLMEngine.reservation); such a handoff carries no layers.
+layers into the decode engine's pages. A hybrid model's layers are read from and written to their own
+KV group's pages (workers.engine.kv.spec); a sliding-window layer's tokens behind its window, whose
+pages were released, travel as zeros, which no query reads. Or page to page, between engines of one
+host: the export names its pages (`pages`) and the decode side copies them straight into the pages it
+reserved (LLMEngine.reservation); such a handoff carries no layers. A hybrid model's cache is one
+tensor per group, which no peer maps: its KV always travels as layers (LLMEngine.info.kv_transfer).
 """
 
 from collections.abc import Sequence
@@ -26,6 +29,7 @@ from typing import overload
 
 import torch
 
+from kernels.attention import NULL_PAGE
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
@@ -75,14 +79,21 @@ class PagedLayers(Sequence[torch.Tensor]):
     layer afterwards raises instead of returning whatever the reused pages then hold.
     """
 
-    def __init__(self, kv_cache: KVCache, pages: list[int], num_tokens: int) -> None:
-        if len(kv_cache.specs.groups) != 1:
-            raise ValueError(f"a handoff carries one KV group; this cache holds {kv_cache.specs.layout}")
+    def __init__(
+        self, kv_cache: KVCache, pages: list[int], num_tokens: int, *, window_pages: Sequence[list[int]] = ()
+    ) -> None:
+        """`pages`: the request's pages of the first KV group; `window_pages`: its page tables of the
+        others (sliding windows), whose released pages (NULL_PAGE, which holds zeros) read as zeros:
+        tokens no query of the receiver reads, which its own window releases at its first step."""
+        groups = kv_cache.specs.groups
+        if len({group.token_shape for group in groups}) != 1 or len(window_pages) != len(groups) - 1:
+            raise ValueError(f"a handoff carries KV of one token shape, with a page table per group: {groups}")
         self._layers = kv_cache.layers
         self.dtype = kv_cache.dtype
         self.layout = kv_cache.specs.layout
-        self.token_shape = kv_cache.specs.groups[0].token_shape
-        self._index = torch.tensor(pages, device=kv_cache.device)
+        self.token_shape = groups[0].token_shape
+        indices = [torch.tensor(table, device=kv_cache.device) for table in (pages, *window_pages)]
+        self._index_of_layer = [indices[group] for group in kv_cache.specs.group_of_layer]
         self._num_tokens = num_tokens
         self._closed = False
 
@@ -104,7 +115,8 @@ class PagedLayers(Sequence[torch.Tensor]):
         if self._closed:
             raise RuntimeError("the request's pages were released; export the KV before release_transfer")
         with torch.inference_mode():
-            planes = [gather_tokens(plane, self._index, self._num_tokens) for plane in self._layers[index]]
+            pages = self._index_of_layer[index]
+            planes = [gather_tokens(plane, pages, self._num_tokens) for plane in self._layers[index]]
             # torch.stack makes a fresh contiguous tensor; on the CPU it is the only copy.
             return torch.stack(planes).to("cpu")
 
@@ -162,7 +174,7 @@ def check_handoff(handoff: KVHandoff, *, kv_model_id: str, vocab_size: int, max_
             f"handoff {name!r} holds KV laid out as {handoff.kv_layout!r}; this engine's cache holds {ours.layout!r}"
         )
     shape = (handoff.num_layers, handoff.kv_dtype, tuple(handoff.token_shape))
-    if len(ours.groups) != 1 or shape != (ours.num_layers, kv_cache.dtype, ours.groups[0].token_shape):
+    if shape != (ours.num_layers, kv_cache.dtype, ours.groups[0].token_shape):
         raise InvalidRequestError(
             f"handoff {name!r} has {handoff.num_layers} layers of {handoff.kv_dtype} {handoff.token_shape} per token, "
             f"which is not its layout {handoff.kv_layout!r}"
@@ -189,12 +201,25 @@ def check_layers(handoff: KVHandoff) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def write_layers(kv_cache: KVCache, pages: list[int], layers: Sequence[torch.Tensor], *, start: int) -> None:
+def write_layers(
+    kv_cache: KVCache,
+    pages: list[int],
+    layers: Sequence[torch.Tensor],
+    *,
+    start: int,
+    window_pages: Sequence[list[int]] = (),
+) -> None:
     """Write tokens [start, num_computed_tokens) of `layers` into the request's `pages` (all of them,
-    from the first); `start` is page-aligned: the pages before it came from the prefix cache."""
+    from the first; `start` is page-aligned: the pages before it came from the prefix cache) and, for
+    the layers of further KV groups, into its `window_pages` tables from their first page that is not
+    NULL_PAGE (those before lie behind the window; the others were all given fresh)."""
     page_size = kv_cache.page_size
-    first_page = start // page_size
-    index = torch.tensor(pages[first_page:], device=kv_cache.device)
-    for planes, layer in zip(kv_cache.layers, layers, strict=True):
+    firsts, indices = [], []
+    for group, table in enumerate((pages, *window_pages)):
+        skip = start // page_size if group == 0 else 0
+        first = next((i for i in range(skip, len(table)) if table[i] != NULL_PAGE), len(table))
+        firsts.append(first * page_size)
+        indices.append(torch.tensor(table[first:], device=kv_cache.device))
+    for group, planes, layer in zip(kv_cache.specs.group_of_layer, kv_cache.layers, layers, strict=True):
         for plane, data in zip(planes, layer, strict=True):
-            scatter_tokens(plane, index, data[:, start:])
+            scatter_tokens(plane, indices[group], data[:, firsts[group] :])

@@ -5,6 +5,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.engine.kv.window_replay import WindowReplay
 from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.hints import BlockRetention
@@ -73,6 +74,8 @@ class Request:
     num_pages_sent: int = -1
     # Hashes of the request's full pages, in order; the chain continues from the last.
     page_hashes: list[BlockHash] = field(default_factory=list)
+    # The replay of its sliding windows after its prefix hit, if it needed one (kv.window_replay).
+    window_replay: "WindowReplay | None" = None
     # The request's keys in the global KV store (blocks of its tokens), extended as blocks fill.
     store_keys: list[BlockHash] = field(default_factory=list)
     # Blocks from the start that are in the store or queued for it; they survive preemption.
@@ -162,7 +165,17 @@ class Request:
         self.pages = []
         self.num_pages_sent = -1
         self.page_hashes = []
+        self.window_replay = None
         self.num_preemptions += 1
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Computed tokens whose KV may be keyed for reuse (prefix cache, store): all, except after an
+        approximate window replay, from whose end on the KV is approximate."""
+        replay = self.window_replay
+        if replay is not None and not replay.exact:
+            return min(self.num_computed_tokens, replay.end)
+        return self.num_computed_tokens
 
 
 def token_slice(prompt: list[int], output: list[int], start: int, stop: int) -> list[int]:

@@ -192,7 +192,7 @@ def _hidden_keys(group: SequenceGroup, layout: RowLayout, window: int | None) ->
     cache_key = ("blockwise", layout.rows, window)
     if cache_key not in group.scratch:
         key_pos = torch.arange(layout.num_keys, device=layout.row_positions.device)
-        hidden = ~visible_keys(layout.row_positions, key_pos, group.seq_lens, window)  # [n, rows, keys]
+        hidden = ~visible_keys(layout.row_positions, key_pos, group.seq_lens, window, group.first_keys)
         n, rows = layout.row_positions.shape
         blocks = layout.num_keys // KEY_BLOCK
         group.scratch[cache_key] = hidden.view(n, rows, blocks, KEY_BLOCK).transpose(1, 2).unsqueeze(0)

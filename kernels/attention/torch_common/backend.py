@@ -12,6 +12,7 @@ from kernels.attention.torch_common.metadata import AttentionMetadata
 
 class TorchBackend(AttentionBackend):
     attend: ClassVar[Callable[..., torch.Tensor]]
+    supports_window_replay = True
 
     def build_metadata(self, step: StepBatch) -> AttentionMetadata:
         return AttentionMetadata.build(
@@ -20,6 +21,8 @@ class TorchBackend(AttentionBackend):
             block_tables=step.block_tables,
             page_size=step.page_size,
             device=step.device,
+            first_keys=step.first_keys,
+            first_written=step.first_written,
         )
 
     def forward(

@@ -31,6 +31,7 @@ class SequenceGroup:
     positions: torch.Tensor  # [n, width] absolute position of each query token, -1 for padding
     seq_lens: torch.Tensor  # [n]
     block_tables: torch.Tensor  # [n, max_pages]
+    first_keys: torch.Tensor | None  # [n] the first key each sequence's queries may read; None: 0
     # Per-step values a backend derives once and reuses in every layer (masks, padded positions).
     scratch: dict[Any, Any] = field(default_factory=dict)
 
@@ -64,8 +65,11 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         page_size: int,
         device: torch.device,
+        first_keys: list[int] | None = None,
+        first_written: list[int] | None = None,
     ) -> "AttentionMetadata":
-        """Vectorised over tokens: a step may schedule tens of thousands of them."""
+        """Vectorised over tokens: a step may schedule tens of thousands of them. `first_keys` and
+        `first_written`: see kernels.attention.backend.StepBatch."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
         q_lens = np.asarray(query_lens, dtype=np.int64)
@@ -79,6 +83,9 @@ class AttentionMetadata:
         seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         positions = np.arange(query_start[-1]) - query_start[seq_of_token] + (s_lens - q_lens)[seq_of_token]
         slots = tables[seq_of_token, positions // page_size] * page_size + positions % page_size
+        if first_written is not None:
+            slots = np.where(positions < np.asarray(first_written)[seq_of_token], -1, slots)
+        starts = np.asarray(first_keys, dtype=np.int64) if first_keys is not None else None
         return cls(
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
@@ -86,7 +93,7 @@ class AttentionMetadata:
             positions=torch.from_numpy(positions).to(device),
             slot_mapping=torch.from_numpy(slots).to(device),
             groups=[
-                _build_group(seqs, q_lens, s_lens, query_start, tables, device)
+                _build_group(seqs, q_lens, s_lens, query_start, tables, starts, device)
                 for seqs in _partition(query_lens, PREFILL_GROUP_TOKENS.get(device.type, PREFILL_GROUP_TOKENS["cpu"]))
             ],
         )
@@ -129,6 +136,7 @@ def _build_group(
     s_lens: np.ndarray,
     query_start: np.ndarray,
     tables: np.ndarray,
+    first_keys: np.ndarray | None,
     device: torch.device,
 ) -> SequenceGroup:
     index = np.asarray(seqs)
@@ -151,6 +159,7 @@ def _build_group(
         positions=torch.from_numpy(positions).to(device),
         seq_lens=torch.from_numpy(s.copy()).to(device),
         block_tables=torch.from_numpy(tables[index]).to(device),
+        first_keys=torch.from_numpy(first_keys[index]).to(device) if first_keys is not None else None,
     )
 
 
@@ -208,12 +217,19 @@ def _flat_page_table(group: SequenceGroup, num_pages: int) -> torch.Tensor:
 
 
 def visible_keys(
-    query_positions: torch.Tensor, key_positions: torch.Tensor, seq_lens: torch.Tensor, window: int | None
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    first_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[n, ..., Q, K] True where a query may attend a key: causal, inside its sequence, inside the window."""
+    """[n, ..., Q, K] True where a query may attend a key: causal, inside its sequence, inside the
+    window, from its sequence's first readable key on."""
     q = query_positions.unsqueeze(-1)
     lens = seq_lens.view(-1, *([1] * (q.dim() - 1)))
     mask = (key_positions <= q) & (key_positions < lens)
     if window is not None:
         mask &= key_positions > q - window
+    if first_keys is not None:
+        mask &= key_positions >= first_keys.view_as(lens)
     return mask

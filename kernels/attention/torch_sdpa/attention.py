@@ -67,7 +67,7 @@ def _attend(
     on_cpu = query.device.type == "cpu"
     out = attention_output(query, v_cache)
     for group in metadata.groups:
-        if not on_cpu and window is None and sinks is None and group.fresh:
+        if not on_cpu and window is None and sinks is None and group.fresh and group.first_keys is None:
             _attend_fresh_prompts(query, out, k_cache, v_cache, group, scale)
             continue
         key_multiple = CPU_KEY_SPLIT if on_cpu else page_size
@@ -162,7 +162,7 @@ def _mask(group: SequenceGroup, layout: RowLayout, window: int | None) -> torch.
     cache_key = ("sdpa_mask", layout.rows, layout.num_keys, window)
     if cache_key not in group.scratch:
         key_pos = torch.arange(layout.num_keys, device=layout.row_positions.device)
-        mask = visible_keys(layout.row_positions, key_pos, group.seq_lens, window)
+        mask = visible_keys(layout.row_positions, key_pos, group.seq_lens, window, group.first_keys)
         # Padding rows see no key; let them see key 0 so no row is all -inf (NaN in some kernels).
         mask[:, :, 0] |= layout.row_positions < 0
         group.scratch[cache_key] = mask.unsqueeze(0)

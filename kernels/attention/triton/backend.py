@@ -25,6 +25,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs: ClassVar[bool] = True
     needs_device_tensors: ClassVar[bool] = True
+    supports_window_replay: ClassVar[bool] = True
 
     def build_metadata(self, step: StepBatch) -> DeviceStepTensors:
         if step.tensors is None:
@@ -77,6 +78,7 @@ class TritonBackend(AttentionBackend):
             scale=scale,
             window=window,
             sinks=sinks,
+            first_keys=metadata.first_keys,
         )
 
     def _forward_mla(

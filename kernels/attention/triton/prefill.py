@@ -34,6 +34,7 @@ def paged_prefill_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    first_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its sequence's cached keys: [T, heads, head_dim] in q.dtype.
 
@@ -42,6 +43,8 @@ def paged_prefill_attention(
     seq_lens[b] - q_len_b + i. seq_lens: [B] int32, cached + new tokens. max_query_len: the
     longest q_len_b (sizes the grid only; longer sequences would be cut short). sinks: [heads]
     logits or None. Rows past query_start[B] are left as they are in `out` (zeros when `out` is None).
+    first_keys: [B] int32, the first key each sequence's queries may read (a window replay's start),
+    None for 0.
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
     sinks = sinks_log2(sinks, q)
@@ -92,6 +95,8 @@ def paged_prefill_attention(
         BLOCK_N=KEY_TILE,
         USE_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
+        first_keys_ptr=first_keys if first_keys is not None else seq_lens,
+        USE_FIRST_KEYS=first_keys is not None,
     )
     return out
 
@@ -124,6 +129,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    first_keys_ptr,
+    USE_FIRST_KEYS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -159,6 +166,10 @@ def _prefill_kernel(
     if USE_WINDOW:
         first_visible = tl.maximum(context_len + first_token - window + 1, 0)
         start = first_visible // BLOCK_N * BLOCK_N  # prune tiles before the earliest token's window
+    first_readable = 0
+    if USE_FIRST_KEYS:
+        first_readable = tl.load(first_keys_ptr + b)
+        start = tl.maximum(start, first_readable // BLOCK_N * BLOCK_N)
 
     if HAS_SINKS:
         # The sink is the first "key" seen: exp2(sink - sink) = 1 in the sum, nothing in acc.
@@ -178,6 +189,8 @@ def _prefill_kernel(
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
         if USE_WINDOW:
             visible &= keys[None, :] > positions[:, None] - window
+        if USE_FIRST_KEYS:
+            visible &= keys[None, :] >= first_readable
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
 

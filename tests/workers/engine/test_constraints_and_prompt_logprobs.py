@@ -156,7 +156,7 @@ def reference_logprobs(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     )
     model, attend = engine.runner.model, get_backend(default_backend(CPU))
     with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), kv.layers, metadata, attend)
+        hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), kv.layers, [metadata] * len(kv.layers), attend)
         return model.compute_logits(hidden).log_softmax(dim=-1)
 
 

@@ -129,7 +129,9 @@ def test_perplexity_of_an_english_sentence_is_low() -> None:
         query_lens=[len(ids)], seq_lens=[len(ids)], block_tables=[[1, 2]], page_size=16, device=torch.device("cpu")
     )
     with torch.no_grad():
-        hidden = loaded.model(ids, torch.arange(len(ids)), kv.layers, metadata, get_backend("torch_sdpa"))
+        hidden = loaded.model(
+            ids, torch.arange(len(ids)), kv.layers, [metadata] * len(kv.layers), get_backend("torch_sdpa")
+        )
         logprobs = loaded.model.compute_logits(hidden)[:-1].log_softmax(-1)
 
     perplexity = logprobs.gather(1, ids[1:, None]).mean().neg().exp().item()

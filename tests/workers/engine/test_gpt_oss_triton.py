@@ -49,6 +49,8 @@ def test_prefill_then_decode_match_hf():
         ours = []
         for start, end in ((0, 20), (20, 21)):  # a prefill chunk, then one decode step
             metadata = step(end - start, end, table, device)
-            hidden = model(tokens[start:end].to(device), metadata.positions, kv.layers, metadata, backend)
+            hidden = model(
+                tokens[start:end].to(device), metadata.positions, kv.layers, [metadata] * len(kv.layers), backend
+            )
             ours.append(model.compute_logits(hidden).cpu())
     torch.testing.assert_close(torch.cat(ours), expected, atol=1e-4, rtol=1e-4)

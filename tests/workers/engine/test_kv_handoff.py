@@ -286,12 +286,12 @@ def test_over_capacity_raises_overloaded_and_leaks_nothing():
         (
             lambda h: replace(h, layers=h.layers[:-1], num_layers=2, kv_layout=FULL_0_1),
             r"holds KV laid out as 'full attention of layers 0-1: 2 KV heads of 32 \(float32\)'; this engine's cache "
-            r"holds 'full attention of layers 0-2: 2 KV heads of 32 \(float32\)'",
+            r"holds 'full attention of layers 1: 2 KV heads of 32 \(float32\); sliding window 6 of layers 0, 2",
         ),
         (
             lambda h: replace(h, kv_layout=LATENT_0_2, token_shape=(1, 1, 64)),
             r"holds KV laid out as 'latent of layers 0-2: a latent of 64 \(float32\)'; this engine's cache holds "
-            r"'full attention of layers 0-2: 2 KV heads of 32 \(float32\)'",
+            r"'full attention of layers 1: 2 KV heads of 32 \(float32\); sliding window 6 of layers 0, 2",
         ),
         (lambda h: replace(h, layers=h.layers[:-1], num_layers=2), r"has 2 layers of torch.float32 \(2, 2, 32\)"),
         (lambda h: replace(h, token_shape=(2, 2, 16)), r"\(2, 2, 16\) per token, which is not its layout 'full"),

@@ -33,7 +33,9 @@ def test_prefill_logits_match_hf(hf_model, backend):
     )
     with torch.no_grad():
         expected = hf_model(tokens[None]).logits[0]
-        ours = model.compute_logits(model(tokens, torch.arange(45), kv.layers, metadata, get_backend(backend)))
+        ours = model.compute_logits(
+            model(tokens, torch.arange(45), kv.layers, [metadata] * config.num_layers, get_backend(backend))
+        )
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 

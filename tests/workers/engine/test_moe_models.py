@@ -34,7 +34,9 @@ def test_prefill_logits_match_hf(hf_checkpoint):
     )
     with torch.no_grad():
         expected = hf_model(tokens[None]).logits[0]
-        hidden = model(tokens, torch.arange(45), kv.layers, metadata, get_backend("torch_blockwise"))
+        hidden = model(
+            tokens, torch.arange(45), kv.layers, [metadata] * config.num_layers, get_backend("torch_blockwise")
+        )
         ours = model.compute_logits(hidden)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 

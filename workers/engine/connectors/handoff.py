@@ -61,7 +61,9 @@ class Disaggregation(KVConnector):
         request = self.transfers.get(request_id)
         if request is None:
             raise InvalidRequestError(f"request {request_id!r} is not awaiting a KV transfer")
-        layers = PagedLayers(self.kv_cache, request.pages, request.num_computed_tokens)
+        layers = PagedLayers(
+            self.kv_cache, request.pages, request.num_computed_tokens, window_pages=self._window_pages(request)
+        )
         self.exports.setdefault(request_id, []).append(layers)
         return export_handoff(request, layers, self.kv_model_id)
 
@@ -121,11 +123,21 @@ class Disaggregation(KVConnector):
             self.starts[request.request_id] = start
             return KVArrival.RESERVED
         try:
-            write_layers(self.kv_cache, request.pages, check_layers(handoff), start=start)
+            write_layers(
+                self.kv_cache,
+                request.pages,
+                check_layers(handoff),
+                start=start,
+                window_pages=self._window_pages(request),
+            )
         except BaseException:
             self.cancel(request.request_id)
             raise
         return KVArrival.READY
+
+    def _window_pages(self, request: Request) -> list[list[int]]:
+        """The request's page tables of the KV groups after the first (sliding windows)."""
+        return [self.block_manager.pages_of(request, group) for group in range(1, len(self.block_manager.pools))]
 
     def discard(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -145,9 +157,14 @@ class Disaggregation(KVConnector):
         decode step needs none), and hold it until admit or cancel; the first token whose KV must be
         written (those before it are the prefix cache's). EngineOverloadedError (and nothing
         changed) when the pages cannot be had."""
-        cached = self.block_manager.find_cached_prefix(request)
-        cached_tokens = len(cached[0]) * self.block_manager.page_size
-        if not self.block_manager.allocate(request, request.num_tokens - cached_tokens, cached):
+        manager = self.block_manager
+        cached = manager.find_cached_prefix(request)
+        windows = [window for window in manager.windows if window is not None]
+        # A hybrid model's window pages: only those of the window its first decode step reads, all
+        # filled from the handoff (write_layers), whatever the prefix cache holds.
+        window_start = max(handoff.num_computed_tokens - max(windows) + 1, 0) if windows else None
+        cached_tokens = len(cached[0]) * manager.page_size
+        if not manager.allocate(request, request.num_tokens - cached_tokens, cached, window_start=window_start):
             raise EngineOverloadedError(
                 f"no room for {request.num_tokens} tokens of KV: "
                 f"{self.block_manager.num_free_pages} of {self.block_manager.num_usable_pages} pages are free"

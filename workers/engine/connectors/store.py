@@ -26,6 +26,12 @@ thread too, so a remote index costs the step no round trip. Hinted blocks have a
 queue of their own: other blocks are dropped once the queue is `UNHINTED_WRITES_MAX` long, hinted ones
 only when it is full.
 
+A hybrid model (a full-attention group and sliding windows): the store keeps the full group's KV only,
+and a hit of h tokens would also need the windows' KV of the tokens before h, which the store does
+not hold: it is replayed (workers.engine.kv.window_replay), or, where the attention backend cannot
+replay, the hit is not taken (`window_state_for_hit`, where fetching that state from the workers that
+computed it will plug in). Blocks computed after an approximate replay are never stored.
+
 Prompt tails: a prompt that ends inside a block leaves that block partial until the output fills
 it. A decode worker that checkpoints its requests for failover also stores the tail's whole pages
 (store_prompt_tail) under a key of their own, chained to the prompt's last full block, so that a
@@ -92,6 +98,9 @@ class StoreStats:
     num_blocks_read: int
     num_blocks_written: int
     num_writes_dropped: int
+    # Bytes of the written blocks' tokens that the sliding-window layers hold and the store does not
+    # keep (a hybrid model's window state stays with its worker): what writing every layer would add.
+    window_bytes_not_stored: int = 0
     # Fetches from the store into host memory: how many, the bytes read, the seconds they took.
     num_fetches: int = 0
     fetch_bytes: int = 0
@@ -144,6 +153,8 @@ class StoreConnector(KVConnector):
         self.block_shape = self.spec.run_shape(block_tokens)
         self.dtype = self.spec.dtype
         self.block_bytes = self.spec.bytes_per_token * block_tokens
+        self.window_block_bytes = sum(group.bytes_per_token for group in kv_cache.specs.groups[1:]) * block_tokens
+        self.window_bytes_not_stored = 0
         self.readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-read")
         self.pending_writes: queue.Queue[_Write | _Retain | None] = queue.Queue(MAX_PENDING_WRITES)
         self.device = kv_cache.device
@@ -191,13 +202,27 @@ class StoreConnector(KVConnector):
         self._index_answered()
         if hit <= first and tail is None:
             return
+        if not self.window_state_for_hit(request, hit * self.block_tokens):
+            return
         request.store_fetch = self.readers.submit(self._fetch, keys[first:hit], first * self.pages_per_block, tail)
+
+    def window_state_for_hit(self, request: Request, hit_tokens: int) -> bool:
+        """Whether the KV of the sliding-window layers for the tokens before a store hit of `hit_tokens`
+        can be had, so that the hit may be taken: trivially for a model without windows, else by a
+        bounded replay (kv.window_replay) where the attention backend runs one. This is where a
+        source of window state (a cross-worker cache) plugs in: when it holds the window before the
+        hit, it fills those window pages before the step that admits the request, and the scheduler
+        takes the hit without a replay (BlockManager.replay_for_hit)."""
+        return len(self.kv_cache.specs.groups) == 1 or self.block_manager.replay is not None
 
     @torch.inference_mode()
     def store_prompt_tail(self, request: Request) -> None:
         """Queue the write of the request's prompt tail (see the module docstring), once: when its
         KV is computed and the block the prompt ends in is not full yet (a full one is stored as such)."""
         if request.prompt_tail_stored:
+            return
+        if request.num_reusable_tokens < request.num_computed_tokens:
+            request.prompt_tail_stored = True  # its KV past an approximate window replay is not stored
             return
         tail = self._prompt_tail(request)
         if tail is None or request.num_known_tokens >= (tail[0] + 1) * self.block_tokens:
@@ -234,7 +259,7 @@ class StoreConnector(KVConnector):
         again). The store is asked about all of them at once: one index round trip per step."""
         completed = []  # (request, first unsaved block, full blocks, their keys)
         for request in requests:
-            full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_tokens
+            full = min(request.num_reusable_tokens, request.num_known_tokens) // self.block_tokens
             if full > request.num_saved_blocks:
                 completed.append((request, request.num_saved_blocks, full, self._keys(request, full)))
         if not completed:
@@ -327,6 +352,7 @@ class StoreConnector(KVConnector):
             num_blocks_read=self.num_blocks_read,
             num_blocks_written=self.num_blocks_written,
             num_writes_dropped=self.num_writes_dropped,
+            window_bytes_not_stored=self.window_bytes_not_stored,
             num_fetches=self.num_fetches,
             fetch_bytes=self.fetch_bytes,
             fetch_seconds=self.fetch_seconds,
@@ -433,6 +459,7 @@ class StoreConnector(KVConnector):
                 )
                 if written:
                     self.num_blocks_written += 1
+                    self.window_bytes_not_stored += self.window_block_bytes
             except Exception:
                 # A full or failing disk, or an unreachable index, costs future hits, never the request
                 # (nor the writer thread, which later blocks still need).

@@ -3,6 +3,7 @@
 import math
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,20 +33,30 @@ class KVCache:
 
     Head-major, so gathering a sequence's pages yields each head's tokens contiguously. Each KV group's
     layers are views of one tensor, [group layers, planes, heads, num_pages, page_size, width]; a
-    model of one group (every model today) has its whole cache in `pages`, which is shared with a
+    model of one group has its whole cache in `pages`, which is shared with a
     process on the same host by one handle (workers.transfer.pools): a CUDA IPC handle on a GPU; on
     the CPU, a `shareable` cache lives in shared memory (`shared_memory`).
     """
 
-    def __init__(self, specs: KVCacheSpecs, *, num_pages: int, device: torch.device, shareable: bool = False):
+    def __init__(
+        self,
+        specs: KVCacheSpecs,
+        *,
+        num_pages: int | Sequence[int],
+        device: torch.device,
+        shareable: bool = False,
+    ):
+        """`num_pages`: of every group, or per group (a sliding window's pool is smaller than the full
+        group's: see workers.engine.sizing.kv_sizing)."""
         if shareable and len(specs.groups) > 1:
             raise ValueError(f"a cache of {len(specs.groups)} KV groups is not one tensor to share")
         self.specs = specs
+        self.group_num_pages = per_group(num_pages, len(specs.groups))
         self.shared_memory: SharedHostMemory | None = None
         self.group_pages: list[torch.Tensor] = []
         by_layer: dict[int, tuple[torch.Tensor, ...]] = {}
-        for spec in specs.groups:
-            shape = spec.pages_shape(num_pages)
+        for spec, group_num_pages in zip(specs.groups, self.group_num_pages, strict=True):
+            shape = spec.pages_shape(group_num_pages)
             # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs);
             # a fresh memfd reads as zeros.
             if shareable and device.type == "cpu":
@@ -58,7 +69,7 @@ class KVCache:
             for i, layer in enumerate(spec.layers):
                 by_layer[layer] = tuple(pages[i].unbind(0))
         self.layers = [by_layer[layer] for layer in range(specs.num_layers)]
-        self.num_pages = num_pages
+        self.num_pages = self.group_num_pages[0]
         self.page_size = specs.page_size
 
     @classmethod
@@ -66,7 +77,7 @@ class KVCache:
         cls,
         config: ModelConfig,
         *,
-        num_pages: int,
+        num_pages: int | Sequence[int],
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -90,6 +101,14 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.group_pages[0].device
+
+
+def per_group(num_pages: int | Sequence[int], num_groups: int) -> tuple[int, ...]:
+    """Pages of each of `num_groups` groups, from one count for all or one per group."""
+    counts = (num_pages,) * num_groups if isinstance(num_pages, int) else tuple(num_pages)
+    if len(counts) != num_groups or min(counts) < 2:
+        raise ValueError(f"need at least 2 pages (one is reserved) for each of {num_groups} KV groups, got {num_pages}")
+    return counts
 
 
 def _shared_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, SharedHostMemory]:

@@ -13,10 +13,16 @@ keeps per token and layer `planes` × `heads` × `width` values, so that one lay
 `KVCacheSpec.layout` is the spec's fingerprint, a short readable string: stored blocks and transfers
 record it, and a reader whose layout differs refuses the data instead of misreading its bytes.
 
-A model is one group of all its layers: a latent group for a model with multi-head latent attention
-(ModelConfig.mla), else a full-attention group. A layer with a sliding window
-(ModelConfig.layer_windows) still keeps every token in the device cache and only masks what it
-reads, so its KV is laid out, stored and handed off as full attention's.
+A model's groups (KVCacheSpecs.of_model):
+- multi-head latent attention (ModelConfig.mla): one latent group of every layer;
+- a hybrid model, some layers windowed (ModelConfig.layer_windows) and some not: a full-attention group
+  of the unwindowed layers first (its pages are the ones the prefix cache and the store key), then one
+  sliding-window group per distinct window, whose pages behind the window go back to its pool;
+- else one full-attention group of every layer. That includes a model whose every layer slides: its
+  windowed layers keep every token in the device cache and only mask what they read. With no full
+  group, nothing would hold a prompt's KV beyond the last window, so neither the prefix cache nor the
+  store could serve a hit of it, nor a handoff carry it; keeping every token keeps all three working
+  for the price of memory such models (Mistral-7B-v0.1's era) were sized for anyway.
 """
 
 import enum
@@ -146,12 +152,19 @@ class KVCacheSpecs:
 
     @classmethod
     def of_model(cls, config: ModelConfig, *, dtype: torch.dtype, page_size: int) -> "KVCacheSpecs":
-        """The groups of a model: one group of every layer, latent for a model with multi-head latent
-        attention, else full attention (see the module docstring)."""
+        """The groups of a model (see the module docstring)."""
         layers = range(config.num_layers)
         if config.mla is not None:
             return cls((latent(layers, config.mla.latent_width, dtype=dtype, page_size=page_size),))
-        return cls((full_attention(layers, config, dtype=dtype, page_size=page_size),))
+        windows = config.layer_windows
+        unwindowed = [layer for layer in layers if windows[layer] is None]
+        if not unwindowed or len(unwindowed) == config.num_layers:
+            return cls((full_attention(layers, config, dtype=dtype, page_size=page_size),))
+        groups = [full_attention(unwindowed, config, dtype=dtype, page_size=page_size)]
+        for window in sorted({w for w in windows if w is not None}):
+            windowed = [layer for layer in layers if windows[layer] == window]
+            groups.append(sliding_window(windowed, window, config, dtype=dtype, page_size=page_size))
+        return cls(tuple(groups))
 
     @property
     def num_layers(self) -> int:
@@ -179,6 +192,12 @@ class KVCacheSpecs:
     def layout(self) -> str:
         return "; ".join(group.layout for group in self.groups)
 
+    @property
+    def group_of_layer(self) -> tuple[int, ...]:
+        """Per layer, the index of its group: which block table and slots its attention uses."""
+        group_of = {layer: index for index, group in enumerate(self.groups) for layer in group.layers}
+        return tuple(group_of[layer] for layer in range(self.num_layers))
+
 
 def full_attention(layers: Sequence[int], config: ModelConfig, *, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
     return KVCacheSpec(
@@ -188,6 +207,20 @@ def full_attention(layers: Sequence[int], config: ModelConfig, *, dtype: torch.d
         page_size=page_size,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
+    )
+
+
+def sliding_window(
+    layers: Sequence[int], window: int, config: ModelConfig, *, dtype: torch.dtype, page_size: int
+) -> KVCacheSpec:
+    return KVCacheSpec(
+        kind=KVKind.SLIDING_WINDOW,
+        layers=tuple(layers),
+        dtype=dtype,
+        page_size=page_size,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        window=window,
     )
 
 

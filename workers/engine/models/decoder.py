@@ -209,21 +209,22 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: Sequence[KVCache],
-        metadata: Any,
+        metadata: Sequence[Any],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """Final hidden states ([tokens, hidden]) of the step's flattened tokens."""
+        """Final hidden states ([tokens, hidden]) of the step's flattened tokens. `metadata`: per
+        layer, the attention metadata of its KV group (kernels.attention.backend.layer_metadata)."""
         hidden = self.embed_tokens(input_ids)
         if self.fused_ops:
             residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
                 hidden, residual = layer.forward_fused(
-                    hidden, residual, positions, kv_cache, metadata, backend, self.rotary
+                    hidden, residual, positions, kv_cache, layer_metadata, backend, self.rotary
                 )
             return fused_add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         angles = self.rotary.angles(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, angles, kv_cache, metadata, backend, self.rotary)
+        for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):
+            hidden = layer(hidden, positions, angles, kv_cache, layer_metadata, backend, self.rotary)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ graph is captured over it once per sampling mode (runner.device_sampling.MODES: 
 the others on first use), largest bucket first, all graphs sharing one memory pool. A step of n
 decode requests replays the smallest bucket >= n: its packed inputs (padded with length-0 sequences
 that write nothing) are copied into the bucket's buffer in one host-to-device copy, and the graph
-leaves the sampled ids (and in "logprobs" mode their logprobs) in static outputs.
+leaves the sampled ids (and in "logprobs" mode their logprobs) in static outputs. A cache of several
+KV groups has a slot section per group in the packed buffer and a block table per group in each
+row: every one of them at a fixed address, so a graph reads each group's as eagerly.
 """
 
 from collections.abc import Callable, Sequence
@@ -58,7 +60,7 @@ class DecodeGraphs:
         self.buckets = [self._bucket(size) for size in bucket_sizes(max_size)]
 
     def _bucket(self, size: int) -> _Bucket:
-        layout = PackedLayout(size, size, size)
+        layout = PackedLayout(size, size, size, self.batch.num_groups)
         return _Bucket(size, layout, torch.zeros(layout.size, dtype=torch.int64, device=self.device))
 
     def capture(self, modes: Sequence[str] = MODES) -> None:

@@ -2,16 +2,17 @@
 
 The chain a step's requests pass through on the device path:
   SchedulerOutput (scheduler; request ids, token counts, block-id diffs; host)
-  -> InputBatch rows (this module; one row per running request: its block table in a pinned host
-     mirror and on the device, its sampling settings in host arrays, updated only when a request
-     arrives or gets pages)
+  -> InputBatch rows (this module; one row per running request: its block table of each KV group in a
+     pinned host mirror and on the device, its sampling settings in host arrays, updated only when a
+     request arrives or gets pages)
   -> StepPlan (this module; the step's rows, counts and positions as numpy arrays, built with
      vectorised ops over the rows, not per-request Python)
-  -> StepInputs (this module; the step's tokens, positions, slots, lengths, row indices and the
-     sampling parameters of the sequences that sample, packed into one pinned int64 buffer and sent
-     in ONE host-to-device copy)
-  -> DeviceStepTensors (kernels.attention.backend; views of that copy plus the step's block tables
-     gathered on the device from the rows), read by the model, the attention backend, the sampler.
+  -> StepInputs (this module; the step's tokens, positions, slots of each KV group, lengths, row
+     indices and the sampling parameters of the sequences that sample, packed into one pinned int64
+     buffer and sent in ONE host-to-device copy)
+  -> DeviceStepTensors, one per KV group (kernels.attention.backend; views of that copy plus the
+     step's block tables of the group gathered on the device from the rows), read by the model, the
+     attention backend, the sampler. The groups share every field but their slots and block tables.
 
 A decode token is usually the one the previous step sampled for the row, which stays on the device
 (`last_tokens`): such a token, and a pending one (request.PENDING_TOKEN) in a request's output, is
@@ -33,9 +34,10 @@ from workers.engine.runner.request_states import RequestState, RequestStates
 from workers.engine.sched.output import SchedulerOutput
 from workers.protocol.sampling_params import SamplingParams
 
-# Sections of the packed step buffer, each `tokens`, `seqs` or `samples` long, in this order.
+# Sections of the packed step buffer, each `tokens`, `seqs` or `samples` long, in this order
+# ("slot_mapping" is `tokens` long per KV group: [groups, tokens]).
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")
-SEQ_FIELDS = ("seq_lens", "query_start", "rows")
+SEQ_FIELDS = ("seq_lens", "query_start", "rows", "first_keys")
 SAMPLE_FIELDS = ("logit_rows", "sample_rows", "greedy", "top_k", "seed_lo", "seed_hi", "step")
 # Stored as float64 bit patterns in the int64 buffer.
 FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -44,7 +46,7 @@ FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "f
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [tokens] int64, tokens kept on the device already filled in
-    attention: DeviceStepTensors
+    attention: tuple[DeviceStepTensors, ...]  # per KV group
     logit_rows: torch.Tensor  # [samples] int64: the token row whose logits each sampling sequence reads
     sample_rows: torch.Tensor  # [samples] int64: each sampling sequence's row in the input batch
     sample_fields: dict[str, torch.Tensor]  # the packed buffer's views of the sampling parameters
@@ -94,13 +96,13 @@ class StepPlan:
 
 class PackedLayout:
     """Offsets of each field in a packed buffer for `tokens` tokens, `seqs` sequences and `samples`
-    sampling sequences."""
+    sampling sequences of a cache of `groups` KV groups."""
 
-    def __init__(self, tokens: int, seqs: int, samples: int) -> None:
-        self.tokens, self.seqs, self.samples = tokens, seqs, samples
+    def __init__(self, tokens: int, seqs: int, samples: int, groups: int = 1) -> None:
+        self.tokens, self.seqs, self.samples, self.groups = tokens, seqs, samples, groups
         self.slices: dict[str, slice] = {}
         offset = 0
-        sizes = [(name, tokens) for name in TOKEN_FIELDS]
+        sizes = [(name, tokens * groups if name == "slot_mapping" else tokens) for name in TOKEN_FIELDS]
         sizes += [(name, seqs + 1 if name == "query_start" else seqs) for name in SEQ_FIELDS]
         sizes += [(name, samples) for name in SAMPLE_FIELDS + FLOAT_SAMPLE_FIELDS]
         for name, size in sizes:
@@ -110,18 +112,28 @@ class PackedLayout:
 
 
 class InputBatch:
-    """Rows for up to `max_rows` requests; row `max_rows` is the padding row (all NULL_PAGE)."""
+    """Rows for up to `max_rows` requests; row `max_rows` is the padding row (all NULL_PAGE). A row's
+    block tables are [groups, max_pages]: one per KV group, each indexed by token position."""
 
     def __init__(
-        self, *, max_rows: int, max_pages: int, page_size: int, vocab_size: int, device: torch.device, seed: int
+        self,
+        *,
+        max_rows: int,
+        max_pages: int,
+        page_size: int,
+        vocab_size: int,
+        device: torch.device,
+        seed: int,
+        num_groups: int = 1,
     ) -> None:
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         self.page_size = page_size
         self.device = device
+        self.num_groups = num_groups
         pin = device.type == "cuda"
         size = max_rows + 1
-        self.tables_host = torch.full((size, max_pages), NULL_PAGE, dtype=torch.int32, pin_memory=pin)
+        self.tables_host = torch.full((size, num_groups, max_pages), NULL_PAGE, dtype=torch.int32, pin_memory=pin)
         self.tables_np = self.tables_host.numpy()
         self.tables = self.tables_host.to(device)
         self.row_of: dict[str, int] = {}
@@ -130,6 +142,10 @@ class InputBatch:
         self._changed: set[int] = set()
         # Per-row settings, written when a request gets its row.
         self.prompt_len = np.zeros(size, dtype=np.int64)
+        # A window replay's bounds (kv.window_replay; 0, 0 without one): the window groups' first
+        # readable key, and the position before which the full group writes nothing.
+        self.replay_start = np.zeros(size, dtype=np.int64)
+        self.replay_end = np.zeros(size, dtype=np.int64)
         self.greedy = np.ones(size, dtype=np.int64)
         self.top_k = np.zeros(size, dtype=np.int64)
         self.seed_lo = np.zeros(size, dtype=np.int64)
@@ -167,10 +183,12 @@ class InputBatch:
             if row is not None:
                 self.free_rows.append(row)
         for new in output.new_requests:
-            if len(new.block_ids) != 1:
-                raise ValueError(f"the input batch holds one KV-cache group, got {len(new.block_ids)}")
+            if len(new.block_ids) != self.num_groups:
+                raise ValueError(f"the input batch holds {self.num_groups} KV-cache groups, got {len(new.block_ids)}")
             row = self._add(new.request_id, new.params, len(new.prompt_token_ids), new.prompt_logprobs is not None)
-            self._set_table(row, new.block_ids[0], start=0)
+            self._set_tables(row, new.block_ids, start=0)
+            replay = new.window_replay
+            self.replay_start[row], self.replay_end[row] = (replay.start, replay.end) if replay else (0, 0)
             params = new.params
             self.needs_extras[row] = needs_extras(params, new.constraint is not None)
             self.constrained[row] = new.constraint is not None
@@ -182,9 +200,9 @@ class InputBatch:
                 # the request that had this row before may have left its own there.
                 history = (new.prompt_token_ids, new.output_token_ids) if self.needs_extras[row] else ([], [])
                 self.extras.reset_row(row, params, *history)
-        for request_id, (added,) in output.new_block_ids.items():
+        for request_id, added in output.new_block_ids.items():
             row = self.row_of[request_id]
-            self._set_table(row, added, start=int(self.num_row_pages[row]))
+            self._set_tables(row, added, start=int(self.num_row_pages[row]))
 
     def _add(self, request_id: str, params: SamplingParams, prompt_len: int, reports_prompt_logprobs: bool) -> int:
         if not self.free_rows:
@@ -208,11 +226,12 @@ class InputBatch:
         self.num_row_pages[row] = 0
         return row
 
-    def _set_table(self, row: int, pages: list[int], *, start: int) -> None:
-        end = start + len(pages)
-        self.tables_np[row, start:end] = pages
+    def _set_tables(self, row: int, tables: Sequence[list[int]], *, start: int) -> None:
+        """Write each group's pages from position `start` on (the groups' tables are equally long)."""
+        end = start + len(tables[0])
+        self.tables_np[row, :, start:end] = tables
         if start == 0:
-            self.tables_np[row, end:] = NULL_PAGE
+            self.tables_np[row, :, end:] = NULL_PAGE
         self.num_row_pages[row] = end
         self._changed.add(row)
 
@@ -267,7 +286,7 @@ class InputBatch:
         n = len(plan.rows)
         num_tokens = plan.num_tokens
         num_samples = len(plan.sampling)
-        layout = PackedLayout(pad_to or num_tokens, pad_to or n, pad_to or num_samples)
+        layout = PackedLayout(pad_to or num_tokens, pad_to or n, pad_to or num_samples, self.num_groups)
         staged = slot.packed(layout.size)
         packed = staged.numpy()
         fields = {name: packed[cut] for name, cut in layout.slices.items()}
@@ -277,12 +296,15 @@ class InputBatch:
         positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
         self._fill_tokens(fields["input_ids"], plan, output, states, query_start)
         fields["positions"][:num_tokens] = positions
-        page = self.tables_np[rows[seq_of_token], positions // self.page_size]
-        fields["slot_mapping"][:num_tokens] = page * self.page_size + positions % self.page_size
+        slots = fields["slot_mapping"].reshape(self.num_groups, layout.tokens)
+        page = self.tables_np[rows[seq_of_token], :, positions // self.page_size]  # [tokens, groups]
+        slots[:, :num_tokens] = (page * self.page_size + (positions % self.page_size)[:, None]).T
+        slots[0, :num_tokens][positions < self.replay_end[rows[seq_of_token]]] = -1
         fields["token_rows"][:num_tokens] = rows[seq_of_token]
         fields["seq_lens"][:n] = starts + counts
         fields["query_start"][: n + 1] = query_start
         fields["rows"][:n] = rows
+        fields["first_keys"][:n] = self.replay_start[rows]
         sampling = plan.sampling
         sample_rows = rows[sampling]
         fields["logit_rows"][:num_samples] = query_start[sampling + 1] - 1
@@ -328,11 +350,12 @@ class InputBatch:
         length 0 (attention writes zeros), slot -1 (nothing is written to the cache), greedy."""
         fields["input_ids"][num_tokens:] = 0
         fields["positions"][num_tokens:] = 0
-        fields["slot_mapping"][num_tokens:] = -1
+        fields["slot_mapping"].reshape(self.num_groups, layout.tokens)[:, num_tokens:] = -1
         fields["token_rows"][num_tokens:] = self.padding_row
         fields["seq_lens"][n:] = 0
         fields["query_start"][n + 1 :] = num_tokens + np.arange(1, layout.seqs - n + 1)
         fields["rows"][n:] = self.padding_row
+        fields["first_keys"][n:] = 0
         padding_tokens = np.arange(num_tokens, num_tokens + layout.samples - samples)
         fields["logit_rows"][samples:] = np.minimum(padding_tokens, layout.tokens - 1)
         fields["sample_rows"][samples:] = self.padding_row
@@ -358,16 +381,26 @@ class InputBatch:
     def step_inputs(
         self, layout: PackedLayout, device_buffer: torch.Tensor, *, decode_only: bool, max_query_len: int
     ) -> StepInputs:
-        """Views of a device copy of the packed buffer, and the step's block tables gathered from the rows."""
+        """Views of a device copy of the packed buffer, and the step's block tables of each KV group
+        gathered from the rows."""
         view = {name: device_buffer[cut] for name, cut in layout.slices.items()}
-        attention = DeviceStepTensors(
-            positions=view["positions"],
-            slot_mapping=view["slot_mapping"],
-            seq_lens=view["seq_lens"].to(torch.int32),
-            query_start=view["query_start"].to(torch.int32),
-            block_tables=self.tables.index_select(0, view["rows"]),
-            max_query_len=max_query_len,
-            decode_only=decode_only,
+        slots = view["slot_mapping"].view(self.num_groups, layout.tokens)
+        tables = self.tables.index_select(0, view["rows"])  # [seqs, groups, max_pages]
+        seq_lens = view["seq_lens"].to(torch.int32)
+        query_start = view["query_start"].to(torch.int32)
+        first_keys = view["first_keys"].to(torch.int32) if self.num_groups > 1 else None
+        attention = tuple(
+            DeviceStepTensors(
+                positions=view["positions"],
+                slot_mapping=slots[group],
+                seq_lens=seq_lens,
+                query_start=query_start,
+                block_tables=tables[:, group].contiguous(),
+                max_query_len=max_query_len,
+                decode_only=decode_only,
+                first_keys=first_keys if group else None,
+            )
+            for group in range(self.num_groups)
         )
         ids = view["input_ids"]
         input_ids = torch.where(ids < 0, self.last_tokens.index_select(0, view["token_rows"]), ids)

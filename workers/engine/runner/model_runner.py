@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata, StepBatch, default_backend, get_backend
+from kernels.attention import AttentionMetadata, StepBatch, default_backend, get_backend, layer_metadata
 from kernels.batch_invariance import min_invariant_rows
 from workers.engine.config import EngineConfig
 from workers.engine.kv.kv_cache import KVCache
@@ -108,6 +108,7 @@ class ModelRunner:
                 vocab_size=config.vocab_size,
                 device=device,
                 seed=seed,
+                num_groups=len(kv_cache.specs.groups),
             )
             if self.supports_cuda_graphs and not enforce_eager:
                 self.capture_decode_graphs(modes=("greedy",))
@@ -216,19 +217,26 @@ class ModelRunner:
         return ScheduledSequence(state, state.token_slice(start, start + count), start, output.sample[index])
 
     def _hidden(self, inputs: StepInputs) -> torch.Tensor:
-        metadata = self.backend.build_metadata(self._step_batch(inputs))
-        return self.model(inputs.input_ids, inputs.attention.positions, self.kv_cache.layers, metadata, self.backend)
-
-    def _step_batch(self, inputs: StepInputs) -> StepBatch:
         # The device path's backends read only the tensors; the host lists stay empty.
-        return StepBatch(
-            query_lens=[],
-            seq_lens=[],
-            block_tables=[],
-            page_size=self.kv_cache.page_size,
-            device=self.device,
-            tensors=inputs.attention,
-        )
+        metadata = [
+            self.backend.build_metadata(
+                StepBatch(
+                    query_lens=[],
+                    seq_lens=[],
+                    block_tables=[],
+                    page_size=self.kv_cache.page_size,
+                    device=self.device,
+                    tensors=tensors,
+                )
+            )
+            for tensors in inputs.attention
+        ]
+        return self._forward(inputs.input_ids, inputs.attention[0].positions, metadata)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list) -> torch.Tensor:
+        """The model over the step, each layer given its KV group's metadata (`metadata`, per group)."""
+        per_layer = layer_metadata(metadata, self.kv_cache.specs.group_of_layer)
+        return self.model(input_ids, positions, self.kv_cache.layers, per_layer, self.backend)
 
     def _sample(
         self, logits: torch.Tensor, inputs: StepInputs, mode: str
@@ -248,21 +256,30 @@ class ModelRunner:
 
     def _execute_reference(self, scheduled: Sequence[ScheduledSequence]) -> StepOutput:
         input_ids = [token for s in scheduled for token in s.token_ids]
-        step = StepBatch(
-            query_lens=[len(s.token_ids) for s in scheduled],
-            seq_lens=[s.start + len(s.token_ids) for s in scheduled],
-            block_tables=[s.state.block_ids[0] for s in scheduled],
-            page_size=self.kv_cache.page_size,
-            device=self.device,
-        )
-        metadata: AttentionMetadata = self.backend.build_metadata(step)
+        replays = [s.state.window_replay for s in scheduled]
+        replaying = any(replay is not None for replay in replays)
+        group_metadata: list[AttentionMetadata] = [
+            self.backend.build_metadata(
+                StepBatch(
+                    query_lens=[len(s.token_ids) for s in scheduled],
+                    seq_lens=[s.start + len(s.token_ids) for s in scheduled],
+                    block_tables=[s.state.block_ids[group] for s in scheduled],
+                    page_size=self.kv_cache.page_size,
+                    device=self.device,
+                    first_keys=[r.start if r else 0 for r in replays] if replaying and group else None,
+                    first_written=[r.end if r else 0 for r in replays] if replaying and not group else None,
+                )
+            )
+            for group in range(len(self.kv_cache.specs.groups))
+        ]
+        metadata = group_metadata[0]
         num_tokens = len(input_ids)
         padding = max(self.min_rows - num_tokens, 0)
         ids = torch.tensor(input_ids + [0] * padding, dtype=torch.long, device=self.device)
         pos = metadata.positions
         if padding:
             pos = torch.cat([pos, pos.new_zeros(padding)])
-        hidden = self.model(ids, pos, self.kv_cache.layers, metadata, self.backend)
+        hidden = self._forward(ids, pos, group_metadata)
         self.num_computed_tokens += num_tokens
 
         prompt_logprobs = [

@@ -8,6 +8,7 @@ and the host-driven sampler read.
 
 from dataclasses import dataclass
 
+from workers.engine.kv.window_replay import WindowReplay
 from workers.engine.request import token_slice
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.structured.constraint import TokenConstraint
@@ -23,6 +24,7 @@ class RequestState:
     constraint: TokenConstraint | None
     prompt_logprobs: int | None
     block_ids: list[list[int]]  # per KV-cache group
+    window_replay: WindowReplay | None = None  # its windows' replay after its prefix hit
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +79,7 @@ class RequestStates:
                 constraint=new.constraint,
                 prompt_logprobs=new.prompt_logprobs,
                 block_ids=[list(group) for group in new.block_ids],
+                window_replay=new.window_replay,
             )
         for request_id, groups in output.new_block_ids.items():
             for table, added in zip(self.states[request_id].block_ids, groups, strict=True):

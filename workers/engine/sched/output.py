@@ -7,9 +7,8 @@ the pages it was given since (per KV-cache group). Per step every scheduled requ
 entry to the parallel step lists: how many tokens it computes, from which position, and whether the
 step reaches its last token (and so samples the next one).
 
-Block ids are given per KV-cache group: one list per group, in the order of the engine's groups.
-The engine has one group today (every layer reads the same table); sliding-window layers will be a
-group of their own whose pages can be freed behind the window.
+Block ids are given per KV-cache group: one list per group, in the order of the engine's groups
+(workers.engine.kv.spec), each indexed by token position.
 
 Nothing here is a tensor: ids, counts and lists of ints only.
 """
@@ -17,6 +16,7 @@ Nothing here is a tensor: ids, counts and lists of ints only.
 from dataclasses import dataclass, field
 
 from workers.engine.connectors.store import KVLoad
+from workers.engine.kv.window_replay import WindowReplay
 from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams
 
@@ -40,6 +40,8 @@ class NewRequestData:
     # are reported by the steps before its first output token.
     prompt_logprobs: int | None
     block_ids: BlockIds  # its pages so far, a copy
+    # The replay of its sliding windows after its prefix hit (workers.engine.kv.window_replay), if any.
+    window_replay: WindowReplay | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,18 +5,20 @@ running requests first, in arrival order (a decode costs one token, an unfinishe
 continues with the next chunk), then waiting requests, whose cached prefix pages are attached
 first (except for a request that reports prompt logprobs: every prompt position must produce
 logits). Waiting requests are admitted in the waiting queue's order: preempted ones first, then by
-fair share of their tenants (see waiting). While the next waiting request is another tenant's, the
-running prefills of other tenants leave it the tokens it needs in the step (up to the whole budget),
-so its first token waits for the step in progress, not for the rest of a long prompt. When pages
-run out, the most recently admitted running request is preempted: its pages are freed and it goes
-back to the front of the queue to be recomputed later. The scheduler moves request objects and lists
-of ints; it never touches tensors.
+fair share of their tenants (see waiting). A hybrid model's hit may replay its windows first
+(kv.window_replay): the request then starts computing at the replay's start. While the next waiting
+request is another tenant's, the running prefills of other tenants leave it the tokens it needs in
+the step (up to the whole budget), so its first token waits for the step in progress, not for the
+rest of a long prompt. When pages run out, the most recently admitted running request is preempted:
+its pages are freed and it goes back to the front of the queue to be recomputed later. The scheduler
+moves request objects and lists of ints; it never touches tensors.
 """
 
 import time
 
 from workers.engine.connectors.store import KVLoad, LoadedBlocks
 from workers.engine.kv.block_manager import BlockManager
+from workers.engine.kv.window_replay import WindowReplayStats
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import NewRequestData, SchedulerOutput
 from workers.engine.sched.step_budget import StepBudget
@@ -47,6 +49,7 @@ class Scheduler:
         self.num_admitted_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0  # of the admitted prompt tokens, those hit in the prefix cache
         self.num_preemptions = 0
+        self.window_replays = WindowReplayStats()
         self._finished_ids: list[str] = []
 
     def add(self, request: Request) -> None:
@@ -98,13 +101,20 @@ class Scheduler:
             page_size = self.block_manager.page_size
             cached_tokens = len(cached[0]) * page_size
             loaded_tokens = loaded.num_pages * page_size if loaded else 0
-            count = min(request.num_tokens - cached_tokens - loaded_tokens, budget)
+            hit_tokens = cached_tokens + loaded_tokens
+            replay = self.block_manager.replay_for_hit(request, cached, loaded_tokens)
+            start = replay.start if replay is not None else hit_tokens
+            count = min(request.num_tokens - start, budget)
             if time_left is not None:
-                count = time_left.fit(count, cached_tokens + loaded_tokens, first=not plan)
+                count = time_left.fit(count, start, first=not plan)
                 if not count:
                     break
             if not self.block_manager.allocate(
-                request, loaded_tokens + count, cached, lookahead=self.num_lookahead_tokens
+                request,
+                max(start + count, hit_tokens) - cached_tokens,
+                cached,
+                lookahead=self.num_lookahead_tokens,
+                window_start=start if replay is not None else None,
             ):
                 break
             self.waiting.pop(position)
@@ -113,10 +123,13 @@ class Scheduler:
                 first = loaded.first_page
                 loads.append(KVLoad(pages=request.pages[first : first + loaded.num_pages], blocks=loaded.blocks))
             if request.num_preemptions == 0:
-                request.num_cached_tokens = cached_tokens + loaded_tokens
+                request.num_cached_tokens = hit_tokens
                 self.num_admitted_prompt_tokens += len(request.prompt_token_ids)
-                self.num_cached_prompt_tokens += cached_tokens + loaded_tokens
-            request.num_computed_tokens = cached_tokens + loaded_tokens
+                self.num_cached_prompt_tokens += hit_tokens
+            if replay is not None:
+                self.window_replays.count(replay)
+            request.window_replay = replay
+            request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             if not request.scheduled_at:
                 request.scheduled_at = time.monotonic()
@@ -165,16 +178,17 @@ class Scheduler:
                 return False
         return True
 
-    @staticmethod
-    def _describe(request: Request, count: int, output: SchedulerOutput) -> None:
+    def _describe(self, request: Request, count: int, output: SchedulerOutput) -> None:
         """Add the request's share of the step: in full if the runner does not hold it yet, else the
-        pages it was given since it was last described."""
+        pages it was given since it was last described (every group's table grows by the same pages'
+        worth of positions; a window's released pages are not sent, the runner's stale ids for them are
+        never read)."""
         start = request.num_computed_tokens
         output.request_ids.append(request.request_id)
         output.num_scheduled_tokens.append(count)
         output.num_computed_tokens.append(start)
         output.sample.append(start + count == request.num_tokens)
-        pages = request.pages
+        tables = [self.block_manager.pages_of(request, group) for group in range(len(self.block_manager.pools))]
         if request.num_pages_sent < 0:
             output.new_requests.append(
                 NewRequestData(
@@ -184,12 +198,13 @@ class Scheduler:
                     params=request.params,
                     constraint=request.constraint,
                     prompt_logprobs=request.prompt_logprobs,
-                    block_ids=(list(pages),),
+                    block_ids=tuple(list(table) for table in tables),
+                    window_replay=request.window_replay,
                 )
             )
-        elif len(pages) > request.num_pages_sent:
-            output.new_block_ids[request.request_id] = (pages[request.num_pages_sent :],)
-        request.num_pages_sent = len(pages)
+        elif len(request.pages) > request.num_pages_sent:
+            output.new_block_ids[request.request_id] = tuple(table[request.num_pages_sent :] for table in tables)
+        request.num_pages_sent = len(request.pages)
 
     def finish_step(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Advance computed-token counts and key the pages that became full."""

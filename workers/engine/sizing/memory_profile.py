@@ -124,7 +124,10 @@ def run_largest_step(runner: ModelRunner, lengths: list[int], *, vocab_size: int
     run it on `runner`, whose KV cache holds temporary_num_pages of them; the tokens it computed."""
     kv_cache = runner.kv_cache
     block_manager = BlockManager(
-        num_pages=kv_cache.num_pages, page_size=kv_cache.page_size, enable_prefix_caching=False
+        num_pages=kv_cache.group_num_pages,
+        page_size=kv_cache.page_size,
+        enable_prefix_caching=False,
+        windows=kv_cache.specs.windows,
     )
     scheduler = Scheduler(block_manager, max_num_seqs=len(lengths), max_num_batched_tokens=sum(lengths))
     tokens = random.Random(0)

@@ -29,7 +29,9 @@ from workers.kvstore.ttl import TTLPolicy
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.messages import CacheHint
 
-CONFIG = TINY_CONFIGS["qwen3_qknorm_layer_types"]  # windowed and full layers, q/k norm
+# Full attention only: a hybrid model takes no hits from the store (connectors.store) until its windows'
+# state can be replayed or fetched.
+CONFIG = TINY_CONFIGS["llama"]
 BLOCK = 32  # store block: two engine pages of 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -1,6 +1,7 @@
 """A model of two KV groups, full attention and a sliding window, proves the seam between the specs and
 what holds KV: pages are allocated per group, and the global store writes only the full-attention
-group (a window's state is never stored globally); a block of another layout is refused there."""
+group (a window's state is never stored globally) and serves such a model no hits where it cannot
+replay its windows (kv.window_replay); a block of another layout is refused there."""
 
 import random
 
@@ -20,6 +21,7 @@ PAGE, BLOCK = 16, 32
 FULL = KVCacheSpec(KVKind.FULL, (0, 2), torch.float32, PAGE, num_kv_heads=2, head_dim=8)
 WINDOW = KVCacheSpec(KVKind.SLIDING_WINDOW, (1, 3), torch.float32, PAGE, num_kv_heads=2, head_dim=8, window=20)
 SPECS = KVCacheSpecs((FULL, WINDOW))
+ONE_GROUP = KVCacheSpecs((KVCacheSpec(KVKind.FULL, (0, 1, 2, 3), torch.float32, PAGE, num_kv_heads=2, head_dim=8),))
 CAPS = RetentionCaps(max_tokens=0, max_retention_s=0)
 
 
@@ -46,6 +48,7 @@ def test_the_store_writes_only_the_full_attention_group(tmp_path):
     connector.save([request])
     connector.close()
 
+    assert connector.stats().window_bytes_not_stored == WINDOW.bytes_per_token * BLOCK
     (key,) = request.store_keys
     assert store.files.stat(key)[0].layout == FULL.layout
     stored = torch.frombuffer(bytearray(store.files.read(key)), dtype=torch.float32)
@@ -59,9 +62,30 @@ def test_the_store_writes_only_the_full_attention_group(tmp_path):
     assert torch.equal(stored.view(FULL.run_shape(BLOCK)), expected)
 
 
-def test_a_stored_block_of_another_layout_ends_the_fetch_there(tmp_path, caplog):
+def test_a_hybrid_model_that_cannot_replay_its_windows_takes_no_hit_from_the_store(tmp_path):
     cache = KVCache(SPECS, num_pages=8, device=torch.device("cpu"))
     manager = BlockManager(num_pages=8, page_size=PAGE, windows=SPECS.windows)
+    request = computed_request(manager, 70)
+    store = open_store(tmp_path)
+    connector = StoreConnector(store, cache, manager, block_tokens=BLOCK, retention_caps=CAPS)
+    connector.save([request])
+    again = Request(
+        request_id="again",
+        prompt_token_ids=request.prompt_token_ids,
+        params=SamplingParams(),
+        max_tokens=4,
+        hash_extra=b"m",
+    )
+
+    connector.start_fetch(again, local_hit_tokens=0)
+    connector.close()
+
+    assert store.match(request.store_keys) == 2 and again.store_fetch is None
+
+
+def test_a_stored_block_of_another_layout_ends_the_fetch_there(tmp_path, caplog):
+    cache = KVCache(ONE_GROUP, num_pages=8, device=torch.device("cpu"))
+    manager = BlockManager(num_pages=8, page_size=PAGE)
     request = computed_request(manager, 70)
     store = open_store(tmp_path)
     writer = StoreConnector(store, cache, manager, block_tokens=BLOCK, retention_caps=CAPS)
@@ -73,7 +97,7 @@ def test_a_stored_block_of_another_layout_ends_the_fetch_there(tmp_path, caplog)
     meta = store.files.stat(second)[0]
     data = store.files.read(second)
     store.files.delete([second])
-    other = KVCacheSpec(KVKind.FULL, (0, 2), torch.bfloat16, PAGE, num_kv_heads=4, head_dim=2)
+    other = KVCacheSpec(KVKind.FULL, (0, 1, 2, 3), torch.bfloat16, PAGE, num_kv_heads=4, head_dim=2)
     store.files.write(second, data, msgspec.structs.replace(meta, layout=other.layout))
     again = Request(
         request_id="again",
@@ -89,4 +113,4 @@ def test_a_stored_block_of_another_layout_ends_the_fetch_there(tmp_path, caplog)
     reader.close()
 
     assert loaded.num_pages == BLOCK // PAGE  # the first block only: the rest is recomputed
-    assert f"holds {other.layout}; the reader's KV is {FULL.layout}" in caplog.text
+    assert f"holds {other.layout}; the reader's KV is {ONE_GROUP.layout}" in caplog.text

@@ -1,6 +1,8 @@
 """KV cache specs: a model's groups of layers, their sizes and the layouts that stored blocks and
 transfers record."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,24 +15,42 @@ def full(layers, *, heads=2, dim=32, dtype=torch.float32) -> KVCacheSpec:
     return KVCacheSpec(KVKind.FULL, tuple(layers), dtype, 16, num_kv_heads=heads, head_dim=dim)
 
 
-def test_every_model_today_is_one_full_attention_group_of_all_its_layers():
+def test_a_hybrid_model_has_a_full_group_first_then_a_group_per_window():
     config = model_config(TINY_CONFIGS["qwen3_qknorm_layer_types"])
-    assert any(config.layer_windows)  # windowed layers keep every token: still full attention's layout
+    assert config.layer_windows == (6, None, 6)
 
     specs = KVCacheSpecs.of_model(config, dtype=torch.bfloat16, page_size=16)
 
+    heads = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
     assert specs.groups == (
-        KVCacheSpec(
-            KVKind.FULL,
-            tuple(range(config.num_layers)),
-            torch.bfloat16,
-            16,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-        ),
+        KVCacheSpec(KVKind.FULL, (1,), torch.bfloat16, 16, **heads),
+        KVCacheSpec(KVKind.SLIDING_WINDOW, (0, 2), torch.bfloat16, 16, **heads, window=6),
     )
+    assert specs.group_of_layer == (1, 0, 1) and specs.windows == (None, 6)
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     assert specs.bytes_per_token == per_token and specs.page_bytes == 16 * per_token
+
+
+def test_distinct_windows_are_groups_of_their_own():
+    config = replace(model_config(TINY_CONFIGS["llama"]), num_layers=5, layer_windows=(8, None, 4, 8, None))
+
+    specs = KVCacheSpecs.of_model(config, dtype=torch.float32, page_size=16)
+
+    assert [(g.kind, g.layers, g.window) for g in specs.groups] == [
+        (KVKind.FULL, (1, 4), None),
+        (KVKind.SLIDING_WINDOW, (2,), 4),
+        (KVKind.SLIDING_WINDOW, (0, 3), 8),
+    ]
+
+
+@pytest.mark.parametrize("windows", [(None, None, None), (8, 8, 4)])
+def test_a_model_without_full_and_windowed_layers_both_is_one_full_group(windows):
+    # Every layer sliding: no full group would key the prefix cache or the store, so every token is kept.
+    config = replace(model_config(TINY_CONFIGS["llama"]), layer_windows=windows)
+
+    specs = KVCacheSpecs.of_model(config, dtype=torch.float32, page_size=16)
+
+    assert [(g.kind, g.layers) for g in specs.groups] == [(KVKind.FULL, (0, 1, 2))]
 
 
 def test_each_kind_sizes_its_tokens():
@@ -88,3 +108,21 @@ def test_a_layout_names_kind_layers_shape_and_dtype_and_differs_when_any_does():
 def test_an_inconsistent_spec_is_refused_clearly(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_gpt_oss_20b_shaped_model_stores_half_its_kv_per_block():
+    # 24 layers alternating sliding (window 128) and full, 8 KV heads of 64, bf16: a store block of
+    # 128 tokens holds the 12 full layers' keys and values, 3 MiB, against 6 MiB for every layer.
+    config = replace(
+        model_config(TINY_CONFIGS["llama"]),
+        num_layers=24,
+        num_kv_heads=8,
+        head_dim=64,
+        layer_windows=tuple(128 if layer % 2 == 0 else None for layer in range(24)),
+    )
+
+    specs = KVCacheSpecs.of_model(config, dtype=torch.bfloat16, page_size=16)
+
+    stored = [group for group in specs.groups if group.stored_globally]
+    assert [group.layers for group in stored] == [tuple(range(1, 24, 2))]
+    assert stored[0].bytes_per_token * 128 == 3 << 20 and specs.bytes_per_token * 128 == 6 << 20

@@ -18,13 +18,21 @@ PAGE = 4
 class Driver:
     """The scheduler, the runner's request states and an input batch, stepped as the engine does."""
 
-    def __init__(self, max_batched_tokens: int = 100) -> None:
+    def __init__(self, max_batched_tokens: int = 100, windows: tuple[int | None, ...] = (None,)) -> None:
         self.scheduler = Scheduler(
-            BlockManager(num_pages=64, page_size=PAGE), max_num_seqs=4, max_num_batched_tokens=max_batched_tokens
+            BlockManager(num_pages=64, page_size=PAGE, windows=windows),
+            max_num_seqs=4,
+            max_num_batched_tokens=max_batched_tokens,
         )
         self.states = RequestStates()
         self.batch = InputBatch(
-            max_rows=4, max_pages=16, page_size=PAGE, vocab_size=512, device=torch.device("cpu"), seed=0
+            max_rows=4,
+            max_pages=16,
+            page_size=PAGE,
+            vocab_size=512,
+            device=torch.device("cpu"),
+            seed=0,
+            num_groups=len(windows),
         )
         self.requests: dict[str, Request] = {}
 
@@ -89,8 +97,8 @@ def test_block_tables_follow_the_pages_each_request_gains():
     row = driver.batch.row_of["a"]
     pages = driver.requests["a"].pages
     assert len(pages) == 3
-    assert list(driver.batch.tables_np[row, :3]) == pages
-    assert (driver.batch.tables_np[row, 3:] == 0).all()
+    assert list(driver.batch.tables_np[row, 0, :3]) == pages
+    assert (driver.batch.tables_np[row, 0, 3:] == 0).all()
 
 
 def test_a_dropped_row_is_reused_with_its_new_request_s_table():
@@ -104,7 +112,31 @@ def test_a_dropped_row_is_reused_with_its_new_request_s_table():
     driver.step()
 
     assert "a" not in driver.batch.row_of and driver.batch.row_of["b"] == row
-    assert list(driver.batch.tables_np[row, :2]) == [driver.requests["b"].pages[0], 0]
+    assert list(driver.batch.tables_np[row, 0, :2]) == [driver.requests["b"].pages[0], 0]
+
+
+def test_each_kv_group_has_its_block_table_and_slots():
+    # A full-attention group and a window of 5 tokens, whose pages behind it go back to its pool.
+    driver = Driver(max_batched_tokens=6, windows=(None, 5))
+    driver.add(make_request("a", 6))
+    manager = driver.scheduler.block_manager
+    request = driver.requests["a"]
+    first = driver.step()  # positions 0..5: two pages in each group
+    first_window = list(manager.pages_of(request, 1))
+    for _ in range(4):  # positions 6..9
+        last = driver.step()
+
+    full, window = request.pages, manager.pages_of(request, 1)
+    slots = first["slot_mapping"].reshape(2, 6)
+    assert list(slots[0]) == [full[p // PAGE] * PAGE + p % PAGE for p in range(6)]
+    assert list(slots[1]) == [first_window[p // PAGE] * PAGE + p % PAGE for p in range(6)]
+    # Position 9 reads 5..9: the window's first page (0..3) went back before the step computing it.
+    assert window == [0, first_window[1], window[2]] and len(full) == 3
+    assert list(last["slot_mapping"]) == [full[2] * PAGE + 1, window[2] * PAGE + 1]
+    row = driver.batch.row_of["a"]
+    # The runner's table keeps the released page's id (never read: it is behind the window).
+    assert list(driver.batch.tables_np[row, 1, :3]) == first_window + [window[2]]
+    assert list(driver.batch.tables_np[row, 0, :3]) == full
 
 
 def test_sampling_settings_come_from_each_row():
@@ -141,3 +173,24 @@ def test_a_row_reused_by_a_request_without_extras_gets_a_neutral_bias_and_mask()
     assert driver.batch.row_of["plain"] == row
     extras = driver.batch.extras
     assert not extras.bias[row].any() and extras.allowed[row].all()
+
+
+def test_the_step_s_device_tensors_are_per_kv_group_sharing_all_but_slots_and_tables():
+    driver = Driver(max_batched_tokens=6, windows=(None, 5))
+    driver.add(make_request("a", 6))
+    driver.add(make_request("b", 3, start=100))
+    output = driver.scheduler.schedule()
+    dropped = driver.states.update(output)
+    driver.batch.update(output, dropped)
+    plan = driver.batch.plan(output, driver.states)
+
+    layout, packed = driver.batch.prepare(plan, output, driver.states, pad_to=8)  # a CUDA graph's bucket
+    full, window = driver.batch.step_inputs(layout, packed, decode_only=False, max_query_len=6).attention
+
+    manager = driver.scheduler.block_manager
+    a = driver.requests["a"]
+    assert full.positions is window.positions and full.seq_lens is window.seq_lens
+    assert list(full.block_tables[0, :2]) == a.pages and list(window.block_tables[0, :2]) == manager.pages_of(a, 1)
+    assert window.slot_mapping[:6].tolist() == [manager.pages_of(a, 1)[p // PAGE] * PAGE + p % PAGE for p in range(6)]
+    assert full.slot_mapping[6:].tolist() == window.slot_mapping[6:].tolist() == [-1, -1]  # padding writes nothing
+    assert (window.block_tables[2:] == 0).all()  # the padding row
