@@ -26,6 +26,8 @@ from workers.cost_model import PrefillCostModel
 DTYPES = ("float32", "bfloat16", "float16")
 KV_TRANSFERS = ("auto", "zmq")
 SWA_REPLAYS = ("approximate", "exact")  # see workers.engine.kv.window_replay
+# Host memory for SWA state: at tens to hundreds of KiB a block, thousands of prefix ends' windows.
+SWA_STATE_BYTES = 1 << 30
 
 # The KV cache of an engine off CUDA (the CPU) when neither --num-pages nor --kv-cache-bytes is given.
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -117,6 +119,13 @@ class EngineArgs:
         "window's tokens before the hit, attending only among them; exact recomputes enough before them "
         "to rebuild the window exactly",
     )
+    # A model with sliding-window layers keeps their KV of the blocks it stores in host memory, for later
+    # hits here or on other workers (workers.engine.kv.swa_state; a worker serves it to the others).
+    swa_state_bytes: int = setting(
+        SWA_STATE_BYTES,
+        help="host memory for the SWA state of the blocks this engine stores (sliding-window models with a KV "
+        "store); 0: keep none, every store hit replays the window",
+    )
     enforce_eager: bool = setting(False, help="run the decode forward eagerly instead of replaying CUDA graphs")
     async_scheduling: bool = setting(
         True,
@@ -153,6 +162,8 @@ class EngineArgs:
             raise ValueError(f"unknown kv_transfer {self.kv_transfer!r}; choose from {list(KV_TRANSFERS)}")
         if self.swa_replay not in SWA_REPLAYS:
             raise ValueError(f"unknown swa_replay {self.swa_replay!r}; choose from {list(SWA_REPLAYS)}")
+        if self.swa_state_bytes < 0:
+            raise ValueError(f"swa_state_bytes must be >= 0, got {self.swa_state_bytes}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -27,6 +27,8 @@ from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.host_memory import reuse_freed_memory
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.spec import KVCacheSpecs
+from workers.engine.kv.swa_state import LocalSwaState, SwaStateCache, SwaStateSource
+from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.kv.window_replay import ReplayPolicy
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.model_loader import LoadedModel
@@ -132,11 +134,14 @@ class LLMEngine(EngineCore):
         self.step_budget = (
             StepBudget(config.cost_model, config.step_budget_s) if config.step_budget_s is not None else None
         )
+        # A hybrid model's SWA state and replays (kv.swa_stats); None for a model without windows.
+        self.swa_stats = SwaStats() if len(specs.groups) > 1 else None
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.args.max_num_seqs,
             max_num_batched_tokens=config.args.max_num_batched_tokens,
             step_budget=self.step_budget,
+            swa_stats=self.swa_stats,
         )
         self.prediction_errors = PredictionErrorTracker() if config.cost_model is not None else None
         self.step_stats = StepStats()
@@ -152,10 +157,15 @@ class LLMEngine(EngineCore):
                 retention_caps=RetentionCaps(
                     config.args.kv_store_max_retained_tokens, config.args.kv_store_max_retention_s
                 ),
+                swa_stats=self.swa_stats,
             )
             if store is not None
             else None
         )
+        window = self.store.window_spec if self.store is not None else None
+        if window is not None and config.args.swa_state_bytes:
+            cache = SwaStateCache(window, config.args.kv_block_tokens, config.args.swa_state_bytes)
+            self.store.use_swa_state(LocalSwaState(cache, self.swa_stats))
         self.kv_store = store
         self.info = EngineInfo(
             model_name=loaded.name,
@@ -167,6 +177,7 @@ class LLMEngine(EngineCore):
             kv_layout=kv_cache.specs.layout,
             kv_block_tokens=config.args.kv_block_tokens if store is not None else 0,
             kv_transfer=kv_transfer,
+            swa_state_spec=window,
         )
         self.requests: dict[str, Request] = {}
         self.max_pending_transfers = max_pending_transfers
@@ -536,6 +547,11 @@ class LLMEngine(EngineCore):
     def ep_group(self) -> EPGroupState:
         return EPGroupState()
 
+    def use_swa_state(self, source: SwaStateSource) -> None:
+        if self.store is None:
+            raise ValueError("an engine without a KV store keeps no SWA state: it has no store hit to continue")
+        self.store.use_swa_state(source)
+
     def close(self) -> None:
         """Finish writing to the KV store; the engine is not used afterwards."""
         if self.store is not None:
@@ -552,7 +568,7 @@ class LLMEngine(EngineCore):
             num_prompt_tokens=self.scheduler.num_admitted_prompt_tokens,
             num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
             num_preemptions=self.scheduler.num_preemptions,
-            window_replays=self.scheduler.window_replays,
+            swa=self.swa_stats,
             store=self.store.stats() if self.store is not None else None,
             num_pending_transfers=len(self.disaggregation),
             resume=self.resume_stats,

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from workers.engine.config import ModelConfig
 from workers.engine.connectors.store import StoreStats
+from workers.engine.kv.spec import KVCacheSpec
+from workers.engine.kv.swa_state import SwaStateSource
 from workers.engine.kv.swa_stats import SwaStats
-from workers.engine.kv.window_replay import WindowReplayStats
 from workers.engine.kv_handoff import KVHandoff
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.placement import Placement
@@ -38,6 +39,9 @@ class EngineInfo:
     kv_layout: str  # its KV's layout (KVCacheSpecs.layout): a transfer or pool of another is refused
     kv_block_tokens: int  # tokens per KV store block; 0 without a store
     kv_transfer: str  # how its KV travels to another engine: "auto" (a mapped pool where it can), "zmq" (frames)
+    # A sliding-window model's window group, whose SWA state the engine keeps for its store hits
+    # (workers.engine.kv.swa_state); None without a store or a single window group.
+    swa_state_spec: KVCacheSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +72,6 @@ class EngineStats:
     cost_model_error: tuple[float, float] = (0.0, 0.0)
     steps: StepStats | None = None  # the engine's step times and tokens since start
     swa: SwaStats | None = None  # a model with sliding-window layers: its SWA state since start
-    # A hybrid model's window replays after prefix hits (workers.engine.kv.window_replay); None: none kept.
-    window_replays: WindowReplayStats | None = None
 
 
 class EngineCore(ABC):
@@ -124,6 +126,12 @@ class EngineCore(ABC):
 
     @abstractmethod
     def ep_group(self) -> EPGroupState: ...
+
+    @abstractmethod
+    def use_swa_state(self, source: SwaStateSource) -> None:
+        """Keep a sliding-window model's SWA state of the blocks it stores in `source` and take store
+        hits' from it (a worker's holder, which serves it to other workers); ValueError when the
+        engine keeps none (no KV store, no single window group)."""
 
     @abstractmethod
     def close(self) -> None:

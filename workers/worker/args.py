@@ -30,8 +30,6 @@ HEARTBEAT_INTERVAL_S = 0.1
 # workers.client.prefill_deadlines). It counts from the expectation, which comes before the prefill is even
 # scheduled: a backstop for a gateway that vanished (a gateway fails a stalled transfer itself).
 TRANSFER_TIMEOUT_S = 120.0
-# Host memory for SWA state: at tens to hundreds of KiB a block, thousands of prefix ends' windows.
-SWA_STATE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,13 +57,6 @@ class WorkerArgs:
         TRANSFER_TIMEOUT_S,
         flag="--transfer-timeout",
         help="seconds a decode worker waits for KV when the expectation names no timeout",
-    )
-    # A model with sliding-window layers keeps their KV of the blocks it computes in host memory, for
-    # later hits here or on other workers (workers.worker.swa_holder).
-    swa_state_bytes: int = setting(
-        SWA_STATE_BYTES,
-        help="host memory for the SWA state of the blocks this worker computes (sliding-window models); "
-        "0: keep none, every hit on another worker's prefix replays the window",
     )
     swa_state_endpoint: str | None = setting(
         None,
@@ -106,8 +97,6 @@ class WorkerArgs:
             raise ValueError(f"an expert-parallel worker (ep_size {self.engine.ep_size}) serves role mixed only")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
-        if self.swa_state_bytes < 0:
-            raise ValueError(f"swa_state_bytes must be >= 0, got {self.swa_state_bytes}")
         if self.kv_gc_interval_s < 0:
             raise ValueError(f"kv_gc_interval_s must be >= 0, got {self.kv_gc_interval_s}")
         if self.kv_eviction_policy not in POLICIES:

@@ -21,7 +21,6 @@ import zmq
 
 from workers import curve
 from workers.engine.engine_core import EngineCore
-from workers.engine.kv.swa_replay import APPROXIMATE
 from workers.engine.outputs import RequestDelta, RequestFailure, output_of
 from workers.engine.request import FinishReason
 from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
@@ -56,7 +55,7 @@ from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
 from workers.worker.migration import Migration
 from workers.worker.registry import register_until_acknowledged
 from workers.worker.resumption import Resumption
-from workers.worker.swa_holder import open_swa_holder, swa_group
+from workers.worker.swa_holder import open_swa_holder
 from workers.worker.transfers import Transfers
 
 log = logging.getLogger(__name__)
@@ -107,16 +106,13 @@ class Worker:
         if config.role in ("prefill", "decode"):
             sender = TransferSender(context, key=key)
             self.poller.register(sender.results, zmq.POLLIN)
-        spec = swa_group(engine.info)
-        self.swa = (
-            open_swa_holder(config, engine.info, spec, context, worker_id=self.worker_id, key=key) if spec else None
-        )
+        spec = engine.info.swa_state_spec
+        self.swa = open_swa_holder(config, engine, context, worker_id=self.worker_id, key=key)
         swa_layers = (
             SwaLayers(
                 window=spec.window,
                 num_layers=len(spec.layers),
-                # The engine replays approximately until it has a setting for the mode (EngineArgs).
-                replay=APPROXIMATE,
+                replay=config.engine.swa_replay,
                 state_endpoint=connectable(self.swa.endpoint, advertised_host) if self.swa else "",
             )
             if spec

@@ -26,10 +26,7 @@ import torch
 import zmq
 
 from workers import curve
-from workers.args import DTYPES
-from workers.engine.dtypes import torch_dtype
-from workers.engine.engine_core import EngineInfo
-from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
+from workers.engine.engine_core import EngineCore
 from workers.engine.kv.swa_state import SwaStateCache
 from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.kv.swa_window import window_keys
@@ -47,40 +44,6 @@ T = TypeVar("T")
 # Holders one fetch_window asks in turn: each may cost a fetch deadline (FETCH_TIMEOUT_S) when it has
 # gone, and past two a replay is the cheaper wait.
 MAX_HOLDERS_TRIED = 2
-
-
-def swa_group(info: EngineInfo) -> KVCacheSpec | None:
-    """The sliding-window layers' KV as the engine lays it out (a KVCacheSpec of kind SLIDING_WINDOW),
-    or None for a model whose state needs no keeping: no sliding-window layers, or only such layers
-    (whose device cache keeps every token, so the store serves their hits: KVCacheSpecs.of_model), or
-    windows of several lengths, which one cache of state does not hold (those hits replay)."""
-    config = info.model_config
-    windows = {window for window in config.layer_windows if window is not None}
-    if config.mla is not None or not windows or None not in config.layer_windows:
-        return None
-    if len(windows) > 1:
-        log.warning("sliding windows of %s tokens: SWA state is kept for one window only; hits replay", windows)
-        return None
-    (window,) = windows
-    return KVCacheSpec(
-        kind=KVKind.SLIDING_WINDOW,
-        layers=tuple(layer for layer, w in enumerate(config.layer_windows) if w is not None),
-        dtype=engine_kv_dtype(info),
-        page_size=info.page_size,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        window=window,
-    )
-
-
-def engine_kv_dtype(info: EngineInfo) -> torch.dtype:
-    """The dtype of the engine's KV: the one in which its model's KV groups are laid out as the engine
-    says its are (EngineInfo.kv_layout)."""
-    for name in DTYPES:
-        dtype = torch_dtype(name)
-        if KVCacheSpecs.of_model(info.model_config, dtype=dtype, page_size=info.page_size).layout == info.kv_layout:
-            return dtype
-    raise ValueError(f"the engine's KV layout {info.kv_layout!r} is not its model's in any of {sorted(DTYPES)}")
 
 
 def swa_state_bind_endpoint(request_endpoint: str) -> str:
@@ -201,19 +164,23 @@ class SwaStateHolder:
 
 def open_swa_holder(
     config: WorkerArgs,
-    info: EngineInfo,
-    spec: KVCacheSpec,
+    engine: EngineCore,
     context: zmq.Context,
     *,
     worker_id: str,
     key: curve.CurveKey | None = None,
 ) -> SwaStateHolder | None:
-    """The worker's holder of its SWA state `spec`, serving fetches: None without a KV store (no hit to
-    continue from) or with --swa-state-bytes 0."""
-    if not info.kv_block_tokens or not config.swa_state_bytes:
+    """The worker's holder of its engine's SWA state, serving fetches, and the engine's source of it:
+    None for a model without a single window group, without a KV store (no hit to continue from) or
+    with --swa-state-bytes 0."""
+    info = engine.info
+    spec = info.swa_state_spec
+    if spec is None or not info.kv_block_tokens or not config.engine.swa_state_bytes:
         return None
-    cache = SwaStateCache(spec, info.kv_block_tokens, config.swa_state_bytes)
+    cache = SwaStateCache(spec, info.kv_block_tokens, config.engine.swa_state_bytes)
     fetcher = SwaStateFetcher(spec, info.kv_block_tokens, context, key=key)
-    holder = SwaStateHolder(worker_id, cache, open_holders(config.engine.kv_store_index), fetcher)
+    holders = open_holders(config.engine.kv_store_index)
+    holder = SwaStateHolder(worker_id, cache, holders, fetcher, stats=engine.stats().swa)
     holder.serve(config.swa_state_endpoint or swa_state_bind_endpoint(config.request_endpoint), context, key=key)
+    engine.use_swa_state(holder)
     return holder

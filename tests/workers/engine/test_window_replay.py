@@ -2,6 +2,7 @@
 exactly, it equals computing from scratch token for token; approximately, the next-token distribution
 stays close to it; either way the full-attention pages of the hit are never written."""
 
+import dataclasses
 import importlib.util
 import random
 
@@ -12,6 +13,8 @@ from kernels.attention import AttentionMetadata, get_backend, layer_metadata
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, SamplingParams
 from workers.engine.kv.kv_cache import KVCache
+from workers.engine.kv.swa_state import LocalSwaState, SwaStateCache
+from workers.engine.kv.swa_stats import SwaStats
 from workers.kvstore.block_hash import hash_chain, namespace_extra
 
 HYBRID = ["qwen3_qknorm_layer_types", "qwen2_bias_sliding"]
@@ -52,9 +55,9 @@ def test_an_exact_replay_equals_computing_from_scratch(name):
 
     reference = hybrid_llm(name, enable_prefix_caching=False).generate([first], GREEDY)[0]
     assert again.token_ids == reference.token_ids
-    assert stats.window_replays.num_exact_replays == 1 and stats.window_replays.num_approximate_replays == 0
+    assert stats.swa.replays == 1
     # A hit one page short of the 48 cached tokens (44), replayed from 44 - 2 window layers × (6 - 1).
-    replayed = stats.window_replays.num_replayed_tokens
+    replayed = stats.swa.replayed_tokens
     assert again.num_cached_tokens == 44 and replayed == (10 if name.startswith("qwen3") else 2 * 7)
     assert stats.num_computed_tokens - computed_before == 50 - 44 + replayed + GREEDY.max_tokens - 1
 
@@ -72,10 +75,10 @@ def test_an_approximate_replay_never_writes_the_hit_s_full_pages(name):
 
     again = llm.generate([first], GREEDY)[0]
 
-    stats = llm.engine.stats().window_replays
-    assert stats.num_approximate_replays == 1 and again.num_cached_tokens == 44
+    stats = llm.engine.stats().swa
+    assert stats.replays == 1 and again.num_cached_tokens == 44
     window = llm.engine.kv_cache.specs.groups[1].window
-    assert stats.num_replayed_tokens == window
+    assert stats.replayed_tokens == window
     # The replayed positions' full-attention KV, computed from cut windows, would differ: not written.
     assert torch.equal(full[:, :, :, pages], before)
 
@@ -155,24 +158,61 @@ def test_a_store_hit_of_a_hybrid_model_loads_the_full_group_and_replays_its_wind
     writer.generate([tokens[:90]], params)  # stores the prompt's first 2 blocks
     writer.close()
 
+    # Another engine: the SWA state of the stored blocks is the writer's, not in this one's cache.
     reader = hybrid_llm(name, kv_store=tmp_path, kv_block_tokens=32, swa_replay=mode)
     result = reader.generate([tokens], params)[0]
     stats = reader.engine.stats()
     reader.close()
 
     reference = hybrid_llm(name, enable_prefix_caching=False).generate([tokens], params)[0]
-    # 2 whole blocks of 32 from the store; the windows' 6 (approximate) or 2 × 5 (exact) tokens before
-    # them replayed; the rest computed.
-    assert result.num_cached_tokens == 64 and stats.store.num_hit_tokens == 64
+    # Of the 2 whole blocks of 32 in the store, the hit backs off one for want of the SWA state at its
+    # end; the windows' 6 (approximate) or 2 × 5 (exact) tokens before it replayed; the rest computed.
+    assert result.num_cached_tokens == 32 and stats.store.num_hit_tokens == 32
+    assert stats.swa.state_misses == 1 and stats.swa.state_hits == 0
     replayed = 10 if mode == "exact" else 6
-    assert stats.window_replays.num_replayed_tokens == replayed
-    assert stats.num_computed_tokens == 100 - 64 + replayed + params.max_tokens - 1
+    assert stats.swa.replayed_tokens == replayed
+    assert stats.num_computed_tokens == 100 - 32 + replayed + params.max_tokens - 1
     if mode == "exact":
         assert result.token_ids == reference.token_ids
     # The full-attention layer's blocks only (the window layers' 2 × 32 tokens of 2 × 2 × 32 floats
     # each are not written), and none computed after an approximate replay.
-    assert stats.store.window_bytes_not_stored == stats.store.num_blocks_written * 2 * 32 * (2 * 2 * 32 * 4)
+    assert stats.swa.store_bytes_not_written == stats.store.num_blocks_written * 2 * 32 * (2 * 2 * 32 * 4)
     assert stats.store.num_blocks_written == (2 if mode == "exact" else 0)
+
+
+def test_a_store_hit_whose_swa_state_the_engine_kept_takes_every_block_and_replays_nothing(tmp_path):
+    name = "qwen3_qknorm_layer_types"
+    tokens = prompt(100, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # No local prefix cache: the second prompt's prefix comes from the store, its SWA state from the
+    # host cache the engine kept it in when it stored the blocks.
+    llm = hybrid_llm(name, kv_store=tmp_path, kv_block_tokens=32, enable_prefix_caching=False)
+    llm.generate([tokens[:90]], params)
+    computed_before = llm.engine.stats().num_computed_tokens
+
+    result = llm.generate([tokens], params)[0]
+    stats = llm.engine.stats()
+    llm.close()
+
+    reference = hybrid_llm(name, enable_prefix_caching=False).generate([tokens], params)[0]
+    assert result.num_cached_tokens == 64 and stats.store.num_hit_tokens == 64
+    assert stats.swa.state_hits == 1 and stats.swa.state_misses == 0
+    assert stats.swa.replays == 0 and stats.swa.replayed_tokens == 0
+    assert stats.num_computed_tokens - computed_before == 100 - 64 + params.max_tokens - 1
+    # The state is the windows' exact KV: the answer is the one computed from scratch.
+    assert result.token_ids == reference.token_ids
+
+
+def test_swa_state_of_another_layout_is_refused(tmp_path):
+    llm = hybrid_llm("qwen3_qknorm_layer_types", kv_store=tmp_path, kv_block_tokens=32)
+    window = llm.engine.info.swa_state_spec
+    other = dataclasses.replace(window, window=window.window + 1)
+
+    with pytest.raises(ValueError, match="does not fit this cache"):
+        llm.engine.use_swa_state(LocalSwaState(SwaStateCache(other, 32, 1 << 20), SwaStats()))
+    with pytest.raises(ValueError, match="16-token blocks; the store's have 32"):
+        llm.engine.use_swa_state(LocalSwaState(SwaStateCache(window, 16, 1 << 20), SwaStats()))
+    llm.close()
 
 
 @pytest.mark.skipif(
@@ -189,7 +229,7 @@ def test_the_device_path_replays_as_the_reference_path_does(mode):
         llm.generate([first], GREEDY)
         llm.generate([other], GREEDY)
         outputs.append(llm.generate([first], GREEDY)[0].token_ids)
-        replays.append(llm.engine.stats().window_replays)
+        replays.append(llm.engine.stats().swa)
 
     assert outputs[0] == outputs[1] and replays[0] == replays[1]
-    assert replays[1].num_replayed_tokens == (10 if mode == "exact" else 6)
+    assert replays[1].replayed_tokens == (10 if mode == "exact" else 6)

@@ -1,7 +1,7 @@
 """A worker's SWA state holder with real sockets and the real Redis holder index: what it keeps is
 registered and served, what its cache evicts and what an earlier life or a closed holder registered is
 dropped, and fetch_window finds the state here, at a live holder, or nowhere, counting each; then the
-sliding-window group a worker keeps state for, and where its socket binds by default."""
+sliding-window group an engine keeps state for, and where the worker's socket binds by default."""
 
 import uuid
 from collections.abc import Iterator
@@ -13,16 +13,15 @@ import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from tests.workers.kvstore.conftest import REDIS_URL
-from workers.engine.engine_core import EngineInfo
-from workers.engine.kv.spec import KVCacheSpec, KVCacheSpecs, KVKind
+from workers.engine import LLM
+from workers.engine.kv.spec import KVCacheSpec, KVKind
 from workers.engine.kv.swa_state import SwaStateCache, SwaStateError
-from workers.engine.models.registry import family_of
 from workers.kvstore.block_hash import hash_chain
 from workers.kvstore.redis_holders import RedisHolders
 from workers.kvstore.remote_holders import RemoteHolders
 from workers.protocol.messages import SwaHolder
 from workers.transfer.swa_fetch import SwaStateFetcher
-from workers.worker.swa_holder import SwaStateHolder, engine_kv_dtype, swa_group, swa_state_bind_endpoint
+from workers.worker.swa_holder import SwaStateHolder, swa_state_bind_endpoint
 
 BLOCK = 4
 SPEC = KVCacheSpec(
@@ -157,26 +156,16 @@ def test_bad_kept_blocks_are_refused(holders):
         a.fetch_window([])
 
 
-def info(config: dict, *, dtype: torch.dtype = torch.float32) -> EngineInfo:
-    model_config = family_of(config).model_config(config)
-    specs = KVCacheSpecs.of_model(model_config, dtype=dtype, page_size=16)
-    return EngineInfo(
-        model_name="tiny",
-        model_config=model_config,
-        tokenizer=None,
-        max_model_len=256,
-        kv_model_id=f"tiny:{dtype}",
-        page_size=16,
-        kv_layout=specs.layout,
-        kv_block_tokens=32,
-        kv_transfer="zmq",
-    )
+def test_the_engine_names_the_window_group_it_keeps_state_for_and_none_for_others(tmp_path):
+    def engine_spec(config: dict, **settings) -> KVCacheSpec | None:
+        llm = LLM(config, num_pages=16, dtype="bfloat16", **settings)
+        spec = llm.engine.info.swa_state_spec
+        llm.close()
+        return spec
 
-
-def test_the_sliding_window_group_of_a_hybrid_model_and_none_for_others():
-    hybrid = info(TINY_CONFIGS["qwen3_qknorm_layer_types"], dtype=torch.bfloat16)
-    group = swa_group(hybrid)
-    assert group == KVCacheSpec(
+    hybrid = TINY_CONFIGS["qwen3_qknorm_layer_types"]
+    store = {"kv_store": str(tmp_path), "kv_block_tokens": 32}
+    assert engine_spec(hybrid, **store) == KVCacheSpec(
         kind=KVKind.SLIDING_WINDOW,
         layers=(0, 2),
         dtype=torch.bfloat16,
@@ -185,13 +174,10 @@ def test_the_sliding_window_group_of_a_hybrid_model_and_none_for_others():
         head_dim=32,
         window=6,
     )
-    assert engine_kv_dtype(hybrid) == torch.bfloat16
-    # The engine's own grouping, where it has one, is the same group.
-    of_model = KVCacheSpecs.of_model(hybrid.model_config, dtype=torch.bfloat16, page_size=16)
-    assert [g for g in of_model.groups if g.kind is KVKind.SLIDING_WINDOW] in ([], [group])
-    assert swa_group(info(TINY_CONFIGS["llama"])) is None
-    every_layer_slides = {**TINY_CONFIGS["qwen3_qknorm_layer_types"], "layer_types": ["sliding_attention"] * 3}
-    assert swa_group(info(every_layer_slides)) is None
+    assert engine_spec(hybrid) is None  # without a store, no hit to continue from
+    assert engine_spec(TINY_CONFIGS["llama"], **store) is None
+    every_layer_slides = {**hybrid, "layer_types": ["sliding_attention"] * 3}
+    assert engine_spec(every_layer_slides, **store) is None
 
 
 @pytest.mark.parametrize(

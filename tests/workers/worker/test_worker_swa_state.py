@@ -1,9 +1,9 @@
 """Real worker processes of a tiny hybrid model (sliding, full, sliding layers) with a KV store and the
-holder index on the real Redis. The engine does not keep SWA state yet: tests.workers.swa_worker stands
-in for it, keeping every full prompt block a request brings. A worker advertises its window and SWA
-state endpoint; the endpoint answers a fetch of what it kept; a new life drops an earlier one's
-registrations, a clean shutdown its own, and a client that finds it dead drops them, after which
-routing backs off a block."""
+holder index on the real Redis. A worker advertises its window and SWA state endpoint; its engine keeps
+the SWA state of the blocks it stores, which the endpoint serves; another worker continuing that prefix
+fetches the state instead of replaying the window; a new life drops an earlier one's registrations, a
+clean shutdown its own, and a client that finds it dead drops them, after which routing backs off a
+block."""
 
 import asyncio
 import socket
@@ -18,10 +18,10 @@ import zmq
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from tests.workers.kvstore.conftest import REDIS_URL
-from tests.workers.swa_worker import prompt_keys, stand_in_run
 from tests.workers.worker.test_worker_curve import KEY, KeyedDealer
 from tests.workers.worker.test_worker_curve import heartbeat as keyed_heartbeat
 from tests.workers.worker_process import (
+    Dealer,
     collect,
     connected_client,
     role_options,
@@ -31,10 +31,11 @@ from tests.workers.worker_process import (
 )
 from workers import curve
 from workers.client.store_hits import live_swa_endpoints, read_store_hit
-from workers.engine import SamplingParams
+from workers.engine import LLM, SamplingParams
 from workers.engine.kv.spec import KVCacheSpec, KVKind
+from workers.kvstore.block_hash import BlockHash, hash_chain, namespace_extra
 from workers.kvstore.store import open_holders, open_index
-from workers.protocol.messages import GenerateRequest, SwaLayers
+from workers.protocol.messages import GenerateOutput, GenerateRequest, SwaHolder, SwaLayers
 from workers.transfer.swa_fetch import SwaStateFetcher
 from workers.worker.args import WorkerArgs
 
@@ -63,9 +64,12 @@ def index_url() -> Iterator[str]:
 
 def start(tmp_path, name: str, index_url: str, *options: str):
     store = ("--kv-store", str(tmp_path / "store"), "--kv-store-index", index_url, "--kv-block-tokens", str(BLOCK))
-    return start_worker(
-        tmp_path, name, *store, *options, config=HYBRID, model="hybrid", module="tests.workers.swa_worker"
-    )
+    return start_worker(tmp_path, name, *store, *options, config=HYBRID, model="hybrid")
+
+
+def prompt_keys(request: GenerateRequest, kv_model_id: str, block_tokens: int) -> list[BlockHash]:
+    """The keys of the prompt's full blocks."""
+    return hash_chain(request.prompt_token_ids, block_tokens, namespace_extra(kv_model_id, request.cache_namespace))
 
 
 def wait_until(condition, timeout_s: float = 15.0) -> None:
@@ -92,15 +96,16 @@ def test_a_worker_serves_what_it_kept_at_the_endpoint_it_advertises_and_drops_it
         outputs = asyncio.run(_generate(worker.endpoints, request))
         assert outputs[-1].finish_reason == "length"
         keys = prompt_keys(request, beat.kv_model_id, BLOCK)
-        assert holders.holders(keys) == [{"a"}] * 3
+        wait_until(lambda: holders.holders(keys) == [{"a"}] * 3)  # the engine stored the 3 blocks
 
         with zmq.Context() as context:
             fetcher = SwaStateFetcher(SPEC, BLOCK, context, timeout_s=5.0)
             fetched = fetcher.fetch(beat.swa_layers.state_endpoint, keys)
             fetcher.close()
         assert fetched.error == ""
-        for key, run in zip(keys, fetched.runs):
-            assert torch.equal(run, stand_in_run(key, SPEC.run_shape(BLOCK), torch.float32))
+        # Each block's window-layer KV; the last block's is within the window, so it was computed.
+        assert [tuple(run.shape) for run in fetched.runs] == [SPEC.run_shape(BLOCK)] * 3
+        assert fetched.runs[-1].abs().sum() > 0
     finally:
         assert worker.stop() == 0
     assert holders.holders(keys) == [set()] * 3  # a clean shutdown withdraws them
@@ -112,6 +117,44 @@ async def _generate(endpoints, request):
         return await collect(client, request)
     finally:
         await client.close()
+
+
+def test_another_worker_continues_the_prefix_with_the_state_it_fetches_and_replays_nothing(tmp_path, index_url):
+    holders, index = open_holders(index_url), open_index(index_url)
+    a, b = start(tmp_path, "a", index_url), start(tmp_path, "b", index_url)
+    longer = [*PROMPT, 7, 7, 7]
+    try:
+        a_beat = wait_for_worker_heartbeat(a.endpoints[1])
+        with Dealer(a.endpoints[0]) as dealer:
+            dealer.send(GenerateRequest("first", PROMPT, greedy(1)))
+            _until_finished(dealer)
+        keys = prompt_keys(GenerateRequest("k", PROMPT, greedy(1)), a_beat.kv_model_id, BLOCK)
+        # Kept as the blocks are queued for the store; written by the store's writer thread after.
+        wait_until(lambda: holders.holders(keys) == [{"a"}] * 3 and index.match_prefix(keys) == 3)
+
+        # As the gateway routes it to b: naming the live holder of the state at the stored prefix's end.
+        holder = SwaHolder(worker_id="a", endpoint=a_beat.swa_layers.state_endpoint)
+        with Dealer(b.endpoints[0]) as dealer:
+            dealer.send(GenerateRequest("second", longer, greedy(4), swa_holders=(holder,)))
+            outputs = _until_finished(dealer)
+        b_beat = wait_for_worker_heartbeat(b.endpoints[1], lambda beat: beat.swa is not None and beat.swa.state_fetches)
+    finally:
+        a.stop()
+        b.stop()
+    assert outputs[0].num_cached_tokens == 48  # the 3 stored blocks, none backed off
+    assert (b_beat.swa.state_fetches, b_beat.swa.state_misses, b_beat.swa.replays) == (1, 0, 0)
+    # The fetched state is the windows' exact KV: the tokens are those computed from scratch.
+    reference = LLM(HYBRID, enable_prefix_caching=False).generate([longer], greedy(4))[0]
+    assert [token for output in outputs for token in output.token_ids] == reference.outputs[0].token_ids
+
+
+def _until_finished(dealer: Dealer) -> list[GenerateOutput]:
+    outputs = []
+    while not outputs or outputs[-1].finish_reason is None:
+        reply = dealer.receive()
+        if isinstance(reply, GenerateOutput):
+            outputs.append(reply)
+    return outputs
 
 
 def test_a_dead_worker_s_registrations_are_dropped_by_the_client_and_routing_backs_off(tmp_path, index_url):
@@ -143,8 +186,8 @@ def test_a_dead_worker_s_registrations_are_dropped_by_the_client_and_routing_bac
         worker.stop()
     assert (standing.hit_tokens, standing.compute_from, standing.holders) == (48, 48, {"a"})
     # Even read against the endpoints it knew while "a" lived, the hit backs off a block and replays
-    # the window's 5 tokens before it: the registrations are gone.
-    assert (backed_off.hit_tokens, backed_off.compute_from, backed_off.holders) == (32, 27, set())
+    # the window's 6 tokens before it: the registrations are gone.
+    assert (backed_off.hit_tokens, backed_off.compute_from, backed_off.holders) == (32, 26, set())
 
 
 def test_a_split_request_of_a_sliding_window_model_is_routed_by_its_swa_hit(tmp_path, index_url):
@@ -169,7 +212,7 @@ def test_a_split_request_of_a_sliding_window_model_is_routed_by_its_swa_hit(tmp_
         prefill.stop()
         decode.stop()
     assert [o.finish_reason for o in (first[-1], outputs[-1])] == ["length", "length"]
-    # The prefill worker kept the prompt's blocks (the stand-in), so the hit stood: 3 whole blocks.
+    # The prefill worker kept the SWA state of the prompt's blocks, so the hit stood: 3 whole blocks.
     assert outputs[0].num_cached_tokens == 48
     assert holders.holders(keys) == [set()] * 3  # both stopped cleanly
 

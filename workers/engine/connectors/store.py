@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,8 @@ from workers.engine.connectors.base import KVArrival, KVConnector
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
+from workers.engine.kv.swa_state import SwaStateSource
+from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.request import Request
 from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
@@ -82,14 +84,20 @@ class LoadedBlocks:
     # One tensor per block: [layers, planes, heads, block_tokens, width] of the stored
     # group's layers; a prompt tail, last, holds fewer tokens (whole pages).
     blocks: list[torch.Tensor]
+    # A hybrid model's SWA state at the blocks' end (SwaStateSource.fetch_window): the window group's
+    # runs, oldest first; None: the hit backed off one block and the scheduler replays the window.
+    window_runs: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class KVLoad:
-    """Copy `blocks` into `pages` (as many pages as the blocks hold tokens) before the step runs."""
+    """Copy `blocks` into `pages` (as many pages as the blocks hold tokens) before the step runs, and
+    a hybrid model's SWA state `window_runs` into its window group's `window_pages`."""
 
     pages: list[int]
     blocks: list[torch.Tensor]
+    window_pages: list[int] = field(default_factory=list)
+    window_runs: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +108,6 @@ class StoreStats:
     num_writes_dropped: int
     # Bytes of the written blocks' tokens that the sliding-window layers hold and the store does not
     # keep (a hybrid model's window state stays with its worker): what writing every layer would add.
-    window_bytes_not_stored: int = 0
     # Fetches from the store into host memory: how many, the bytes read, the seconds they took.
     num_fetches: int = 0
     fetch_bytes: int = 0
@@ -138,6 +145,7 @@ class StoreConnector(KVConnector):
         *,
         block_tokens: int,
         retention_caps: RetentionCaps,
+        swa_stats: SwaStats | None = None,
     ) -> None:
         self.store = store
         self.kv_cache = kv_cache
@@ -154,7 +162,12 @@ class StoreConnector(KVConnector):
         self.dtype = self.spec.dtype
         self.block_bytes = self.spec.bytes_per_token * block_tokens
         self.window_block_bytes = sum(group.bytes_per_token for group in kv_cache.specs.groups[1:]) * block_tokens
-        self.window_bytes_not_stored = 0
+        # A hybrid model's replays, SWA state and the window bytes the store does not write.
+        self.swa_stats = swa_stats or SwaStats()
+        # Where the SWA state of the blocks stored goes and a hit's comes from (use_swa_state); a
+        # model of one window group only: one cache of state holds one layout.
+        self.window_spec = kv_cache.specs.groups[1] if len(kv_cache.specs.groups) == 2 else None
+        self.swa_state: SwaStateSource | None = None
         self.readers = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="kvstore-read")
         self.pending_writes: queue.Queue[_Write | _Retain | None] = queue.Queue(MAX_PENDING_WRITES)
         self.device = kv_cache.device
@@ -204,7 +217,9 @@ class StoreConnector(KVConnector):
             return
         if not self.window_state_for_hit(request, hit * self.block_tokens):
             return
-        request.store_fetch = self.readers.submit(self._fetch, keys[first:hit], first * self.pages_per_block, tail)
+        if len(self.kv_cache.specs.groups) > 1:
+            tail = None  # a tail's SWA state is not kept: its hit would replay anyway
+        request.store_fetch = self.readers.submit(self._fetch, keys[:hit], first, tail)
 
     def window_state_for_hit(self, request: Request, hit_tokens: int) -> bool:
         """Whether the KV of the sliding-window layers for the tokens before a store hit of `hit_tokens`
@@ -213,7 +228,21 @@ class StoreConnector(KVConnector):
         source of window state (a cross-worker cache) plugs in: when it holds the window before the
         hit, it fills those window pages before the step that admits the request, and the scheduler
         takes the hit without a replay (BlockManager.replay_for_hit)."""
-        return len(self.kv_cache.specs.groups) == 1 or self.block_manager.replay is not None
+        windowed = len(self.kv_cache.specs.groups) > 1
+        return not windowed or self.block_manager.replay is not None or self.swa_state is not None
+
+    def use_swa_state(self, source: SwaStateSource) -> None:
+        """Keep the SWA state of the blocks stored from now on in `source`, and take a store hit's from
+        it (see the module docstring)."""
+        if self.window_spec is None or source.cache.layout != self.window_spec.layout:
+            raise ValueError(
+                f"SWA state of {source.cache.layout!r} does not fit this cache ({self.kv_cache.specs.layout})"
+            )
+        if source.cache.block_tokens != self.block_tokens:
+            raise ValueError(
+                f"SWA state of {source.cache.block_tokens}-token blocks; the store's have {self.block_tokens}"
+            )
+        self.swa_state = source
 
     @torch.inference_mode()
     def store_prompt_tail(self, request: Request) -> None:
@@ -251,6 +280,12 @@ class StoreConnector(KVConnector):
             for index, layer in enumerate(self.spec.layers):
                 for plane, cache in enumerate(self.kv_cache.layers[layer]):
                     scatter_tokens(cache, pages, torch.cat([block[index, plane] for block in load.blocks], dim=1))
+            if load.window_runs:
+                window_pages = torch.tensor(load.window_pages, device=pages.device)
+                for index, layer in enumerate(self.window_spec.layers):
+                    for plane, cache in enumerate(self.kv_cache.layers[layer]):
+                        runs = torch.cat([run[index, plane] for run in load.window_runs], dim=1)
+                        scatter_tokens(cache, window_pages, runs)
 
     @torch.inference_mode()
     def save(self, requests: Sequence[Request]) -> None:
@@ -273,6 +308,8 @@ class StoreConnector(KVConnector):
             return  # the blocks are looked at again next step
         self._index_answered()
         now = self.store.clock()
+        window_keys: list[BlockHash] = []
+        window_runs: list[torch.Tensor] = []
         for request, first, full, keys in completed:
             present = [next(stored) for _ in range(first, full)]
             retained: dict[float, list[BlockHash]] = {}  # stored blocks a hint covers, by retain_until
@@ -295,10 +332,28 @@ class StoreConnector(KVConnector):
                     break
                 self.pending_writes.put(write)
                 self._count_stored(request, index, kept)
+                if self.swa_state is not None:
+                    window_keys.append(keys[index])
+                    window_runs.append(self._window_run(request, first_page))
             for until, retained_keys in retained.items():
                 if self._queued() < MAX_PENDING_WRITES:
                     self.pending_writes.put(_Retain(retained_keys, until))
             request.num_saved_blocks = full
+        if window_keys:
+            self.swa_state.kept(window_keys, window_runs)
+
+    def _window_run(self, request: Request, first_page: int) -> torch.Tensor:
+        """The window group's KV of the block at `first_page`, in host memory: its SWA state. Pages
+        the window released read as the null page; no continuation reads those tokens."""
+        table = self.block_manager.pages_of(request, 1)[first_page : first_page + self.pages_per_block]
+        index = torch.tensor(table, device=self.device)
+        run = torch.stack(
+            [
+                torch.stack([gather_tokens(cache, index, self.block_tokens) for cache in self.kv_cache.layers[layer]])
+                for layer in self.window_spec.layers
+            ]
+        )
+        return run.to("cpu", copy=True).contiguous()
 
     def _queued(self) -> int:
         return self.pending_writes.qsize()
@@ -352,7 +407,6 @@ class StoreConnector(KVConnector):
             num_blocks_read=self.num_blocks_read,
             num_blocks_written=self.num_blocks_written,
             num_writes_dropped=self.num_writes_dropped,
-            window_bytes_not_stored=self.window_bytes_not_stored,
             num_fetches=self.num_fetches,
             fetch_bytes=self.fetch_bytes,
             fetch_seconds=self.fetch_seconds,
@@ -398,14 +452,13 @@ class StoreConnector(KVConnector):
         ]
         return torch.stack(per_layer)
 
-    def _fetch(
-        self, keys: list[BlockHash], first_page: int, tail: tuple[int, int, BlockHash] | None = None
-    ) -> LoadedBlocks:
-        """The chain's blocks from the store, up to the first missing or bad one; then the prompt
-        tail, when every block before it came."""
+    def _fetch(self, keys: list[BlockHash], first: int, tail: tuple[int, int, BlockHash] | None = None) -> LoadedBlocks:
+        """The chain's blocks from `first` on from the store, up to the first missing or bad one; then
+        the prompt tail, when every block before it came. A hybrid model's hit also needs the SWA state
+        at its end: without it, it backs off one block (the scheduler replays the window before)."""
         started = time.perf_counter()
-        blocks = self._read_blocks(keys, self.block_tokens)
-        if tail is not None and len(blocks) == len(keys):
+        blocks = self._read_blocks(keys[first:], self.block_tokens)
+        if tail is not None and len(blocks) == len(keys) - first:
             _, tokens, key = tail
             blocks += self._read_blocks([key], tokens)
         seconds = time.perf_counter() - started
@@ -413,8 +466,16 @@ class StoreConnector(KVConnector):
             self.num_fetches += 1
             self.fetch_bytes += sum(block.nbytes for block in blocks)
             self.fetch_seconds += seconds
+        window_runs = None
+        if blocks and len(self.kv_cache.specs.groups) > 1:
+            hit = first + len(blocks)
+            window_runs = self.swa_state.fetch_window(keys[:hit]) if self.swa_state is not None else None
+            if window_runs is None:
+                blocks = blocks[:-1]
         num_pages = sum(block.shape[3] for block in blocks) // self.kv_cache.page_size
-        return LoadedBlocks(first_page=first_page, num_pages=num_pages, blocks=blocks)
+        return LoadedBlocks(
+            first_page=first * self.pages_per_block, num_pages=num_pages, blocks=blocks, window_runs=window_runs
+        )
 
     def _read_blocks(self, keys: list[BlockHash], tokens: int) -> list[torch.Tensor]:
         """Blocks of `tokens` tokens each, up to the first missing or bad one."""
@@ -459,7 +520,7 @@ class StoreConnector(KVConnector):
                 )
                 if written:
                     self.num_blocks_written += 1
-                    self.window_bytes_not_stored += self.window_block_bytes
+                    self.swa_stats.store_bytes_not_written += self.window_block_bytes
             except Exception:
                 # A full or failing disk, or an unreachable index, costs future hits, never the request
                 # (nor the writer thread, which later blocks still need).

@@ -207,6 +207,9 @@ class EPEngine(EngineCore):
     def ep_group(self) -> EPGroupState:
         return EPGroupState(size=self.ep_size, resized_at=self.resized_at, resize_reason=self.resize_reason)
 
+    def use_swa_state(self, source: object) -> None:
+        raise ValueError("an expert-parallel engine keeps no SWA state: its hybrid hits replay")
+
     # An expert-parallel worker serves role mixed only: it neither hands KV to another worker nor
     # migrates requests when it drains, so it has none pinned for export.
 

@@ -74,6 +74,11 @@ class BlockManager:
         """Of the fullest group."""
         return max(1.0 - pool.num_free / (pool.num_pages - 1) for pool in self.pools)
 
+    @property
+    def widest_window(self) -> int:
+        """Tokens the widest window group's query reads, itself included (a model with windows)."""
+        return max(window for window in self.windows if window is not None)
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

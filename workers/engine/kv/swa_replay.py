@@ -9,9 +9,10 @@ Without it, the hit backs off one block to h' = h - block and prefill replays th
 the sliding-window layers' KV of those tokens is rebuilt while the full-attention KV of [0, h') still
 comes from the store (DESIGN.md, "Sliding windows and bounded replay"):
 
-- "approximate": replay the W - 1 tokens a continuation at h' reads (a window counts the query itself,
-  KVCacheSpec.window), with attention truncated to the replayed segment: constant cost, and the KV
-  of the first replayed tokens is only approximate, since their own windows are cut short;
+- "approximate": replay the W tokens before h' (the W - 1 a continuation at h' reads, a window
+  counting the query itself, KVCacheSpec.window, and one more, which on small windows halves the
+  divergence), with attention truncated to the replayed segment: constant cost, and the KV of the
+  first replayed tokens is only approximate, since their own windows are cut short;
 - "exact" (for tests): start early enough that every SWA layer's KV of those W - 1 tokens comes out
   as a full prefill would compute it. A layer's KV of a token depends on its input, which each SWA
   layer below has mixed over that token's window, so the j-th SWA layer needs j × (W - 1) tokens of
@@ -72,5 +73,5 @@ def swa_hit(
     if hit_blocks == 0 or source is not SwaStateSource.NONE:
         return SwaHit(hit_tokens, hit_tokens, source if hit_blocks else SwaStateSource.NONE)
     backed_off = hit_tokens - block_tokens
-    reach = window - 1 if mode == APPROXIMATE else num_swa_layers * (window - 1)
+    reach = window if mode == APPROXIMATE else num_swa_layers * (window - 1)
     return SwaHit(backed_off, max(0, backed_off - reach), SwaStateSource.NONE)

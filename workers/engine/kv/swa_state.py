@@ -21,10 +21,12 @@ Thread-safe: the engine puts while the thread that answers other workers' fetche
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from workers.engine.kv.spec import KVCacheSpec, KVKind
+from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.kv.swa_window import window_keys
 from workers.kvstore.block_hash import BlockHash
 
@@ -143,3 +145,38 @@ class SwaStateCache:
             )
         if run.device.type != "cpu":
             raise SwaStateError(f"SWA state is kept in host memory; copy the run off {run.device} first")
+
+
+class SwaStateSource(Protocol):
+    """Where an engine keeps the SWA state of the blocks it stores and finds the state at a store hit's
+    end: its own cache (LocalSwaState, the offline engine's), or a worker's holder that also serves
+    and fetches it across workers (workers.worker.swa_holder.SwaStateHolder)."""
+
+    cache: SwaStateCache
+
+    def kept(self, keys: Sequence[BlockHash], runs: Sequence[torch.Tensor]) -> None:
+        """The engine stored the blocks `keys`; `runs` are their SWA KV, in host memory."""
+
+    def fetch_window(self, prefix_keys: Sequence[BlockHash]) -> list[torch.Tensor] | None:
+        """The runs of the window before the end of the prefix `prefix_keys`, oldest first; None when
+        the state cannot be had whole (the hit then backs off and replays)."""
+
+
+class LocalSwaState:
+    """An engine's own SWA state, in its cache only, counted in its SwaStats."""
+
+    def __init__(self, cache: SwaStateCache, stats: SwaStats) -> None:
+        self.cache = cache
+        self.stats = stats
+
+    def kept(self, keys: Sequence[BlockHash], runs: Sequence[torch.Tensor]) -> None:
+        for key, run in zip(keys, runs, strict=True):
+            self.cache.put(key, run)
+
+    def fetch_window(self, prefix_keys: Sequence[BlockHash]) -> list[torch.Tensor] | None:
+        runs = self.cache.window(prefix_keys)
+        if runs is None:
+            self.stats.state_misses += 1
+        else:
+            self.stats.state_hits += 1
+        return runs

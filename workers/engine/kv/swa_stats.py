@@ -17,3 +17,8 @@ class SwaStats:
     replayed_tokens: int = 0
     # Bytes the store did not write because the SWA layers' KV stays with the worker.
     store_bytes_not_written: int = 0
+
+    def count_replay(self, start: int, end: int) -> None:
+        """A replay recomputed positions [start, end) for the windows."""
+        self.replays += 1
+        self.replayed_tokens += end - start

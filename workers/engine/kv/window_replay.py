@@ -9,14 +9,22 @@ rewritten), its window layers write the segment's KV into fresh pages and attend
 segment (each query at i reads keys max(s, i - window + 1)..i: the attention metadata's per-sequence
 "first readable key", 0 otherwise). Then the request goes on from h as usual.
 
-- approximate: s = h - window (the widest window). Each window layer's KV of the segment is computed
-  from a context cut at s, so the window before h approximates the one a full computation would give;
+- approximate: s = h - window (the widest window; the span the entrypoint's hit policy counts too,
+  kv.swa_replay): the W - 1 tokens the query at h reads besides itself, and one before them, which on
+  tiny windows halves the replay's divergence (tests/workers/engine/test_window_replay.py). Each window
+  layer's KV of the segment is computed from a context cut at s, so the window before h approximates
+  the one a full computation would give;
   the KV the request computes from then on is approximate too, so it is never keyed for reuse nor
   stored (Request.num_reusable_tokens).
 - exact: s early enough that the cut never reaches the window before h: a window layer's KV at i is
   exact once its input is, which at the k-th window layer from the bottom holds for i >= s +
   (k - 1)(window - 1) (full-attention layers read exact cached keys and add no reach), so
   s = h - (window layers) × (window - 1) rebuilds the window exactly, for the price of a longer replay.
+
+A store hit replays only when the SWA state at its end cannot be had (kv.swa_state: kept by the worker
+that computed it, fetched from it by others): it then backs off one block first (DESIGN.md, "Sliding
+windows and bounded replay"; connectors.store). With the state, its runs fill fresh window pages and
+nothing is replayed.
 """
 
 from dataclasses import dataclass
@@ -54,19 +62,3 @@ class ReplayPolicy:
 
     def replay(self, hit_tokens: int) -> WindowReplay:
         return WindowReplay(start=max(hit_tokens - self.span, 0), end=hit_tokens, exact=self.mode == "exact")
-
-
-@dataclass(slots=True)
-class WindowReplayStats:
-    """Engine counters of window replays since start."""
-
-    num_replayed_tokens: int = 0  # tokens recomputed before a hit for the windows' KV
-    num_approximate_replays: int = 0
-    num_exact_replays: int = 0
-
-    def count(self, replay: WindowReplay) -> None:
-        self.num_replayed_tokens += replay.end - replay.start
-        if replay.exact:
-            self.num_exact_replays += 1
-        else:
-            self.num_approximate_replays += 1

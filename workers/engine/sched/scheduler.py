@@ -16,9 +16,11 @@ moves request objects and lists of ints; it never touches tensors.
 
 import time
 
+import torch
+
 from workers.engine.connectors.store import KVLoad, LoadedBlocks
 from workers.engine.kv.block_manager import BlockManager
-from workers.engine.kv.window_replay import WindowReplayStats
+from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import NewRequestData, SchedulerOutput
 from workers.engine.sched.step_budget import StepBudget
@@ -35,10 +37,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         step_budget: StepBudget | None = None,
         num_lookahead_tokens: int = 0,
+        swa_stats: SwaStats | None = None,
     ) -> None:
         """`step_budget`, when given, also caps each step by predicted time (see step_budget);
         `num_lookahead_tokens` more slots past every scheduled token are covered by pages (room for
-        speculative tokens)."""
+        speculative tokens); `swa_stats` counts a hybrid model's window replays (the engine's)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -49,7 +52,7 @@ class Scheduler:
         self.num_admitted_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0  # of the admitted prompt tokens, those hit in the prefix cache
         self.num_preemptions = 0
-        self.window_replays = WindowReplayStats()
+        self.swa_stats = swa_stats or SwaStats()  # a hybrid model's window replays
         self._finished_ids: list[str] = []
 
     def add(self, request: Request) -> None:
@@ -102,8 +105,19 @@ class Scheduler:
             cached_tokens = len(cached[0]) * page_size
             loaded_tokens = loaded.num_pages * page_size if loaded else 0
             hit_tokens = cached_tokens + loaded_tokens
-            replay = self.block_manager.replay_for_hit(request, cached, loaded_tokens)
+            # A store hit that brought its SWA state needs no replay: the state fills fresh window pages.
+            window_runs = loaded.window_runs if loaded is not None else None
+            replay = None if window_runs else self.block_manager.replay_for_hit(request, cached, loaded_tokens)
             start = replay.start if replay is not None else hit_tokens
+            if replay is not None:
+                window_start = start
+            elif window_runs:
+                # The pages of the tokens the next query's window reads, not all of the runs' blocks.
+                runs_start = hit_tokens - sum(run.shape[3] for run in window_runs)
+                first_read = max(hit_tokens - self.block_manager.widest_window + 1, runs_start)
+                window_start = first_read // page_size * page_size
+            else:
+                window_start = None
             count = min(request.num_tokens - start, budget)
             if time_left is not None:
                 count = time_left.fit(count, start, first=not plan)
@@ -114,20 +128,33 @@ class Scheduler:
                 max(start + count, hit_tokens) - cached_tokens,
                 cached,
                 lookahead=self.num_lookahead_tokens,
-                window_start=start if replay is not None else None,
+                window_start=window_start,
             ):
                 break
             self.waiting.pop(position)
             request.store_fetch = None
             if loaded:
                 first = loaded.first_page
-                loads.append(KVLoad(pages=request.pages[first : first + loaded.num_pages], blocks=loaded.blocks))
+                window_pages, window_state = [], []
+                if window_runs:
+                    window_pages = self.block_manager.pages_of(request, 1)[
+                        window_start // page_size : hit_tokens // page_size
+                    ]
+                    window_state = [torch.cat(window_runs, dim=3)[:, :, :, window_start - runs_start :]]
+                loads.append(
+                    KVLoad(
+                        pages=request.pages[first : first + loaded.num_pages],
+                        blocks=loaded.blocks,
+                        window_pages=window_pages,
+                        window_runs=window_state,
+                    )
+                )
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit_tokens
                 self.num_admitted_prompt_tokens += len(request.prompt_token_ids)
                 self.num_cached_prompt_tokens += hit_tokens
             if replay is not None:
-                self.window_replays.count(replay)
+                self.swa_stats.count_replay(replay.start, replay.end)
             request.window_replay = replay
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING

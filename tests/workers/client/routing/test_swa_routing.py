@@ -63,9 +63,9 @@ def test_with_no_live_holder_the_hit_backs_off_one_block_and_replays_the_window(
 
     hit = swa_store_hit(prefix, holders, {"w1"}, block_tokens=BLOCK, layers=LAYERS)
 
-    # 80 tokens stored; backed off to 64; approximate replay of W - 1 = 39 tokens before that.
-    assert hit == StoreHit(64, 25, frozenset())
-    assert hit.replayed_tokens == 39
+    # 80 tokens stored; backed off to 64; approximate replay of W = 40 tokens before that.
+    assert hit == StoreHit(64, 24, frozenset())
+    assert hit.replayed_tokens == 40
 
 
 def test_exact_replay_reaches_back_a_window_per_sliding_layer_and_stops_at_the_start(holders):
@@ -77,7 +77,7 @@ def test_exact_replay_reaches_back_a_window_per_sliding_layer_and_stops_at_the_s
 def test_no_stored_prefix_no_index_and_a_window_of_one_token():
     assert swa_store_hit([], MemoryHolders(), {"w1"}, block_tokens=BLOCK, layers=LAYERS) == StoreHit(0, 0)
     # Without a holder index no one is known to hold the state.
-    assert swa_store_hit(KEYS[:5], None, {"w1"}, block_tokens=BLOCK, layers=LAYERS) == StoreHit(64, 25)
+    assert swa_store_hit(KEYS[:5], None, {"w1"}, block_tokens=BLOCK, layers=LAYERS) == StoreHit(64, 24)
     # A query that reads only itself needs no state: nothing to look up, nothing replayed.
     alone = SwaLayers(window=1, num_layers=1, replay="approximate")
     assert swa_store_hit(KEYS[:5], None, set(), block_tokens=BLOCK, layers=alone) == StoreHit(80, 80)
@@ -123,7 +123,7 @@ def test_live_holders_are_the_healthy_workers_that_serve_their_state_and_request
     live = live_swa_endpoints(beats)
     assert live == {"a": "ipc://holder.swa"}
     assert swa_holders(StoreHit(80, 80, frozenset({"a"})), live) == (SwaHolder("a", "ipc://holder.swa"),)
-    assert swa_holders(StoreHit(64, 25), live) == ()
+    assert swa_holders(StoreHit(64, 24), live) == ()
 
 
 def balancer(**options) -> PrefillBalancer:
@@ -134,9 +134,9 @@ def test_the_prefill_cost_counts_the_replayed_tokens_as_work():
     router = Router(LINEAR)
     beats = [("p0", heartbeat("p0", LAYERS))]
     _, standing = router.choose_prefill(beats, 100, 80)
-    _, replaying = router.choose_prefill(beats, 100, StoreHit(64, 25).compute_from)
+    _, replaying = router.choose_prefill(beats, 100, StoreHit(64, 24).compute_from)
     assert standing == pytest.approx(0.020)
-    assert replaying == pytest.approx(0.075)
+    assert replaying == pytest.approx(0.076)
 
 
 def test_a_holder_is_preferred_on_a_tie_or_when_close_and_not_when_far_behind():
@@ -174,5 +174,5 @@ def test_read_store_hit_routes_a_holder_index_that_fails_as_a_replay_and_a_dense
 
     # 99 reusable tokens: 6 whole blocks stored.
     assert asyncio.run(read(dense)) == StoreHit(96, 96)
-    assert asyncio.run(read(sliding)) == StoreHit(80, 41)
+    assert asyncio.run(read(sliding)) == StoreHit(80, 40)
     assert asyncio.run(read_store_hit(None, down, request, sliding, {})) == StoreHit(0, 0)

@@ -48,7 +48,7 @@ def test_the_store_writes_only_the_full_attention_group(tmp_path):
     connector.save([request])
     connector.close()
 
-    assert connector.stats().window_bytes_not_stored == WINDOW.bytes_per_token * BLOCK
+    assert connector.swa_stats.store_bytes_not_written == WINDOW.bytes_per_token * BLOCK
     (key,) = request.store_keys
     assert store.files.stat(key)[0].layout == FULL.layout
     stored = torch.frombuffer(bytearray(store.files.read(key)), dtype=torch.float32)

@@ -21,8 +21,8 @@ def test_with_the_state_at_hand_the_whole_hit_is_used_and_nothing_replayed(sourc
 
 def test_without_it_the_hit_backs_off_a_block_and_replays_the_window_before() -> None:
     hit = swa_hit(5, NONE, block_tokens=16, window=40)
-    assert hit == SwaHit(hit_tokens=64, replay_start=64 - 39, source=NONE)
-    assert hit.replayed_tokens == 39
+    assert hit == SwaHit(hit_tokens=64, replay_start=64 - 40, source=NONE)
+    assert hit.replayed_tokens == 40
 
 
 def test_a_replay_reaching_past_the_start_starts_at_0() -> None:
@@ -38,9 +38,9 @@ def test_exact_replay_covers_the_window_of_every_swa_layer() -> None:
     # Each SWA layer widens what the next one's KV depends on by W - 1 tokens.
     hit = swa_hit(20, NONE, block_tokens=16, window=9, mode=EXACT, num_swa_layers=3)
     assert hit == SwaHit(hit_tokens=304, replay_start=304 - 3 * 8, source=NONE)
-    assert swa_hit(20, NONE, block_tokens=16, window=9, mode=EXACT, num_swa_layers=1) == swa_hit(
-        20, NONE, block_tokens=16, window=9
-    )
+    # One SWA layer: the W - 1 tokens its query reads, one fewer than the approximate replay's W.
+    one_layer = swa_hit(20, NONE, block_tokens=16, window=9, mode=EXACT, num_swa_layers=1)
+    assert one_layer.replay_start == 304 - 8 == swa_hit(20, NONE, block_tokens=16, window=9).replay_start + 1
     assert swa_hit(3, NONE, block_tokens=16, window=9, mode=EXACT, num_swa_layers=5).replay_start == 0
 
 
