@@ -5,7 +5,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine.kv.window_replay import WindowReplay
 from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.hints import BlockRetention
@@ -15,6 +14,15 @@ from workers.protocol.sampling_params import SamplingParams
 # The value an output token holds while it is sampled on the device but not yet read back (async
 # scheduling): the next step's input takes the real id from the device.
 PENDING_TOKEN = -1
+
+
+@dataclass(frozen=True, slots=True)
+class WindowReplay:
+    """A request's replay: positions [start, end) recomputed for its windows after a hit of `end` tokens."""
+
+    start: int
+    end: int
+    exact: bool
 
 
 class RequestStatus(enum.Enum):
@@ -75,7 +83,7 @@ class Request:
     # Hashes of the request's full pages, in order; the chain continues from the last.
     page_hashes: list[BlockHash] = field(default_factory=list)
     # The replay of its sliding windows after its prefix hit, if it needed one (kv.window_replay).
-    window_replay: "WindowReplay | None" = None
+    window_replay: WindowReplay | None = None
     # The request's keys in the global KV store (blocks of its tokens), extended as blocks fill.
     store_keys: list[BlockHash] = field(default_factory=list)
     # Blocks from the start that are in the store or queued for it; they survive preemption.

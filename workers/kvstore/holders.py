@@ -5,7 +5,7 @@ computed it (workers.engine.kv.swa_state), per block, keyed by the same chained 
 blocks. A worker registers the blocks it keeps and drops those its cache evicts; another worker that
 hits a prefix asks who holds every block of that prefix end's window (`holders_of_all`) and fetches
 the state from one of them (workers.transfer.swa_fetch), or backs off and replays
-(workers.engine.kv.swa_replay).
+(workers.kvstore.swa_replay).
 
 One interface and the block index's backends (workers.kvstore.store.open_holders picks one from the
 index's URL): `MemoryHolders` in one process; `RemoteHolders` (workers.kvstore.remote_holders), the

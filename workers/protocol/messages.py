@@ -303,7 +303,7 @@ class SwaTotals(msgspec.Struct, frozen=True):
 
 class SwaLayers(msgspec.Struct, frozen=True):
     """A worker's model has sliding-window layers: what the entrypoint needs to route a prefix hit the
-    way the worker will serve it (workers.engine.kv.swa_replay.swa_hit), and where the worker answers
+    way the worker will serve it (workers.kvstore.swa_replay.swa_hit), and where the worker answers
     fetches of the SWA state it keeps (workers.transfer.swa_fetch)."""
 
     window: Annotated[int, msgspec.Meta(ge=1)]  # tokens a query of a sliding-window layer reads, itself included

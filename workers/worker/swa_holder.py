@@ -29,10 +29,10 @@ from workers import curve
 from workers.engine.engine_core import EngineCore
 from workers.engine.kv.swa_state import SwaStateCache
 from workers.engine.kv.swa_stats import SwaStats
-from workers.engine.kv.swa_window import window_keys
 from workers.kvstore.block_hash import BlockHash
 from workers.kvstore.holders import HolderIndex, check_worker_id
 from workers.kvstore.store import open_holders
+from workers.kvstore.swa_window import window_keys
 from workers.protocol.messages import MAX_SWA_STATE_KEYS
 from workers.transfer.swa_fetch import SwaStateFetcher, SwaStateServer
 from workers.worker.args import WorkerArgs

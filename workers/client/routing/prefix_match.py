@@ -4,7 +4,7 @@ The prompt's blocks are keyed with the engine's own chain (workers.kvstore.block
 (model and cache namespace, see `namespace_extra`), then the index walks the chain to the first
 absent key. No block data is read, so routing can weigh a request's real prefill work cheaply.
 
-A model with sliding-window layers uses a hit as its worker will (workers.engine.kv.swa_replay): the
+A model with sliding-window layers uses a hit as its worker will (workers.kvstore.swa_replay): the
 store keeps only the full-attention blocks, so the hit stands as it is only where a live worker holds
 the SWA state at its end (one holder-index lookup of that end's window); otherwise it backs off one
 block and prefill replays the window before it, which routing counts as work (`StoreHit.compute_from`).
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.engine.kv.swa_replay import SwaStateSource, swa_hit
-from workers.engine.kv.swa_window import window_keys
 from workers.kvstore.block_hash import BlockHash, hash_chain, reusable_blocks
 from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
+from workers.kvstore.swa_replay import SwaStateSource, swa_hit
+from workers.kvstore.swa_window import window_keys
 from workers.protocol.messages import SwaLayers
 
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from kernels.attention import NULL_PAGE
 from workers.engine.kv.kv_cache import per_group
 from workers.engine.kv.page_pool import PagePool
-from workers.engine.kv.window_replay import ReplayPolicy, WindowReplay
-from workers.engine.request import Request
+from workers.engine.kv.window_replay import ReplayPolicy
+from workers.engine.request import Request, WindowReplay
 from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
 
 # In a page table being built: a page to take from the pool.

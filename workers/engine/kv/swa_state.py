@@ -9,7 +9,7 @@ into (`window_keys`), so consecutive prefix ends of one conversation share their
 each keeping W tokens of its own.
 
 A window counts the query itself (KVCacheSpec.window), so a request continuing at a prefix end reads
-the KV of the W - 1 tokens before it: `window_blocks` blocks of them (workers.engine.kv.swa_window,
+the KV of the W - 1 tokens before it: `window_blocks` blocks of them (workers.kvstore.swa_window,
 torch-free for the entrypoint's routing).
 
 Bounded by bytes, least recently used first out: a put, a `window` that found its blocks and a `get`
@@ -27,8 +27,8 @@ import torch
 
 from workers.engine.kv.spec import KVCacheSpec, KVKind
 from workers.engine.kv.swa_stats import SwaStats
-from workers.engine.kv.swa_window import window_keys
 from workers.kvstore.block_hash import BlockHash
+from workers.kvstore.swa_window import window_keys
 
 
 class SwaStateError(ValueError):

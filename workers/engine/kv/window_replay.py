@@ -10,7 +10,7 @@ segment (each query at i reads keys max(s, i - window + 1)..i: the attention met
 "first readable key", 0 otherwise). Then the request goes on from h as usual.
 
 - approximate: s = h - window (the widest window; the span the entrypoint's hit policy counts too,
-  kv.swa_replay): the W - 1 tokens the query at h reads besides itself, and one before them, which on
+  kvstore.swa_replay): the W - 1 tokens the query at h reads besides itself, and one before them, which on
   tiny windows halves the replay's divergence (tests/workers/engine/test_window_replay.py). Each window
   layer's KV of the segment is computed from a context cut at s, so the window before h approximates
   the one a full computation would give;
@@ -31,15 +31,7 @@ from dataclasses import dataclass
 
 from workers.args import SWA_REPLAYS
 from workers.engine.kv.spec import KVCacheSpecs
-
-
-@dataclass(frozen=True, slots=True)
-class WindowReplay:
-    """A request's replay: positions [start, end) recomputed for its windows after a hit of `end` tokens."""
-
-    start: int
-    end: int
-    exact: bool
+from workers.engine.request import WindowReplay
 
 
 @dataclass(frozen=True, slots=True)

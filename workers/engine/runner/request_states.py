@@ -8,8 +8,7 @@ and the host-driven sampler read.
 
 from dataclasses import dataclass
 
-from workers.engine.kv.window_replay import WindowReplay
-from workers.engine.request import token_slice
+from workers.engine.request import WindowReplay, token_slice
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams

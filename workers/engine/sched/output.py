@@ -16,7 +16,7 @@ Nothing here is a tensor: ids, counts and lists of ints only.
 from dataclasses import dataclass, field
 
 from workers.engine.connectors.store import KVLoad
-from workers.engine.kv.window_replay import WindowReplay
+from workers.engine.request import WindowReplay
 from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams
 

@@ -6,8 +6,8 @@ import torch
 
 from workers.engine.kv.spec import KVCacheSpec, KVKind
 from workers.engine.kv.swa_state import SwaStateCache, SwaStateError
-from workers.engine.kv.swa_window import window_blocks, window_keys
 from workers.kvstore.block_hash import hash_chain
+from workers.kvstore.swa_window import window_blocks, window_keys
 
 BLOCK = 4
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.workers.worker_process import REPO_ROOT
-from workers.engine.kv.swa_replay import EXACT, SwaHit, SwaStateSource, swa_hit
+from workers.kvstore.swa_replay import EXACT, SwaHit, SwaStateSource, swa_hit
 
 LOCAL, REMOTE, NONE = SwaStateSource.LOCAL, SwaStateSource.REMOTE, SwaStateSource.NONE
 
@@ -66,7 +66,7 @@ def test_bad_settings_are_refused(kwargs: dict, says: str) -> None:
 def test_the_policy_and_the_holder_index_load_neither_torch_nor_redis() -> None:
     # The entrypoint decides hits with them, and it never loads torch.
     script = (
-        "import sys, workers.engine.kv.swa_replay, workers.kvstore.holders, workers.kvstore.store\n"
+        "import sys, workers.kvstore.swa_replay, workers.kvstore.holders, workers.kvstore.store\n"
         "print(' '.join(name for name in ('torch', 'redis') if name in sys.modules))"
     )
     completed = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True)
