@@ -26,6 +26,10 @@ from workers.cost_model import PrefillCostModel
 DTYPES = ("float32", "bfloat16", "float16")
 KV_TRANSFERS = ("auto", "zmq")
 SWA_REPLAYS = ("approximate", "exact")  # see workers.engine.kv.window_replay
+# Weight quantization applied at load: fp8 is DeepSeek-V3's e4m3 with one scale per 128x128 block.
+QUANTIZATIONS = ("fp8",)
+# KV cache storage: auto keeps the model's dtype; fp8 stores e4m3 values with scales beside them.
+KV_CACHE_DTYPES = ("auto", "fp8")
 # Host memory for SWA state: at tens to hundreds of KiB a block, thousands of prefix ends' windows.
 SWA_STATE_BYTES = 1 << 30
 
@@ -60,6 +64,19 @@ class EngineArgs:
     device: str = setting("cpu", help="torch device to run on")
     dtype: str | None = setting(
         None, help="model and KV dtype", none="float32 on the CPU, bfloat16 on CUDA", choices=DTYPES
+    )
+    quantization: str | None = setting(
+        None,
+        choices=QUANTIZATIONS,
+        help="quantize the linear layers' weights at load (fp8: e4m3 with one scale per 128x128 block, "
+        "DeepSeek-V3's checkpoint format); a checkpoint saved quantized is served as saved whatever this says",
+        none="as the checkpoint stores them",
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache storage: auto keeps the model's dtype; fp8 stores e4m3 values with their scales, half "
+        "the bytes of bf16 (in the device cache, the KV store and the handoff)",
     )
     seed: int = setting(0, help="seed of the sampler, and of the weights of a model built from a config")
     attention_backend: str | None = setting(None, help="attention kernels", none="the device's default")
@@ -158,6 +175,10 @@ class EngineArgs:
             raise ValueError(f"ep_slots_per_rank must be >= 1 and needs ep_size > 1, got {self.ep_slots_per_rank}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose from {list(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {list(KV_CACHE_DTYPES)}")
         if self.kv_transfer not in KV_TRANSFERS:
             raise ValueError(f"unknown kv_transfer {self.kv_transfer!r}; choose from {list(KV_TRANSFERS)}")
         if self.swa_replay not in SWA_REPLAYS:
