@@ -1,8 +1,10 @@
 """Builds a ready model (and its tokenizer) from a model name, a directory, or a bare config."""
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,9 @@ def load_model(
     config = family.model_config(hf_config)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     length = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    with torch.device(device):
+    # Parameters are made in their final dtype: made in float32 and cast, a 20B model's would need
+    # twice its bf16 bytes at once (80 GB), more than an H100 holds.
+    with torch.device(device), _default_dtype(dtype):
         model = family.model_class(config, max_positions=length)
     if files is not None and files.weight_files:
         model.load_weights(load_weights(files))
@@ -76,6 +80,16 @@ def load_model(
     else:
         loaded_tokenizer = None
     return LoadedModel(name=name, config=config, model=model, tokenizer=loaded_tokenizer, max_model_len=length)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
