@@ -4,7 +4,7 @@ at the prefix end comes from, against computing the prompt from scratch, in one 
     python -m bench.swa_replay [--model gemma3-270m | --shape gpt_oss_20b] [--lengths 2048,8192,32768]
                                [--device cpu] [--block-tokens 128] [--repeats 1]
 
-Per prompt length, a writer engine computes every block of the prompt but the last, which stores the
+A writer engine computes every block of each prompt but the last, which stores the
 full-attention layers' blocks and keeps the sliding-window layers' state in its host cache. Then the
 whole prompt's time to first token, each on an engine without its local prefix cache:
 - `state_held`: the writer itself, whose host cache holds the SWA state at the hit (what a fetch from
@@ -27,6 +27,7 @@ with random weights (the GPU's gpt-oss-20b shape). Prints one JSON object.
 """
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -35,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bench.shapes import shape
 from workers.engine import LLM, SamplingParams
@@ -59,8 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     model: Any = shape(args.shape) if args.shape else args.model
     lengths = [int(length) for length in args.lengths.split(",")]
-    text = _text(model)
-    rows = [_length_row(model, length, args, text) for length in lengths]
+    rows = _rows(model, lengths, args, _text(model))
     print(
         json.dumps(
             {
@@ -78,6 +80,8 @@ def main() -> None:
 def _text(model: Any) -> list[int] | int:
     """This repository's prose in the model's tokens; for a model without a tokenizer, its vocabulary
     size (prompts are then random ids)."""
+    if isinstance(model, dict):
+        return int(model["vocab_size"])
     engine = LLM(model, num_pages=4)
     tokenizer, vocab_size = engine.tokenizer, engine.engine.info.model_config.vocab_size
     engine.close()
@@ -95,49 +99,73 @@ def _prompt(text: list[int] | int, length: int, offset: int) -> list[int]:
     return [text[(offset + i) % len(text)] for i in range(length)]
 
 
-def _length_row(model: Any, length: int, args: argparse.Namespace, text: list[int] | int) -> dict:
-    prompt = _prompt(text, length, 0)
-    stored = (length - 1) // args.block_tokens * args.block_tokens
+def _rows(model: Any, lengths: list[int], args: argparse.Namespace, text: list[int] | int) -> list[dict]:
+    """One row per prompt length. One engine at a time, each serving every length: a GPU holds one
+    gpt-oss-20b's weights, not four. Each engine first serves a short prompt twice (a miss, then a hit),
+    so no timed prompt pays for compiling kernels."""
+    prompts = {length: _prompt(text, length, 0) for length in lengths}
+    kl_prompts = {length: [_prompt(text, length, 997 * (i + 1)) for i in range(args.kl)] for length in lengths}
+    stored = {length: (length - 1) // args.block_tokens * args.block_tokens for length in lengths}
+    warmup = _prompt(text, 2 * args.block_tokens + 5, 7919)
     options = {
         "device": args.device,
         "enable_prefix_caching": False,
         "kv_block_tokens": args.block_tokens,
         "max_num_batched_tokens": 4096,
-        "max_model_len": length + 16,
+        "max_model_len": max(lengths) + 16,
     }
-    row: dict[str, Any] = {"prompt_tokens": length, "stored_tokens": stored, "ttft_s": {}, "replayed_tokens": {}}
+    rows = {
+        length: {"prompt_tokens": length, "stored_tokens": stored[length], "ttft_s": {}, "replayed_tokens": {}}
+        for length in lengths
+    }
+    next_tokens: dict[str, dict[int, list[Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="sluice-swa-bench-") as store:
-        writer = LLM(model, kv_store=store, **options)
-        writer.generate([prompt[:stored]], FIRST_TOKEN)
-        engines = {
-            "state_held": writer,
-            "approximate_replay": LLM(model, kv_store=store, swa_replay="approximate", swa_state_bytes=0, **options),
-            "exact_replay": LLM(model, kv_store=store, swa_replay="exact", swa_state_bytes=0, **options),
-            "no_cache": LLM(model, **options),
+        conditions = {
+            "state_held": {"kv_store": store},
+            "approximate_replay": {"kv_store": store, "swa_replay": "approximate", "swa_state_bytes": 0},
+            "exact_replay": {"kv_store": store, "swa_replay": "exact", "swa_state_bytes": 0},
+            "no_cache": {},
         }
         for name in CONDITIONS:
-            engine = engines[name]
-            before = _replayed(engine)
-            row["ttft_s"][name] = round(statistics.median(_ttft(engine, prompt) for _ in range(args.repeats)), 4)
-            row["replayed_tokens"][name] = (_replayed(engine) - before) // args.repeats
+            engine = LLM(model, **conditions[name], **options)
+            if name == "state_held":  # the writer: it stores every prompt but its last block
+                for length in lengths:
+                    engine.generate(
+                        [prompt[: stored[length]] for prompt in [prompts[length], *kl_prompts[length]]], FIRST_TOKEN
+                    )
+            engine.generate([warmup], FIRST_TOKEN)
+            engine.generate([warmup], FIRST_TOKEN)
+            for length in lengths:
+                before = _replayed(engine)
+                seconds = [_ttft(engine, prompts[length]) for _ in range(args.repeats)]
+                rows[length]["ttft_s"][name] = round(statistics.median(seconds), 4)
+                rows[length]["replayed_tokens"][name] = (_replayed(engine) - before) // args.repeats
+            if name in ("approximate_replay", "exact_replay") and args.kl:
+                next_tokens[name] = {length: _next_token_logprobs(engine, kl_prompts[length]) for length in lengths}
+            engine.close()
+            del engine
+            _release_device_memory(args.device)
+    for length, row in rows.items():
         if args.kl:
-            divergences = []
-            for i in range(args.kl):
-                other = _prompt(text, length, 997 * (i + 1))
-                writer.generate([other[:stored]], FIRST_TOKEN)  # its prefix stored, as the timed prompt's
-                divergences.append(_kl(engines["approximate_replay"], engines["exact_replay"], other))
+            pairs = zip(next_tokens["exact_replay"][length], next_tokens["approximate_replay"][length], strict=True)
+            divergences = [_kl(reference, ours) for reference, ours in pairs]
             row["kl_approximate_from_exact"] = {
                 "mean": round(statistics.fmean(divergences), 6),
                 "max": round(max(divergences), 6),
                 "prompts": args.kl,
             }
-        for engine in engines.values():
-            engine.close()
-    exact = row["replayed_tokens"]["exact_replay"]
-    row["recompute_avoided"] = round(1 - row["replayed_tokens"]["approximate_replay"] / exact, 4) if exact else None
-    ttft = row["ttft_s"]
-    row["approximate_over_state_held"] = round(ttft["approximate_replay"] / ttft["state_held"], 3)
-    return row
+        exact = row["replayed_tokens"]["exact_replay"]
+        approximate = row["replayed_tokens"]["approximate_replay"]
+        row["recompute_avoided"] = round(1 - approximate / exact, 4) if exact else None
+        ttft = row["ttft_s"]
+        row["approximate_over_state_held"] = round(ttft["approximate_replay"] / ttft["state_held"], 3)
+    return list(rows.values())
+
+
+def _release_device_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def _ttft(engine: LLM, prompt: list[int]) -> float:
@@ -151,13 +179,15 @@ def _replayed(engine: LLM) -> int:
     return swa.replayed_tokens if swa is not None else 0
 
 
-def _kl(approximate: LLM, exact: LLM, prompt: list[int]) -> float:
-    """KL(exact || approximate) of the next-token distribution after `prompt`, over the tokens both
-    sides' top logprobs name and one outcome for the rest of each side's mass (see the docstring)."""
-    (reference,) = exact.generate([prompt], NEXT_TOKEN_LOGPROBS)
-    (ours,) = approximate.generate([prompt], NEXT_TOKEN_LOGPROBS)
-    p = dict(reference.outputs[0].logprobs[0].top)
-    q = dict(ours.outputs[0].logprobs[0].top)
+def _next_token_logprobs(engine: LLM, prompts: list[list[int]]) -> list[dict[int, float]]:
+    """Each prompt's next-token top logprobs."""
+    outputs = engine.generate(prompts, NEXT_TOKEN_LOGPROBS)
+    return [dict(output.outputs[0].logprobs[0].top) for output in outputs]
+
+
+def _kl(p: dict[int, float], q: dict[int, float]) -> float:
+    """KL(p || q) of two next-token distributions given by their top logprobs, over the tokens both
+    name and one outcome for the rest of each side's mass (see the docstring)."""
     shared = set(p) & set(q)
     p_named = [math.exp(p[token]) for token in shared]
     q_named = [math.exp(q[token]) for token in shared]
