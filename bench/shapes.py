@@ -202,6 +202,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+# The FP8 benchmark's DeepSeek-V3: its first dense layer and 3 MoE layers of 256 experts.
+SHAPES["deepseek_v3_4_layers"] = {**SHAPES["deepseek_v3"], "num_hidden_layers": 4, "first_k_dense_replace": 1}
+
+
 def shape(name: str) -> dict[str, Any]:
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
