@@ -49,8 +49,10 @@ worker, a request that crashes the prefill worker is not run whole on the decode
 mixed workers, one that crashes the first is not retried on the second; with three, it is retried on
 one of the two left.
 
-A prefill worker that is full (overloaded) is back-pressure, not a failure: the request waits and
-tries again, for up to CAPACITY_WAIT_S, before it is refused "overloaded".
+A worker that is full (overloaded) is back-pressure, not a failure: the request waits and tries again,
+for up to CAPACITY_WAIT_S, before it is refused "overloaded". That holds for the decode worker too: the
+decode balancer counts its requests from the gateway's side and its last heartbeat, so a request can
+reach it while one that just finished still holds its place there.
 Whatever ends a stream, each worker that may still hold the request is told to abort it, so both
 sides free its KV.
 """
@@ -211,7 +213,8 @@ class SplitStream:
                 return
             except _Retry as retry:
                 if retry.busy:
-                    if time.monotonic() > busy_until:
+                    # A token streamed from the prefill side of a request that cannot replay it ends it.
+                    if time.monotonic() > busy_until or (self.delivered and not replayable):
                         raise RequestRejectedError("overloaded", str(retry)) from None
                     attempts -= 1
                     await asyncio.sleep(CAPACITY_POLL_S)
@@ -421,8 +424,8 @@ class SplitStream:
         link = prefill if side == PREFILL else decode
         if _is_crash(item):
             raise _Retry(str(item), link, crashed=True)
-        if item.kind == "overloaded" and side == PREFILL:
-            raise _Retry(f"worker {link.request_endpoint}: {item.message}", busy=True)
+        if item.kind == "overloaded":
+            raise _Retry(f"{side} worker {link.request_endpoint}: {item.message}", busy=True)
         if item.kind == "checkpoint_invalid":
             raise _Retry(f"worker {link.request_endpoint}: {item.message}; rerunning from the prompt")
         if item.kind == "draining":
