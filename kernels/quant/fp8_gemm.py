@@ -52,20 +52,18 @@ CONFIGS: tuple[tuple[int | None, GemmConfig], ...] = (
     (256, GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)),
     (None, GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)),
 )
-# At small M, column blocks narrow (down to NARROWEST_BLOCK_N) until the grid has this many programs:
-# two per multiprocessor of an H100 (132), so the weight streams from every SM.
+# Column blocks narrow until the grid has MIN_PROGRAMS programs, two per multiprocessor of an H100
+# (132), so the weight streams from every SM: down to 16 columns for the streaming rows (mma.sync
+# tiles), to 64 for the rest (wgmma tiles, where narrower ones waste the tensor cores).
 MIN_PROGRAMS = 264
-NARROWEST_BLOCK_N = 16
+NARROWEST_BLOCK_N = {True: 16, False: 64}  # by block_m <= 32
 
 
 def gemm_config(m: int, n: int) -> GemmConfig:
     config = next(row for bound, row in CONFIGS if bound is None or m <= bound)
     block_n = config.block_n
-    while (
-        block_n > NARROWEST_BLOCK_N
-        and triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n) < MIN_PROGRAMS
-        and config.block_m <= 32
-    ):
+    narrowest = NARROWEST_BLOCK_N[config.block_m <= 32]
+    while block_n > narrowest and triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n) < MIN_PROGRAMS:
         block_n //= 2
     return GemmConfig(config.block_m, block_n, config.num_warps, config.num_stages, config.group_m)
 
