@@ -15,6 +15,9 @@ block, as in the aligned path.
    routing weight and stored in float32 at the pair's row of a [T * k, H] buffer.
 3. Combine (combine.py): each token sums its held pairs' rows in float32.
 
+FP8 experts quantize each activation tile per token and group in both GEMMs, as the aligned path
+does (fused.py's docstring).
+
 No host syncs and fixed grids (T * k by column blocks), so CUDA graphs can capture it.
 """
 

@@ -15,6 +15,11 @@ multiplies its rows by that slot's weights only.
 4. Combine: each token sums its held pairs' rows in float32 (pairs not held are skipped, never
    read), rounding once to the hidden dtype.
 
+FP8 experts (kernels.moe.scales): w13 and w2 in e4m3 with block scales. Both GEMMs then step one
+block_k-wide activation group at a time, quantize each row's group to e4m3 in registers and scale
+each group's product by the row's and the weight tile's scales, as kernels.quant.fp8_gemm does; an
+FP8 constexpr compiles that branch in, and the bf16 kernels are the same as without it.
+
 No host syncs: every buffer and grid is sized from shapes (T * k pairs plus at most BLOCK_M - 1 of
 padding per slot), tiles past the last one exit at once, so the op is safe to capture in a CUDA graph.
 Paths and tile sizes: kernels.moe.configs.

@@ -56,13 +56,16 @@ CONFIGS: tuple[tuple[int | None, GemmConfig], ...] = (
 # (132), so the weight streams from every SM: down to 16 columns for the streaming rows (mma.sync
 # tiles), to 64 for the rest (wgmma tiles, where narrower ones waste the tensor cores).
 MIN_PROGRAMS = 264
-NARROWEST_BLOCK_N = {True: 16, False: 64}  # by block_m <= 32
+STREAMING_MAX_BLOCK_M = 32
+NARROWEST_STREAMING_BLOCK_N = 16
+NARROWEST_WGMMA_BLOCK_N = 64
 
 
 def gemm_config(m: int, n: int) -> GemmConfig:
     config = next(row for bound, row in CONFIGS if bound is None or m <= bound)
     block_n = config.block_n
-    narrowest = NARROWEST_BLOCK_N[config.block_m <= 32]
+    streaming = config.block_m <= STREAMING_MAX_BLOCK_M
+    narrowest = NARROWEST_STREAMING_BLOCK_N if streaming else NARROWEST_WGMMA_BLOCK_N
     while block_n > narrowest and triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n) < MIN_PROGRAMS:
         block_n //= 2
     return GemmConfig(config.block_m, block_n, config.num_warps, config.num_stages, config.group_m)
