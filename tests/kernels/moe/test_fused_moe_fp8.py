@@ -38,7 +38,8 @@ from tests.kernels.test_moe import make_inputs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = (128, 128)
-TIGHT = dict(atol=1e-5, rtol=1e-5)
+# On the GPU the tensor cores' shorter FP8 sums (~2^-13 of a 128-deep partial sum) set the floor.
+TIGHT = dict(atol=1e-5, rtol=1e-5) if DEVICE.type == "cpu" else dict(atol=1e-3, rtol=1e-3)
 BF16_RELATIVE_BOUND = 0.04
 QUANTIZATION_ERROR_BOUND = 0.12
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -175,14 +176,12 @@ def test_gpu_fp8_experts_at_qwen3_30b_sizes(qwen3_30b_fp8_experts, tokens):
     x, ids, weights = qwen3_30b_routing(tokens, seed=tokens)
     out = fused_experts(x, w13, w2, ids, weights, **scales)
     assert_matches_reference(out, experts_reference(x, w13, w2, ids, weights, **scales))
-    # float32 hidden: the tight check, on the GPU's tensor cores (their FP8 sums keep fewer bits than
-    # float32, ~2^-13 of a 128-deep partial sum, which the bfloat16 bound above does not resolve).
+    # float32 hidden: the tight check of the arithmetic, which the bfloat16 bound does not resolve.
     x32 = x.float()
     torch.testing.assert_close(
         fused_experts(x32, w13, w2, ids, weights, **scales),
         experts_reference(x32, w13, w2, ids, weights, **scales),
-        atol=1e-3,
-        rtol=1e-3,
+        **TIGHT,
     )
 
 
