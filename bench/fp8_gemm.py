@@ -90,7 +90,7 @@ class ScaledMmPeer:
             run = partial(torch._scaled_mm, x_values, weight, x_scales, scale_b, out_dtype=torch.bfloat16)
             try:
                 out = run()
-            except (RuntimeError, ValueError) as error:
+            except (RuntimeError, ValueError, TypeError) as error:  # refusals vary by torch version
                 self.blockwise_error = str(error).splitlines()[0][:200]
                 continue
             if relative_error(out, reference) < PEER_AGREEMENT:
