@@ -4,16 +4,20 @@ Applied once by tests/conftest.py when TRITON_INTERPRET=1, before any kernel run
 """
 
 import numpy as np
+import torch
 import triton
 
 
 def patch_interpreter() -> None:
-    """Two gaps of Triton 3.6's interpreter that the compiled kernels do not have:
+    """Three gaps of Triton 3.6's interpreter that the compiled kernels do not have:
     - a tensor loop bound goes through int(1-element array), a TypeError since numpy 2.4
       (triton-lang/triton#9171, fixed after 3.6);
     - tl.dot multiplies bfloat16 operands' raw uint16 bits (triton-lang/triton#11584): widen them
-      to float32 first, which is exact, as the GPU's bf16 x bf16 -> fp32 dot is.
-    Both patches change nothing where the interpreter already does the right thing."""
+      to float32 first, which is exact, as the GPU's bf16 x bf16 -> fp32 dot is;
+    - a cast to float8e4nv rounds ties away from zero and drops the carry out of the mantissa
+      (1.98 becomes 1.0): round to nearest even through torch's float8_e4m3fn instead, saturating
+      at +-448 as the GPU's cvt.rn.satfinite does.
+    The patches change nothing where the interpreter already does the right thing."""
     from triton.runtime import interpreter
 
     patch_tensor = interpreter._patch_lang_tensor
@@ -32,5 +36,16 @@ def patch_interpreter() -> None:
     def create_dot_widening_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    create_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+    e4m3_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def create_fp_to_fp_rounding_e4m3(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != triton.language.float8e4nv or rounding_mode != interpreter._ir.ROUNDING_MODE.RTNE:
+            return create_fp_to_fp(self, src, dst_type, rounding_mode)
+        wide = torch.from_numpy(widen(src).data.astype(np.float32))
+        e4m3 = wide.clamp(-e4m3_max, e4m3_max).to(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(e4m3.view(torch.uint8).numpy(), triton.language.float8e4nv)
+
     interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
     interpreter.InterpreterBuilder.create_dot = create_dot_widening_bf16
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp_rounding_e4m3

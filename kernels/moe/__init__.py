@@ -13,6 +13,7 @@ import torch
 
 from kernels.moe.checks import check_experts_inputs
 from kernels.moe.reference import experts_reference
+from kernels.moe.scales import block_scales
 
 
 @functools.cache
@@ -31,9 +32,14 @@ def fused_experts(
     w2: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The Triton kernels, checked (on CPU tensors they run under TRITON_INTERPRET=1)."""
-    return _fused().fused_experts(hidden, w13, w2, topk_slots, topk_weights)
+    scales = block_scales(w13_scale_inv, w2_scale_inv, block)
+    return _fused().fused_experts(hidden, w13, w2, topk_slots, topk_weights, scales)
 
 
 def experts(
@@ -42,13 +48,21 @@ def experts(
     w2: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """[T, H]: the weighted sum over each token's k slots of the SiLU-gated expert FFNs (see
-    reference.py for the layout). On CUDA with Triton no host syncs, so CUDA graphs can capture it."""
+    reference.py for the layout). FP8 experts: w13 and w2 in e4m3 with their block scales
+    (kernels.moe.scales). On CUDA with Triton no host syncs, so CUDA graphs can capture it."""
+    scales = block_scales(w13_scale_inv, w2_scale_inv, block)
     if hidden.device.type == "cuda" and _has_triton():
-        return fused_experts(hidden, w13, w2, topk_slots, topk_weights)
-    check_experts_inputs(hidden, w13, w2, topk_slots, topk_weights)
-    return experts_reference(hidden, w13, w2, topk_slots, topk_weights)
+        return _fused().fused_experts(hidden, w13, w2, topk_slots, topk_weights, scales)
+    check_experts_inputs(hidden, w13, w2, topk_slots, topk_weights, scales)
+    return experts_reference(
+        hidden, w13, w2, topk_slots, topk_weights, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block=block
+    )
 
 
 __all__ = ["experts", "experts_reference", "fused_experts"]

@@ -5,6 +5,9 @@ the weights whatever the ids."""
 
 import torch
 
+from kernels.moe.scales import BlockScales
+from kernels.quant.fp8_blocks import FP8, block_grid, check_block
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -14,6 +17,7 @@ def check_experts_inputs(
     w2: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
+    scales: BlockScales | None = None,
 ) -> None:
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [tokens, hidden], got shape {tuple(hidden.shape)}")
@@ -25,10 +29,12 @@ def check_experts_inputs(
     slots, intermediate = w13.shape[0], w13.shape[1] // 2
     if tuple(w2.shape) != (slots, hidden_size, intermediate):
         raise ValueError(f"w2 must be {(slots, hidden_size, intermediate)} to match w13, got {tuple(w2.shape)}")
+    weight_dtype = hidden.dtype if scales is None else FP8
     for name, weight in (("w13", w13), ("w2", w2)):
-        if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        if weight.dtype != weight_dtype or weight.device != hidden.device:
+            like = "like hidden" if scales is None else "(FP8 experts: scales given)"
             raise ValueError(
-                f"{name} must be {hidden.dtype} on {hidden.device} like hidden, got {weight.dtype} on {weight.device}"
+                f"{name} must be {weight_dtype} on {hidden.device} {like}, got {weight.dtype} on {weight.device}"
             )
         if weight.stride(2) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous, got strides {weight.stride()}")
@@ -51,3 +57,19 @@ def check_experts_inputs(
         low, high = int(topk_slots.min()), int(topk_slots.max())
         if low < -1 or high >= slots:
             raise ValueError(f"topk_slots must be in [-1, {slots}) (-1: not held here), got values in [{low}, {high}]")
+    if scales is not None:
+        check_block_scales(scales, w13, w2)
+
+
+def check_block_scales(scales: BlockScales, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    check_block(scales.block)
+    slots = w13.shape[0]
+    for name, scale_inv, weight in (("w13_scale_inv", scales.w13, w13), ("w2_scale_inv", scales.w2, w2)):
+        expected = (slots, *block_grid(tuple(weight.shape[1:]), scales.block))
+        if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != expected:
+            raise ValueError(
+                f"{name} must be float32 {expected} (one per {scales.block} tile of each slot's "
+                f"{tuple(weight.shape[1:])}), got {scale_inv.dtype} of shape {tuple(scale_inv.shape)}"
+            )
+        if scale_inv.device != weight.device:
+            raise ValueError(f"{name} must be on {weight.device} like the weights, got {scale_inv.device}")

@@ -19,7 +19,8 @@ One table, read top to bottom, the first row whose bound the call does not excee
   decode, larger for prefill (first guesses for the H200, to be tuned with bench.moe_layer).
 
 The sizes assume 2-byte elements; float32 halves BLOCK_K so the pipelined tiles still fit in shared
-memory (`block_k_for`).
+memory (`block_k_for`). FP8 experts take their block_k (one activation group per K step) instead;
+the table was tuned for bf16 weights and is a first guess for 1-byte ones.
 """
 
 from dataclasses import dataclass

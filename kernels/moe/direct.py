@@ -15,6 +15,9 @@ block, as in the aligned path.
    routing weight and stored in float32 at the pair's row of a [T * k, H] buffer.
 3. Combine (combine.py): each token sums its held pairs' rows in float32.
 
+FP8 experts quantize each activation tile per token and group in both GEMMs, as the aligned path
+does (fused.py's docstring).
+
 No host syncs and fixed grids (T * k by column blocks), so CUDA graphs can capture it.
 """
 
@@ -24,6 +27,8 @@ import triton.language as tl
 
 from kernels.moe.combine import combine_pairs
 from kernels.moe.configs import DIRECT, TileConfig, block_k_for
+from kernels.moe.scales import BlockScales, scale_args
+from kernels.quant.fp8_gemm import quantize_group
 
 
 def direct_experts(
@@ -33,6 +38,8 @@ def direct_experts(
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
     config: TileConfig = DIRECT,
+    *,
+    scales: BlockScales | None = None,
 ) -> torch.Tensor:
     """What kernels.moe.experts_reference computes; inputs checked, contiguous routing, tokens >= 1
     (kernels.moe.fused.fused_experts sees to all three)."""
@@ -41,7 +48,8 @@ def direct_experts(
     top_k = topk_slots.shape[1]
     num_pairs = tokens * top_k
     pairs_block = triton.next_power_of_2(num_pairs)
-    block_k = block_k_for(config, hidden.element_size())
+    block_k = block_k_for(config, hidden.element_size()) if scales is None else scales.block[1]
+    scale_block_n = 1 if scales is None else scales.block[0]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
 
     activations = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
@@ -59,6 +67,9 @@ def direct_experts(
         w13.stride(0),
         w13.stride(1),
         activations.stride(0),
+        *scale_args(scales.w13 if scales else None),
+        SCALE_BLOCK_N=scale_block_n,
+        FP8=scales is not None,
         PAIRS=pairs_block,
         BLOCK_M=config.block_m,
         BLOCK_N=config.gate_up_columns,
@@ -82,6 +93,9 @@ def direct_experts(
         w2.stride(0),
         w2.stride(1),
         pair_out.stride(0),
+        *scale_args(scales.w2 if scales else None),
+        SCALE_BLOCK_N=scale_block_n,
+        FP8=scales is not None,
         PAIRS=pairs_block,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -135,6 +149,12 @@ def _direct_gate_up_kernel(
     w13_slot_stride,
     w13_row_stride,
     act_row_stride,
+    scale_ptr,
+    scale_slot_stride,
+    scale_row_stride,
+    scale_col_stride,
+    SCALE_BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -148,6 +168,11 @@ def _direct_gate_up_kernel(
     col_mask = cols < intermediate
     gate_ptrs = w13_ptr + slot * w13_slot_stride + cols[None, :] * w13_row_stride
     up_ptrs = gate_ptrs + intermediate * w13_row_stride
+    if FP8:
+        # One scale per column: a column block may straddle weight tiles, and so may gate and up.
+        slot_scales = scale_ptr + slot * scale_slot_stride
+        gate_scale_ptrs = slot_scales + (cols // SCALE_BLOCK_N) * scale_row_stride
+        up_scale_ptrs = slot_scales + ((intermediate + cols) // SCALE_BLOCK_N) * scale_row_stride
     for start in range(0, count, BLOCK_M):
         pairs, row_mask = _tile_pairs(match, ranks, start, count, PAIRS, BLOCK_M)
         x_ptrs = hidden_ptr + (pairs // top_k)[:, None] * hidden_row_stride
@@ -160,8 +185,17 @@ def _direct_gate_up_kernel(
             w_mask = k_mask[:, None] & col_mask[None, :]
             w_gate = tl.load(gate_ptrs + ks[:, None], mask=w_mask, other=0.0)
             w_up = tl.load(up_ptrs + ks[:, None], mask=w_mask, other=0.0)
-            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
-            up = tl.dot(x, w_up, up, input_precision=PRECISION)
+            if FP8:
+                # BLOCK_K is block_k: this tile is one activation group of each row (fp8_gemm.py).
+                x_values, x_scale = quantize_group(x)
+                scale_offset = (k0 // BLOCK_K) * scale_col_stride
+                gate_scale = tl.load(gate_scale_ptrs + scale_offset, mask=col_mask, other=0.0)
+                up_scale = tl.load(up_scale_ptrs + scale_offset, mask=col_mask, other=0.0)
+                gate += tl.dot(x_values, w_gate) * (x_scale[:, None] * gate_scale[None, :])
+                up += tl.dot(x_values, w_up) * (x_scale[:, None] * up_scale[None, :])
+            else:
+                gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
+                up = tl.dot(x, w_up, up, input_precision=PRECISION)
         act = gate / (1.0 + tl.exp(-gate)) * up
         out_ptrs = act_ptr + pairs[:, None] * act_row_stride + cols[None, :]
         tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -182,6 +216,12 @@ def _direct_down_kernel(
     w2_slot_stride,
     w2_row_stride,
     out_row_stride,
+    scale_ptr,
+    scale_slot_stride,
+    scale_row_stride,
+    scale_col_stride,
+    SCALE_BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
     PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -194,6 +234,8 @@ def _direct_down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden_size
     w_ptrs = w2_ptr + slot * w2_slot_stride + cols[None, :] * w2_row_stride
+    if FP8:
+        w_scale_ptrs = scale_ptr + slot * scale_slot_stride + (cols // SCALE_BLOCK_N) * scale_row_stride
     for start in range(0, count, BLOCK_M):
         pairs, row_mask = _tile_pairs(match, ranks, start, count, PAIRS, BLOCK_M)
         a_ptrs = act_ptr + pairs[:, None] * act_row_stride
@@ -203,7 +245,12 @@ def _direct_down_kernel(
             k_mask = ks < intermediate
             a = tl.load(a_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if FP8:
+                a_values, a_scale = quantize_group(a)
+                w_scale = tl.load(w_scale_ptrs + (k0 // BLOCK_K) * scale_col_stride, mask=col_mask, other=0.0)
+                acc += tl.dot(a_values, w) * (a_scale[:, None] * w_scale[None, :])
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
         weight = tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)
         out_ptrs = out_ptr + pairs[:, None] * out_row_stride + cols[None, :]
         tl.store(out_ptrs, acc * weight[:, None], mask=row_mask[:, None] & col_mask[None, :])

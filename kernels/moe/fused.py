@@ -15,6 +15,11 @@ multiplies its rows by that slot's weights only.
 4. Combine: each token sums its held pairs' rows in float32 (pairs not held are skipped, never
    read), rounding once to the hidden dtype.
 
+FP8 experts (kernels.moe.scales): w13 and w2 in e4m3 with block scales. Both GEMMs then step one
+block_k-wide activation group at a time, quantize each row's group to e4m3 in registers and scale
+each group's product by the row's and the weight tile's scales, as kernels.quant.fp8_gemm does; an
+FP8 constexpr compiles that branch in, and the bf16 kernels are the same as without it.
+
 No host syncs: every buffer and grid is sized from shapes (T * k pairs plus at most BLOCK_M - 1 of
 padding per slot), tiles past the last one exit at once, so the op is safe to capture in a CUDA graph.
 Paths and tile sizes: kernels.moe.configs.
@@ -28,6 +33,8 @@ from kernels.moe.checks import check_experts_inputs
 from kernels.moe.combine import combine_pairs
 from kernels.moe.configs import TileConfig, aligned_config, block_k_for, tile_config
 from kernels.moe.direct import direct_experts
+from kernels.moe.scales import BlockScales, scale_args
+from kernels.quant.fp8_gemm import quantize_group
 
 
 def fused_experts(
@@ -36,18 +43,20 @@ def fused_experts(
     w2: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
+    scales: BlockScales | None = None,
 ) -> torch.Tensor:
     """What kernels.moe.experts_reference computes: the direct path (direct.py) for a few pairs,
-    else the aligned grouped GEMMs (the module docstring), as kernels.moe.configs chooses."""
-    check_experts_inputs(hidden, w13, w2, topk_slots, topk_weights)
+    else the aligned grouped GEMMs (the module docstring), as kernels.moe.configs chooses. With
+    scales, w13 and w2 are e4m3 (kernels.moe.scales)."""
+    check_experts_inputs(hidden, w13, w2, topk_slots, topk_weights, scales)
     if hidden.shape[0] == 0:
         return torch.empty_like(hidden)
     topk_slots = topk_slots.contiguous()
     topk_weights = topk_weights.contiguous()
     config = tile_config(topk_slots.numel(), w13.shape[0])
     if config.direct:
-        return direct_experts(hidden, w13, w2, topk_slots, topk_weights, config)
-    return aligned_experts(hidden, w13, w2, topk_slots, topk_weights, config)
+        return direct_experts(hidden, w13, w2, topk_slots, topk_weights, config, scales=scales)
+    return aligned_experts(hidden, w13, w2, topk_slots, topk_weights, config, scales=scales)
 
 
 def aligned_experts(
@@ -57,6 +66,8 @@ def aligned_experts(
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
     config: TileConfig | None = None,
+    *,
+    scales: BlockScales | None = None,
 ) -> torch.Tensor:
     """The aligned path at any token count (the benchmark's baseline for the direct one); inputs
     checked, contiguous routing, tokens >= 1 (fused_experts sees to all three)."""
@@ -64,7 +75,8 @@ def aligned_experts(
     num_slots, intermediate = w13.shape[0], w13.shape[1] // 2
     top_k = topk_slots.shape[1]
     config = config or aligned_config(tokens * top_k, num_slots)
-    block_k = block_k_for(config, hidden.element_size())
+    block_k = block_k_for(config, hidden.element_size()) if scales is None else scales.block[1]
+    scale_block_n = 1 if scales is None else scales.block[0]
     sorted_pairs, tile_slots = align_pairs(topk_slots, num_slots, config.block_m)
     padded = sorted_pairs.shape[0]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
@@ -86,6 +98,9 @@ def aligned_experts(
         w13.stride(0),
         w13.stride(1),
         activations.stride(0),
+        *scale_args(scales.w13 if scales else None),
+        SCALE_BLOCK_N=scale_block_n,
+        FP8=scales is not None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
@@ -110,6 +125,9 @@ def aligned_experts(
         w2.stride(0),
         w2.stride(1),
         pair_out.stride(0),
+        *scale_args(scales.w2 if scales else None),
+        SCALE_BLOCK_N=scale_block_n,
+        FP8=scales is not None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
@@ -165,6 +183,12 @@ def _gate_up_kernel(
     w13_slot_stride,
     w13_row_stride,
     act_row_stride,
+    scale_ptr,
+    scale_slot_stride,
+    scale_row_stride,
+    scale_col_stride,
+    SCALE_BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -186,6 +210,11 @@ def _gate_up_kernel(
     gate_ptrs = w13_ptr + slot * w13_slot_stride + cols[None, :] * w13_row_stride
     up_ptrs = gate_ptrs + intermediate * w13_row_stride
     x_ptrs = hidden_ptr + token[:, None] * hidden_row_stride
+    if FP8:
+        # One scale per column: a column block may straddle weight tiles, and so may gate and up.
+        slot_scales = scale_ptr + slot * scale_slot_stride
+        gate_scale_ptrs = slot_scales + (cols // SCALE_BLOCK_N) * scale_row_stride
+        up_scale_ptrs = slot_scales + ((intermediate + cols) // SCALE_BLOCK_N) * scale_row_stride
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -195,8 +224,17 @@ def _gate_up_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         w_gate = tl.load(gate_ptrs + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(up_ptrs + ks[:, None], mask=w_mask, other=0.0)
-        gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
-        up = tl.dot(x, w_up, up, input_precision=PRECISION)
+        if FP8:
+            # BLOCK_K is block_k: this tile is one activation group of each row (fp8_gemm.py).
+            x_values, x_scale = quantize_group(x)
+            scale_offset = (k0 // BLOCK_K) * scale_col_stride
+            gate_scale = tl.load(gate_scale_ptrs + scale_offset, mask=col_mask, other=0.0)
+            up_scale = tl.load(up_scale_ptrs + scale_offset, mask=col_mask, other=0.0)
+            gate += tl.dot(x_values, w_gate) * (x_scale[:, None] * gate_scale[None, :])
+            up += tl.dot(x_values, w_up) * (x_scale[:, None] * up_scale[None, :])
+        else:
+            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
+            up = tl.dot(x, w_up, up, input_precision=PRECISION)
     act = gate / (1.0 + tl.exp(-gate)) * up
     out_ptrs = act_ptr + rows[:, None] * act_row_stride + cols[None, :]
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -218,6 +256,12 @@ def _down_kernel(
     w2_slot_stride,
     w2_row_stride,
     out_row_stride,
+    scale_ptr,
+    scale_slot_stride,
+    scale_row_stride,
+    scale_col_stride,
+    SCALE_BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -236,13 +280,20 @@ def _down_kernel(
     col_mask = cols < hidden_size
     a_ptrs = act_ptr + rows[:, None] * act_row_stride
     w_ptrs = w2_ptr + slot * w2_slot_stride + cols[None, :] * w2_row_stride
+    if FP8:
+        w_scale_ptrs = scale_ptr + slot * scale_slot_stride + (cols // SCALE_BLOCK_N) * scale_row_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, intermediate, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < intermediate
         a = tl.load(a_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if FP8:
+            a_values, a_scale = quantize_group(a)
+            w_scale = tl.load(w_scale_ptrs + (k0 // BLOCK_K) * scale_col_stride, mask=col_mask, other=0.0)
+            acc += tl.dot(a_values, w) * (a_scale[:, None] * w_scale[None, :])
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
     weight = tl.load(weights_ptr + pair, mask=row_mask, other=0.0)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair[:, None] * out_row_stride + cols[None, :]

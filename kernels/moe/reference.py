@@ -11,6 +11,8 @@ CUDA-graph path.
 import torch
 import torch.nn.functional as F
 
+from kernels.quant.fp8_blocks import w8a8_block_matmul_reference
+
 
 def experts_reference(
     hidden: torch.Tensor,
@@ -18,13 +20,26 @@ def experts_reference(
     w2: torch.Tensor,
     topk_slots: torch.Tensor,
     topk_weights: torch.Tensor,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """[T, H] in hidden's dtype: sum over k of topk_weights[t, k] * expert(topk_slots[t, k])(hidden[t])."""
+    """[T, H] in hidden's dtype: sum over k of topk_weights[t, k] * expert(topk_slots[t, k])(hidden[t]).
+    With block and the scales, w13 and w2 are e4m3 (kernels.moe.scales) and each expert's two
+    GEMMs compute what the FP8 kernels do (w8a8_block_matmul_reference): activations quantized per
+    token and group of block_k channels, weights dequantized."""
+
+    def linear(x: torch.Tensor, weights: torch.Tensor, scale_inv: torch.Tensor | None, slot: int) -> torch.Tensor:
+        if scale_inv is None:
+            return F.linear(x, weights[slot])
+        return w8a8_block_matmul_reference(x, weights[slot], scale_inv[slot], block)
+
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     held = topk_slots[topk_slots >= 0]
     for slot in held.unique().tolist():
         token, choice = (topk_slots == slot).nonzero(as_tuple=True)
-        gate, up = F.linear(hidden[token], w13[slot]).chunk(2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, w2[slot])
+        gate, up = linear(hidden[token], w13, w13_scale_inv, slot).chunk(2, dim=-1)
+        expert_out = linear(F.silu(gate) * up, w2, w2_scale_inv, slot)
         out.index_add_(0, token, expert_out.float() * topk_weights[token, choice, None])
     return out.to(hidden.dtype)

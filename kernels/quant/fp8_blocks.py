@@ -17,6 +17,18 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_AMAX = 1e-12
 
 
+def check_block(block: tuple[int, int]) -> None:
+    """A block the FP8 kernels take: their K loop steps one block_k-wide activation group at a time,
+    and tl.dot takes power-of-two depths of at least 16."""
+    if len(block) != 2:
+        raise ValueError(f"block must be (block_n, block_k), got {block}")
+    block_n, block_k = block
+    if block_n < 1:
+        raise ValueError(f"block's block_n must be >= 1, got {block}")
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block's block_k must be a power of two >= 16, got {block}")
+
+
 def block_grid(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
     """The scale grid of a [N, K] weight in (block_n, block_k) tiles."""
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
@@ -52,9 +64,13 @@ def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tenso
     k = x.shape[-1]
     groups = math.ceil(k / group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).unflatten(-1, (groups, group))
-    scale = padded.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
-    values = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)[..., :k].contiguous()
-    return values, scale.squeeze(-1).contiguous()
+    amax = padded.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
+    # Multiplied by the correctly rounded FP8_MAX / amax, as the Triton kernels do (one division per
+    # group rather than per value), so both round every value to the same e4m3. A tensor numerator:
+    # `FP8_MAX / amax` would be amax's reciprocal times FP8_MAX, rounded twice.
+    inverse = torch.full_like(amax, FP8_MAX) / amax
+    values = (padded * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)[..., :k].contiguous()
+    return values, (amax / FP8_MAX).squeeze(-1).contiguous()
 
 
 def w8a8_block_matmul_reference(
