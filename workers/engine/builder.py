@@ -26,6 +26,7 @@ def build_rank_engine(args: EngineArgs, compile_constraint: ConstraintCompiler |
         seed=args.seed,
         max_model_len=args.max_model_len,
         tokenizer=args.tokenizer,
+        quantization=args.quantization,
     )
     store = open_store(Path(args.kv_store), args.kv_store_index) if args.kv_store else None
     return LLMEngine(loaded, config, store, compile_constraint=compile_constraint)
