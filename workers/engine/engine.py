@@ -177,6 +177,7 @@ class LLMEngine(EngineCore):
             kv_layout=kv_cache.specs.layout,
             kv_block_tokens=config.args.kv_block_tokens if store is not None else 0,
             kv_transfer=kv_transfer,
+            weight_dtype=loaded.weight_dtype,
             swa_state_spec=window,
         )
         self.requests: dict[str, Request] = {}

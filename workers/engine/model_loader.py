@@ -32,7 +32,7 @@ class LoadedModel:
     model: DecoderForCausalLM
     tokenizer: Tokenizer | None
     max_model_len: int
-    weight_dtype: str = "float32"  # how its weights are stored: "bfloat16", "float32", "fp8_e4m3"...
+    weight_dtype: str  # how its weights are stored: "bfloat16", "float32", "fp8_e4m3"... (EngineInfo reports it)
 
 
 def load_model(
