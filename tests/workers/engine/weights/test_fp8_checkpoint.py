@@ -140,8 +140,10 @@ def test_llama_with_quantization_fp8_generates_and_its_logits_are_close_to_float
     assert isinstance(ours.model.layers[0].self_attn.qkv_proj, Fp8Linear)
     assert 0 < relative_error(prefill_logits(ours), prefill_logits(reference)) < 0.15
     assert len(result.token_ids) == GREEDY.max_tokens
-    assert llm.engine.info.weight_dtype == "fp8_e4m3"
-    assert LLM(config, seed=0, kv_cache_bytes=1 << 22).engine.info.weight_dtype == "float32"
+    unquantized = LLM(config, seed=0, kv_cache_bytes=1 << 22).engine.info
+    assert llm.engine.info.weight_dtype == "fp8_e4m3" and unquantized.weight_dtype == "float32"
+    # KV computed by fp8 weights is another model's: a store or handoff never mixes the two.
+    assert llm.engine.info.kv_model_id != unquantized.kv_model_id
 
 
 def test_llama_fp8_checkpoint_with_unaligned_q_k_v_loads_them_requantized_as_one(tmp_path, llama_weights):
