@@ -11,8 +11,10 @@ from workers.args import EngineArgs
 from workers.cost_model import PrefillCostModel
 from workers.engine.config import EngineConfig
 from workers.engine.engine import ConstraintCompiler, LLMEngine
+from workers.engine.layers.moe import RoutedExperts
 from workers.engine.model_loader import load_model
 from workers.kvstore.store import open_store
+from workers.protocol.errors import ModelLoadError
 
 
 def build_rank_engine(args: EngineArgs, compile_constraint: ConstraintCompiler | None = None) -> LLMEngine:
@@ -26,7 +28,11 @@ def build_rank_engine(args: EngineArgs, compile_constraint: ConstraintCompiler |
         seed=args.seed,
         max_model_len=args.max_model_len,
         tokenizer=args.tokenizer,
+        quantization=args.quantization,
     )
+    if args.ep_size > 1 and any(isinstance(m, RoutedExperts) and m.quantized for m in loaded.model.modules()):
+        # Expert-parallel ranks move stacked expert weights between devices without their scales.
+        raise ModelLoadError("ep_size > 1 does not serve fp8 experts on CUDA yet (quantization / an fp8 checkpoint)")
     store = open_store(Path(args.kv_store), args.kv_store_index) if args.kv_store else None
     return LLMEngine(loaded, config, store, compile_constraint=compile_constraint)
 

@@ -111,8 +111,11 @@ class LLMEngine(EngineCore):
         if device.type == "cpu":
             reuse_freed_memory()
         dtype = next(loaded.model.parameters()).dtype
-        # What decides the bytes of a KV block besides the tokens: blocks of another dtype never match.
+        # What decides the bytes of a KV block besides the tokens: blocks of another dtype, or computed
+        # by weights stored otherwise (fp8), never match.
         self.kv_model_id = f"{loaded.name}:{str(dtype).removeprefix('torch.')}"
+        if loaded.weight_dtype != str(dtype).removeprefix("torch."):
+            self.kv_model_id += f":{loaded.weight_dtype}-weights"
         kv_size = kv_cache_size(loaded, config, dtype=dtype, device=device)
         log.info("KV cache: %s", kv_size)
         specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.args.page_size)
@@ -177,6 +180,7 @@ class LLMEngine(EngineCore):
             kv_layout=kv_cache.specs.layout,
             kv_block_tokens=config.args.kv_block_tokens if store is not None else 0,
             kv_transfer=kv_transfer,
+            weight_dtype=loaded.weight_dtype,
             swa_state_spec=window,
         )
         self.requests: dict[str, Request] = {}

@@ -39,6 +39,7 @@ class EngineInfo:
     kv_layout: str  # its KV's layout (KVCacheSpecs.layout): a transfer or pool of another is refused
     kv_block_tokens: int  # tokens per KV store block; 0 without a store
     kv_transfer: str  # how its KV travels to another engine: "auto" (a mapped pool where it can), "zmq" (frames)
+    weight_dtype: str  # how its weights are stored: "bfloat16", "float32", "fp8_e4m3" (block-scaled)...
     # A sliding-window model's window group, whose SWA state the engine keeps for its store hits
     # (workers.engine.kv.swa_state); None without a store or a single window group.
     swa_state_spec: KVCacheSpec | None = None

@@ -11,10 +11,14 @@ from typing import Any
 
 import torch
 
+from kernels.quant.fp8_blocks import FP8
 from workers.engine.config import ModelConfig
+from workers.engine.fp8_model import convert_to_fp8, finish_fp8_loading
 from workers.engine.models.decoder import DecoderForCausalLM
 from workers.engine.models.registry import family_of
 from workers.engine.weights import load_weights, resolve_model
+from workers.engine.weights.loader import float8_tensor_names
+from workers.engine.weights.quantization import pair_scales, served_format, weight_dtype_name
 from workers.protocol.errors import ModelLoadError
 from workers.text.tokenizer import Tokenizer
 
@@ -30,6 +34,7 @@ class LoadedModel:
     model: DecoderForCausalLM
     tokenizer: Tokenizer | None
     max_model_len: int
+    weight_dtype: str  # how its weights are stored: "bfloat16", "float32", "fp8_e4m3"... (EngineInfo reports it)
 
 
 def load_model(
@@ -40,11 +45,14 @@ def load_model(
     seed: int,
     max_model_len: int | None,
     tokenizer: str | os.PathLike | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """A model from a packaged name or HF directory (its weights), or from a config (random weights).
 
     A config is a dict, a path to a JSON file, or a directory holding only config.json; its
     weights are drawn from `seed`, which is how tests and GPU benchmarks build models offline.
+    `quantization` ("fp8", EngineArgs.quantization) quantizes the weights at load; a checkpoint
+    saved quantized (its config's quantization_config) is served as saved whatever it says.
     """
     files = None
     if isinstance(source, dict):
@@ -55,6 +63,7 @@ def load_model(
         files = resolve_model(source)
         name, hf_config = files.name, files.config
 
+    fmt = served_format(hf_config, quantization)
     family = family_of(hf_config)
     config = family.model_config(hf_config)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -64,14 +73,29 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = family.model_class(config, max_positions=length)
     if files is not None and files.weight_files:
-        model.load_weights(load_weights(files))
+        if fmt is not None:
+            saved_fp8 = float8_tensor_names(files) if fmt.saved else None
+            convert_to_fp8(model, fmt, keep_weights=False, saved_fp8=saved_fp8)
+        model.load_weights(pair_scales(load_weights(files), fmt))
     else:
         log.warning("model %s has no weights: using random weights (seed %d)", name, seed)
         model.init_random_weights(seed)
-    # Parameters only: the rotary tables stay float32, as HF computes angles in float32.
+        if fmt is not None:
+            convert_to_fp8(model, fmt, keep_weights=True)
+    # Parameters only: the rotary tables stay float32, as HF computes angles in float32. Weights held
+    # in e4m3 stay so (their scales are float32 buffers).
     for param in model.parameters():
-        param.data = param.data.to(dtype)
+        if param.dtype != FP8:
+            param.data = param.data.to(dtype)
+    finish_fp8_loading(model, dtype)
     model.eval()
+    if fmt is not None:
+        log.info(
+            "model %s: fp8 weights in %dx%d blocks (%s)",
+            name,
+            *fmt.block,
+            "e4m3 on the device" if device.type == "cuda" else f"dequantized to {dtype} off CUDA",
+        )
 
     if tokenizer is not None:
         loaded_tokenizer = Tokenizer.from_model_files(resolve_model(tokenizer))
@@ -79,7 +103,14 @@ def load_model(
         loaded_tokenizer = Tokenizer.from_model_files(files)
     else:
         loaded_tokenizer = None
-    return LoadedModel(name=name, config=config, model=model, tokenizer=loaded_tokenizer, max_model_len=length)
+    return LoadedModel(
+        name=name,
+        config=config,
+        model=model,
+        tokenizer=loaded_tokenizer,
+        max_model_len=length,
+        weight_dtype=weight_dtype_name(fmt, dtype),
+    )
 
 
 @contextlib.contextmanager

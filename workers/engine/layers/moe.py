@@ -19,7 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe import experts as run_experts
+from kernels.quant.fp8_blocks import FP8, block_grid, dequantize_weight_blocks
 from workers.engine.config import ROUTINGS, MoeConfig
+from workers.engine.layers.fp8_linear import QuantizedRows
+from workers.engine.weights.quantization import BlockQuantized
 from workers.protocol.errors import ModelLoadError
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
@@ -171,37 +174,108 @@ def build_router(moe: MoeConfig, hidden_size: int) -> nn.Module:
 
 
 class RoutedExperts(nn.Module):
-    """All E experts of one layer, stacked: w13 [E, 2 * I, H] (gate rows, then up rows), w2 [E, H, I]."""
+    """All E experts of one layer, stacked: w13 [E, 2 * I, H] (gate rows, then up rows), w2 [E, H, I].
+
+    After `use_fp8(block)` they load as block-scaled e4m3 (layers.fp8_linear): on CUDA they stay
+    e4m3 with w13_scale_inv [E, ceil(2I / bn), ceil(H / bk)] and w2_scale_inv [E, ceil(H / bn),
+    ceil(I / bk)], which the experts kernel reads; elsewhere they are dequantized when loading
+    finishes into the model's dtype, and the reference loop runs them as ever."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_scale_inv: torch.Tensor | None
+        self.w2_scale_inv: torch.Tensor | None
+        self.register_buffer("w13_scale_inv", None)
+        self.register_buffer("w2_scale_inv", None)
+        self.block: tuple[int, int] | None = None
+        # While loading fp8: each (expert, "w13" / "w2") matrix's row writer.
+        self._rows: dict[tuple[int, str], QuantizedRows] = {}
+
+    def use_fp8(self, block: tuple[int, int], *, keep_weights: bool) -> None:
+        """Hold the experts as block-scaled e4m3, quantizing the weights held now if `keep_weights`
+        (random ones), else to be loaded by load_expert_weight."""
+        float_weights = (self.w13.data, self.w2.data)
+        self.block = block
+        for name, weight in zip(("w13", "w2"), float_weights, strict=True):
+            grid = block_grid(tuple(weight.shape[1:]), block)
+            setattr(self, name, nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False))
+            self.register_buffer(f"{name}_scale_inv", torch.empty(weight.shape[0], *grid, device=weight.device))
+        if keep_weights:
+            for expert in range(self.w13.shape[0]):
+                self._writer(expert, "w13").write(0, float_weights[0][expert], f"expert {expert}'s w13")
+                self._writer(expert, "w2").write(0, float_weights[1][expert], f"expert {expert}'s w2")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts are held in e4m3 (CUDA), not dequantized (elsewhere)."""
+        return self.w13.dtype == FP8
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return run_experts(
+                hidden,
+                self.w13,
+                self.w2,
+                topk_ids,
+                topk_weights,
+                w13_scale_inv=self.w13_scale_inv,
+                w2_scale_inv=self.w2_scale_inv,
+                block=self.block,
+            )
         return run_experts(hidden, self.w13, self.w2, topk_ids, topk_weights)
 
-    def load_expert_weight(self, expert: int, projection: str, tensor: torch.Tensor) -> None:
-        """Copy one expert's `gate`, `up` or `down` projection (HF's [out, in] layout) into place."""
+    def load_expert_weight(self, expert: int, projection: str, tensor: torch.Tensor | BlockQuantized) -> None:
+        """Copy one expert's `gate`, `up` or `down` projection (HF's [out, in] layout) into place; a
+        projection saved quantized is dequantized unless the experts are held in fp8."""
         if not 0 <= expert < self.w13.shape[0]:
             raise ModelLoadError(f"expert {expert} is out of range for a layer of {self.w13.shape[0]} experts")
         intermediate = self.intermediate_size
+        if projection not in EXPERT_PROJECTIONS:
+            raise ModelLoadError(f"unknown expert projection {projection!r}; known: {EXPERT_PROJECTIONS}")
+        if self.block is not None:
+            matrix, offset = ("w2", 0) if projection == "down" else ("w13", 0 if projection == "gate" else intermediate)
+            self._writer(expert, matrix).write(offset, tensor, f"expert {expert}'s {projection} projection")
+            return
         targets = {
             "gate": self.w13.data[expert, :intermediate],
             "up": self.w13.data[expert, intermediate:],
             "down": self.w2.data[expert],
         }
-        if projection not in targets:
-            raise ModelLoadError(f"unknown expert projection {projection!r}; known: {EXPERT_PROJECTIONS}")
         target = targets[projection]
         if target.shape != tensor.shape:
             raise ModelLoadError(
                 f"expert {expert}'s {projection} projection has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(target.shape)}"
             )
+        if isinstance(tensor, BlockQuantized):
+            tensor = tensor.dequantize(torch.float32)
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        """Quantize what was assembled in float32; off CUDA, dequantize into `dtype` for good."""
+        if not self.quantized:
+            return
+        for rows in self._rows.values():
+            rows.finish()
+        self._rows = {}
+        if self.w13.device.type == "cuda":
+            return
+        for name in ("w13", "w2"):
+            values, scale_inv = getattr(self, name).data, getattr(self, f"{name}_scale_inv")
+            real = dequantize_weight_blocks(values, scale_inv, self.block, dtype)
+            setattr(self, name, nn.Parameter(real, requires_grad=False))
+            setattr(self, f"{name}_scale_inv", None)
+
+    def _writer(self, expert: int, matrix: str) -> QuantizedRows:
+        key = (expert, matrix)
+        if key not in self._rows:
+            values, scale_inv = getattr(self, matrix).data[expert], getattr(self, f"{matrix}_scale_inv")[expert]
+            self._rows[key] = QuantizedRows(values, scale_inv, self.block)
+        return self._rows[key]
 
 
 class SparseMoeBlock(nn.Module):

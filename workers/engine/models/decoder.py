@@ -25,11 +25,13 @@ from torch import nn
 
 from kernels.attention import AttentionBackend, write_kv
 from workers.engine.config import ModelConfig
+from workers.engine.layers.fp8_linear import Fp8Linear
 from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
 from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from workers.engine.models.mla import MLAAttention
+from workers.engine.weights.quantization import BlockQuantized
 from workers.protocol.errors import ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -249,10 +251,13 @@ class DecoderForCausalLM(nn.Module):
                     values = torch.randn(param.shape, generator=generators[device], device=device)
                     param.copy_((values * self.config.initializer_range).to(param.dtype))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the fused layout; every parameter must be covered."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockQuantized]]) -> None:
+        """Copy Hugging Face-named tensors into the fused layout; every parameter must be covered. A
+        tensor saved quantized goes as it is to an fp8 module (workers.engine.fp8_model), dequantized
+        to any other."""
         # Parameters and persistent buffers (a router's correction bias), sharing their storage.
         params = self.state_dict()
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             if self._unserved(hf_name):
@@ -266,6 +271,15 @@ class DecoderForCausalLM(nn.Module):
             if target is None:
                 continue
             name, offset = target
+            module_name, _, param_name = name.rpartition(".")
+            fp8 = modules.get(module_name)
+            if isinstance(fp8, Fp8Linear) and param_name == "weight":
+                fp8.load_rows(offset or 0, tensor, hf_name)
+                loaded.add(hf_name)
+                continue
+            if isinstance(tensor, BlockQuantized):
+                # Saved quantized, held unquantized here (kv_b_proj, modules_to_not_convert...).
+                tensor = tensor.dequantize(torch.float32)
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model")
             param = params[name]
@@ -296,6 +310,8 @@ class DecoderForCausalLM(nn.Module):
         mlp = self.layers[layer].mlp if layer < len(self.layers) else None
         if not isinstance(mlp, SparseMoeBlock):
             raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model: layer {layer} is dense")
+        if isinstance(tensor, BlockQuantized) and not isinstance(mlp.experts, RoutedExperts):
+            tensor = tensor.dequantize(torch.float32)
         mlp.experts.load_expert_weight(expert, projection, tensor)
 
 

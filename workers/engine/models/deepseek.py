@@ -41,8 +41,6 @@ class _DeepSeek(DecoderFamily):
 
     def refuse_unserved(self, hf: dict[str, Any]) -> None:
         """Refuse, naming the field, what a config may ask that is not served as it says."""
-        if hf.get("quantization_config"):
-            raise ModelLoadError("quantized checkpoints are not served yet (quantization_config)")
         if hf.get("scoring_func", self.scoring_func) != self.scoring_func:
             raise ModelLoadError(f"unsupported scoring_func {hf['scoring_func']!r}; supported: {self.scoring_func}")
         topk_method = hf.get("topk_method", self.topk_methods[0])

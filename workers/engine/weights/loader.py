@@ -38,6 +38,8 @@ MANIFEST_NAME = "sluice-manifest.json"
 # The manifest records it: a converted directory from another version of the conversion is redone.
 CONVERTER_VERSION = 1
 SHARD_INDEX_NAME = "model.safetensors.index.json"
+# safetensors' name of float8_e4m3fn, the dtype of a weight saved in FP8 (weights.quantization).
+FLOAT8_E4M3 = "F8_E4M3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,15 @@ def load_weights(files: ModelFiles) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Opens every weight file before returning, so a bad file fails here, before anything is built."""
     opened = [(path, _open_safetensors(path)) for path in files.weight_files]
     return _tensors(opened)
+
+
+def float8_tensor_names(files: ModelFiles) -> frozenset[str]:
+    """The tensors saved as float8_e4m3fn, from the shards' headers (no tensor is read, no torch loaded)."""
+    names = set()
+    for path in files.weight_files:
+        handle = _open_safetensors(path, framework="numpy")
+        names.update(name for name in handle.keys() if handle.get_slice(name).get_dtype() == FLOAT8_E4M3)
+    return frozenset(names)
 
 
 def _tensors(opened: list[tuple[Path, safe_open]]) -> Iterator[tuple[str, "torch.Tensor"]]:

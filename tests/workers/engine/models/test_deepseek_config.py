@@ -155,7 +155,6 @@ def test_architectures_name_their_family():
 @pytest.mark.parametrize(
     "base, override, field",
     [
-        (V3, {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
         (V2_LITE, {"attention_bias": True}, "attention_bias"),
         (V2_LITE, {"mlp_bias": True}, "mlp_bias"),
         (V2_LITE, {"hidden_act": "gelu"}, "hidden_act"),

@@ -1,0 +1,110 @@
+"""Fp8Linear and fp8 routed experts: off CUDA they compute exactly what the W8A8 reference computes
+from the same e4m3 tiles; fused projections load part by part, exactly where the parts end on tile
+boundaries and as one requantized matrix where they do not. On CUDA (gpu mark) the kernels agree
+with the reference."""
+
+import pytest
+import torch
+
+from kernels.moe import experts_reference
+from kernels.quant.fp8_blocks import (
+    FP8,
+    dequantize_weight_blocks,
+    quantize_weight_blocks,
+    w8a8_block_matmul_reference,
+)
+from workers.engine.layers.fp8_linear import Fp8Linear
+from workers.engine.layers.moe import RoutedExperts
+from workers.engine.weights.quantization import BlockQuantized
+
+BLOCK = (128, 128)
+
+
+def random(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def saved(weight: torch.Tensor) -> BlockQuantized:
+    return BlockQuantized(*quantize_weight_blocks(weight, BLOCK), block=BLOCK)
+
+
+def loaded_linear(parts: list[torch.Tensor | BlockQuantized], in_features: int, *, bias: torch.Tensor | None = None):
+    out_features = sum(part.shape[0] for part in parts)
+    layer = Fp8Linear(in_features, out_features, bias=bias is not None, block=BLOCK)
+    offset = 0
+    for index, part in enumerate(parts):
+        layer.load_rows(offset, part, f"part {index}")
+        offset += part.shape[0]
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    return layer
+
+
+def test_fp8_linear_off_cuda_equals_the_w8a8_reference_exactly():
+    # K and N not multiples of the block: partial tiles at both edges.
+    weight, bias, x = random(300, 200, seed=1), random(300, seed=2), random(2, 5, 200, seed=3) * 4
+    part = saved(weight)
+    layer = loaded_linear([part], 200, bias=bias)
+    layer.finish_loading(torch.float32)
+
+    assert not layer.quantized and layer.weight.dtype == torch.float32
+    assert torch.equal(layer(x), w8a8_block_matmul_reference(x, part.values, part.scale_inv, BLOCK, bias))
+
+
+def test_tile_aligned_parts_load_their_own_tiles_exactly():
+    gate, up = saved(random(128, 96, seed=1)), saved(random(40, 96, seed=2))  # up ends at N: aligned too
+    layer = loaded_linear([gate, up], 96)
+
+    assert torch.equal(layer.weight[:128].view(torch.uint8), gate.values.view(torch.uint8))
+    assert torch.equal(layer.weight[128:].view(torch.uint8), up.values.view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv, torch.cat([gate.scale_inv, up.scale_inv]))
+
+
+@pytest.mark.parametrize("as_saved", [False, True], ids=["float parts", "e4m3 parts"])
+def test_parts_off_tile_boundaries_are_quantized_as_one_matrix(as_saved):
+    q, k, v = random(64, 96, seed=1), random(32, 96, seed=2) * 10, random(32, 96, seed=3)
+    parts = [q, k, v]
+    if as_saved:
+        parts = [saved(part) for part in parts]
+    layer = loaded_linear(parts, 96)
+    layer.finish_loading(torch.float32)
+    whole = torch.cat([part.dequantize(torch.float32) if as_saved else part for part in parts])
+
+    assert torch.equal(layer.weight, dequantize_weight_blocks(*quantize_weight_blocks(whole, BLOCK), BLOCK))
+
+
+def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized():
+    num_experts, hidden, intermediate = 4, 64, 128
+    experts = RoutedExperts(num_experts, hidden, intermediate)
+    experts.use_fp8(BLOCK, keep_weights=False)
+    saved_parts = {}
+    for expert in range(num_experts):
+        for index, (projection, shape) in enumerate(
+            [("gate", (intermediate, hidden)), ("up", (intermediate, hidden)), ("down", (hidden, intermediate))]
+        ):
+            saved_parts[expert, projection] = saved(random(*shape, seed=10 * expert + index))
+            experts.load_expert_weight(expert, projection, saved_parts[expert, projection])
+    experts.finish_loading(torch.float32)
+    hidden_states = random(6, hidden, seed=99)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(5))
+    real = {key: part.dequantize(torch.float32) for key, part in saved_parts.items()}
+    w13 = torch.stack([torch.cat([real[e, "gate"], real[e, "up"]]) for e in range(num_experts)])
+    w2 = torch.stack([real[e, "down"] for e in range(num_experts)])
+
+    assert not experts.quantized and experts.w13_scale_inv is None
+    assert torch.equal(experts.w13, w13) and torch.equal(experts.w2, w2)
+    assert torch.equal(experts(hidden_states, ids, weights), experts_reference(hidden_states, w13, w2, ids, weights))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_linear_on_cuda_keeps_e4m3_and_matches_the_reference():
+    weight, x = random(384, 256, seed=1), random(7, 256, seed=2).cuda().bfloat16()
+    part = saved(weight)
+    layer = loaded_linear([part], 256).cuda()
+    layer.finish_loading(torch.bfloat16)
+    expected = w8a8_block_matmul_reference(x, part.values.cuda(), part.scale_inv.cuda(), BLOCK)
+
+    assert layer.quantized and layer.weight.dtype == FP8
+    torch.testing.assert_close(layer(x), expected, atol=2e-2, rtol=2e-2)
