@@ -18,12 +18,16 @@
 # and V3's 128), and decode of the shapes in bench.shapes (Llama-3.1-8B, Qwen3-30B-A3B's 16 layers,
 # DeepSeek-V2-Lite) as fractions of their memory rooflines, and a profile of a MoE shape's graphed
 # decode step at batch 1.
-# STEPS (default "tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit")
+# Then FP8 (issue 26): the W8A8 block-scaled GEMM against bf16 and torch's _scaled_mm at the Llama-3.1-8B
+# projections, and decode with FP8 weights and KV against bf16 (Llama-3.1-8B at batch 1 and at batch
+# 256 with 4k contexts; DeepSeek-V3's 4-layer shape at batch 1 and 64 against its roofline).
+# STEPS (default "tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit
+# fp8_gemm fp8_decode")
 # picks what runs; "mla_sweep" (not a default: it compiles about 70 kernels, several minutes) times the
 # MLA decode kernel's configs at DeepSeek-V3's 128 heads and V2-Lite's 16.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit}
+steps=${STEPS:-tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit fp8_gemm fp8_decode}
 mkdir -p "$out"
 for wheel in msgspec gguf pyzmq; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -113,4 +117,23 @@ if has fit; then
 import json; d = json.load(open('$out/fit_cost_model_h200.json'))
 print('prefill', d['coefficients'], d['fit_error_held_back'])
 print('decode', d['decode']['coefficients'], d['decode']['fit_error_held_back'])"
+fi
+if has fp8_gemm; then
+  python3 -m bench.fp8_gemm >"$out/fp8_gemm_gpu.json" 2>"$out/fp8_gemm_gpu.log" || echo "FP8 GEMM BENCHMARK FAILED"
+fi
+if has fp8_decode; then
+  python3 -m bench.fp8_decode --shape llama3_8b --batch-sizes 1 --prompt-len 1024 --variants bf16,fp8_weights,fp8_kv \
+    >"$out/fp8_decode_llama3_8b_b1.json" 2>"$out/fp8_decode.log" || echo "FP8 DECODE (batch 1) FAILED"
+  python3 -m bench.fp8_decode --shape llama3_8b --batch-sizes 256 --prompt-len 4096 --new-tokens 64 \
+    --variants bf16,fp8_weights_kv >"$out/fp8_decode_llama3_8b_b256.json" 2>>"$out/fp8_decode.log" \
+    || echo "FP8 DECODE (batch 256) FAILED"
+  python3 -m bench.fp8_decode --shape deepseek_v3_4_layers --batch-sizes 1,64 --variants fp8_weights \
+    >"$out/fp8_decode_deepseek_v3_4_layers.json" 2>>"$out/fp8_decode.log" || echo "FP8 DECODE (DeepSeek-V3) FAILED"
+  python3 -c "
+import json
+for name in ('llama3_8b_b1', 'llama3_8b_b256', 'deepseek_v3_4_layers'):
+    d = json.load(open('$out/fp8_decode_' + name + '.json'))
+    print(name, json.dumps(d['decode_speedup_over_bf16']))
+    for variant, v in d['variants'].items():
+        for r in v['rows']: print(' ', variant, r['batch_size'], r['max_running'], r['decode_tok_s'], r['roofline_fraction'])"
 fi
