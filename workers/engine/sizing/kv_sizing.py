@@ -93,7 +93,9 @@ def kv_cache_size(
     """The size of the engine's KV cache; on CUDA, ValueError or RuntimeError naming
     gpu_memory_utilization when its share of the device cannot hold one."""
     args = config.args
-    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=args.page_size)
+    specs = KVCacheSpecs.of_model(
+        loaded.config, dtype=dtype, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype
+    )
 
     def size(group_num_pages: tuple[int, ...], sized_by: str) -> KVCacheSize:
         return KVCacheSize(
