@@ -19,7 +19,12 @@ from kernels.attention import NULL_PAGE, AttentionMetadata, write_kv  # noqa: E4
 from kernels.attention.fp8_kv import dequantize_rows, quantize_rows, row_bytes  # noqa: E402
 from kernels.attention.torch_blockwise import paged_attention_blockwise  # noqa: E402
 from kernels.attention.torch_sdpa import paged_attention_sdpa  # noqa: E402
-from kernels.attention.triton import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from kernels.attention.triton import (  # noqa: E402
+    paged_decode_attention,
+    paged_mla_decode,
+    paged_mla_prefill,
+    paged_prefill_attention,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -151,3 +156,60 @@ def test_triton_on_fp8_rows_matches_the_torch_backend_at_llama_sizes_in_bf16(que
         seq_lens, query_lens, kv_heads=8, heads=32, width=128, page=16, dtype=torch.bfloat16, window=None
     )
     torch.testing.assert_close(out, expected.cpu(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1], [4, 9]])  # decode, prefill
+def test_triton_mla_on_fp8_latents_matches_the_torch_backend(query_lens):
+    seq_lens, page, latent_width, v_dim = [37, 9], 8, 48, 32  # a value part and a rope part of powers of two
+    (latent, _), _, tables, block_tables = fp8_pages(seq_lens, kv_heads=1, width=latent_width, page=page)
+    query = torch.randn(sum(query_lens), 4, latent_width, generator=torch.Generator().manual_seed(4))
+    expected = paged_attention_blockwise(
+        query, latent, latent[..., :v_dim], metadata(query_lens, seq_lens, tables, page), scale=0.2
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cache, tables_on_device = latent.to(DEVICE), block_tables.to(DEVICE)
+    if query_lens == [1, 1]:
+        out = paged_mla_decode(query.to(DEVICE), cache, tables_on_device, lens, v_dim=v_dim, scale=0.2)
+    else:
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        out = paged_mla_prefill(
+            query.to(DEVICE),
+            cache,
+            tables_on_device,
+            starts,
+            lens,
+            max_query_len=max(query_lens),
+            v_dim=v_dim,
+            scale=0.2,
+        )
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [100, 1, 33]])
+def test_triton_mla_on_fp8_latents_matches_the_torch_backend_at_deepseek_v3_sizes_in_bf16(query_lens):
+    seq_lens, page, latent_width, v_dim = [600, 130, 64], 16, 576, 512
+    (latent, _), _, tables, block_tables = fp8_pages(seq_lens, kv_heads=1, width=latent_width, page=page)
+    query = torch.randn(sum(query_lens), 16, latent_width, generator=torch.Generator().manual_seed(5))
+    query = query.to(torch.bfloat16) / 8
+    expected = paged_attention_blockwise(
+        query, latent, latent[..., :v_dim], metadata(query_lens, seq_lens, tables, page), scale=0.07
+    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cache, tables_on_device = latent.to(DEVICE), block_tables.to(DEVICE)
+    if max(query_lens) == 1:
+        out = paged_mla_decode(query.to(DEVICE), cache, tables_on_device, lens, v_dim=v_dim, scale=0.07)
+    else:
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        out = paged_mla_prefill(
+            query.to(DEVICE),
+            cache,
+            tables_on_device,
+            starts,
+            lens,
+            max_query_len=max(query_lens),
+            v_dim=v_dim,
+            scale=0.07,
+        )
+    torch.testing.assert_close(out.cpu(), expected, rtol=2e-2, atol=2e-2)
