@@ -25,6 +25,10 @@ from kernels.attention.triton import (  # noqa: E402
     paged_mla_prefill,
     paged_prefill_attention,
 )
+from kernels.fused.mla_rotary import mla_rope_and_cache_write, mla_rope_and_cache_write_reference  # noqa: E402
+from kernels.fused.rotary import rotary_and_cache_write, rotary_and_cache_write_reference  # noqa: E402
+from workers.engine.config import RopeConfig  # noqa: E402
+from workers.engine.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -213,3 +217,60 @@ def test_triton_mla_on_fp8_latents_matches_the_torch_backend_at_deepseek_v3_size
             scale=0.07,
         )
     torch.testing.assert_close(out.cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+# Page size 4: a prompt across pages, a decode token, and two padding rows (slot -1) that write nothing.
+FUSED_SLOTS = [12, 13, 14, 15, 4, 5, 9, -1, -1]
+FUSED_POSITIONS = [0, 1, 2, 3, 4, 5, 17, 0, 0]
+
+
+def written_rows(cache: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    return cache.view(cache.shape[0], -1, cache.shape[-1])[:, [s for s in slots if s >= 0]]
+
+
+def rotation_tables(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), width, max_positions=64)
+    return rotary.cos, rotary.sin
+
+
+def test_the_fused_rotary_write_quantizes_what_the_reference_writes():
+    tokens, num_heads, kv_heads, head_dim = len(FUSED_SLOTS), 4, 2, 32
+    generator = torch.Generator().manual_seed(6)
+    qk = torch.randn(tokens, num_heads + kv_heads, head_dim, generator=generator)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=generator)
+    cos, sin = rotation_tables(head_dim)
+    positions, slots = torch.tensor(FUSED_POSITIONS), torch.tensor(FUSED_SLOTS)
+    k_ref, v_ref = torch.zeros(kv_heads, 5, 4, head_dim), torch.zeros(kv_heads, 5, 4, head_dim)
+    q_ref = rotary_and_cache_write_reference(qk, v, positions, cos, sin, k_ref, v_ref, slots, num_heads=num_heads)
+    k_fp8 = torch.zeros(kv_heads, 5, 4, row_bytes(head_dim), dtype=torch.uint8)
+    v_fp8 = torch.zeros_like(k_fp8)
+
+    q = rotary_and_cache_write(qk, v, positions, cos, sin, k_fp8, v_fp8, slots, num_heads=num_heads)
+
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    assert torch.equal(written_rows(k_fp8, FUSED_SLOTS), quantize_rows(written_rows(k_ref, FUSED_SLOTS)))
+    assert torch.equal(written_rows(v_fp8, FUSED_SLOTS), quantize_rows(written_rows(v_ref, FUSED_SLOTS)))
+    assert int((k_fp8.view(kv_heads, -1, row_bytes(head_dim)).any(dim=-1)).sum()) == kv_heads * 7  # nothing else
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_the_fused_mla_rope_write_quantizes_what_the_reference_writes(interleave):
+    tokens, heads, compressed_dim, rope_dim = len(FUSED_SLOTS), 3, 32, 16
+    generator = torch.Generator().manual_seed(7)
+    q_rope = torch.randn(tokens, heads, rope_dim, generator=generator)
+    k_rope = torch.randn(tokens, rope_dim, generator=generator)
+    compressed = torch.randn(tokens, compressed_dim, generator=generator)
+    cos, sin = rotation_tables(rope_dim)
+    positions, slots = torch.tensor(FUSED_POSITIONS), torch.tensor(FUSED_SLOTS)
+    reference_cache = torch.zeros(1, 5, 4, compressed_dim + rope_dim)
+    q_expected = q_rope.clone()
+    mla_rope_and_cache_write_reference(
+        q_expected, k_rope, compressed, positions, cos, sin, reference_cache, slots, interleave=interleave
+    )
+    latent = torch.zeros(1, 5, 4, row_bytes(compressed_dim + rope_dim), dtype=torch.uint8)
+
+    mla_rope_and_cache_write(q_rope, k_rope, compressed, positions, cos, sin, latent, slots, interleave=interleave)
+
+    torch.testing.assert_close(q_rope, q_expected, rtol=0, atol=0)
+    assert torch.equal(written_rows(latent, FUSED_SLOTS), quantize_rows(written_rows(reference_cache, FUSED_SLOTS)))
+    assert int(latent.view(-1, latent.shape[-1]).any(dim=-1).sum()) == 7
