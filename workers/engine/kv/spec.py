@@ -77,8 +77,11 @@ class KVCacheSpec:
             raise ValueError(f"a sliding-window KV group, and only one, has a positive window, got {self}")
         if self.fp8 and not self.dtype.is_floating_point:
             raise ValueError(f"an FP8 KV cache dequantizes to a floating compute dtype, got {self.dtype}")
-        if self.fp8:
-            row_bytes(self.width)  # raises for a width the row format cannot hold
+        if self.fp8 and self.width % 4:
+            raise ValueError(
+                f"kv_cache_dtype='fp8' keeps a head's values with float32 scales beside them, so its width must be a "
+                f"multiple of 4; this {self.kind} KV group's is {self.width}"
+            )
 
     @property
     def planes(self) -> int:

@@ -91,7 +91,7 @@ def test_an_unknown_kv_cache_dtype_or_a_width_fp8_rows_cannot_hold_is_refused_na
     model_config = llm("llama", "auto", num_pages=4).engine.model_config
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'int8'"):
         KVCacheSpecs.of_model(model_config, dtype=torch.float32, page_size=16, kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="multiple of 4, got 30"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' .* multiple of 4; this full attention KV group's is 30"):
         KVCacheSpec(
             kind=KVKind.FULL, layers=(0,), dtype=torch.bfloat16, page_size=16, num_kv_heads=1, head_dim=30, fp8=True
         )
