@@ -2,7 +2,9 @@
 padded block-table entries point at, and the plain-torch write of new keys and values at their slots.
 
 A cache of uint8 holds FP8 rows (kernels.attention.fp8_kv): writes quantize into them, reads
-dequantize out of them (torch_common.metadata.gather_kv)."""
+dequantize out of them (torch_common.metadata.gather_kv, triton.decode.load_rows). Every backend
+reads a step's new keys back from the cache after they are written, so a chunk attends to its own
+tokens' quantized KV, exactly as later chunks, decode steps and prefix hits read it."""
 
 import torch
 

@@ -32,7 +32,7 @@ class KVCache:
     value) for a full-attention layer, (latent,) for a latent one.
 
     Head-major, so gathering a sequence's pages yields each head's tokens contiguously. Each KV group's
-    layers are views of one tensor, [group layers, planes, heads, num_pages, page_size, width]; a
+    layers are views of one tensor, [group layers, planes, heads, num_pages, page_size, row_width]; a
     model of one group has its whole cache in `pages`, which is shared with a
     process on the same host by one handle (workers.transfer.pools): a CUDA IPC handle on a GPU; on
     the CPU, a `shareable` cache lives in shared memory (`shared_memory`).

@@ -9,6 +9,9 @@ full-attention group: between steps a running request holds at most ceil(window 
 them, and during a step the pages of the chunk it computes (`window_group_pages`). Each window group
 gets that many (never more than the full group), and the full group the rest of the bytes; the
 sizes above are the full group's page counts.
+
+Pages are sized from the specs' bytes per token, so --kv-cache-dtype fp8 (rows of e4m3 bytes and
+their scales, workers.engine.kv.spec) gets about twice bf16's pages from the same bytes.
 """
 
 from dataclasses import dataclass
