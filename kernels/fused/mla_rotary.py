@@ -15,6 +15,9 @@ negative slot marks a padding row: its queries are still rotated, nothing of it 
 Positions must be below the tables' length and slots below pages * page_size; neither is checked,
 as that would need a host sync.
 
+An FP8 latent cache (uint8 rows, kernels.attention.fp8_kv) is written by the rotation in torch and a
+quantizing write: the same float32 rotation, no host sync, but not one kernel.
+
 Grid: (T, H + 1), one program per (token, query head), and one per token for the key and the
 compressed latent. Launch-only wrapper (no host syncs, grid from shapes): safe to capture in a CUDA
 graph once a first call has compiled the kernel.
@@ -23,6 +26,8 @@ graph once a first call has compiled the kernel.
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention.paged import NULL_PAGE, is_fp8, to_cache_rows
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -55,6 +60,30 @@ def mla_rope_and_cache_write_reference(
     latent_cache.view(-1, latent_cache.shape[-1])[slot_mapping[real]] = torch.cat([compressed, key], dim=-1)[real]
 
 
+def _mla_rope_and_fp8_write(
+    q_rope: torch.Tensor,
+    k_rope: torch.Tensor,
+    compressed: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    latent_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    interleave: bool,
+) -> None:
+    """The reference's rotation, and FP8 rows written without a host sync: a skipped token rewrites
+    the null page's first slot with what it holds (as kernels.attention.paged.write_kv does)."""
+    half = q_rope.shape[-1] // 2
+    angle_cos, angle_sin = cos[positions, :half], sin[positions, :half]
+    q_rope.copy_(_rotate(q_rope.float(), angle_cos[:, None], angle_sin[:, None], interleave).to(q_rope.dtype))
+    key = _rotate(k_rope.float(), angle_cos, angle_sin, interleave).to(compressed.dtype)
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
+    skipped = slot_mapping < 0
+    slots = slot_mapping.masked_fill(skipped, NULL_PAGE * latent_cache.shape[2])
+    rows = to_cache_rows(torch.cat([compressed, key], dim=-1), latent_cache)
+    flat.index_copy_(0, slots, torch.where(skipped[:, None], flat[slots], rows))
+
+
 def mla_rope_and_cache_write(
     q_rope: torch.Tensor,
     k_rope: torch.Tensor,
@@ -69,6 +98,9 @@ def mla_rope_and_cache_write(
 ) -> None:
     """Rotates q_rope [T, H, R] in place and writes [compressed [T, C], rotated k_rope [T, R]] to the
     latent cache at slot_mapping ([T] int64, -1: skip); positions: [T] int64."""
+    if is_fp8(latent_cache):
+        _mla_rope_and_fp8_write(q_rope, k_rope, compressed, positions, cos, sin, latent_cache, slot_mapping, interleave)
+        return
     _check_inputs(q_rope, k_rope, compressed, positions, cos, sin, latent_cache, slot_mapping)
     tokens, heads, rope_dim = q_rope.shape
     if tokens == 0:

@@ -16,6 +16,10 @@ The model's eager path (workers/engine/layers/rotary.py) rotates in the input dt
 rounded to it, so in bfloat16 it differs from this by rounding; the reference here rotates in
 float32 like the kernel.
 
+An FP8 cache (uint8 rows, kernels.attention.fp8_kv) is written by the rotation in torch and
+kernels.attention.paged.write_kv, which quantizes: the same float32 rotation, no host sync, but not
+one kernel (a quantizing store would need each row's group maxima across both halves).
+
 Grid: (T, num_heads + num_kv_heads), one program per (token, head); a key head's program also
 copies that head's value. Launch-only wrapper (no host syncs, grid from shapes): safe to capture in a
 CUDA graph once a first call has compiled the kernel.
@@ -24,6 +28,8 @@ CUDA graph once a first call has compiled the kernel.
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention.paged import is_fp8, write_kv
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -69,6 +75,8 @@ def rotary_and_cache_write(
     """Rotated queries [T, num_heads, head_dim]; rotated keys and v written to the caches.
 
     positions and slot_mapping hold one int64 entry per row of qk, -1 slots for padding rows."""
+    if is_fp8(k_cache):
+        return _rotary_and_fp8_write(qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads=num_heads)
     _check_inputs(qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
     tokens, heads, head_dim = qk.shape
     q = torch.empty((tokens, num_heads, head_dim), dtype=qk.dtype, device=qk.device)
@@ -83,6 +91,27 @@ def rotary_and_cache_write(
         HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
     )  # fmt: skip
     return q
+
+
+def _rotary_and_fp8_write(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_heads: int,
+) -> torch.Tensor:
+    """The kernel's rotation in torch, then write_kv's quantizing write (-1 slots skipped, no host sync)."""
+    x = qk.float()
+    half = x.shape[-1] // 2
+    angle_cos, angle_sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    rotated = (x * angle_cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * angle_sin).to(qk.dtype)
+    write_kv(k_cache, v_cache, rotated[:, num_heads:], v, slot_mapping)
+    return rotated[:, :num_heads].contiguous()
 
 
 def _check_inputs(

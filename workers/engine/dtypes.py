@@ -18,3 +18,16 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
     return name
+
+
+# The dtypes KV data moves in (pages, store blocks, handoffs): the engine's, and uint8, the rows of an
+# FP8 KV cache (kernels.attention.fp8_kv).
+KV_STORAGE_DTYPES: dict[str, torch.dtype] = {**{name: torch_dtype(name) for name in DTYPES}, "uint8": torch.uint8}
+
+
+def kv_storage_name(dtype: torch.dtype) -> str:
+    """The name in KV_STORAGE_DTYPES of a KV tensor's dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in KV_STORAGE_DTYPES:
+        raise ValueError(f"KV dtype {dtype} is not one of {sorted(KV_STORAGE_DTYPES)}")
+    return name

@@ -44,7 +44,7 @@ from workers.engine.sched.step_budget import StepBudget
 from workers.engine.sizing.kv_sizing import kv_cache_size
 from workers.engine.step_stats import StepStats
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
-from workers.kvstore.block_hash import namespace_extra
+from workers.kvstore.block_hash import kv_model_id, namespace_extra
 from workers.kvstore.hints import RetentionCaps
 from workers.kvstore.store import KVStore
 from workers.protocol.engine_request import (
@@ -111,14 +111,16 @@ class LLMEngine(EngineCore):
         if device.type == "cpu":
             reuse_freed_memory()
         dtype = next(loaded.model.parameters()).dtype
-        # What decides the bytes of a KV block besides the tokens: blocks of another dtype, or computed
-        # by weights stored otherwise (fp8), never match.
-        self.kv_model_id = f"{loaded.name}:{str(dtype).removeprefix('torch.')}"
-        if loaded.weight_dtype != str(dtype).removeprefix("torch."):
-            self.kv_model_id += f":{loaded.weight_dtype}-weights"
+        # What decides the bytes of a KV block besides the tokens: blocks of another dtype, computed by
+        # weights stored otherwise (fp8) or stored in another KV dtype never match.
+        self.kv_model_id = kv_model_id(
+            loaded.name, str(dtype).removeprefix("torch."), config.args.kv_cache_dtype, loaded.weight_dtype
+        )
         kv_size = kv_cache_size(loaded, config, dtype=dtype, device=device)
         log.info("KV cache: %s", kv_size)
-        specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.args.page_size)
+        specs = KVCacheSpecs.of_model(
+            loaded.config, dtype=dtype, page_size=config.args.page_size, kv_cache_dtype=config.args.kv_cache_dtype
+        )
         # A cache of several KV groups is several tensors: no one pool for a peer to map, so its KV
         # travels as frames.
         kv_transfer = config.args.kv_transfer if len(specs.groups) == 1 else "zmq"

@@ -89,7 +89,7 @@ class PagedLayers(Sequence[torch.Tensor]):
         if len({group.token_shape for group in groups}) != 1 or len(window_pages) != len(groups) - 1:
             raise ValueError(f"a handoff carries KV of one token shape, with a page table per group: {groups}")
         self._layers = kv_cache.layers
-        self.dtype = kv_cache.dtype
+        self.dtype = kv_cache.storage_dtype
         self.layout = kv_cache.specs.layout
         self.token_shape = groups[0].token_shape
         indices = [torch.tensor(table, device=kv_cache.device) for table in (pages, *window_pages)]
@@ -174,7 +174,7 @@ def check_handoff(handoff: KVHandoff, *, kv_model_id: str, vocab_size: int, max_
             f"handoff {name!r} holds KV laid out as {handoff.kv_layout!r}; this engine's cache holds {ours.layout!r}"
         )
     shape = (handoff.num_layers, handoff.kv_dtype, tuple(handoff.token_shape))
-    if shape != (ours.num_layers, kv_cache.dtype, ours.groups[0].token_shape):
+    if shape != (ours.num_layers, kv_cache.storage_dtype, ours.groups[0].token_shape):
         raise InvalidRequestError(
             f"handoff {name!r} has {handoff.num_layers} layers of {handoff.kv_dtype} {handoff.token_shape} per token, "
             f"which is not its layout {handoff.kv_layout!r}"

@@ -27,6 +27,9 @@ The metadata records the KV layout of the payload (workers.engine.kv.spec.KVCach
 reader that names its layout gets BlockLayoutError for a block of another one, before its payload is
 read; the file is sound, so it stays for the readers it fits. Files written before layouts were
 recorded say nothing ("") and are read by anyone, their payload's size still checked by the reader.
+The layout names the KV storage too (--kv-cache-dtype): a block written by an FP8-KV worker is
+refused by a bf16-KV reader and the other way round, not converted; the reader computes that KV
+instead. (Their keys differ anyway, block_hash.kv_model_id; the layout is what guards the bytes.)
 
 A reader may name where the payload goes (`read(key, into=...)`): the engine reads blocks straight
 into aligned tensors, with no copy after the read.

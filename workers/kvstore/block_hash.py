@@ -70,6 +70,16 @@ def reusable_blocks(num_tokens: int, block_size: int) -> int:
     return max(num_tokens - 1, 0) // block_size
 
 
+def kv_model_id(model_name: str, dtype: str, kv_cache_dtype: str = "auto", weight_dtype: str | None = None) -> str:
+    """What decides a KV block's bytes besides its tokens, as it enters every block's `extra`: the
+    model, its compute dtype, weights stored otherwise than in it (fp8: KV computed by other weights),
+    and the KV storage (--kv-cache-dtype): an FP8 cache's blocks key apart from the same model's bf16
+    ones, so neither prefix cache nor store ever matches one for the other."""
+    weights = f":{weight_dtype}-weights" if weight_dtype not in (None, dtype) else ""
+    storage = "" if kv_cache_dtype == "auto" else f":kv-{kv_cache_dtype}"
+    return f"{model_name}:{dtype}{weights}{storage}"
+
+
 def namespace_extra(model_id: str, cache_namespace: str = "") -> bytes:
     """The `extra` that separates models and tenants' cache namespaces."""
     return f"{model_id}\x00{cache_namespace}".encode()

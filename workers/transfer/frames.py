@@ -26,14 +26,13 @@ import numpy as np
 import torch
 import zmq
 
-from workers.args import DTYPES as ENGINE_DTYPES
-from workers.engine.dtypes import torch_dtype
+from workers.engine.dtypes import KV_STORAGE_DTYPES
 from workers.engine.kv_handoff import KVHandoff
 from workers.protocol.messages import KVPoolOffer, KVTransferChunk, KVTransferHeader, KVTransferMessage
 
-# The KV dtypes a transfer may name (those the engine runs in); anything else is refused before it
-# is interpreted.
-DTYPES: dict[str, torch.dtype] = {name: torch_dtype(name) for name in ENGINE_DTYPES}
+# The KV dtypes a transfer may name (those the engine runs in, and uint8 for an FP8 cache's rows);
+# anything else is refused before it is interpreted.
+DTYPES: dict[str, torch.dtype] = KV_STORAGE_DTYPES
 # A header's layout string longer than this is refused unread (a layout names a few groups in a line).
 MAX_LAYOUT_CHARS = 1024
 # Transfers a receiver assembles at once; a header past this is refused (bounds memory held by

@@ -25,7 +25,7 @@ from functools import cache
 
 import torch
 
-from workers.engine.dtypes import dtype_name, torch_dtype
+from workers.engine.dtypes import KV_STORAGE_DTYPES, kv_storage_name
 from workers.engine.kv.kv_cache import SHARED_MEMORY_NAME, KVCache
 from workers.protocol.messages import CudaIpcHandle, HostMemoryHandle, KVPoolOffer
 
@@ -72,7 +72,7 @@ class PoolExport:
         else:
             return None
         pool_id = f"{exporter}/{uuid.uuid4().hex}"
-        return cls(exporter, pool_id, handle, tuple(pages.shape), dtype_name(pages.dtype), kv_cache.specs.layout)
+        return cls(exporter, pool_id, handle, tuple(pages.shape), kv_storage_name(pages.dtype), kv_cache.specs.layout)
 
     def offer(self, pages: list[int], hold_s: float) -> KVPoolOffer:
         """An offer of `pages`, which the exporter keeps pinned for `hold_s` from now at least."""
@@ -116,10 +116,9 @@ class PoolMaps:
         if mapped is not None:
             self._pools.move_to_end(offer.pool_id)
             return mapped[1]
-        try:
-            dtype = torch_dtype(offer.dtype)
-        except ValueError as error:
-            raise PoolError(str(error)) from None
+        dtype = KV_STORAGE_DTYPES.get(offer.dtype)
+        if dtype is None:
+            raise PoolError(f"unknown dtype {offer.dtype!r}; choose from {sorted(KV_STORAGE_DTYPES)}")
         if len(offer.shape) != 6 or any(size < 1 for size in offer.shape) or offer.shape[1] not in (1, 2):
             raise PoolError(f"pool shape {offer.shape} is not [layers, 1 or 2 planes, heads, pages, page_size, width]")
         numel = math.prod(offer.shape)

@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from workers import curve
-from workers.engine.dtypes import dtype_name
+from workers.engine.dtypes import kv_storage_name
 from workers.engine.kv.spec import KVCacheSpec
 from workers.engine.kv.swa_state import SwaStateCache
 from workers.kvstore.block_hash import BlockHash
@@ -59,7 +59,7 @@ class SwaStateServer:
             self.socket.close()
             raise
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._dtype = dtype_name(cache.spec.dtype)
+        self._dtype = kv_storage_name(cache.spec.storage_dtype)
         # Counters (the worker's /metrics).
         self.num_requests = 0
         self.num_refused = 0  # requests it could not read
@@ -156,7 +156,7 @@ class SwaStateFetcher:
     ) -> None:
         """`spec` is this worker's SWA group: a reply of another layout is refused."""
         self.layout = spec.layout
-        self.dtype = spec.dtype
+        self.dtype = spec.storage_dtype
         self.run_shape = spec.run_shape(block_tokens)
         self.run_bytes = spec.bytes_per_token * block_tokens
         self.timeout_s = timeout_s
@@ -248,7 +248,7 @@ class SwaStateFetcher:
         if DTYPES.get(reply.dtype) != self.dtype or tuple(reply.run_shape) != self.run_shape:
             raise SwaFetchError(
                 f"its runs are {reply.dtype[:16]!r} {list(reply.run_shape)[:8]}; this worker's are "
-                f"{dtype_name(self.dtype)!r} {list(self.run_shape)}"
+                f"{kv_storage_name(self.dtype)!r} {list(self.run_shape)}"
             )
         asked = set(keys)
         answered = [*reply.found, *reply.missing]

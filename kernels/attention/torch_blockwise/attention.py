@@ -26,7 +26,7 @@ from kernels.attention.torch_common.metadata import (
     SequenceGroup,
     attention_output,
     check_paged_inputs,
-    gather_pages,
+    gather_kv,
     visible_keys,
 )
 from kernels.attention.torch_common.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
@@ -52,15 +52,16 @@ def paged_attention_blockwise(
     check_sinks(sinks, heads=query.shape[1], device=query.device)
     if KEY_BLOCK % k_cache.shape[2]:
         raise ValueError(f"page size {k_cache.shape[2]} must divide the key block {KEY_BLOCK}")
-    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    kv_heads, head_dim = k_cache.shape[0], query.shape[2]
     min_rows = min_invariant_rows() if query.device.type == "cpu" else 1
-    out = attention_output(query, v_cache)
+    out = attention_output(query, k_cache, v_cache)
     for group in metadata.groups:
         layout = row_layout(group, per_kv=query.shape[1] // kv_heads, min_rows=min_rows, key_multiple=KEY_BLOCK)
         n, blocks = len(group.seqs), layout.num_keys // KEY_BLOCK
         q = gather_rows(query, group, layout).mul_(scale).unsqueeze(2)  # [kv, n, 1, rows, d]
-        keys = gather_pages(k_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, head_dim)
-        values = gather_pages(v_cache, group, layout.num_keys).view(kv_heads, n, blocks, KEY_BLOCK, v_cache.shape[3])
+        keys, values = gather_kv(query, k_cache, v_cache, group, layout.num_keys)
+        keys = keys.view(kv_heads, n, blocks, KEY_BLOCK, head_dim)
+        values = values.view(kv_heads, n, blocks, KEY_BLOCK, values.shape[-1])
         hidden = _hidden_keys(group, layout, window)
         row_sinks = None if sinks is None else _row_sinks(sinks.to(query.dtype), kv_heads, layout)
         result = torch.cat(

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.attention.paged import NULL_PAGE
+from kernels.attention.fp8_kv import dequantize_rows, row_bytes
+from kernels.attention.paged import NULL_PAGE, is_fp8
 
 DECODE_QUERY_LEN = 8  # sequences with at most this many new tokens are attended together
 PREFILL_PADDING_RATIO = 1.25  # a longer query groups with others at most this much longer
@@ -163,9 +164,19 @@ def _build_group(
     )
 
 
-def attention_output(query: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+def attention_output(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """Zeros for every query row's output: [tokens, heads, value width]."""
-    return query.new_zeros(*query.shape[:2], v_cache.shape[3])
+    return query.new_zeros(*query.shape[:2], kv_widths(query, k_cache, v_cache)[1])
+
+
+def kv_widths(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """(key width, value width) in values. An FP8 cache's rows (kernels.attention.fp8_kv) are wider
+    than the query's head; MLA's value cache is the leading columns of its latent rows, and the first
+    v bytes of an FP8 row are its first v values, so the value view's width is the values' either way."""
+    if not is_fp8(k_cache):
+        return k_cache.shape[3], v_cache.shape[3]
+    key_width = query.shape[2]
+    return key_width, key_width if v_cache.shape[3] == k_cache.shape[3] else v_cache.shape[3]
 
 
 def check_paged_inputs(
@@ -180,12 +191,16 @@ def check_paged_inputs(
             f"k/v caches must both be [kv_heads, pages, page_size, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if query.shape[2] != k_cache.shape[3] or query.shape[1] % k_cache.shape[0]:
+    fp8 = is_fp8(k_cache)
+    row_width = row_bytes(query.shape[2]) if fp8 else query.shape[2]
+    if row_width != k_cache.shape[3] or query.shape[1] % k_cache.shape[0]:
         raise ValueError(
             f"query heads/head_dim {tuple(query.shape[1:])} do not fit the cache's "
-            f"{k_cache.shape[0]} kv heads of size {k_cache.shape[3]}"
+            f"{k_cache.shape[0]} kv heads of rows of {k_cache.shape[3]}{' FP8 bytes' if fp8 else ''}"
         )
-    if query.dtype != k_cache.dtype or query.device != k_cache.device:
+    if fp8 and v_cache.dtype != torch.uint8:
+        raise ValueError(f"an FP8 key cache needs an FP8 value cache, got {v_cache.dtype}")
+    if (not fp8 and query.dtype != k_cache.dtype) or query.device != k_cache.device:
         raise ValueError(f"query is {query.dtype} on {query.device}, cache {k_cache.dtype} on {k_cache.device}")
     if query.shape[0] < metadata.num_tokens:
         raise ValueError(f"query has {query.shape[0]} rows for {metadata.num_tokens} scheduled tokens")
@@ -202,6 +217,21 @@ def gather_pages(cache: torch.Tensor, group: SequenceGroup, num_keys: int) -> to
     pages = _flat_page_table(group, num_keys // page_size)
     gathered = cache.index_select(1, pages)  # [kv_heads, n * num_pages, page_size, head_dim]
     return gathered.view(kv_heads, len(group.seqs), num_keys, head_dim)
+
+
+def gather_kv(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: SequenceGroup, num_keys: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_pages of the keys and of the values, in the query's dtype: an FP8 cache's rows are
+    dequantized here, after the gather, so only the group's pages are converted. MLA's values are
+    the leading columns of its dequantized latent."""
+    if not is_fp8(k_cache):
+        return gather_pages(k_cache, group, num_keys), gather_pages(v_cache, group, num_keys)
+    key_width, value_width = kv_widths(query, k_cache, v_cache)
+    keys = dequantize_rows(gather_pages(k_cache, group, num_keys), key_width, query.dtype)
+    if v_cache.shape[3] != k_cache.shape[3]:
+        return keys, keys[..., :value_width].contiguous()
+    return keys, dequantize_rows(gather_pages(v_cache, group, num_keys), key_width, query.dtype)
 
 
 def _flat_page_table(group: SequenceGroup, num_pages: int) -> torch.Tensor:

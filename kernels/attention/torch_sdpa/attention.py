@@ -23,7 +23,7 @@ from kernels.attention.torch_common.metadata import (
     SequenceGroup,
     attention_output,
     check_paged_inputs,
-    gather_pages,
+    gather_kv,
     visible_keys,
 )
 from kernels.attention.torch_common.row_layout import RowLayout, gather_rows, row_layout, scatter_rows
@@ -65,7 +65,7 @@ def _attend(
 ) -> torch.Tensor:
     kv_heads, _, page_size, _ = k_cache.shape
     on_cpu = query.device.type == "cpu"
-    out = attention_output(query, v_cache)
+    out = attention_output(query, k_cache, v_cache)
     for group in metadata.groups:
         if not on_cpu and window is None and sinks is None and group.fresh and group.first_keys is None:
             _attend_fresh_prompts(query, out, k_cache, v_cache, group, scale)
@@ -81,10 +81,11 @@ def _attend(
             result = _attend_with_sinks(query, k_cache, v_cache, group, layout, key_multiple, scale, window, sinks)
             scatter_rows(out, result, group, layout)
             continue
+        keys, values = gather_kv(query, k_cache, v_cache, group, layout.num_keys)
         result = F.scaled_dot_product_attention(
             gather_rows(query, group, layout),
-            gather_pages(k_cache, group, layout.num_keys),
-            gather_pages(v_cache, group, layout.num_keys),
+            keys,
+            values,
             attn_mask=_mask(group, layout, window),
             scale=scale,
         )
@@ -106,8 +107,7 @@ def _attend_with_sinks(
     """The group's rows with a sink key at slot 0 and key j at slot j + 1: [kv_heads, n, rows, head_dim]."""
     # One slot more than the keys, still a whole number of key blocks.
     num_slots = layout.num_keys + (key_multiple if group.max_seq_len == layout.num_keys else 0)
-    keys = gather_pages(k_cache, group, num_slots)
-    values = gather_pages(v_cache, group, num_slots)
+    keys, values = gather_kv(query, k_cache, v_cache, group, num_slots)
     keys = torch.cat([keys.new_zeros(*keys.shape[:2], 1, keys.shape[3]), keys[:, :, :-1]], dim=2)
     values = torch.cat([values.new_zeros(*values.shape[:2], 1, values.shape[3]), values[:, :, :-1]], dim=2)
     kv_heads = k_cache.shape[0]
@@ -150,8 +150,8 @@ def _attend_fresh_prompts(
     page_size = k_cache.shape[2]
     num_keys = -(-width // page_size) * page_size
     q = query.index_select(0, group.token_index.view(-1)).view(n, width, *query.shape[1:]).transpose(1, 2)
-    keys = gather_pages(k_cache, group, num_keys).transpose(0, 1)[:, :, :width]
-    values = gather_pages(v_cache, group, num_keys).transpose(0, 1)[:, :, :width]
+    keys, values = gather_kv(query, k_cache, v_cache, group, num_keys)
+    keys, values = keys.transpose(0, 1)[:, :, :width], values.transpose(0, 1)[:, :, :width]
     result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     result = result.transpose(1, 2).reshape(n * width, *out.shape[1:])
     out.index_copy_(0, group.valid_tokens, result.index_select(0, group.valid_slots))

@@ -28,14 +28,20 @@ positions and the merge visits only the splits that hold visible keys, always in
 so a row's result does not depend on how wide the batch's block table is nor on which program
 arrives last.
 
+An FP8 cache (uint8 rows of kernels.attention.fp8_kv) is read by `load_rows` (FP8=True): each
+row's e4m3 bytes through a float8e4nv pointer, its float32 scales at byte `HEAD_DIM` of the row
+through a float32 pointer, value = e4m3 * scale in fp32, rounded to q's dtype: the values the torch
+backends dequantize to, so the math after the load is the same as for a bf16 cache.
+
 The input checks shared with the prefill wrapper (`check_supported`, `check_paged_inputs`,
-`sinks_log2`) live here too.
+`sinks_log2`, `cache_rows`) live here too.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.fp8_kv import row_bytes, scale_group
 from kernels.attention.sinks import check_sinks
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,16 +96,22 @@ def check_paged_inputs(
             f"k_cache and v_cache must both be [kv_heads, pages, page_size, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    kv_heads, _, page_size, head_dim = k_cache.shape
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head_dim {q.shape[2]} does not match the cache's head_dim {head_dim}")
+    kv_heads, _, page_size, row_width = k_cache.shape
+    head_dim = q.shape[2]
+    fp8 = k_cache.dtype == torch.uint8
+    if row_width != (row_bytes(head_dim) if fp8 else head_dim):
+        kind = f"FP8 rows of {row_width} bytes" if fp8 else f"head_dim {row_width}"
+        raise ValueError(f"q head_dim {head_dim} does not match the cache's {kind}")
     if kv_heads == 0 or q.shape[1] % kv_heads:
         raise ValueError(f"q's {q.shape[1]} heads are not a multiple of the cache's {kv_heads} kv heads")
     if page_size < 8 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two >= 8, got {page_size}")
     check_supported(head_dim, q.dtype)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q ({q.dtype}), k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype")
+    if v_cache.dtype != k_cache.dtype or (not fp8 and k_cache.dtype != q.dtype):
+        raise ValueError(
+            f"q ({q.dtype}), k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share a dtype "
+            "(or both caches hold FP8 rows, uint8)"
+        )
     for name, index in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if index.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {index.dtype}")
@@ -127,6 +139,24 @@ def check_paged_inputs(
             f"out must match q ({tuple(q.shape)}, {q.dtype}) with its last dim contiguous, "
             f"got {tuple(out.shape)}, {out.dtype}, strides {out.stride()}"
         )
+
+
+def cache_rows(cache: torch.Tensor, width: int) -> dict[str, int | bool]:
+    """The constexprs `load_rows` takes for a cache of rows of `width` values."""
+    return {"FP8": cache.dtype == torch.uint8, "ROW": cache.shape[-1], "SCALE_GROUP": scale_group(width)}
+
+
+@triton.jit
+def load_rows(head_ptr, row_starts, dims, mask, WIDTH: tl.constexpr, SCALE_GROUP: tl.constexpr, FP8: tl.constexpr):
+    """[N, len(dims)] values of the cache rows starting at element offsets `row_starts` ([N]) of
+    `head_ptr`: the cache's own dtype, or FP8 rows of WIDTH values dequantized to fp32."""
+    if FP8:
+        at = head_ptr + row_starts[:, None]
+        values = tl.load((at + dims[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask[:, None], other=0.0)
+        scale_ptrs = (at + WIDTH).to(tl.pointer_type(tl.float32)) + dims[None, :] // SCALE_GROUP
+        return values.to(tl.float32) * tl.load(scale_ptrs, mask=mask[:, None], other=0.0)
+    else:
+        return tl.load(head_ptr + row_starts[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
 
 
 def sinks_log2(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
@@ -207,6 +237,7 @@ def paged_decode_attention(
         USE_WINDOW=window is not None,
         USE_DOT=use_dot,
         HAS_SINKS=sinks is not None,
+        **cache_rows(k_cache, head_dim),
     )
     return out
 
@@ -264,6 +295,9 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    FP8: tl.constexpr,
+    ROW: tl.constexpr,  # elements of one cached row: HEAD_DIM, or an FP8 row's bytes
+    SCALE_GROUP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -309,6 +343,9 @@ def _decode_kernel(
             BLOCK_N,
             USE_WINDOW,
             USE_DOT,
+            FP8,
+            ROW,
+            SCALE_GROUP,
         )
 
     tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
@@ -356,6 +393,9 @@ def _attend_split(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_DOT: tl.constexpr,
+    FP8: tl.constexpr,
+    ROW: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
 ):
     """Online softmax over keys [start, end) of the group's rows; stores the normalized partial
     output and its base-2 log-sum-exp at workspace row `part`."""
@@ -369,9 +409,9 @@ def _attend_split(
         if USE_WINDOW:
             visible &= keys > query_pos - window
         pages = tl.load(table + keys // PAGE_SIZE, mask=visible, other=0)
-        offsets = pages[:, None] * stride_kp + (keys % PAGE_SIZE)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(k_head + offsets, mask=visible[:, None], other=0.0)
-        v = tl.load(v_head + offsets, mask=visible[:, None], other=0.0)
+        row_starts = pages * stride_kp + (keys % PAGE_SIZE) * ROW
+        k = load_rows(k_head, row_starts, dims, visible, HEAD_DIM, SCALE_GROUP, FP8).to(q.dtype)
+        v = load_rows(v_head, row_starts, dims, visible, HEAD_DIM, SCALE_GROUP, FP8).to(q.dtype)
         if USE_DOT:
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         else:

@@ -20,6 +20,10 @@ log-sum-exp to a workspace (in the config's partial dtype); then each program co
 the (sequence, head block)'s counter, and the last to arrive merges the non-empty splits in split
 order and resets the counter (decode.py's scheme and counters: one launch, replayable from a CUDA graph, two streams
 must not run it at once on one device). A padding row (seq_len 0) has no split and writes zeros.
+
+An FP8 latent cache (uint8 rows of kernels.attention.fp8_kv: Dk e4m3 bytes, then a float32 scale per
+group) is read through decode.load_rows (FP8=True) for both parts; the values are the first Dv of the
+dequantized row, as they are the first Dv bytes of the row.
 """
 
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.fp8_kv import row_bytes
 from kernels.attention.triton.decode import (
     DOT_PRECISION,
     LOG2_E,
@@ -35,6 +40,8 @@ from kernels.attention.triton.decode import (
     SUPPORTED_DTYPES,
     _merge_splits,
     arrival_counters,
+    cache_rows,
+    load_rows,
 )
 
 
@@ -94,14 +101,19 @@ def check_mla_inputs(
         raise ValueError(f"q must be [rows, heads, head_dim], got shape {tuple(q.shape)}")
     if latent_cache.dim() != 4 or latent_cache.shape[0] != 1:
         raise ValueError(f"latent_cache must be [1, pages, page_size, head_dim], got {tuple(latent_cache.shape)}")
-    _, _, page_size, head_dim = latent_cache.shape
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q head_dim {q.shape[2]} does not match the latent cache's head_dim {head_dim}")
+    _, _, page_size, row_width = latent_cache.shape
+    head_dim = q.shape[2]
+    fp8 = latent_cache.dtype == torch.uint8
+    if row_width != (row_bytes(head_dim) if fp8 else head_dim):
+        kind = f"FP8 rows of {row_width} bytes" if fp8 else f"head_dim {row_width}"
+        raise ValueError(f"q head_dim {head_dim} does not match the latent cache's {kind}")
     if page_size < 8 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two >= 8, got {page_size}")
     check_mla_supported(head_dim, v_dim, q.dtype)
-    if latent_cache.dtype != q.dtype:
-        raise ValueError(f"q ({q.dtype}) and latent_cache ({latent_cache.dtype}) must share a dtype")
+    if not fp8 and latent_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q ({q.dtype}) and latent_cache ({latent_cache.dtype}) must share a dtype (or FP8 rows, uint8)"
+        )
     for name, index in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if index.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {index.dtype}")
@@ -189,6 +201,7 @@ def paged_mla_decode(
         PAGE_SIZE=page_size,
         BLOCK_N=config.block_n,
         MIN_SPLIT=MIN_SPLIT_KEYS,
+        **cache_rows(latent_cache, head_dim),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -220,6 +233,9 @@ def _mla_decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
+    FP8: tl.constexpr,  # the cache holds FP8 rows (decode.load_rows)
+    ROW: tl.constexpr,  # elements of one cached row: Dk, or an FP8 row's bytes
+    SCALE_GROUP: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     split = tl.program_id(1)
@@ -257,6 +273,9 @@ def _mla_decode_kernel(
             ROPE_DIM,
             PAGE_SIZE,
             BLOCK_N,
+            FP8,
+            ROW,
+            SCALE_GROUP,
         )
 
     tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
@@ -299,6 +318,9 @@ def _attend_latent_split(
     ROPE_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    ROW: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
 ):
     """Online softmax of the block's heads over keys [start, end); stores the normalized partial
     output and its base-2 log-sum-exp at workspace row `part`."""
@@ -315,9 +337,9 @@ def _attend_latent_split(
         keys = tile_start + tl.arange(0, BLOCK_N)
         visible = keys < end
         pages = tl.load(table + keys // PAGE_SIZE, mask=visible, other=0)
-        rows = cache_ptr + (pages * stride_cp + (keys % PAGE_SIZE) * head_dim)[:, None]
-        latent = tl.load(rows + v_dims[None, :], mask=visible[:, None], other=0.0)
-        k_rope = tl.load(rows + r_dims[None, :], mask=visible[:, None], other=0.0)
+        row_starts = pages * stride_cp + (keys % PAGE_SIZE) * ROW
+        latent = load_rows(cache_ptr, row_starts, v_dims, visible, head_dim, SCALE_GROUP, FP8).to(q_nope.dtype)
+        k_rope = load_rows(cache_ptr, row_starts, r_dims, visible, head_dim, SCALE_GROUP, FP8).to(q_rope.dtype)
         scores = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_rope, tl.trans(k_rope), scores, input_precision=DOT_PRECISION)
         scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))

@@ -9,13 +9,14 @@ all of them; scores add the value part's and the rope part's products, the outpu
 probs @ latent[:, :Dv]. It walks key tiles up to the tile's last token, masking per row for
 causality, with an online softmax in fp32. Grid: (cdiv(max_query_len, BLOCK_Q), B, head_blocks);
 tiles past a sequence's new tokens return at once. Decode rows are sequences of one new token.
+An FP8 latent cache is read as the decode kernel reads it (decode.load_rows).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.triton.decode import DOT_PRECISION, LOG2_E
+from kernels.attention.triton.decode import DOT_PRECISION, LOG2_E, cache_rows, load_rows
 from kernels.attention.triton.mla_decode import check_mla_inputs
 
 # Not timed on a GPU yet: sized like the decode kernel's tiles; compiled for sm_90 (bf16, 512 + 64)
@@ -85,6 +86,7 @@ def paged_mla_prefill(
         ROPE_DIM=head_dim - v_dim,
         PAGE_SIZE=page_size,
         BLOCK_N=PREFILL_KEY_TILE,
+        **cache_rows(latent_cache, head_dim),
         num_warps=PREFILL_WARPS,
     )
     return out
@@ -113,6 +115,9 @@ def _mla_prefill_kernel(
     ROPE_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,  # the cache holds FP8 rows (decode.load_rows)
+    ROW: tl.constexpr,  # elements of one cached row: Dk, or an FP8 row's bytes
+    SCALE_GROUP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -150,9 +155,9 @@ def _mla_prefill_kernel(
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_ok = keys < num_keys
         pages = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
-        latent_rows = cache_ptr + (pages * stride_cp + (keys % PAGE_SIZE) * head_dim)[:, None]
-        latent = tl.load(latent_rows + v_dims[None, :], mask=key_ok[:, None], other=0.0)
-        k_rope = tl.load(latent_rows + r_dims[None, :], mask=key_ok[:, None], other=0.0)
+        row_starts = pages * stride_cp + (keys % PAGE_SIZE) * ROW
+        latent = load_rows(cache_ptr, row_starts, v_dims, key_ok, head_dim, SCALE_GROUP, FP8).to(q_nope.dtype)
+        k_rope = load_rows(cache_ptr, row_starts, r_dims, key_ok, head_dim, SCALE_GROUP, FP8).to(q_rope.dtype)
         scores = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
         scores = tl.dot(q_rope, tl.trans(k_rope), scores, input_precision=DOT_PRECISION)
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])

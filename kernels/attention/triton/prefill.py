@@ -10,13 +10,21 @@ window: earlier tiles are skipped) to the tile's last token, masking per row for
 the window, with an online softmax in fp32 whose running maximum starts at the row's attention
 sink (kernels.attention.sinks) and its running sum at 1, where a model has sinks.
 Grid: (cdiv(max_query_len, BLOCK_Q), B, kv_heads); tiles past a sequence's new tokens return at once.
+An FP8 cache's rows are read as the decode kernel reads them (decode.load_rows).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.triton.decode import DOT_PRECISION, LOG2_E, check_paged_inputs, sinks_log2
+from kernels.attention.triton.decode import (
+    DOT_PRECISION,
+    LOG2_E,
+    cache_rows,
+    check_paged_inputs,
+    load_rows,
+    sinks_log2,
+)
 
 KEY_TILE = 32  # keys per K/V tile (see decode.key_tile on how block sizes were chosen)
 
@@ -97,6 +105,7 @@ def paged_prefill_attention(
         HAS_SINKS=sinks is not None,
         first_keys_ptr=first_keys if first_keys is not None else seq_lens,
         USE_FIRST_KEYS=first_keys is not None,
+        **cache_rows(k_cache, head_dim),
     )
     return out
 
@@ -131,6 +140,9 @@ def _prefill_kernel(
     HAS_SINKS: tl.constexpr,
     first_keys_ptr,
     USE_FIRST_KEYS: tl.constexpr,
+    FP8: tl.constexpr,  # the caches hold FP8 rows (decode.load_rows)
+    ROW: tl.constexpr,  # elements of one cached row: HEAD_DIM, or an FP8 row's bytes
+    SCALE_GROUP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -183,9 +195,9 @@ def _prefill_kernel(
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_ok = keys < num_keys
         pages = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0)
-        offsets = pages[:, None] * stride_kp + (keys % PAGE_SIZE)[:, None] * HEAD_DIM + dims[None, :]
-        k = tl.load(k_head + offsets, mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_head + offsets, mask=key_ok[:, None], other=0.0)
+        row_starts = pages * stride_kp + (keys % PAGE_SIZE) * ROW
+        k = load_rows(k_head, row_starts, dims, key_ok, HEAD_DIM, SCALE_GROUP, FP8).to(q.dtype)
+        v = load_rows(v_head, row_starts, dims, key_ok, HEAD_DIM, SCALE_GROUP, FP8).to(q.dtype)
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
         if USE_WINDOW:
             visible &= keys[None, :] > positions[:, None] - window

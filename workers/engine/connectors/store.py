@@ -159,7 +159,7 @@ class StoreConnector(KVConnector):
         if stored != [self.spec]:
             raise ValueError(f"the store keeps the first KV group only; these are stored: {[g.layout for g in stored]}")
         self.block_shape = self.spec.run_shape(block_tokens)
-        self.dtype = self.spec.dtype
+        self.dtype = self.spec.storage_dtype
         self.block_bytes = self.spec.bytes_per_token * block_tokens
         self.window_block_bytes = sum(group.bytes_per_token for group in kv_cache.specs.groups[1:]) * block_tokens
         # A hybrid model's replays, SWA state and the window bytes the store does not write.

@@ -27,12 +27,12 @@ class SharedHostMemory:
 
 
 class KVCache:
-    """Per layer, its planes' page tensors, each [heads, num_pages, page_size, width] (see
-    workers.engine.kv.spec): `layers[i]` is (key, value) for a full-attention layer, (latent,) for a
-    latent one.
+    """Per layer, its planes' page tensors, each [heads, num_pages, page_size, row_width] of the
+    specs' storage dtype (see workers.engine.kv.spec: FP8 rows are uint8): `layers[i]` is (key,
+    value) for a full-attention layer, (latent,) for a latent one.
 
     Head-major, so gathering a sequence's pages yields each head's tokens contiguously. Each KV group's
-    layers are views of one tensor, [group layers, planes, heads, num_pages, page_size, width]; a
+    layers are views of one tensor, [group layers, planes, heads, num_pages, page_size, row_width]; a
     model of one group has its whole cache in `pages`, which is shared with a
     process on the same host by one handle (workers.transfer.pools): a CUDA IPC handle on a GPU; on
     the CPU, a `shareable` cache lives in shared memory (`shared_memory`).
@@ -60,11 +60,11 @@ class KVCache:
             # Zero-filled so padded, masked slots can never hold NaN (0 * NaN would leak into outputs);
             # a fresh memfd reads as zeros.
             if shareable and device.type == "cpu":
-                pages, self.shared_memory = _shared_host_tensor(shape, spec.dtype)
+                pages, self.shared_memory = _shared_host_tensor(shape, spec.storage_dtype)
                 # The descriptor is how peers find the memory: open while the cache lives.
                 weakref.finalize(self, os.close, self.shared_memory.fd)
             else:
-                pages = torch.zeros(shape, dtype=spec.dtype, device=device)
+                pages = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
             self.group_pages.append(pages)
             for i, layer in enumerate(spec.layers):
                 by_layer[layer] = tuple(pages[i].unbind(0))
@@ -82,8 +82,9 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         shareable: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> "KVCache":
-        specs = KVCacheSpecs.of_model(config, dtype=dtype, page_size=page_size)
+        specs = KVCacheSpecs.of_model(config, dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype)
         return cls(specs, num_pages=num_pages, device=device, shareable=shareable)
 
     @property
@@ -96,6 +97,12 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The compute dtype: what attention reads the cache as."""
+        return self.specs.groups[0].dtype
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The page tensors' dtype: uint8 for FP8 rows, else `dtype`."""
         return self.group_pages[0].dtype
 
     @property

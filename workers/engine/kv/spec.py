@@ -13,6 +13,12 @@ keeps per token and layer `planes` × `heads` × `width` values, so that one lay
 `KVCacheSpec.layout` is the spec's fingerprint, a short readable string: stored blocks and transfers
 record it, and a reader whose layout differs refuses the data instead of misreading its bytes.
 
+Storage (`--kv-cache-dtype`): "auto" keeps each head's `width` values in `dtype`; "fp8" keeps each
+as one uint8 row of kernels.attention.fp8_kv.row_bytes(width) (e4m3 values, then their float32
+scales), so pages, runs and frames are uint8 of `row_width` and hold about twice the tokens of bf16.
+`dtype` stays the compute dtype: what the attention kernels dequantize to and produce. The layout
+names the storage, so a bf16 reader refuses fp8 data and the other way round.
+
 A model's groups (KVCacheSpecs.of_model):
 - multi-head latent attention (ModelConfig.mla): one latent group of every layer;
 - a hybrid model, some layers windowed (ModelConfig.layer_windows) and some not: a full-attention group
@@ -32,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention.fp8_kv import row_bytes, scale_group
+from workers.args import KV_CACHE_DTYPES
 from workers.engine.config import ModelConfig
 
 
@@ -51,6 +59,7 @@ class KVCacheSpec:
     head_dim: int = 0
     window: int | None = None  # sliding window: tokens a query reads, itself included
     latent_width: int = 0  # latent
+    fp8: bool = False  # stored as FP8 rows (kernels.attention.fp8_kv) instead of `dtype`
 
     def __post_init__(self) -> None:
         if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
@@ -66,6 +75,13 @@ class KVCacheSpec:
             self.window is not None and self.window < 1
         ):
             raise ValueError(f"a sliding-window KV group, and only one, has a positive window, got {self}")
+        if self.fp8 and not self.dtype.is_floating_point:
+            raise ValueError(f"an FP8 KV cache dequantizes to a floating compute dtype, got {self.dtype}")
+        if self.fp8 and self.width % 4:
+            raise ValueError(
+                f"kv_cache_dtype='fp8' keeps a head's values with float32 scales beside them, so its width must be a "
+                f"multiple of 4; this {self.kind} KV group's is {self.width}"
+            )
 
     @property
     def planes(self) -> int:
@@ -83,13 +99,23 @@ class KVCacheSpec:
         return self.latent_width if self.kind is KVKind.LATENT else self.head_dim
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the page tensors, runs and frames: uint8 rows for FP8, else `dtype`."""
+        return torch.uint8 if self.fp8 else self.dtype
+
+    @property
+    def row_width(self) -> int:
+        """Elements of storage_dtype one head of one plane takes per token: FP8's row bytes, or width."""
+        return row_bytes(self.width) if self.fp8 else self.width
+
+    @property
     def token_shape(self) -> tuple[int, int, int]:
-        """The KV of one token in one layer: [planes, heads, width]."""
-        return (self.planes, self.heads, self.width)
+        """The stored KV of one token in one layer: [planes, heads, row_width]."""
+        return (self.planes, self.heads, self.row_width)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        return math.prod(self.token_shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.token_shape) * torch.empty((), dtype=self.storage_dtype).element_size()
 
     @property
     def bytes_per_token(self) -> int:
@@ -105,7 +131,7 @@ class KVCacheSpec:
     def head_page_elements(self) -> int:
         """Elements of one page of one KV head (of the latent): the attention kernels address a head's
         pages with 32-bit offsets of page id × this."""
-        return self.page_size * self.width
+        return self.page_size * self.row_width
 
     @property
     def stored_globally(self) -> bool:
@@ -115,23 +141,27 @@ class KVCacheSpec:
 
     def run_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         """A token-major run of the group's KV (a store block, a handoff): [layers, planes, heads,
-        tokens, width]."""
-        return (len(self.layers), self.planes, self.heads, num_tokens, self.width)
+        tokens, row_width], of storage_dtype."""
+        return (len(self.layers), self.planes, self.heads, num_tokens, self.row_width)
 
     def pages_shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
-        """The group's pages in the device cache: [layers, planes, heads, num_pages, page_size, width]."""
-        return (len(self.layers), self.planes, self.heads, num_pages, self.page_size, self.width)
+        """The group's pages in the device cache: [layers, planes, heads, num_pages, page_size,
+        row_width], of storage_dtype."""
+        return (len(self.layers), self.planes, self.heads, num_pages, self.page_size, self.row_width)
 
     @property
     def layout(self) -> str:
         """The fingerprint a stored block or a transfer records: kind, layers, per-token shape, dtype
-        (not the page size, which token-major data does not depend on)."""
+        and storage (not the page size, which token-major data does not depend on)."""
         kind = f"{self.kind} {self.window}" if self.window is not None else str(self.kind)
         if self.kind is KVKind.LATENT:
             shape = f"a latent of {self.latent_width}"
         else:
             shape = f"{self.num_kv_heads} KV heads of {self.head_dim}"
-        return f"{kind} of layers {_ranges(self.layers)}: {shape} ({str(self.dtype).removeprefix('torch.')})"
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.fp8:
+            dtype += f" as fp8 e4m3 rows of {self.row_width} bytes, a float32 scale per {scale_group(self.width)}"
+        return f"{kind} of layers {_ranges(self.layers)}: {shape} ({dtype})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,19 +181,24 @@ class KVCacheSpecs:
             raise ValueError("every KV group has the same page size")
 
     @classmethod
-    def of_model(cls, config: ModelConfig, *, dtype: torch.dtype, page_size: int) -> "KVCacheSpecs":
-        """The groups of a model (see the module docstring)."""
+    def of_model(
+        cls, config: ModelConfig, *, dtype: torch.dtype, page_size: int, kv_cache_dtype: str = "auto"
+    ) -> "KVCacheSpecs":
+        """The groups of a model (see the module docstring); kv_cache_dtype: "auto" or "fp8"."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose from {list(KV_CACHE_DTYPES)}")
+        fp8 = kv_cache_dtype == "fp8"
         layers = range(config.num_layers)
         if config.mla is not None:
-            return cls((latent(layers, config.mla.latent_width, dtype=dtype, page_size=page_size),))
+            return cls((latent(layers, config.mla.latent_width, dtype=dtype, page_size=page_size, fp8=fp8),))
         windows = config.layer_windows
         unwindowed = [layer for layer in layers if windows[layer] is None]
         if not unwindowed or len(unwindowed) == config.num_layers:
-            return cls((full_attention(layers, config, dtype=dtype, page_size=page_size),))
-        groups = [full_attention(unwindowed, config, dtype=dtype, page_size=page_size)]
+            return cls((full_attention(layers, config, dtype=dtype, page_size=page_size, fp8=fp8),))
+        groups = [full_attention(unwindowed, config, dtype=dtype, page_size=page_size, fp8=fp8)]
         for window in sorted({w for w in windows if w is not None}):
             windowed = [layer for layer in layers if windows[layer] == window]
-            groups.append(sliding_window(windowed, window, config, dtype=dtype, page_size=page_size))
+            groups.append(sliding_window(windowed, window, config, dtype=dtype, page_size=page_size, fp8=fp8))
         return cls(tuple(groups))
 
     @property
@@ -199,7 +234,9 @@ class KVCacheSpecs:
         return tuple(group_of[layer] for layer in range(self.num_layers))
 
 
-def full_attention(layers: Sequence[int], config: ModelConfig, *, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
+def full_attention(
+    layers: Sequence[int], config: ModelConfig, *, dtype: torch.dtype, page_size: int, fp8: bool = False
+) -> KVCacheSpec:
     return KVCacheSpec(
         kind=KVKind.FULL,
         layers=tuple(layers),
@@ -207,11 +244,12 @@ def full_attention(layers: Sequence[int], config: ModelConfig, *, dtype: torch.d
         page_size=page_size,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
+        fp8=fp8,
     )
 
 
 def sliding_window(
-    layers: Sequence[int], window: int, config: ModelConfig, *, dtype: torch.dtype, page_size: int
+    layers: Sequence[int], window: int, config: ModelConfig, *, dtype: torch.dtype, page_size: int, fp8: bool = False
 ) -> KVCacheSpec:
     return KVCacheSpec(
         kind=KVKind.SLIDING_WINDOW,
@@ -221,12 +259,20 @@ def sliding_window(
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         window=window,
+        fp8=fp8,
     )
 
 
-def latent(layers: Sequence[int], latent_width: int, *, dtype: torch.dtype, page_size: int) -> KVCacheSpec:
+def latent(
+    layers: Sequence[int], latent_width: int, *, dtype: torch.dtype, page_size: int, fp8: bool = False
+) -> KVCacheSpec:
     return KVCacheSpec(
-        kind=KVKind.LATENT, layers=tuple(layers), dtype=dtype, page_size=page_size, latent_width=latent_width
+        kind=KVKind.LATENT,
+        layers=tuple(layers),
+        dtype=dtype,
+        page_size=page_size,
+        latent_width=latent_width,
+        fp8=fp8,
     )
 
 

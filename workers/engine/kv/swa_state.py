@@ -85,7 +85,7 @@ class SwaStateCache:
             return key in self._runs
 
     def put(self, key: BlockHash, run: torch.Tensor) -> bool:
-        """Keep the SWA KV of the block `key` (a run of `run_shape` and the spec's dtype, in host
+        """Keep the SWA KV of the block `key` (a run of `run_shape` and the spec's storage dtype, in host
         memory); False when the capacity holds no run. A key held already keeps its run (the same
         tokens give the same KV) and counts as used."""
         self.check_run(run)
@@ -136,8 +136,8 @@ class SwaStateCache:
         """SwaStateError unless `run` is one block's SWA KV as this cache keeps it."""
         if not isinstance(run, torch.Tensor):
             raise SwaStateError(f"an SWA state run is a tensor, got {type(run).__name__}")
-        if run.dtype != self.spec.dtype:
-            raise SwaStateError(f"an SWA state run is {self.spec.dtype} ({self.layout}), got {run.dtype}")
+        if run.dtype != self.spec.storage_dtype:
+            raise SwaStateError(f"an SWA state run is {self.spec.storage_dtype} ({self.layout}), got {run.dtype}")
         if tuple(run.shape) != self.run_shape:
             raise SwaStateError(
                 f"an SWA state run is [layers, planes, heads, tokens, width] = {list(self.run_shape)} "

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kernels.attention import AttentionBackend
+from kernels.attention.paged import to_cache_rows
 from workers.engine.config import ModelConfig
 from workers.engine.layers.fused import mla_rope_and_cache_write
 from workers.engine.layers.norm import RMSNorm
@@ -121,4 +122,4 @@ def write_latent(latent_cache: torch.Tensor, latents: torch.Tensor, slot_mapping
     """Store the new tokens' latents ([tokens, latent_width]) at their slots of [1, pages, page_size,
     latent_width]."""
     n = slot_mapping.shape[0]
-    latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, slot_mapping, latents[:n].to(latent_cache.dtype))
+    latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, slot_mapping, to_cache_rows(latents[:n], latent_cache))

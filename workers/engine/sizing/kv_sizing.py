@@ -9,6 +9,9 @@ full-attention group: between steps a running request holds at most ceil(window 
 them, and during a step the pages of the chunk it computes (`window_group_pages`). Each window group
 gets that many (never more than the full group), and the full group the rest of the bytes; the
 sizes above are the full group's page counts.
+
+Pages are sized from the specs' bytes per token, so --kv-cache-dtype fp8 (rows of e4m3 bytes and
+their scales, workers.engine.kv.spec) gets about twice bf16's pages from the same bytes.
 """
 
 from dataclasses import dataclass
@@ -93,7 +96,9 @@ def kv_cache_size(
     """The size of the engine's KV cache; on CUDA, ValueError or RuntimeError naming
     gpu_memory_utilization when its share of the device cannot hold one."""
     args = config.args
-    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=args.page_size)
+    specs = KVCacheSpecs.of_model(
+        loaded.config, dtype=dtype, page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype
+    )
 
     def size(group_num_pages: tuple[int, ...], sized_by: str) -> KVCacheSize:
         return KVCacheSize(

@@ -201,7 +201,9 @@ def _profile_steps(
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     num_pages = temporary_num_pages(lengths, config.args.page_size)
-    specs = KVCacheSpecs.of_model(loaded.config, dtype=dtype, page_size=config.args.page_size)
+    specs = KVCacheSpecs.of_model(
+        loaded.config, dtype=dtype, page_size=config.args.page_size, kv_cache_dtype=config.args.kv_cache_dtype
+    )
     kv_cache = KVCache(specs, num_pages=num_pages, device=device)
     runner = ModelRunner.for_engine(
         loaded.model, kv_cache, config, max_model_len=loaded.max_model_len, enforce_eager=True
