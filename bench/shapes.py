@@ -212,6 +212,10 @@ def shape(name: str) -> dict[str, Any]:
     return {**SHAPES[name], "_name_or_path": name}
 
 
-def kv_specs(name: str, *, dtype: torch.dtype = torch.bfloat16, page_size: int = 16) -> KVCacheSpecs:
+def kv_specs(
+    name: str, *, dtype: torch.dtype = torch.bfloat16, page_size: int = 16, kv_cache_dtype: str = "auto"
+) -> KVCacheSpecs:
     """The KV cache spec of a shape's model: what its device cache, store blocks and handoffs hold."""
-    return KVCacheSpecs.of_model(model_config(shape(name)), dtype=dtype, page_size=page_size)
+    return KVCacheSpecs.of_model(
+        model_config(shape(name)), dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype
+    )
