@@ -58,7 +58,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # not slotted: the command line takes its defaults from the class
 class Setup:
     """What every variant of one comparison shares."""
 
