@@ -8,6 +8,7 @@ from dash import dcc, html
 
 NO_WORKERS = "No data: no engine worker is running"
 DENSE_MODEL = "dense model: no experts"
+NOT_REPORTED = "not reported"
 
 # Traces of each time-series figure: (snapshot path, rollup field, legend name). The live extension
 # (a clientside callback in telemetry_app) appends to the same traces in the same order.
@@ -92,6 +93,7 @@ def pool_rows(pools: Iterable, snapshot: dict) -> list[tuple]:
                 pool.name,
                 pool.kind,
                 pool.model,
+                pool_precision(pool),
                 f"{pool.min_instances}..{pool.max_instances} (target {pool.target_instances})",
                 f"{seen.get('ready', 0)}/{seen.get('instances', 0)}",
                 seen.get("num_running", 0),
@@ -104,13 +106,21 @@ def pool_rows(pools: Iterable, snapshot: dict) -> list[tuple]:
     return rows
 
 
+def pool_precision(pool) -> str:
+    """What the pool asks of the workers it starts: weight quantization and KV cache storage."""
+    return f"weights {pool.quantization or 'as stored'}, KV {pool.kv_cache_dtype}"
+
+
 def worker_rows(snapshot: dict) -> list[tuple]:
+    """Workers as their heartbeats report them, with the dtypes they hold weights and KV cache in."""
     return [
         (
             worker["worker_id"],
             worker["pool"],
             worker["role"],
             worker["state"],
+            worker["weight_dtype"] or NOT_REPORTED,
+            worker["kv_cache_dtype"] or NOT_REPORTED,
             worker["num_running"],
             worker["num_waiting"],
             percent(worker["kv_usage"]),

@@ -32,6 +32,7 @@ POOL_COLUMNS = (
     "pool",
     "kind",
     "model",
+    "precision",
     "instances",
     "ready/seen",
     "running",
@@ -39,7 +40,19 @@ POOL_COLUMNS = (
     "KV usage",
     *ENGINE_COLUMNS,
 )
-WORKER_COLUMNS = ("worker", "pool", "role", "state", "running", "waiting", "KV usage", "steps/s", *ENGINE_COLUMNS)
+WORKER_COLUMNS = (
+    "worker",
+    "pool",
+    "role",
+    "state",
+    "weights",
+    "KV cache",
+    "running",
+    "waiting",
+    "KV usage",
+    "steps/s",
+    *ENGINE_COLUMNS,
+)
 HANDOFF_COLUMNS = ("backend", "direction", "handoffs", "throughput", "mean per handoff")
 
 # Per figure, the snapshot fields (dotted paths) its traces show, in trace order.

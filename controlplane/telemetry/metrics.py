@@ -305,7 +305,24 @@ def heartbeat_families(
         load,
         slot_load,
         *swa_families(workers),
+        dtype_family(workers),
     ]
+
+
+def dtype_family(workers: list[WorkerHeartbeat]) -> Metric:
+    """Each worker's precision as an info metric (value 1, the dtypes in labels), for joins such as
+    `vllm:num_requests_running * on(worker) group_left(kv_cache) sluice:worker_dtypes`."""
+    dtypes = GaugeMetricFamily(
+        "sluice:worker_dtypes",
+        "The dtypes the worker holds its weights and KV cache in (fp8_e4m3: FP8 with scales); always 1.",
+        labels=["worker", "pool", "weights", "kv_cache"],
+    )
+    for heartbeat in workers:
+        if heartbeat.weight_dtype or heartbeat.kv_cache_dtype:
+            dtypes.add_metric(
+                [heartbeat.worker_id, pool_of(heartbeat), heartbeat.weight_dtype, heartbeat.kv_cache_dtype], 1
+            )
+    return dtypes
 
 
 def swa_families(workers: list[WorkerHeartbeat]) -> list[Metric]:

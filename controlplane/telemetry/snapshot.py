@@ -108,6 +108,8 @@ def _worker(heartbeat: WorkerHeartbeat, counters: dict[str, CounterSums], second
         "num_running": heartbeat.num_running,
         "num_waiting": heartbeat.num_waiting,
         "kv_usage": heartbeat.kv_usage,
+        "weight_dtype": heartbeat.weight_dtype,
+        "kv_cache_dtype": heartbeat.kv_cache_dtype,
         "engine": counters.get(heartbeat.worker_id, CounterSums()).engine(seconds),
     }
 

@@ -4,7 +4,13 @@ from django.http import HttpRequest
 
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.topology.models import Cluster, DataPlaneKey, EngineInstance, Node, Pool, ScalingEvent
-from controlplane.topology.services import instance_drain, instance_stop, pool_create, pool_update_bounds
+from controlplane.topology.services import (
+    instance_drain,
+    instance_stop,
+    pool_create,
+    pool_set_precision,
+    pool_update_bounds,
+)
 
 
 @admin.register(Cluster)
@@ -22,7 +28,17 @@ class NodeAdmin(admin.ModelAdmin):
 
 @admin.register(Pool)
 class PoolAdmin(admin.ModelAdmin):
-    list_display = ["name", "cluster", "kind", "model", "min_instances", "target_instances", "max_instances"]
+    list_display = [
+        "name",
+        "cluster",
+        "kind",
+        "model",
+        "quantization",
+        "kv_cache_dtype",
+        "min_instances",
+        "target_instances",
+        "max_instances",
+    ]
     list_filter = ["cluster", "kind"]
     search_fields = ["name", "model"]
     readonly_fields = ["created_at", "updated_at"]
@@ -42,6 +58,7 @@ class PoolAdmin(admin.ModelAdmin):
                 scale_down_max_per_window=obj.scale_down_max_per_window,
                 scale_window_s=obj.scale_window_s,
             )
+            pool_set_precision(pool=obj, quantization=obj.quantization, kv_cache_dtype=obj.kv_cache_dtype)
             # Fields without a service to change them (model, experts) are plain configuration.
             Pool.objects.filter(pk=obj.pk).update(
                 model=obj.model, num_experts=obj.num_experts, expert_slots_per_rank=obj.expert_slots_per_rank

@@ -7,6 +7,8 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+from workers.args import KV_CACHE_DTYPES, QUANTIZATIONS
+
 
 class Cluster(models.Model):
     name = models.SlugField(max_length=100, unique=True)
@@ -55,6 +57,22 @@ class Pool(models.Model):
         help_text="Seconds a draining decode instance keeps streaming before its requests migrate to others.",
     )
     expert_slots_per_rank = models.PositiveIntegerField(default=0)
+    # The precision of the pool's workers (workers.args: quantization, kv_cache_dtype): every worker a node
+    # agent starts for the pool runs with these, whatever its host's options say. A change applies to
+    # workers started after it; each worker reports what it runs in its heartbeats.
+    quantization = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        choices=[(name, name) for name in QUANTIZATIONS],
+        help_text="Quantize the weights at load (fp8: e4m3, one scale per 128x128 block); blank: as stored.",
+    )
+    kv_cache_dtype = models.CharField(
+        max_length=16,
+        default="auto",
+        choices=[(name, name) for name in KV_CACHE_DTYPES],
+        help_text="KV cache storage: auto keeps the model's dtype; fp8 stores e4m3 values with their scales.",
+    )
     # The autoscaler leaves a paused pool alone; an operator's scale holds against it for a while
     # (workers.autoscale.PlannerConfig.manual_hold_s) counted from last_manual_scale_at.
     autoscale_paused = models.BooleanField(default=False)

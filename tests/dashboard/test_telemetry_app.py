@@ -6,8 +6,10 @@ import pytest
 from django.utils import timezone
 
 from controlplane.telemetry.services import rollup_upsert
+from controlplane.topology.selectors import pool_list
+from controlplane.topology.services import pool_set_precision
 from dashboard import figures
-from dashboard.telemetry_app import APP_NAME
+from dashboard.telemetry_app import APP_NAME, POOL_COLUMNS, WORKER_COLUMNS
 
 UPDATE_URL = f"/django_plotly_dash/app/{APP_NAME}/_dash-update-component"
 LIVE_OUTPUTS = [
@@ -97,6 +99,8 @@ def test_a_snapshot_with_workers_fills_the_overview(client_as, make_pool):
         "num_running": 3,
         "num_waiting": 1,
         "kv_usage": 0.25,
+        "weight_dtype": "fp8_e4m3",
+        "kv_cache_dtype": "fp8_e4m3",
         "engine": NO_STEPS,
     }
     pool = {
@@ -135,6 +139,8 @@ def test_engine_steps_per_worker_and_pool_and_kv_handoffs_by_backend_are_shown(c
         "num_running": 1,
         "num_waiting": 0,
         "kv_usage": 0.1,
+        "weight_dtype": "",
+        "kv_cache_dtype": "",
         "engine": engine,
     }
     pool = {
@@ -221,3 +227,33 @@ def test_the_swa_state_of_sliding_window_models_is_shown(client_as):
     assert dict(zip(bars["y"], bars["x"])) == {"host cache": 7, "fetched": 3, "replayed": 2}
     axis = figure["layout"]["xaxis"]["title"]["text"]
     assert "256 tokens replayed in 2 replays" in axis and "4,096 bytes kept out of the store" in axis
+
+
+@pytest.mark.django_db
+def test_the_tables_show_each_worker_s_dtypes_and_each_pool_s_precision(make_pool):
+    # given an FP8 pool and an unquantized one, and a worker of each, one not saying its dtypes
+    pool_set_precision(pool=make_pool("decode"), quantization="fp8", kv_cache_dtype="fp8")
+    make_pool("prefill", kind="prefill")
+    fp8 = {"weight_dtype": "fp8_e4m3", "kv_cache_dtype": "fp8_e4m3"}
+    unsaid = {"weight_dtype": "", "kv_cache_dtype": ""}
+    workers = [
+        {"worker_id": worker_id, "pool": pool, "role": pool, "state": "ready", "num_running": 0, "num_waiting": 0}
+        | {"kv_usage": 0.0, "engine": NO_STEPS}
+        | dtypes
+        for worker_id, pool, dtypes in [("decode-0", "decode", fp8), ("prefill-0", "prefill", unsaid)]
+    ]
+
+    # when the tables' rows are made
+    snapshot = _snapshot(workers=workers)
+    worker_rows = [dict(zip(WORKER_COLUMNS, row, strict=True)) for row in figures.worker_rows(snapshot)]
+    pool_rows = [dict(zip(POOL_COLUMNS, row, strict=True)) for row in figures.pool_rows(pool_list(), snapshot)]
+
+    # then
+    assert [(row["worker"], row["weights"], row["KV cache"]) for row in worker_rows] == [
+        ("decode-0", "fp8_e4m3", "fp8_e4m3"),
+        ("prefill-0", figures.NOT_REPORTED, figures.NOT_REPORTED),
+    ]
+    assert [(row["pool"], row["precision"]) for row in pool_rows] == [
+        ("decode", "weights fp8, KV fp8"),
+        ("prefill", "weights as stored, KV auto"),
+    ]

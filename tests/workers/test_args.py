@@ -49,12 +49,15 @@ def test_every_setting_has_an_option_and_to_argv_gives_them_back():
         cost_model="/tmp/cost.json",
         step_budget_ms=25.5,
         enforce_eager=True,
+        quantization="fp8",
+        kv_cache_dtype="fp8",
     )
 
     argv = args.to_argv()
 
     assert "--no-prefix-caching" in argv and "--enforce-eager" in argv
     assert "--gpu-memory-utilization=0.45" in argv
+    assert "--quantization=fp8" in argv and "--kv-cache-dtype=fp8" in argv
     assert parse(argv) == args
 
 

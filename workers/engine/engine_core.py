@@ -24,6 +24,9 @@ from workers.kvstore.store import KVStore
 from workers.protocol.engine_request import EngineRequest
 from workers.text.tokenizer import Tokenizer
 
+# The name EngineInfo gives the dtype of weights or KV held as FP8 (e4m3 values, scaled per block or group).
+FP8_E4M3 = "fp8_e4m3"
+
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
@@ -43,6 +46,10 @@ class EngineInfo:
     # A sliding-window model's window group, whose SWA state the engine keeps for its store hits
     # (workers.engine.kv.swa_state); None without a store or a single window group.
     swa_state_spec: KVCacheSpec | None = None
+    # The dtypes its weights and KV cache are held in, by torch's names (bfloat16, float32...), or
+    # FP8_E4M3 for e4m3 values with scales beside them (quantization / kv_cache_dtype "fp8").
+    weight_dtype: str = ""
+    kv_cache_dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -402,6 +402,10 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # A model with sliding-window layers: its window, replay mode and SWA state endpoint (None for
     # other models). Routing keys its hits with kv_block_tokens and kv_model_id as for any model.
     swa_layers: SwaLayers | None = None
+    # The dtypes the worker holds its weights and KV cache in (EngineInfo.weight_dtype, kv_cache_dtype:
+    # "bfloat16", "fp8_e4m3"...); "" from a worker that does not say.
+    weight_dtype: str = ""
+    kv_cache_dtype: str = ""
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a

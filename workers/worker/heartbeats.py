@@ -152,6 +152,8 @@ class Heartbeats:
             store_fetch_seconds=store.fetch_seconds if store else 0.0,
             swa=swa_totals(stats.swa) if stats.swa else None,
             swa_layers=self.swa_layers,
+            weight_dtype=info.weight_dtype,
+            kv_cache_dtype=info.kv_cache_dtype,
         )
         self.publisher.send(self.encoder.encode(heartbeat))
 

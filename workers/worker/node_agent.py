@@ -36,6 +36,9 @@ class WorkerLaunch:
     pool: str
     role: str  # "prefill", "decode" or "mixed"
     model: str
+    # The pool's precision (EngineArgs.quantization, kv_cache_dtype): over the host's worker options.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +75,9 @@ class NodeAgent:
     ) -> None:
         """`worker_options(role)`: the engine and worker flags this host gives a worker of that role
         (device, KV cache size, KV store...), checked when a worker starts (ValueError); the agent
-        adds identity, pool, model and endpoints, and `curve_key_file`, the agent's own copy of the
-        cluster's CURVE key (workers.curve), which its workers need to register with a registry on
-        the network. `advertise_host`: the name or address other hosts reach this one by; its
+        adds identity, pool, model, the pool's precision, endpoints, and `curve_key_file`, the agent's
+        own copy of the cluster's CURVE key (workers.curve), which its workers need to register with a
+        registry on the network. `advertise_host`: the name or address other hosts reach this one by; its
         workers then listen on tcp ports of every interface and register under that name, so
         gateways and prefill workers elsewhere reach them (which needs the key). Empty: ipc sockets
         in `runtime_dir`, reachable from this host only."""
@@ -113,6 +116,8 @@ class NodeAgent:
         args = WorkerArgs.from_argv(
             self.worker_options(launch.role),
             model=launch.model,
+            quantization=launch.quantization,
+            kv_cache_dtype=launch.kv_cache_dtype,
             role=launch.role,
             pool=launch.pool,
             worker_id=launch.worker_id,

@@ -4,6 +4,8 @@ from controlplane.api.inputs import ReasonSerializer
 from controlplane.topology.models import Cluster, EngineInstance, Node, Pool, ScalingEvent
 
 POOL_LIMIT_FIELDS = ["scale_up_max_per_window", "scale_down_max_per_window", "scale_window_s"]
+# The precision of the pool's workers (EngineArgs.quantization, kv_cache_dtype).
+POOL_PRECISION_FIELDS = ["quantization", "kv_cache_dtype"]
 
 
 class ClusterSerializer(serializers.ModelSerializer):
@@ -35,6 +37,7 @@ class PoolSerializer(serializers.ModelSerializer):
             *POOL_LIMIT_FIELDS,
             "num_experts",
             "expert_slots_per_rank",
+            *POOL_PRECISION_FIELDS,
             "drain_grace_s",
             "autoscale_paused",
             "last_manual_scale_at",
@@ -54,11 +57,12 @@ class PoolSerializer(serializers.ModelSerializer):
 
 
 class PoolBoundsSerializer(serializers.ModelSerializer):
-    """What PATCH may change. The target is not here: changing it is scaling (POST .../scale/)."""
+    """What PATCH may change: bounds, rate limits and the precision of the workers started from then on.
+    The target is not here: changing it is scaling (POST .../scale/)."""
 
     class Meta:
         model = Pool
-        fields = ["min_instances", "max_instances", *POOL_LIMIT_FIELDS]
+        fields = ["min_instances", "max_instances", *POOL_LIMIT_FIELDS, *POOL_PRECISION_FIELDS]
 
 
 class PoolScaleSerializer(ReasonSerializer):

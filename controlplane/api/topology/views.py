@@ -8,6 +8,7 @@ from rest_framework.response import Response
 from controlplane.api.inputs import DrainSerializer, ReasonSerializer, validated
 from controlplane.api.topology.filters import EngineInstanceFilter, NodeFilter, PoolFilter, ScalingEventFilter
 from controlplane.api.topology.serializers import (
+    POOL_PRECISION_FIELDS,
     ClusterSerializer,
     EngineInstanceSerializer,
     NodeSerializer,
@@ -93,9 +94,13 @@ class PoolViewSet(*READ, viewsets.GenericViewSet):
     @extend_schema(request=PoolBoundsSerializer, responses=PoolSerializer)
     def partial_update(self, request, pk=None):
         pool = self.get_object()
-        bounds = {"min_instances": pool.min_instances, "max_instances": pool.max_instances}
-        bounds.update(validated(PoolBoundsSerializer, request.data, partial=True))
+        changes = dict(validated(PoolBoundsSerializer, request.data, partial=True))
+        precision = {name: changes.pop(name) for name in POOL_PRECISION_FIELDS if name in changes}
+        bounds = {"min_instances": pool.min_instances, "max_instances": pool.max_instances, **changes}
+        # Bounds first: they may be refused, the precision (checked by the serializer) not.
         pool = services.pool_update_bounds(pool=pool, **bounds)
+        if precision:
+            pool = services.pool_set_precision(pool=pool, **precision)
         return Response(PoolSerializer(pool).data)
 
     @extend_schema(

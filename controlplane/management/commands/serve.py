@@ -163,7 +163,13 @@ class Command(BaseCommand):
         registry_endpoint = f"ipc://{runtime}/registry"
         pools = [(role, role, roles.count(role)) for role in dict.fromkeys(roles)]
         hostname = socket.gethostname()
-        topology_ensure_local(hostname=hostname, model=model, pools=pools)
+        topology_ensure_local(
+            hostname=hostname,
+            model=model,
+            pools=pools,
+            quantization=engine.quantization or "",
+            kv_cache_dtype=engine.kv_cache_dtype,
+        )
         names = [_worker_name(role, roles[:index].count(role)) for index, role in enumerate(roles)]
         endpoints = [(f"ipc://{runtime}/{name}.requests", f"ipc://{runtime}/{name}.heartbeats") for name in names]
         try:

@@ -46,6 +46,7 @@ from controlplane.topology.services.pools import (
     node_create,
     pool_create,
     pool_scale,
+    pool_set_precision,
     pool_update_bounds,
     topology_ensure_local,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "node_create",
     "pool_create",
     "pool_scale",
+    "pool_set_precision",
     "pool_update_bounds",
     "queue_task",
     "scaling_event_record",

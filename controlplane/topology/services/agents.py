@@ -78,6 +78,8 @@ def instance_claim_start(*, instance_id: int) -> WorkerLaunch | None:
         pool=instance.pool.name,
         role=instance.pool.kind,
         model=instance.pool.model,
+        quantization=instance.pool.quantization or None,
+        kv_cache_dtype=instance.pool.kv_cache_dtype,
     )
 
 

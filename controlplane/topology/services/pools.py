@@ -56,8 +56,11 @@ def pool_create(
     scale_up_max_per_window: int = 4,
     scale_down_max_per_window: int = 2,
     scale_window_s: int = 300,
+    quantization: str = "",
+    kv_cache_dtype: str = "auto",
 ) -> Pool:
-    """A new pool; its target defaults to min_instances (instances are added by scaling it)."""
+    """A new pool; its target defaults to min_instances (instances are added by scaling it).
+    `quantization` and `kv_cache_dtype` are its workers' precision (Pool says how they apply)."""
     pool = Pool(
         cluster=cluster,
         name=name,
@@ -71,6 +74,8 @@ def pool_create(
         scale_up_max_per_window=scale_up_max_per_window,
         scale_down_max_per_window=scale_down_max_per_window,
         scale_window_s=scale_window_s,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     full_clean_or_raise(pool)
     pool.save()
@@ -111,6 +116,20 @@ def pool_update_bounds(
         )
     full_clean_or_raise(locked)
     locked.save()
+    return locked
+
+
+@transaction.atomic
+def pool_set_precision(*, pool: Pool, quantization: str | None = None, kv_cache_dtype: str | None = None) -> Pool:
+    """The precision the pool's workers start with from now on (those given); running workers keep
+    theirs until they are replaced."""
+    locked = Pool.objects.select_for_update().get(pk=pool.pk)
+    if quantization is not None:
+        locked.quantization = quantization
+    if kv_cache_dtype is not None:
+        locked.kv_cache_dtype = kv_cache_dtype
+    full_clean_or_raise(locked)
+    locked.save(update_fields=["quantization", "kv_cache_dtype", "updated_at"])
     return locked
 
 
@@ -201,11 +220,19 @@ def _drain_surplus(*, pool: Pool, actor: Any, reason: str, now: datetime) -> Non
 
 
 @transaction.atomic
-def topology_ensure_local(*, hostname: str, model: str, pools: list[tuple[str, str, int]]) -> list[Pool]:
+def topology_ensure_local(
+    *,
+    hostname: str,
+    model: str,
+    pools: list[tuple[str, str, int]],
+    quantization: str = "",
+    kv_cache_dtype: str = "auto",
+) -> list[Pool]:
     """Cluster "local", this host's node and the pools (name, kind, instances), for the embedded `serve`.
 
-    A pool gets `model` and a target and lower bound of the instances `serve` starts (the autoscaler
-    keeps at least those); its upper bound grows to fit them, and an operator's larger one stays.
+    A pool gets `model`, `serve`'s precision (so the workers its node agent adds match serve's own),
+    and a target and lower bound of the instances `serve` starts (the autoscaler keeps at least those);
+    its upper bound grows to fit them, and an operator's larger one stays.
     """
     cluster, _ = Cluster.objects.get_or_create(name=LOCAL_CLUSTER)
     Node.objects.get_or_create(cluster=cluster, hostname=hostname)
@@ -217,6 +244,8 @@ def topology_ensure_local(*, hostname: str, model: str, pools: list[tuple[str, s
             defaults={
                 "kind": kind,
                 "model": model,
+                "quantization": quantization,
+                "kv_cache_dtype": kv_cache_dtype,
                 # At least what serve starts, so an idle cluster is not scaled below it.
                 "min_instances": instances,
                 "max_instances": max(instances, 1),
@@ -226,10 +255,20 @@ def topology_ensure_local(*, hostname: str, model: str, pools: list[tuple[str, s
         if not created:
             if pool.kind != kind:
                 raise DomainValidationError(fields={"pools": [f"pool {name!r} exists with kind {pool.kind!r}"]})
-            pool.model = model
+            pool.model, pool.quantization, pool.kv_cache_dtype = model, quantization, kv_cache_dtype
             pool.max_instances = max(pool.max_instances, instances)
             pool.min_instances = instances
             pool.target_instances = instances
-            pool.save(update_fields=["model", "min_instances", "max_instances", "target_instances", "updated_at"])
+            pool.save(
+                update_fields=[
+                    "model",
+                    "quantization",
+                    "kv_cache_dtype",
+                    "min_instances",
+                    "max_instances",
+                    "target_instances",
+                    "updated_at",
+                ]
+            )
         result.append(pool)
     return result

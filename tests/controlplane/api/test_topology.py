@@ -32,6 +32,8 @@ def test_admin_creates_a_cluster_a_node_and_a_pool(client_as):
         ({"min_instances": -1}, "min_instances"),
         ({"target_instances": 5}, "target_instances"),
         ({"name": "not a slug"}, "name"),
+        ({"quantization": "int4"}, "quantization"),
+        ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype"),
     ],
 )
 def test_an_invalid_pool_is_refused_field_by_field_and_not_created(client_as, fields, field):
@@ -42,6 +44,36 @@ def test_an_invalid_pool_is_refused_field_by_field_and_not_created(client_as, fi
 
     assert field in error["fields"], error
     assert not Pool.objects.exists()
+
+
+def test_a_pool_s_precision_is_set_at_creation_and_defaults_to_unquantized(client_as):
+    admin = client_as("admin")
+    cluster_id = _cluster_id(admin)
+
+    plain = admin.post("/api/v1/pools/", {"cluster": cluster_id, **POOL})
+    fp8 = admin.post(
+        "/api/v1/pools/",
+        {"cluster": cluster_id, **POOL, "name": "fp8", "quantization": "fp8", "kv_cache_dtype": "fp8"},
+    )
+
+    assert (plain.json()["quantization"], plain.json()["kv_cache_dtype"]) == ("", "auto")
+    assert fp8.status_code == 201, fp8.content
+    assert (fp8.json()["quantization"], fp8.json()["kv_cache_dtype"]) == ("fp8", "fp8")
+    assert Pool.objects.get(name="fp8").kv_cache_dtype == "fp8"
+
+
+def test_patch_changes_the_precision_and_refuses_an_unknown_one_naming_the_field(client_as, make_pool):
+    pool = make_pool(min_instances=1, max_instances=4, target_instances=2)
+    operator = client_as("operator")
+
+    changed = operator.patch(f"/api/v1/pools/{pool.id}/", {"kv_cache_dtype": "fp8"})
+    refused = operator.patch(f"/api/v1/pools/{pool.id}/", {"quantization": "fp8", "kv_cache_dtype": "int8"})
+
+    assert changed.status_code == 200, changed.content
+    assert changed.json()["kv_cache_dtype"] == "fp8"
+    assert list(assert_error(refused, 400, "validation_error")["fields"]) == ["kv_cache_dtype"]
+    pool.refresh_from_db()
+    assert (pool.quantization, pool.kv_cache_dtype, pool.max_instances) == ("", "fp8", 4)
 
 
 def test_bounds_are_edited_with_patch_and_checked_against_the_target(client_as, make_pool):

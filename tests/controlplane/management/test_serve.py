@@ -74,6 +74,25 @@ def test_serve_and_the_node_agent_start_a_worker_with_the_command_line_of_one_wo
     assert serve.worker_command(args)[1:] == ["-m", "controlplane.manage", "run_worker", *started[0][3:]]
 
 
+def test_the_node_agent_starts_a_worker_in_its_pool_s_precision_whatever_the_host_options_say(tmp_path, monkeypatch):
+    # given a host whose options quantize, and a pool that asks for unquantized weights and an FP8 KV cache
+    started = []
+    monkeypatch.setattr(node_agent.subprocess, "Popen", lambda argv, **_: started.append(argv) or FakeProcess())
+    agent = NodeAgent(
+        runtime_dir=tmp_path,
+        registry_endpoint="ipc:///registry",
+        worker_options=lambda role: ["--quantization=fp8", "--max-num-seqs=4"],
+        on_exit=lambda *exit: None,
+    )
+
+    # when it starts one of the pool's workers
+    agent.start(WorkerLaunch(1, "mixed-1", "mixed", "mixed", "m", quantization=None, kv_cache_dtype="fp8"))
+
+    # then the worker runs as the pool says, with the host's other options
+    engine = WorkerArgs.from_argv(started[0][3:]).engine
+    assert (engine.quantization, engine.kv_cache_dtype, engine.max_num_seqs) == (None, "fp8", 4)
+
+
 class FakeProcess:
     pid = 4242
 

@@ -99,7 +99,17 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
     store = {"kv_block_tokens": 64, "kv_store_bytes": 4096, "kv_store_blocks": 4}
     heartbeats.workers = [
         make_heartbeat("p0", role="prefill", pool="prefill", num_running=2, kv_usage=0.5, **store),
-        make_heartbeat("p1", role="prefill", pool="prefill", num_waiting=3, kv_usage=0.25, state="draining", **store),
+        make_heartbeat(
+            "p1",
+            role="prefill",
+            pool="prefill",
+            num_waiting=3,
+            kv_usage=0.25,
+            state="draining",
+            weight_dtype="fp8_e4m3",
+            kv_cache_dtype="bfloat16",
+            **store,
+        ),
         make_heartbeat(
             "d0",
             role="decode",
@@ -123,6 +133,8 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
         "num_running": 0,
         "num_waiting": 3,
         "kv_usage": 0.25,
+        "weight_dtype": "fp8_e4m3",
+        "kv_cache_dtype": "bfloat16",
         "engine": NO_STEPS,
     }
     assert snapshot["pools"] == [

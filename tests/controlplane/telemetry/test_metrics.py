@@ -154,6 +154,20 @@ def test_sliding_window_workers_report_their_swa_state_and_others_none(make_hear
     assert not any(dict(labels).get("worker") == "p1" for name, labels in running if "swa" in name)
 
 
+def test_each_worker_s_weight_and_kv_dtypes_are_an_info_metric(make_heartbeat):
+    fp8 = make_heartbeat("d0", role="decode", pool="decode", weight_dtype="fp8_e4m3", kv_cache_dtype="fp8_e4m3")
+    plain = make_heartbeat("p0", role="prefill", pool="prefill", weight_dtype="bfloat16", kv_cache_dtype="bfloat16")
+    silent = make_heartbeat("old", role="prefill", pool="prefill")  # a worker that does not say
+
+    running = samples(exposition([fp8, plain, silent]).decode())
+
+    dtypes = {labels: value for (name, labels), value in running.items() if name == "sluice:worker_dtypes"}
+    assert dtypes == {
+        (("kv_cache", "fp8_e4m3"), ("pool", "decode"), ("weights", "fp8_e4m3"), ("worker", "d0")): 1.0,
+        (("kv_cache", "bfloat16"), ("pool", "prefill"), ("weights", "bfloat16"), ("worker", "p0")): 1.0,
+    }
+
+
 def test_expert_load_is_declared_and_empty_for_dense_models(make_heartbeat):
     families = {
         family.name: family for family in text_string_to_metric_families(exposition([make_heartbeat()]).decode())

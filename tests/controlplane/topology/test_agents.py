@@ -44,6 +44,18 @@ def test_a_crash_fails_the_instance_and_a_requested_exit_does_not(starting):
     assert actions(starting)[-1] == "instance_exited" and starting.events.count() == 5
 
 
+def test_the_launch_of_an_instance_carries_its_pool_s_precision(make_pool):
+    pool = make_pool("fp8", kind="mixed", quantization="fp8", kv_cache_dtype="fp8", max_instances=1)
+    Node.objects.create(cluster=pool.cluster, hostname="node-a")
+    plain = make_pool("plain", kind="mixed", max_instances=1)
+
+    fp8_launch = instance_claim_start(instance_id=instance_start(pool=pool, node_hostname="node-a", actor=None).pk)
+    plain_launch = instance_claim_start(instance_id=instance_start(pool=plain, node_hostname="node-a", actor=None).pk)
+
+    assert (fp8_launch.quantization, fp8_launch.kv_cache_dtype) == ("fp8", "fp8")
+    assert (plain_launch.quantization, plain_launch.kv_cache_dtype) == (None, "auto")
+
+
 def test_a_start_for_another_node_is_refused_by_the_agent(starting, tmp_path):
     agent = NodeAgent(
         runtime_dir=tmp_path, registry_endpoint="ipc://none", worker_options=lambda role: [], on_exit=record_exit

@@ -16,6 +16,13 @@ def test_ensure_topology_creates_the_pools_and_the_agents_node():
 
 
 @pytest.mark.django_db
+def test_ensure_topology_sets_the_pools_precision():
+    call_command("ensure_topology", "--node=agent-0", "--model=tiny", "--pool=mixed=1", "--kv-cache-dtype=fp8")
+
+    assert Pool.objects.values_list("quantization", "kv_cache_dtype").get() == ("", "fp8")
+
+
+@pytest.mark.django_db
 def test_ensure_topology_refuses_an_unknown_pool_kind():
     with pytest.raises(CommandError, match="expected KIND=COUNT"):
         call_command("ensure_topology", "--node=agent-0", "--model=tiny", "--pool=prefil=1")

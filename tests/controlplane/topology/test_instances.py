@@ -6,7 +6,7 @@ from django.utils import timezone
 
 from controlplane.common.errors import ConflictError, DomainValidationError
 from controlplane.topology import tasks
-from controlplane.topology.models import ALLOWED_TRANSITIONS, EngineInstance, InstanceState, Node, ScalingEvent
+from controlplane.topology.models import ALLOWED_TRANSITIONS, EngineInstance, InstanceState, Node, Pool, ScalingEvent
 from controlplane.topology.registry import TopologyRecorder
 from controlplane.topology.services import (
     instance_drain,
@@ -274,6 +274,17 @@ def test_ensure_local_fits_the_bounds_to_the_instances_serve_starts(db):
     [pool] = topology_ensure_local(hostname="laptop", model="m2", pools=[("decode", "decode", 3)])
 
     assert (pool.model, pool.min_instances, pool.target_instances, pool.max_instances) == ("m2", 3, 3, 3)
+
+
+def test_ensure_local_gives_the_pools_serve_s_precision_and_follows_its_changes(db):
+    [first] = topology_ensure_local(hostname="laptop", model="m", pools=[("decode", "decode", 1)])
+    assert (first.quantization, first.kv_cache_dtype) == ("", "auto")
+
+    topology_ensure_local(
+        hostname="laptop", model="m", pools=[("decode", "decode", 1)], quantization="fp8", kv_cache_dtype="fp8"
+    )
+
+    assert Pool.objects.values_list("quantization", "kv_cache_dtype").get() == ("fp8", "fp8")
 
 
 def test_ensure_local_refuses_a_pool_of_another_kind(db):

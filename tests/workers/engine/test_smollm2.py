@@ -3,27 +3,11 @@
 import pytest
 import torch
 
+from bench.held_prompts import held_prompts
 from workers.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [
-        {"role": "system", "content": "You are a terse assistant."},
-        {"role": "user", "content": "Name a primary colour."},
-        {"role": "assistant", "content": "Red."},
-        {"role": "user", "content": "Another one, and explain why it is primary."},
-    ],
-    [{"role": "user", "content": "Write a Python function that reverses a singly linked list."}],
-    [{"role": "user", "content": "Explique-moi la photosynthèse en deux phrases, s'il te plaît."}],
-    [{"role": "user", "content": "请用一句话介绍长城。🏯"}],
-    [{"role": "user", "content": "List the first ten prime numbers, separated by commas."}],
-]
-RAW_PROMPTS = [
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Über den Wolken muss die Freiheit wohl grenzenlos sein. Ça, c'est",
-]
 NEW_TOKENS = 64
 
 
@@ -34,8 +18,7 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def prompts(llm: LLM) -> list[list[int]]:
-    chats = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c), allow_special=True) for c in CONVERSATIONS]
-    return chats + [llm.tokenizer.encode(text) for text in RAW_PROMPTS]
+    return held_prompts(llm.tokenizer)
 
 
 def test_greedy_equals_transformers_generate_for_64_tokens(llm, prompts, transformers_smollm2):

@@ -251,6 +251,7 @@ def test_heartbeats_describe_the_worker_for_the_control_plane(worker):
     assert (beat.state, beat.pool, beat.worker_id) == ("ready", "mixed-a", "ctl")
     assert (beat.request_endpoint, beat.heartbeat_endpoint) == (request_endpoint, heartbeat_endpoint)
     assert beat.hostname
+    assert (beat.weight_dtype, beat.kv_cache_dtype) == ("float32", "float32")  # the CPU's default, unquantized
 
 
 @pytest.mark.parametrize(

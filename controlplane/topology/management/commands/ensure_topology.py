@@ -1,4 +1,5 @@
-"""`python manage.py ensure_topology --node NAME --model MODEL --pool prefill=1 --pool decode=1`
+"""`python manage.py ensure_topology --node NAME --model MODEL --pool prefill=1 --pool decode=1
+[--quantization fp8] [--kv-cache-dtype fp8]`
 
 The pools a deployment's workers register into, and the node its agent starts workers on, created
 once (or updated) before the workers start: a worker whose pool does not exist is refused by the
@@ -10,6 +11,7 @@ from controlplane.common.errors import DomainValidationError
 from controlplane.common.migrated import MigratedDatabaseCommand
 from controlplane.topology.models import PoolKind
 from controlplane.topology.services import topology_ensure_local
+from workers.args import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _pool(value: str) -> tuple[str, str, int]:
@@ -28,11 +30,29 @@ class Command(MigratedDatabaseCommand):
         parser.add_argument(
             "--pool", action="append", required=True, help="KIND=COUNT: a pool named after its kind, at least COUNT"
         )
+        # The pools' precision: what every worker their node agents start runs with (EngineArgs's settings).
+        parser.add_argument("--quantization", choices=QUANTIZATIONS, help="quantize weights at load (default: none)")
+        parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV cache storage")
 
-    def handle(self, *args, node: str, model: str, pool: list[str], **options) -> None:
+    def handle(
+        self,
+        *args,
+        node: str,
+        model: str,
+        pool: list[str],
+        quantization: str | None,
+        kv_cache_dtype: str,
+        **options,
+    ) -> None:
         try:
             pools = [_pool(value) for value in pool]
-            topology_ensure_local(hostname=node, model=model, pools=pools)
+            topology_ensure_local(
+                hostname=node,
+                model=model,
+                pools=pools,
+                quantization=quantization or "",
+                kv_cache_dtype=kv_cache_dtype,
+            )
         except ValueError as error:
             raise CommandError(str(error)) from None
         except DomainValidationError as error:
