@@ -4,6 +4,10 @@ import torch
 
 from workers.args import DTYPES
 
+# How an engine reports weights or KV held as e4m3 values with scales beside them (quantization and
+# kv_cache_dtype "fp8"), where it reports torch's dtype names otherwise.
+FP8_E4M3 = "fp8_e4m3"
+
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of one of DTYPES."""

@@ -22,8 +22,8 @@ from workers.engine.connectors.base import ComputeHere, KVArrival, KVConnector
 from workers.engine.connectors.handoff import Disaggregation, continued_request
 from workers.engine.connectors.resume import ResumeConnector
 from workers.engine.connectors.store import StoreConnector
-from workers.engine.dtypes import dtype_name
-from workers.engine.engine_core import FP8_E4M3, EngineCore, EngineInfo, EngineStats, EPGroupState
+from workers.engine.dtypes import FP8_E4M3, dtype_name
+from workers.engine.engine_core import EngineCore, EngineInfo, EngineStats, EPGroupState
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.host_memory import reuse_freed_memory
 from workers.engine.kv.kv_cache import KVCache
@@ -183,9 +183,8 @@ class LLMEngine(EngineCore):
             kv_layout=kv_cache.specs.layout,
             kv_block_tokens=config.args.kv_block_tokens if store is not None else 0,
             kv_transfer=kv_transfer,
-            weight_dtype=loaded.weight_dtype,
             swa_state_spec=window,
-            weight_dtype=FP8_E4M3 if config.args.quantization == "fp8" else dtype_name(dtype),
+            weight_dtype=loaded.weight_dtype,
             kv_cache_dtype=FP8_E4M3 if config.args.kv_cache_dtype == "fp8" else dtype_name(dtype),
         )
         self.requests: dict[str, Request] = {}

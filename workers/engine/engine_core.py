@@ -25,7 +25,6 @@ from workers.protocol.engine_request import EngineRequest
 from workers.text.tokenizer import Tokenizer
 
 # The name EngineInfo gives the dtype of weights or KV held as FP8 (e4m3 values, scaled per block or group).
-FP8_E4M3 = "fp8_e4m3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +41,12 @@ class EngineInfo:
     kv_layout: str  # its KV's layout (KVCacheSpecs.layout): a transfer or pool of another is refused
     kv_block_tokens: int  # tokens per KV store block; 0 without a store
     kv_transfer: str  # how its KV travels to another engine: "auto" (a mapped pool where it can), "zmq" (frames)
-    weight_dtype: str  # how its weights are stored: "bfloat16", "float32", "fp8_e4m3" (block-scaled)...
     # A sliding-window model's window group, whose SWA state the engine keeps for its store hits
     # (workers.engine.kv.swa_state); None without a store or a single window group.
     swa_state_spec: KVCacheSpec | None = None
     # The dtypes its weights and KV cache are held in, by torch's names (bfloat16, float32...), or
-    # FP8_E4M3 for e4m3 values with scales beside them (quantization / kv_cache_dtype "fp8").
+    # workers.engine.dtypes.FP8_E4M3 for e4m3 values with scales beside them (quantization /
+    # kv_cache_dtype "fp8").
     weight_dtype: str = ""
     kv_cache_dtype: str = ""
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from workers.engine.dtypes import FP8_E4M3
 from workers.protocol.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def served_format(hf_config: dict[str, Any], requested: str | None) -> Fp8Format
 def weight_dtype_name(fmt: Fp8Format | None, dtype: "torch.dtype") -> str:
     """How the served weights are stored, as the engine reports it: "fp8_e4m3" (off CUDA they are held
     dequantized, but their values are still e4m3 tiles'), else the dtype's name."""
-    return "fp8_e4m3" if fmt is not None else str(dtype).removeprefix("torch.")
+    return FP8_E4M3 if fmt is not None else str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True, slots=True)
