@@ -103,26 +103,39 @@ class ScaledMmPeer:
 
 
 def sweep_configs(m: int) -> list:
-    """Tile configs (block_m, block_n, warps, stages) worth trying at M rows, for tuning CONFIGS."""
+    """Tile configs worth trying at M rows, for tuning CONFIGS."""
     from kernels.quant.fp8_gemm import GemmConfig
 
     if m <= 16:
-        return [GemmConfig(16, n, 4, s) for n in (16, 32, 64, 128) for s in (4, 6)]
+        return [
+            GemmConfig(16, n, w, s, split_k=split)
+            for n in (32, 64, 128)
+            for w, s in ((4, 4), (4, 6), (8, 4))
+            for split in (1, 2, 4, 8)
+        ]
     if m <= 64:
-        return [GemmConfig(bm, bn, 4, 4) for bm in (32, 64) for bn in (32, 64, 128)]
+        return [
+            GemmConfig(bm, bn, 4, 4, prequantize=q) for bm in (32, 64) for bn in (32, 64, 128) for q in (False, True)
+        ]
     if m <= 256:
         return [
-            GemmConfig(64, 64, 4, 4),
+            GemmConfig(64, 64, 4, 4, prequantize=True),
+            GemmConfig(64, 128, 4, 4, prequantize=True),
             GemmConfig(64, 128, 4, 4),
-            GemmConfig(64, 256, 8, 3),
-            GemmConfig(128, 128, 8, 3),
+            GemmConfig(64, 256, 8, 3, prequantize=True),
+            GemmConfig(128, 128, 8, 3, prequantize=True),
         ]
     return [
+        GemmConfig(128, 128, 8, 3, prequantize=True),
+        GemmConfig(128, 128, 8, 4, prequantize=True),
+        GemmConfig(128, 256, 8, 3, prequantize=True),
+        GemmConfig(64, 256, 8, 3, prequantize=True),
         GemmConfig(128, 128, 8, 3),
-        GemmConfig(128, 128, 8, 4),
-        GemmConfig(64, 256, 8, 3),
-        GemmConfig(64, 128, 4, 4),
     ]
+
+
+def _config_row(config) -> list:
+    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.split_k, config.prequantize]
 
 
 def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bool) -> tuple[list[dict], dict]:
@@ -152,7 +165,7 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
             "bf16": time_ms(lambda: torch.matmul(x, weight.T)),
             "scaled_mm": time_ms(scaled_mm),
         }
-        config = gemm_config(m, n)
+        config = gemm_config(m, n, k, BLOCK[1])
         flops = 2 * m * n * k
         activation_bytes = m * k * 2 + m * n * 2
         least_bytes = {
@@ -163,7 +176,7 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
         row = {
             "m": m,
             "scaled_mm_scaling": scaling,
-            "config": [config.block_m, config.block_n, config.num_warps, config.num_stages],
+            "config": _config_row(config),
             "ours_vs_reference_relative_error": round(relative_error(ours, reference), 6),
             "scaled_mm_vs_reference_relative_error": round(relative_error(scaled_mm(), reference), 6),
         }
@@ -184,7 +197,7 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
                 except triton.runtime.errors.OutOfResources:
                     continue
             best = min(timed, key=timed.get)
-            row["sweep_best_config"] = [best.block_m, best.block_n, best.num_warps, best.num_stages]
+            row["sweep_best_config"] = _config_row(best)
             row["sweep_best_ms"] = round(timed[best], 4)
         rows.append(row)
     return rows, {"scaled_mm_blockwise_refusal": peer.blockwise_error}

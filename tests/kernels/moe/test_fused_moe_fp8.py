@@ -176,13 +176,17 @@ def test_gpu_fp8_experts_at_qwen3_30b_sizes(qwen3_30b_fp8_experts, tokens):
     x, ids, weights = qwen3_30b_routing(tokens, seed=tokens)
     out = fused_experts(x, w13, w2, ids, weights, **scales)
     assert_matches_reference(out, experts_reference(x, w13, w2, ids, weights, **scales))
-    # float32 hidden: the tight check of the arithmetic, which the bfloat16 bound does not resolve.
+    # float32 hidden: the tight check of the arithmetic, which the bfloat16 bound does not resolve. The
+    # GPU's shorter FP8 sums move silu(gate) * up by ~1e-4, which now and then crosses an e4m3 rounding
+    # boundary when the down projection quantizes it (one e4m3 step, 6-12% of that value): at 4,096
+    # tokens 0.3% of outputs moved past 1e-3 on an H200, none past 5e-3. A wrong scale or index moves
+    # most of them.
     x32 = x.float()
-    torch.testing.assert_close(
-        fused_experts(x32, w13, w2, ids, weights, **scales),
-        experts_reference(x32, w13, w2, ids, weights, **scales),
-        **TIGHT,
-    )
+    diff = (
+        fused_experts(x32, w13, w2, ids, weights, **scales) - experts_reference(x32, w13, w2, ids, weights, **scales)
+    ).abs()
+    scale = TIGHT["atol"]
+    assert (diff > scale).float().mean() < 0.01 and diff.max() < 10 * scale
 
 
 @pytest.mark.gpu

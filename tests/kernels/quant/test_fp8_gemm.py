@@ -85,6 +85,12 @@ def test_kernel_equals_the_reference(lead, n, k, dtype, bias):
         ((128, 128), GemmConfig(block_m=16, block_n=256, num_warps=4, num_stages=2)),  # columns straddle tiles
         ((128, 128), GemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, group_m=2)),
         ((64, 32), GemmConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)),  # another block shape
+        # K groups split over programs, partials summed (160 channels: 2 groups of 128, 5 of 32).
+        ((128, 128), GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, split_k=2)),
+        ((64, 32), GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, split_k=3)),
+        # The activation quantized in a pass of its own, as prefill does.
+        ((128, 128), GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, prequantize=True)),
+        ((64, 32), GemmConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, prequantize=True, split_k=2)),
     ],
 )
 def test_tile_configs_and_block_shapes_agree_with_the_reference(block, config):
@@ -124,9 +130,18 @@ def test_no_rows_gives_an_empty_result():
     assert w8a8_block_fp8_matmul(x, values, scale_inv).shape == (0, 64)
 
 
-def test_configs_narrow_columns_for_a_few_rows_and_widen_for_many():
-    assert gemm_config(1, 4096).block_m == 16 and gemm_config(1, 4096).block_n < gemm_config(1, 28672).block_n
-    assert gemm_config(8192, 4096).block_m == gemm_config(8192, 4096).block_n == 128
+def test_configs_split_k_for_a_few_rows_and_prequantize_for_many():
+    from kernels.quant.fp8_gemm import MIN_PROGRAMS
+
+    # Decode: few column blocks of a narrow weight split their K loop until MIN_PROGRAMS are in
+    # flight; a wide weight has the programs already; no split exceeds the K groups.
+    narrow, wide = gemm_config(1, 4096, 4096), gemm_config(1, 28672, 4096)
+    assert narrow.block_m == 16 and narrow.split_k > wide.split_k >= 1
+    assert (4096 // narrow.block_n) * narrow.split_k >= MIN_PROGRAMS
+    assert gemm_config(1, 64, 256).split_k == 2
+    assert not narrow.prequantize and gemm_config(64, 4096, 4096).split_k == 1
+    prefill = gemm_config(8192, 4096, 4096)
+    assert prefill.block_m == prefill.block_n == 128 and prefill.prequantize and prefill.split_k == 1
 
 
 @pytest.mark.parametrize(

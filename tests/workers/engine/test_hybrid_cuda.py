@@ -1,7 +1,7 @@
 """Hybrid-attention models on a CUDA device (`pytest -m gpu` on the accelerator machine): gpt-oss (sinks,
-alternating windowed and full layers) and Gemma 3 against HF, through the Triton kernels and the
-CUDA graphs of several KV groups; window replays of local and store hits as the reference backend
-replays them."""
+alternating windowed and full layers) and Gemma 3 against the CPU's reference path, through the
+Triton kernels and the CUDA graphs of several KV groups; window replays of local and store hits as the
+reference backend replays them."""
 
 import pytest
 import torch
@@ -23,35 +23,29 @@ PROMPTS = [[3, 14, 15, 92, 65], list(range(40, 100)), [(i * 7) % 128 for i in ra
 
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_float32_greedy_of_a_hybrid_model_matches_hf_on_cuda(name, eager, tmp_path):
+def test_float32_greedy_of_a_hybrid_model_on_cuda_follows_the_cpu(name, eager, tmp_path):
+    """The same checkpoint on the GPU (Triton kernels, sinks, per-group tables in CUDA graphs) and on
+    the CPU's reference path, which the CPU suite checks against HF. HF itself is no reference here:
+    the accelerator machine's transformers is another version, whose gpt-oss decodes other tokens."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    hf_model = HF_MODELS[name]()
-    hf_model.save_pretrained(tmp_path)
-    llm = LLM(
-        tmp_path,
-        device="cuda",
-        dtype="float32",
-        kv_cache_bytes=1 << 26,
-        max_num_batched_tokens=32,
-        enforce_eager=eager,
-    )
-    assert (llm.engine.runner.graphs is None) == eager
-    assert len(llm.engine.runner.kv_cache.specs.groups) > 1  # a full group and a window group
-    ours = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    llm.close()
-    # The reference runs on the CPU: HF's gpt-oss on CUDA greedy-decodes other tokens than on the CPU
-    # (which the engine on either device follows).
-    for tokens, result in zip(PROMPTS, ours, strict=True):
-        with torch.no_grad():
-            reference = hf_model.generate(
-                torch.tensor([tokens]),
-                attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(tokens) :].tolist()
-        assert result.token_ids == reference
+    HF_MODELS[name]().save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(
+            tmp_path,
+            device=device,
+            dtype="float32",
+            kv_cache_bytes=1 << 26,
+            max_num_batched_tokens=32,
+            enforce_eager=eager,
+        )
+        if device == "cuda":
+            assert (llm.engine.runner.graphs is None) == eager
+            assert len(llm.engine.runner.kv_cache.specs.groups) > 1  # a full group and a window group
+        outputs[device] = [result.token_ids for result in llm.generate(PROMPTS, params)]
+        llm.close()
+    assert outputs["cuda"] == outputs["cpu"]
 
 
 @pytest.mark.parametrize("mode", ["exact", "approximate"])
