@@ -20,11 +20,13 @@ Two shapes of call, two ways (GemmConfig):
   every program's prologue costs nothing. Few rows make few column blocks, too few programs to keep
   every SM reading: the K loop is split over `split_k` programs per tile, each writing a float32
   partial that torch sums (in a fixed order, so results do not depend on timing);
-- prefill (M past PREQUANTIZE_MIN_M): re-quantizing each activation tile in every column block's
-  program costs as much ALU work as the tensor cores' own, so one pass quantizes the activation
-  (the same arithmetic) and the GEMM loads e4m3 rows and their scales.
+- more rows: re-quantizing each activation tile in every column block's program costs as much ALU
+  work as the tensor cores' own, so one pass quantizes the activation (the same arithmetic) and the
+  GEMM loads e4m3 rows and their scales. Past CUBLAS_MIN_M rows (prefill) those go to torch's own
+  blockwise FP8 GEMM (cuBLAS) where the installed torch offers it, faster there than this kernel.
 
-No host syncs: grids and configs come from shapes only, so the op is safe to capture in a CUDA graph.
+No host syncs: grids and configs come from shapes only, so the op is safe to capture in a CUDA graph
+(the one-time check of torch's blockwise GEMM happens outside graphs).
 On CPU tensors it runs only under Triton's interpreter (TRITON_INTERPRET=1).
 """
 
@@ -53,23 +55,31 @@ class GemmConfig:
     prequantize: bool = False  # quantize the activation in a pass of its own, before the GEMM
 
 
-# The first row whose M bound the call does not exceed. Up to 64 rows the GEMM streams the weight
-# (M * K activation bytes beside N * K weight bytes) and wants many programs in flight; beyond,
-# wider tiles reuse each loaded tile more. Tuned with bench.fp8_gemm --sweep.
+# The first row whose M bound the call does not exceed, from bench.fp8_gemm --sweep on an H100 at the
+# Llama-3.1-8B projections: decode streams the weight through 128-column blocks of 8 warps, splitting
+# K; from 17 rows the activation is quantized once and 64-row wgmma tiles narrow their columns until
+# the programs fill the device (the fastest at 64 rows by 1.3-2.6x over in-prologue quantization).
 CONFIGS: tuple[tuple[int | None, GemmConfig], ...] = (
-    (16, GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=4)),
-    (64, GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=4)),
+    (16, GemmConfig(block_m=16, block_n=128, num_warps=8, num_stages=4)),
     (256, GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, prequantize=True)),
     (None, GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, prequantize=True)),
 )
-# Programs to keep in flight, four per multiprocessor of an H100 (132): a decode call splits its K
-# loop until it has them; other streaming calls narrow their column blocks.
-MIN_PROGRAMS = 528
+# Programs to keep in flight, two per multiprocessor of an H100 (132): a decode call splits its K
+# loop until it has them; other calls narrow their column blocks.
+MIN_PROGRAMS = 264
 SPLIT_K_MAX_M = 16  # past it the float32 partials' bytes start to rival the weight's
-STREAMING_MAX_BLOCK_M = 32
-NARROWEST_STREAMING_BLOCK_N = 16
-NARROWEST_WGMMA_BLOCK_N = 64
+NARROWEST_BLOCK_N = 32
 QUANTIZE_BLOCK_M = 16
+# Prefill past this many rows runs on torch._scaled_mm's blockwise FP8 GEMM (cuBLAS) where this torch
+# offers it: on an H100, bench.fp8_gemm measured it 1.5-2x this kernel from 512 rows on, while this
+# kernel leads at decode sizes. Past every decode batch a CUDA graph captures (max_num_seqs).
+CUBLAS_MIN_M = 256
+CUBLAS_OUT_DTYPES = (torch.bfloat16, torch.float16)
+CUBLAS_AGREEMENT = 1e-2  # relative, against this kernel: the two sum in other orders
+# How mat_b's [K / 128, N / 128] scales may have to be laid out, per torch version: a transposed
+# view of weight_scale_inv, or that transpose made contiguous.
+_WEIGHT_SCALE_LAYOUTS = (lambda scale_inv: scale_inv.T, lambda scale_inv: scale_inv.T.contiguous())
+_CUBLAS_SCALE_LAYOUT: dict[torch.device, int] = {}  # per device: the layout it takes, or -1 for none
 
 
 def gemm_config(m: int, n: int, k: int, block_k: int = 128) -> GemmConfig:
@@ -80,8 +90,7 @@ def gemm_config(m: int, n: int, k: int, block_k: int = 128) -> GemmConfig:
         groups = triton.cdiv(k, block_k)
         return dataclasses.replace(config, split_k=max(1, min(groups, triton.cdiv(MIN_PROGRAMS, max(tiles, 1)))))
     block_n = config.block_n
-    narrowest = NARROWEST_STREAMING_BLOCK_N if config.block_m <= STREAMING_MAX_BLOCK_M else NARROWEST_WGMMA_BLOCK_N
-    while block_n > narrowest and triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n) < MIN_PROGRAMS // 2:
+    while block_n > NARROWEST_BLOCK_N and triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n) < MIN_PROGRAMS:
         block_n //= 2
     return dataclasses.replace(config, block_n=block_n)
 
@@ -97,8 +106,27 @@ def w8a8_block_fp8_matmul(
     weight_scale_inv [ceil(N / block_n), ceil(K / block_k)], x quantized per token and group of
     block_k channels (what fp8_blocks.w8a8_block_matmul_reference computes), plus bias [N]."""
     check_matmul_inputs(x, weight, weight_scale_inv, block, bias)
+    n, k = weight.shape
     m = x.shape[:-1].numel()
-    return block_fp8_matmul_with(x, weight, weight_scale_inv, block, bias, gemm_config(m, *weight.shape, block[1]))
+    if m > CUBLAS_MIN_M and _cublas_may_take(x, weight, block):
+        values, scales = quantize_activation(_rows(x, k), block[1])
+        out = _cublas_blockwise(values, scales, weight, weight_scale_inv, x.dtype)
+        if out is not None:
+            if bias is not None:
+                out += bias.to(out.dtype)
+            return out.reshape(*x.shape[:-1], n)
+    return block_fp8_matmul_with(x, weight, weight_scale_inv, block, bias, gemm_config(m, n, k, block[1]))
+
+
+def _cublas_may_take(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    n, k = weight.shape
+    return (
+        x.is_cuda
+        and block == (128, 128)
+        and x.dtype in CUBLAS_OUT_DTYPES
+        and n % 128 == k % 128 == 0
+        and _CUBLAS_SCALE_LAYOUT.get(x.device, 0) >= 0
+    )
 
 
 def block_fp8_matmul_with(
@@ -109,22 +137,41 @@ def block_fp8_matmul_with(
     bias: torch.Tensor | None,
     config: GemmConfig,
 ) -> torch.Tensor:
-    """The GEMM with a given tile config (the benchmark's sweep); inputs checked."""
+    """The Triton GEMM with a given tile config (the benchmark's sweep); inputs checked."""
     n, k = weight.shape
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    m = rows.shape[0]
-    if m == 0 or n == 0:
+    rows = _rows(x, k)
+    if rows.shape[0] == 0 or n == 0:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     x_scales = None
     if config.prequantize:
         rows, x_scales = quantize_activation(rows, block[1])
+    out = _triton_matmul(rows, x_scales, weight, weight_scale_inv, block, bias, config, x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    rows = x.reshape(-1, k)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _triton_matmul(
+    rows: torch.Tensor,
+    x_scales: torch.Tensor | None,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    config: GemmConfig,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """[M, N] in out_dtype of `rows` [M, K]: activations, or e4m3 values with their `x_scales`."""
+    m, k = rows.shape
+    n = weight.shape[0]
     split_k = min(config.split_k, triton.cdiv(k, block[1]))
     if split_k > 1:
-        out = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        out = torch.empty((split_k, m, n), dtype=torch.float32, device=rows.device)
     else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, n), dtype=out_dtype, device=rows.device)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), split_k)
     _w8a8_block_kernel[grid](
         rows,
@@ -138,6 +185,7 @@ def block_fp8_matmul_with(
         k,
         rows.stride(0),
         x_scales.stride(0) if x_scales is not None else 0,
+        x_scales.stride(1) if x_scales is not None else 0,
         weight.stride(0),
         weight_scale_inv.stride(0),
         weight_scale_inv.stride(1),
@@ -154,24 +202,78 @@ def block_fp8_matmul_with(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split_k > 1:
-        summed = out.sum(dim=0)
-        if bias is not None:
-            summed += bias.float()
-        out = summed.to(x.dtype)
-    return out.reshape(*x.shape[:-1], n)
+    if split_k == 1:
+        return out
+    summed = out.sum(dim=0)
+    if bias is not None:
+        summed += bias.float()
+    return summed.to(out_dtype)
 
 
 def quantize_activation(rows: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 values [M, K] and float32 scales [M, ceil(K / group)] of contiguous-row activations, as
-    fp8_blocks.quantize_activation_groups computes them."""
+    fp8_blocks.quantize_activation_groups computes them. The scales are a transposed view of a
+    [groups, M] tensor (outer-dim-major, the layout cuBLAS reads 1 x 128 scales in)."""
     m, k = rows.shape
     groups = triton.cdiv(k, group)
     values = torch.empty((m, k), dtype=FP8, device=rows.device)
-    scales = torch.empty((m, groups), dtype=torch.float32, device=rows.device)
+    scales = torch.empty((groups, m), dtype=torch.float32, device=rows.device).T
     grid = (triton.cdiv(m, QUANTIZE_BLOCK_M), groups)
-    _quantize_groups_kernel[grid](rows, values, scales, m, k, rows.stride(0), BLOCK_M=QUANTIZE_BLOCK_M, GROUP=group)
+    _quantize_groups_kernel[grid](
+        rows,
+        values,
+        scales,
+        m,
+        k,
+        rows.stride(0),
+        scales.stride(0),
+        scales.stride(1),
+        BLOCK_M=QUANTIZE_BLOCK_M,
+        GROUP=group,
+    )
     return values, scales
+
+
+def _cublas_blockwise(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """x @ W.T by torch._scaled_mm's blockwise FP8 GEMM (cuBLAS, 1 x 128 and 128 x 128 scales), or
+    None where this torch does not offer it. The first call on a device finds the weight scales'
+    layout it takes and checks its result against the Triton kernel's; a refusal or a disagreement
+    sends that device's calls to the Triton kernel for good."""
+    device = values.device
+    layout = _CUBLAS_SCALE_LAYOUT.get(device)
+    if layout is not None:
+        return None if layout < 0 else _scaled_mm(values, scales, weight, weight_scale_inv, layout, out_dtype)
+    if torch.cuda.is_current_stream_capturing():
+        return None  # found out outside a graph, never inside one
+    _CUBLAS_SCALE_LAYOUT[device] = -1
+    ours = _triton_matmul(values, scales, weight, weight_scale_inv, (128, 128), None, CONFIGS[-1][1], out_dtype)
+    for layout in range(len(_WEIGHT_SCALE_LAYOUTS)):
+        try:
+            out = _scaled_mm(values, scales, weight, weight_scale_inv, layout, out_dtype)
+        except (RuntimeError, ValueError, TypeError):  # refusals vary by torch version
+            continue
+        if ((out.float() - ours.float()).norm() / ours.float().norm().clamp(min=1e-12)).item() < CUBLAS_AGREEMENT:
+            _CUBLAS_SCALE_LAYOUT[device] = layout
+            return out
+    return None
+
+
+def _scaled_mm(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    layout: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    scale_b = _WEIGHT_SCALE_LAYOUTS[layout](weight_scale_inv)
+    return torch._scaled_mm(values, weight.T, scales, scale_b, out_dtype=out_dtype)
 
 
 def check_matmul_inputs(
@@ -218,7 +320,16 @@ def quantize_group(x):
 
 @triton.jit
 def _quantize_groups_kernel(
-    x_ptr, values_ptr, scales_ptr, M, K, x_row_stride, BLOCK_M: tl.constexpr, GROUP: tl.constexpr
+    x_ptr,
+    values_ptr,
+    scales_ptr,
+    M,
+    K,
+    x_row_stride,
+    scale_row_stride,
+    scale_group_stride,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
@@ -228,7 +339,7 @@ def _quantize_groups_kernel(
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_row_stride + ks[None, :], mask=mask, other=0.0)
     values, scale = quantize_group(x)
     tl.store(values_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], values, mask=mask)
-    tl.store(scales_ptr + rows.to(tl.int64) * tl.cdiv(K, GROUP) + group, scale, mask=row_mask)
+    tl.store(scales_ptr + rows.to(tl.int64) * scale_row_stride + group * scale_group_stride, scale, mask=row_mask)
 
 
 @triton.jit
@@ -244,6 +355,7 @@ def _w8a8_block_kernel(
     K,
     x_row_stride,
     x_scale_row_stride,
+    x_scale_group_stride,
     w_row_stride,
     scale_row_stride,
     scale_col_stride,
@@ -290,7 +402,11 @@ def _w8a8_block_kernel(
         w_scale = tl.load(scale_ptrs + group * scale_col_stride, mask=col_mask, other=0.0)
         if PREQUANTIZED:
             x_values = x
-            x_scale = tl.load(x_scale_ptr + rows.to(tl.int64) * x_scale_row_stride + group, mask=row_mask, other=0.0)
+            x_scale = tl.load(
+                x_scale_ptr + rows.to(tl.int64) * x_scale_row_stride + group * x_scale_group_stride,
+                mask=row_mask,
+                other=0.0,
+            )
         else:
             x_values, x_scale = quantize_group(x)
         acc += tl.dot(x_values, tl.trans(w)) * (x_scale[:, None] * w_scale[None, :])
