@@ -15,8 +15,12 @@ negative slot marks a padding row: its queries are still rotated, nothing of it 
 Positions must be below the tables' length and slots below pages * page_size; neither is checked,
 as that would need a host sync.
 
-An FP8 latent cache (uint8 rows, kernels.attention.fp8_kv) is written by the rotation in torch and a
-quantizing write: the same float32 rotation, no host sync, but not one kernel.
+An FP8 latent cache (uint8 rows of kernels.attention.fp8_kv, [1, pages, page_size, row_bytes(C + R)])
+gets the row quantized in the same kernel (kernels.fused.fp8_rows, bytes equal to quantize_rows'): the
+key's program then holds the latent as scale groups (one may span the compressed part and the key),
+each rope value computed beside its pair's. That variant is compiled without floating-point contraction
+(no fused multiply-adds), so on CUDA too its rotation rounds as the reference's separate torch ops do and
+the quantized key is bitwise the reference's.
 
 Grid: (T, H + 1), one program per (token, query head), and one per token for the key and the
 compressed latent. Launch-only wrapper (no host syncs, grid from shapes): safe to capture in a CUDA
@@ -27,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.paged import NULL_PAGE, is_fp8, to_cache_rows
+from kernels.attention.fp8_kv import row_bytes, scale_group
+from kernels.attention.paged import is_fp8
+from kernels.fused.fp8_rows import group_tile, store_fp8_row
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,30 +66,6 @@ def mla_rope_and_cache_write_reference(
     latent_cache.view(-1, latent_cache.shape[-1])[slot_mapping[real]] = torch.cat([compressed, key], dim=-1)[real]
 
 
-def _mla_rope_and_fp8_write(
-    q_rope: torch.Tensor,
-    k_rope: torch.Tensor,
-    compressed: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    latent_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    interleave: bool,
-) -> None:
-    """The reference's rotation, and FP8 rows written without a host sync: a skipped token rewrites
-    the null page's first slot with what it holds (as kernels.attention.paged.write_kv does)."""
-    half = q_rope.shape[-1] // 2
-    angle_cos, angle_sin = cos[positions, :half], sin[positions, :half]
-    q_rope.copy_(_rotate(q_rope.float(), angle_cos[:, None], angle_sin[:, None], interleave).to(q_rope.dtype))
-    key = _rotate(k_rope.float(), angle_cos, angle_sin, interleave).to(compressed.dtype)
-    flat = latent_cache.view(-1, latent_cache.shape[-1])
-    skipped = slot_mapping < 0
-    slots = slot_mapping.masked_fill(skipped, NULL_PAGE * latent_cache.shape[2])
-    rows = to_cache_rows(torch.cat([compressed, key], dim=-1), latent_cache)
-    flat.index_copy_(0, slots, torch.where(skipped[:, None], flat[slots], rows))
-
-
 def mla_rope_and_cache_write(
     q_rope: torch.Tensor,
     k_rope: torch.Tensor,
@@ -98,14 +80,13 @@ def mla_rope_and_cache_write(
 ) -> None:
     """Rotates q_rope [T, H, R] in place and writes [compressed [T, C], rotated k_rope [T, R]] to the
     latent cache at slot_mapping ([T] int64, -1: skip); positions: [T] int64."""
-    if is_fp8(latent_cache):
-        _mla_rope_and_fp8_write(q_rope, k_rope, compressed, positions, cos, sin, latent_cache, slot_mapping, interleave)
-        return
     _check_inputs(q_rope, k_rope, compressed, positions, cos, sin, latent_cache, slot_mapping)
     tokens, heads, rope_dim = q_rope.shape
     if tokens == 0:
         return
     compressed_dim = compressed.shape[1]
+    group = scale_group(compressed_dim + rope_dim)
+    fp8 = is_fp8(latent_cache)
     _mla_rope_cache_kernel[(tokens, heads + 1)](
         q_rope, q_rope.stride(0), q_rope.stride(1),
         k_rope, k_rope.stride(0),
@@ -114,7 +95,9 @@ def mla_rope_and_cache_write(
         latent_cache, latent_cache.stride(2), slot_mapping, heads,
         HALF=rope_dim // 2, BLOCK_HALF=triton.next_power_of_2(rope_dim // 2),
         COMPRESSED=compressed_dim, BLOCK_C=triton.next_power_of_2(compressed_dim),
-        INTERLEAVE=interleave, num_warps=1,
+        INTERLEAVE=interleave, FP8=fp8,
+        GROUP=group, BLOCK_GROUPS=triton.next_power_of_2((compressed_dim + rope_dim) // group),
+        num_warps=1, enable_fp_fusion=not fp8,
     )  # fmt: skip
 
 
@@ -138,10 +121,12 @@ def _check_inputs(
     if compressed.dim() != 2 or compressed.shape[0] != tokens:
         raise ValueError(f"compressed must be [{tokens}, kv_lora_rank], got {tuple(compressed.shape)}")
     latent_dim = compressed.shape[1] + rope_dim
-    if latent_cache.dim() != 4 or latent_cache.shape[0] != 1 or latent_cache.shape[3] != latent_dim:
+    fp8 = is_fp8(latent_cache)
+    row = row_bytes(latent_dim) if fp8 else latent_dim  # an FP8 row: latent_dim e4m3 bytes, then its scales
+    if latent_cache.dim() != 4 or latent_cache.shape[0] != 1 or latent_cache.shape[3] != row:
         raise ValueError(
-            f"latent_cache must be [1, pages, page_size, {latent_dim}] (compressed + rope), "
-            f"got {tuple(latent_cache.shape)}"
+            f"latent_cache must be [1, pages, page_size, {row}] (compressed + rope"
+            f"{', as FP8 rows' if fp8 else ''}), got {tuple(latent_cache.shape)}"
         )
     if not latent_cache.is_contiguous():
         raise ValueError("latent_cache must be contiguous")
@@ -157,9 +142,12 @@ def _check_inputs(
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
     if q_rope.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q_rope must be float32, float16 or bfloat16, got {q_rope.dtype}")
-    for name, tensor in (("k_rope", k_rope), ("compressed", compressed), ("latent_cache", latent_cache)):
+    for name, tensor in (("k_rope", k_rope), ("compressed", compressed)):
         if tensor.dtype != q_rope.dtype:
             raise ValueError(f"{name} is {tensor.dtype}, q_rope is {q_rope.dtype}")
+    cache_dtype = torch.uint8 if fp8 else q_rope.dtype
+    if latent_cache.dtype != cache_dtype:
+        raise ValueError(f"latent_cache is {latent_cache.dtype}, expected {cache_dtype} (q_rope is {q_rope.dtype})")
     others = {
         "k_rope": k_rope,
         "compressed": compressed,
@@ -178,6 +166,44 @@ def _check_inputs(
 
 
 @triton.jit
+def _rotate_halves(src, d, mask, angle_cos, angle_sin, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """The rotated halves (float32) of the R values at `src`, pairs as INTERLEAVE lays them out."""
+    if INTERLEAVE:
+        x1 = tl.load(src + 2 * d, mask=mask).to(tl.float32)
+        x2 = tl.load(src + 2 * d + 1, mask=mask).to(tl.float32)
+    else:
+        x1 = tl.load(src + d, mask=mask).to(tl.float32)
+        x2 = tl.load(src + HALF + d, mask=mask).to(tl.float32)
+    return x1 * angle_cos - x2 * angle_sin, x2 * angle_cos + x1 * angle_sin
+
+
+@triton.jit
+def _fp8_latent_row(
+    k_src, c_src, cos_row, sin_row,
+    HALF: tl.constexpr, COMPRESSED: tl.constexpr, INTERLEAVE: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+):  # fmt: skip
+    """[compressed, rotated key] as float32 in a group_tile, the key rounded to its own dtype first:
+    element COMPRESSED + r is pair i = r % HALF's first (r < HALF) or second rotated value."""
+    dims = group_tile(GROUP, BLOCK_GROUPS)
+    is_key = (dims >= COMPRESSED) & (dims < COMPRESSED + 2 * HALF)
+    r = dims - COMPRESSED
+    first = r < HALF
+    pair = tl.where(first, r, r - HALF)
+    if INTERLEAVE:
+        x1 = tl.load(k_src + 2 * pair, mask=is_key).to(tl.float32)
+        x2 = tl.load(k_src + 2 * pair + 1, mask=is_key).to(tl.float32)
+    else:
+        x1 = tl.load(k_src + pair, mask=is_key).to(tl.float32)
+        x2 = tl.load(k_src + HALF + pair, mask=is_key).to(tl.float32)
+    angle_cos = tl.load(cos_row + pair, mask=is_key)
+    angle_sin = tl.load(sin_row + pair, mask=is_key)
+    key = tl.where(first, x1 * angle_cos - x2 * angle_sin, x2 * angle_cos + x1 * angle_sin).to(k_src.dtype.element_ty)
+    latent = tl.load(c_src + dims, mask=dims < COMPRESSED).to(tl.float32)
+    return tl.where(is_key, key.to(tl.float32), latent), dims
+
+
+@triton.jit
 def _mla_rope_cache_kernel(
     q_ptr, q_token_stride, q_head_stride,
     k_ptr, k_token_stride,
@@ -186,7 +212,8 @@ def _mla_rope_cache_kernel(
     cache_ptr, cache_slot_stride, slot_ptr, num_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     COMPRESSED: tl.constexpr, BLOCK_C: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -197,26 +224,26 @@ def _mla_rope_cache_kernel(
     angle_sin = tl.load(sin_ptr + table_row + d, mask=mask)
     if head < num_heads:
         src = q_ptr + token * q_token_stride + head * q_head_stride
-    else:
-        src = k_ptr + token * k_token_stride
-    if INTERLEAVE:
-        x1 = tl.load(src + 2 * d, mask=mask).to(tl.float32)
-        x2 = tl.load(src + 2 * d + 1, mask=mask).to(tl.float32)
-    else:
-        x1 = tl.load(src + d, mask=mask).to(tl.float32)
-        x2 = tl.load(src + HALF + d, mask=mask).to(tl.float32)
-    out1 = (x1 * angle_cos - x2 * angle_sin).to(q_ptr.dtype.element_ty)
-    out2 = (x2 * angle_cos + x1 * angle_sin).to(q_ptr.dtype.element_ty)
-    if head < num_heads:
+        out1, out2 = _rotate_halves(src, d, mask, angle_cos, angle_sin, HALF, INTERLEAVE)
         tl.debug_barrier()  # in place: every pair is read before any is overwritten
-        tl.store(src + d, out1, mask=mask)
-        tl.store(src + HALF + d, out2, mask=mask)
+        tl.store(src + d, out1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(src + HALF + d, out2.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         slot = tl.load(slot_ptr + token)
         if slot >= 0:
             dst = cache_ptr + slot * cache_slot_stride  # the cache is contiguous: slots are consecutive rows
-            c = tl.arange(0, BLOCK_C)
-            c_mask = c < COMPRESSED
-            tl.store(dst + c, tl.load(c_ptr + token * c_token_stride + c, mask=c_mask), mask=c_mask)
-            tl.store(dst + COMPRESSED + d, out1, mask=mask)
-            tl.store(dst + COMPRESSED + HALF + d, out2, mask=mask)
+            k_src = k_ptr + token * k_token_stride
+            c_src = c_ptr + token * c_token_stride
+            if FP8:
+                latent, dims = _fp8_latent_row(
+                    k_src, c_src, cos_ptr + table_row, sin_ptr + table_row,
+                    HALF, COMPRESSED, INTERLEAVE, GROUP, BLOCK_GROUPS,
+                )  # fmt: skip
+                store_fp8_row(dst, latent, dims, COMPRESSED + 2 * HALF, GROUP, BLOCK_GROUPS)
+            else:
+                out1, out2 = _rotate_halves(k_src, d, mask, angle_cos, angle_sin, HALF, INTERLEAVE)
+                c = tl.arange(0, BLOCK_C)
+                c_mask = c < COMPRESSED
+                tl.store(dst + c, tl.load(c_src + c, mask=c_mask), mask=c_mask)
+                tl.store(dst + COMPRESSED + d, out1.to(q_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + COMPRESSED + HALF + d, out2.to(q_ptr.dtype.element_ty), mask=mask)

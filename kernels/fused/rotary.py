@@ -16,9 +16,14 @@ The model's eager path (workers/engine/layers/rotary.py) rotates in the input dt
 rounded to it, so in bfloat16 it differs from this by rounding; the reference here rotates in
 float32 like the kernel.
 
-An FP8 cache (uint8 rows, kernels.attention.fp8_kv) is written by the rotation in torch and
-kernels.attention.paged.write_kv, which quantizes: the same float32 rotation, no host sync, but not
-one kernel (a quantizing store would need each row's group maxima across both halves).
+An FP8 cache (uint8 rows of kernels.attention.fp8_kv, [num_kv_heads, num_pages, page_size,
+row_bytes(head_dim)]) gets the rotated key, rounded to qk's dtype, and v quantized in the same kernel
+(kernels.fused.fp8_rows, bytes equal to quantize_rows'): its programs hold a head as scale groups, each
+value beside its rotation partner (a scale group may span both halves), where the other kernel holds
+the two halves. That kernel is compiled without floating-point contraction (no fused multiply-adds),
+so on CUDA too its rotation rounds as the reference's separate torch ops do: its queries, and the keys
+it quantizes, are bitwise the reference's, which a scale (each group's largest magnitude / FP8_MAX)
+needs to be the same bytes.
 
 Grid: (T, num_heads + num_kv_heads), one program per (token, head); a key head's program also
 copies that head's value. Launch-only wrapper (no host syncs, grid from shapes): safe to capture in a
@@ -29,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.paged import is_fp8, write_kv
+from kernels.attention.fp8_kv import row_bytes, scale_group
+from kernels.attention.paged import is_fp8
+from kernels.fused.fp8_rows import group_tile, store_fp8_row
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -75,43 +82,27 @@ def rotary_and_cache_write(
     """Rotated queries [T, num_heads, head_dim]; rotated keys and v written to the caches.
 
     positions and slot_mapping hold one int64 entry per row of qk, -1 slots for padding rows."""
-    if is_fp8(k_cache):
-        return _rotary_and_fp8_write(qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads=num_heads)
     _check_inputs(qk, v, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
     tokens, heads, head_dim = qk.shape
     q = torch.empty((tokens, num_heads, head_dim), dtype=qk.dtype, device=qk.device)
     half = head_dim // 2
-    _rotary_cache_kernel[(tokens, heads)](
+    args = (
         qk, qk.stride(0), qk.stride(1),
         v, v.stride(0), v.stride(1),
         positions, cos, sin,
         k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         slot_mapping, q, num_heads, k_cache.shape[2],
-        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
     )  # fmt: skip
+    if is_fp8(k_cache):
+        group = scale_group(head_dim)
+        _rotary_fp8_cache_kernel[(tokens, heads)](
+            *args, HALF=half, GROUP=group, BLOCK_GROUPS=triton.next_power_of_2(head_dim // group),
+            num_warps=1, enable_fp_fusion=False,
+        )  # fmt: skip
+    else:
+        _rotary_cache_kernel[(tokens, heads)](*args, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
     return q
-
-
-def _rotary_and_fp8_write(
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    num_heads: int,
-) -> torch.Tensor:
-    """The kernel's rotation in torch, then write_kv's quantizing write (-1 slots skipped, no host sync)."""
-    x = qk.float()
-    half = x.shape[-1] // 2
-    angle_cos, angle_sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    rotated = (x * angle_cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * angle_sin).to(qk.dtype)
-    write_kv(k_cache, v_cache, rotated[:, num_heads:], v, slot_mapping)
-    return rotated[:, :num_heads].contiguous()
 
 
 def _check_inputs(
@@ -135,9 +126,11 @@ def _check_inputs(
     kv_heads = heads - num_heads
     if v.shape != (tokens, kv_heads, head_dim):
         raise ValueError(f"v must be {(tokens, kv_heads, head_dim)}, got {tuple(v.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0::3] != (kv_heads, head_dim):
+    fp8 = is_fp8(k_cache)
+    row = row_bytes(head_dim) if fp8 else head_dim  # an FP8 row: head_dim e4m3 bytes, then its scales
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0::3] != (kv_heads, row):
         raise ValueError(
-            f"k/v caches must both be [{kv_heads}, pages, page_size, {head_dim}], "
+            f"k/v caches must both be [{kv_heads}, pages, page_size, {row}], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
@@ -152,9 +145,12 @@ def _check_inputs(
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
     if qk.dtype not in FLOAT_DTYPES:
         raise ValueError(f"qk must be float32, float16 or bfloat16, got {qk.dtype}")
-    for name, tensor in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.dtype != qk.dtype:
-            raise ValueError(f"{name} is {tensor.dtype}, qk is {qk.dtype}")
+    if v.dtype != qk.dtype:
+        raise ValueError(f"v is {v.dtype}, qk is {qk.dtype}")
+    cache_dtype = torch.uint8 if fp8 else qk.dtype
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype != cache_dtype:
+            raise ValueError(f"{name} is {cache.dtype}, expected {cache_dtype} (qk is {qk.dtype})")
     others = {
         "v": v,
         "positions": positions,
@@ -212,3 +208,41 @@ def _rotary_cache_kernel(
         v_dst = vc_ptr + kv_head * vc_head_stride + page * vc_page_stride + offset * vc_offset_stride
         tl.store(v_dst + d, tl.load(v_src + d, mask=write), mask=write)
         tl.store(v_dst + HALF + d, tl.load(v_src + HALF + d, mask=write), mask=write)
+
+
+@triton.jit
+def _rotary_fp8_cache_kernel(
+    qk_ptr, qk_token_stride, qk_head_stride,
+    v_ptr, v_token_stride, v_head_stride,
+    positions_ptr, cos_ptr, sin_ptr,
+    kc_ptr, kc_head_stride, kc_page_stride, kc_offset_stride,
+    vc_ptr, vc_head_stride, vc_page_stride, vc_offset_stride,
+    slot_ptr, q_ptr, num_heads, page_size,
+    HALF: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = group_tile(GROUP, BLOCK_GROUPS)
+    mask = dims < 2 * HALF
+    first = dims < HALF
+    table_row = tl.load(positions_ptr + token) * (2 * HALF)
+    angle_cos = tl.load(cos_ptr + table_row + dims, mask=mask)
+    angle_sin = tl.load(sin_ptr + table_row + dims, mask=mask)
+    src = qk_ptr + token * qk_token_stride + head * qk_head_stride
+    x = tl.load(src + dims, mask=mask).to(tl.float32)
+    partner = tl.load(src + tl.where(first, dims + HALF, dims - HALF), mask=mask).to(tl.float32)
+    # The other kernel's expressions, per element: x1 * cos1 - x2 * sin1 and x2 * cos2 + x1 * sin2.
+    rotated = tl.where(first, x * angle_cos - partner * angle_sin, x * angle_cos + partner * angle_sin)
+    rotated = rotated.to(q_ptr.dtype.element_ty)
+    if head < num_heads:
+        tl.store(q_ptr + (token * num_heads + head) * (2 * HALF) + dims, rotated, mask=mask)
+    else:
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:
+            kv_head = (head - num_heads).to(tl.int64)
+            page, offset = slot // page_size, slot % page_size
+            k_row = kc_ptr + kv_head * kc_head_stride + page * kc_page_stride + offset * kc_offset_stride
+            store_fp8_row(k_row, rotated.to(tl.float32), dims, 2 * HALF, GROUP, BLOCK_GROUPS)
+            value = tl.load(v_ptr + token * v_token_stride + kv_head * v_head_stride + dims, mask=mask)
+            v_row = vc_ptr + kv_head * vc_head_stride + page * vc_page_stride + offset * vc_offset_stride
+            store_fp8_row(v_row, value.to(tl.float32), dims, 2 * HALF, GROUP, BLOCK_GROUPS)

@@ -243,43 +243,73 @@ def rotation_tables(width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary.cos, rotary.sin
 
 
-def test_the_fused_rotary_write_quantizes_what_the_reference_writes():
-    tokens, num_heads, kv_heads, head_dim = len(FUSED_SLOTS), 4, 2, 32
+# (query heads, kv heads, head_dim, dtype): GQA with one scale group per row; groups of 32 that
+# straddle the rotated halves (48 each); two groups of 128, one per half. float16, not bfloat16: Triton's
+# interpreter truncates float32 -> bfloat16 where torch rounds, which would move the rounded keys.
+# Exact on CUDA too: the kernels round as the torch reference does (no fused multiply-adds).
+ROTARY_SHAPES = [(4, 2, 32, torch.float32), (6, 2, 96, torch.float16), (2, 1, 256, torch.float32)]
+
+
+@pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim", "dtype"), ROTARY_SHAPES)
+def test_the_fused_rotary_write_quantizes_what_the_reference_writes(num_heads, kv_heads, head_dim, dtype):
+    tokens = len(FUSED_SLOTS)
     generator = torch.Generator().manual_seed(6)
-    qk = torch.randn(tokens, num_heads + kv_heads, head_dim, generator=generator)
-    v = torch.randn(tokens, kv_heads, head_dim, generator=generator)
+    qk = (4 * torch.randn(tokens, num_heads + kv_heads, head_dim, generator=generator)).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=generator).to(dtype)
+    v[4] = 0  # all-zero groups take MIN_AMAX's scale
     cos, sin = rotation_tables(head_dim)
     positions, slots = torch.tensor(FUSED_POSITIONS), torch.tensor(FUSED_SLOTS)
-    k_ref, v_ref = torch.zeros(kv_heads, 5, 4, head_dim), torch.zeros(kv_heads, 5, 4, head_dim)
+    k_ref, v_ref = (
+        torch.zeros(kv_heads, 5, 4, head_dim, dtype=dtype),
+        torch.zeros(kv_heads, 5, 4, head_dim, dtype=dtype),
+    )
     q_ref = rotary_and_cache_write_reference(qk, v, positions, cos, sin, k_ref, v_ref, slots, num_heads=num_heads)
-    k_fp8 = torch.zeros(kv_heads, 5, 4, row_bytes(head_dim), dtype=torch.uint8)
+    k_fp8 = torch.zeros(kv_heads, 5, 4, row_bytes(head_dim), dtype=torch.uint8, device=DEVICE)
     v_fp8 = torch.zeros_like(k_fp8)
 
-    q = rotary_and_cache_write(qk, v, positions, cos, sin, k_fp8, v_fp8, slots, num_heads=num_heads)
+    inputs = (t.to(DEVICE) for t in (qk, v, positions, cos, sin))
+    q = rotary_and_cache_write(*inputs, k_fp8, v_fp8, slots.to(DEVICE), num_heads=num_heads).cpu()
+    k_fp8, v_fp8 = k_fp8.cpu(), v_fp8.cpu()
 
     torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
     assert torch.equal(written_rows(k_fp8, FUSED_SLOTS), quantize_rows(written_rows(k_ref, FUSED_SLOTS)))
     assert torch.equal(written_rows(v_fp8, FUSED_SLOTS), quantize_rows(written_rows(v_ref, FUSED_SLOTS)))
-    assert int((k_fp8.view(kv_heads, -1, row_bytes(head_dim)).any(dim=-1)).sum()) == kv_heads * 7  # nothing else
+    for cache in (k_fp8, v_fp8):  # nothing else, padding rows (slot -1) included
+        assert int(cache.view(kv_heads, -1, row_bytes(head_dim)).any(dim=-1).sum()) == kv_heads * 7
 
 
+def test_the_fused_rotary_write_names_a_cache_that_is_not_fp8_rows():
+    qk, v = torch.randn(2, 3, 16), torch.randn(2, 1, 16)
+    cos, sin = rotation_tables(16)
+    cache = torch.zeros(1, 2, 4, 16, dtype=torch.uint8)  # head_dim bytes: no room for the scales
+    with pytest.raises(ValueError, match=rf"\[1, pages, page_size, {row_bytes(16)}\]"):
+        rotary_and_cache_write(qk, v, torch.tensor([0, 1]), cos, sin, cache, cache, torch.tensor([0, 1]), num_heads=2)
+
+
+# (compressed, rope): three groups of 16; DeepSeek-V3's 512 + 64, nine groups of 64 (the last the key).
+@pytest.mark.parametrize(("compressed_dim", "rope_dim"), [(32, 16), (512, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("interleave", [False, True])
-def test_the_fused_mla_rope_write_quantizes_what_the_reference_writes(interleave):
-    tokens, heads, compressed_dim, rope_dim = len(FUSED_SLOTS), 3, 32, 16
+def test_the_fused_mla_rope_write_quantizes_what_the_reference_writes(compressed_dim, rope_dim, dtype, interleave):
+    tokens, heads = len(FUSED_SLOTS), 3
     generator = torch.Generator().manual_seed(7)
-    q_rope = torch.randn(tokens, heads, rope_dim, generator=generator)
-    k_rope = torch.randn(tokens, rope_dim, generator=generator)
-    compressed = torch.randn(tokens, compressed_dim, generator=generator)
+    q_rope = torch.randn(tokens, heads, rope_dim, generator=generator).to(dtype)
+    k_rope = (5 * torch.randn(tokens, rope_dim, generator=generator)).to(dtype)
+    compressed = torch.randn(tokens, compressed_dim, generator=generator).to(dtype)
+    compressed[5] = 0  # all-zero groups take MIN_AMAX's scale
     cos, sin = rotation_tables(rope_dim)
     positions, slots = torch.tensor(FUSED_POSITIONS), torch.tensor(FUSED_SLOTS)
-    reference_cache = torch.zeros(1, 5, 4, compressed_dim + rope_dim)
+    reference_cache = torch.zeros(1, 5, 4, compressed_dim + rope_dim, dtype=dtype)
     q_expected = q_rope.clone()
     mla_rope_and_cache_write_reference(
         q_expected, k_rope, compressed, positions, cos, sin, reference_cache, slots, interleave=interleave
     )
-    latent = torch.zeros(1, 5, 4, row_bytes(compressed_dim + rope_dim), dtype=torch.uint8)
+    latent = torch.zeros(1, 5, 4, row_bytes(compressed_dim + rope_dim), dtype=torch.uint8, device=DEVICE)
+    q_rope = q_rope.to(DEVICE)
 
-    mla_rope_and_cache_write(q_rope, k_rope, compressed, positions, cos, sin, latent, slots, interleave=interleave)
+    inputs = (t.to(DEVICE) for t in (k_rope, compressed, positions, cos, sin))
+    mla_rope_and_cache_write(q_rope, *inputs, latent, slots.to(DEVICE), interleave=interleave)
+    q_rope, latent = q_rope.cpu(), latent.cpu()
 
     torch.testing.assert_close(q_rope, q_expected, rtol=0, atol=0)
     assert torch.equal(written_rows(latent, FUSED_SLOTS), quantize_rows(written_rows(reference_cache, FUSED_SLOTS)))
