@@ -71,8 +71,26 @@ def _measure_shape(name: str, args: argparse.Namespace, batch_sizes: list[int], 
         num_pages=max(batch_sizes) * -(-context // 16) + 2,
         max_model_len=context,
     )
+    specs = llm.engine.runner.kv_cache.specs
+    rows = decode_rows(llm, batch_sizes, args, copy_bytes_per_s, {"shape": name})
+    result = {
+        "shape": name,
+        "kv_layout": specs.layout,
+        "kv_bytes_per_token_per_layer": specs.groups[0].bytes_per_token_per_layer,
+        "rows": rows,
+    }
+    llm.engine.close()
+    return result
+
+
+def decode_rows(
+    llm: LLM, batch_sizes: list[int], args: argparse.Namespace, copy_bytes_per_s: float, label: dict[str, str]
+) -> list[dict]:
+    """Per batch size of random prompts (args.prompt_len, args.new_tokens): the engine's run and its
+    decode step against the step's roofline, each row also printed to stderr after `label`."""
     runner = llm.engine.runner
     specs = runner.kv_cache.specs
+    context = args.prompt_len + args.new_tokens
     rows = []
     for batch_size in batch_sizes:
         prompts = torch.randint(
@@ -82,10 +100,13 @@ def _measure_shape(name: str, args: argparse.Namespace, batch_sizes: list[int], 
             timed_engine_run(llm, prompts), args.new_tokens, batch_size, args.prompt_len, full_warm_up=False
         )
         weight_bytes = touched_weight_bytes(runner.model, batch_size)
-        kv_bytes = batch_size * (args.prompt_len + args.new_tokens // 2) * specs.bytes_per_token
-        step_s = batch_size / measured["decode_tok_s"]
+        # The sequences that run at once: fewer than the batch where the KV cache cannot hold it all.
+        running = min(batch_size, runner.kv_cache.num_pages * specs.page_size // context)
+        kv_bytes = running * (args.prompt_len + args.new_tokens // 2) * specs.bytes_per_token
+        step_s = running / measured["decode_tok_s"]
         row = {
             "batch_size": batch_size,
+            "max_running": running,
             **measured,
             "step_ms": round(step_s * 1e3, 3),
             "weight_bytes_per_step": weight_bytes,
@@ -94,15 +115,8 @@ def _measure_shape(name: str, args: argparse.Namespace, batch_sizes: list[int], 
             "roofline_fraction": round((weight_bytes + kv_bytes) / copy_bytes_per_s / step_s, 4),
         }
         rows.append(row)
-        print(json.dumps({"shape": name, **row}), file=sys.stderr, flush=True)
-    result = {
-        "shape": name,
-        "kv_layout": specs.layout,
-        "kv_bytes_per_token_per_layer": specs.groups[0].bytes_per_token_per_layer,
-        "rows": rows,
-    }
-    llm.engine.close()
-    return result
+        print(json.dumps({**label, **row}), file=sys.stderr, flush=True)
+    return rows
 
 
 def touched_weight_bytes(model: torch.nn.Module, batch_size: int) -> int:

@@ -18,12 +18,10 @@ Prints one JSON object.
 import argparse
 import gc
 import json
-import sys
 
 import torch
 
-from bench.decode_roofline import copy_bandwidth, touched_weight_bytes
-from bench.engine_throughput import measure_run, timed_engine_run
+from bench.decode_roofline import copy_bandwidth, decode_rows
 from bench.shapes import shape
 from workers.engine import LLM
 
@@ -89,30 +87,7 @@ def _measure_variant(variant: str, args: argparse.Namespace, batch_sizes: list[i
     )
     runner = llm.engine.runner
     specs = runner.kv_cache.specs
-    rows = []
-    for batch_size in batch_sizes:
-        prompts = torch.randint(
-            0, runner.model.config.vocab_size, (batch_size, args.prompt_len), generator=torch.Generator().manual_seed(7)
-        )
-        measured = measure_run(
-            timed_engine_run(llm, prompts), args.new_tokens, batch_size, args.prompt_len, full_warm_up=False
-        )
-        weight_bytes = touched_weight_bytes(runner.model, batch_size)
-        running = min(batch_size, runner.kv_cache.num_pages * specs.page_size // context)
-        kv_bytes = running * (args.prompt_len + args.new_tokens // 2) * specs.bytes_per_token
-        step_s = running / measured["decode_tok_s"]
-        row = {
-            "batch_size": batch_size,
-            "max_running": running,
-            **measured,
-            "step_ms": round(step_s * 1e3, 3),
-            "weight_bytes_per_step": weight_bytes,
-            "kv_bytes_per_step": kv_bytes,
-            "roofline_step_ms": round((weight_bytes + kv_bytes) / copy_bytes_per_s * 1e3, 3),
-            "roofline_fraction": round((weight_bytes + kv_bytes) / copy_bytes_per_s / step_s, 4),
-        }
-        rows.append(row)
-        print(json.dumps({"variant": variant, **row}), file=sys.stderr, flush=True)
+    rows = decode_rows(llm, batch_sizes, args, copy_bytes_per_s, {"variant": variant})
     result = {
         "settings": VARIANTS[variant],
         "kv_layout": specs.layout,
