@@ -51,7 +51,16 @@ class Stack:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         database = f"sqlite:///{scratch}/db.sqlite3"
-        self.env = dict(os.environ, DATABASE_URL=database, SLUICE_VAR_DIR=str(scratch), PYTHONUNBUFFERED="1")
+        # One client is the whole load here: the fair-admission cap on a tenant's prompt tokens waiting
+        # for a first output (65,536 by default) refused half the acceptance mix's 8 concurrent
+        # 14,400-token first turns with 429s.
+        self.env = dict(
+            os.environ,
+            DATABASE_URL=database,
+            SLUICE_VAR_DIR=str(scratch),
+            PYTHONUNBUFFERED="1",
+            SLUICE_TENANT_MAX_QUEUED_PROMPT_TOKENS=str(1 << 24),
+        )
         manage = [sys.executable, str(ROOT / "manage.py")]
         subprocess.run([*manage, "migrate", "--no-input"], env=self.env, check=True, capture_output=True)
         created = subprocess.run(
