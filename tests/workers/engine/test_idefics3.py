@@ -232,3 +232,21 @@ def test_unknown_and_missing_tensors_are_refused(hf_model):
 def test_bad_config_fields_are_refused_by_name(change, field):
     with pytest.raises(ModelLoadError, match=field.replace(".", r"\.")):
         model_config({**HF_CONFIG, **change})
+
+
+@pytest.mark.parametrize("patches_per_side", [4, 19, 26])
+def test_patch_embeddings_match_hf_where_its_position_buckets_round(patches_per_side):
+    """HF buckets patch coordinates in float32; at 19 patches per side some land on a neighbour's row."""
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+
+    vision = {**TINY_IDEFICS3["vision_config"], "image_size": 2 * patches_per_side, "patch_size": 2}
+    torch.manual_seed(0)
+    reference = Idefics3VisionEmbeddings(Idefics3VisionConfig(**vision))
+    ours = Idefics3VisionEncoder(model_config({**HF_CONFIG, "vision_config": vision, "scale_factor": 1}))
+    ours.vision_model.embeddings.load_state_dict(reference.state_dict())
+    pixel_values = torch.randn(2, 3, 2 * patches_per_side, 2 * patches_per_side)
+    full = torch.ones(2, patches_per_side, patches_per_side, dtype=torch.bool)
+
+    with torch.no_grad():
+        torch.testing.assert_close(ours.vision_model.embeddings(pixel_values), reference(pixel_values, full))
