@@ -9,6 +9,7 @@ from kernels.attention import TORCH_BACKENDS, AttentionMetadata, get_backend
 from tests.workers.engine.hf_idefics3_reference import IMAGE_TOKEN_ID, TINY_IDEFICS3, build_hf_idefics3
 from workers.engine import LLM, ModelLoadError, SamplingParams
 from workers.engine.kv.kv_cache import KVCache
+from workers.engine.model_loader import load_model
 from workers.engine.models.decoder import InjectedEmbeddings
 from workers.engine.models.idefics3 import (
     Idefics3,
@@ -18,6 +19,7 @@ from workers.engine.models.idefics3 import (
 )
 from workers.engine.models.registry import family_of, model_config
 from workers.engine.models.vision.connector import pixel_shuffle
+from workers.engine.models.vision.siglip import patch_position_ids
 
 PAGE_SIZE = 16
 FAKE_AROUND_IMAGE, GLOBAL_IMAGE = 118, 119
@@ -250,3 +252,30 @@ def test_patch_embeddings_match_hf_where_its_position_buckets_round(patches_per_
 
     with torch.no_grad():
         torch.testing.assert_close(ours.vision_model.embeddings(pixel_values), reference(pixel_values, full))
+
+
+def test_patch_positions_do_not_depend_on_the_default_dtype():
+    """The engine builds a model under its serving dtype as the default; the buckets stay float32's."""
+    expected = patch_position_ids(19)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        built_in_bf16 = patch_position_ids(19)
+    finally:
+        torch.set_default_dtype(previous)
+
+    assert torch.equal(built_in_bf16, expected)
+
+
+def test_random_weights_from_a_bare_config_load_in_bfloat16():
+    """The loader's path without a checkpoint: built under bfloat16, drawn from the seed, vision included."""
+    loaded = load_model(HF_CONFIG, device=torch.device("cpu"), dtype=torch.bfloat16, seed=0, max_model_len=None)
+    vision = loaded.model.vision
+
+    with torch.no_grad():
+        embeddings = loaded.model.encode_images(tiles(2))
+
+    assert embeddings.shape == (8, 64) and embeddings.dtype == torch.bfloat16
+    assert torch.isfinite(embeddings).all()
+    assert torch.equal(vision.vision_model.post_layernorm.weight, torch.ones(32, dtype=torch.bfloat16))
+    assert torch.equal(vision.vision_model.encoder.layers[0].layer_norm1.weight, torch.ones(32, dtype=torch.bfloat16))

@@ -37,8 +37,10 @@ def patch_position_ids(patches_per_side: int) -> torch.Tensor:
     sides (19, 25...) rounding moves a patch to its neighbour's row, and the checkpoints were trained
     with that, so it is kept rather than taken as plain indices."""
     side = patches_per_side
-    boundaries = torch.arange(1 / side, 1.0, 1 / side)
-    coords = torch.clamp(torch.arange(side, dtype=torch.float32) * (1.0 / torch.tensor(side)), max=1.0 - 1e-6)
+    # float32 whatever the default dtype (models are built under their serving dtype).
+    boundaries = torch.arange(1 / side, 1.0, 1 / side, dtype=torch.float32)
+    step = 1.0 / torch.tensor(side, dtype=torch.float32)
+    coords = torch.clamp(torch.arange(side, dtype=torch.float32) * step, max=1.0 - 1e-6)
     buckets = torch.bucketize(coords, boundaries, right=True)
     return (buckets[:, None] * side + buckets[None, :]).reshape(-1)
 
