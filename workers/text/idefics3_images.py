@@ -101,6 +101,17 @@ def image_prompt(layout: ImageLayout, settings: ImageSettings) -> str:
     return "".join(rows) + "\n" + global_tile
 
 
+def num_image_tokens(layout: ImageLayout, settings: ImageSettings, *, double_newline_tokens: int) -> int:
+    """How many tokens image_prompt(layout) encodes to, without encoding it: the markers are special
+    tokens, so each newline run between them encodes alone, a lone "\n" as one token and the "\n\n"
+    before the global tile as `double_newline_tokens` (1 where the vocabulary merges it, else 2)."""
+    global_tile = 3 + settings.image_seq_len  # two fake tokens, the global-image tag, the tokens
+    if not layout.rows:
+        return global_tile
+    grid = layout.rows * layout.cols * (2 + settings.image_seq_len)  # a fake token and a row/col tag each
+    return grid + (layout.rows - 1) + double_newline_tokens + global_tile
+
+
 def expand_image_placeholders(prompt: str, layouts: list[ImageLayout], settings: ImageSettings) -> str:
     """The prompt with its k-th "<image>" replaced by image k's expansion."""
     pieces = prompt.split(IMAGE_TOKEN)

@@ -12,6 +12,8 @@ from workers.text.idefics3_images import (
     ImageSettings,
     expand_image_placeholders,
     image_layout,
+    image_prompt,
+    num_image_tokens,
     preprocess_image,
 )
 from workers.text.tokenizer import Tokenizer
@@ -113,6 +115,16 @@ def test_expanded_prompt_tokens_match_hf(tokenizers_pair):
     expected = processor(text=prompt, images=images)["input_ids"][0]
     assert ours == expected
     assert ours.count(processor.image_token_id) == sum(layout.num_tiles for layout in layouts) * SETTINGS.image_seq_len
+
+
+def test_image_token_counts_without_encoding(tokenizers_pair):
+    _, tokenizer = tokenizers_pair
+    double_newline = len(tokenizer.encode("\n\n"))
+
+    for height, width in [(90, 200), (130, 45), (64, 64), (3, 7), (100, 33), (31, 120)]:
+        layout = image_layout(height, width, SETTINGS)
+        encoded = tokenizer.encode(image_prompt(layout, SETTINGS), allow_special=True)
+        assert num_image_tokens(layout, SETTINGS, double_newline_tokens=double_newline) == len(encoded)
 
 
 def test_a_placeholder_count_unlike_the_images_is_refused():

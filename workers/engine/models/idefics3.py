@@ -193,8 +193,10 @@ class Idefics3(DecoderFamily):
                 f"scale_factor ({scale}) must divide the patches per side "
                 f"(vision_config.image_size // patch_size = {vision.patches_per_side})"
             )
-        image_token_id = _positive_int(hf, "image_token_id", DEFAULT_IMAGE_TOKEN_ID)
-        if image_token_id >= base.vocab_size:
+        image_token_id = hf.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID)
+        if isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
+            raise ModelLoadError(f"image_token_id must be an integer, got {image_token_id!r}")
+        if not 0 <= image_token_id < base.vocab_size:
             raise ModelLoadError(f"image_token_id ({image_token_id}) is outside the vocabulary ({base.vocab_size})")
         return Idefics3Config(
             **{shared.name: getattr(base, shared.name) for shared in fields(ModelConfig)},
