@@ -17,6 +17,7 @@ a decode layer is about ten kernels.
 
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +40,15 @@ RotaryAngles = tuple[torch.Tensor, torch.Tensor]
 # A routed expert's projection in an HF checkpoint: layer, expert, gate/up/down.
 EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class InjectedEmbeddings:
+    """Input embeddings computed elsewhere (an image encoder's) that replace the token embeddings of
+    some of a step's tokens before the first layer: the seam through which a prefill receives them."""
+
+    rows: torch.Tensor  # int64 [n]: indices into the step's flattened tokens
+    embeddings: torch.Tensor  # [n, hidden_size], in the model's dtype and on its device
 
 
 class Attention(nn.Module):
@@ -213,10 +223,14 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: Sequence[KVCache],
         metadata: Sequence[Any],
         backend: AttentionBackend,
+        injected: InjectedEmbeddings | None = None,
     ) -> torch.Tensor:
         """Final hidden states ([tokens, hidden]) of the step's flattened tokens. `metadata`: per
-        layer, the attention metadata of its KV group (kernels.attention.backend.layer_metadata)."""
+        layer, the attention metadata of its KV group (kernels.attention.backend.layer_metadata).
+        `injected` replaces some tokens' embeddings (a multimodal prompt's image positions)."""
         hidden = self.embed_tokens(input_ids)
+        if injected is not None:
+            hidden = hidden.index_copy(0, injected.rows, injected.embeddings)
         if self.fused_ops:
             residual = None
             for layer, kv_cache, layer_metadata in zip(self.layers, kv_caches, metadata, strict=True):

@@ -8,6 +8,7 @@ from workers.engine.models.dots1 import Dots1
 from workers.engine.models.family import DecoderFamily
 from workers.engine.models.gemma3 import Gemma3
 from workers.engine.models.gpt_oss import GptOss
+from workers.engine.models.idefics3 import Idefics3
 from workers.engine.models.llama import Llama
 from workers.engine.models.mistral import Mistral
 from workers.engine.models.qwen2 import Qwen2
@@ -27,6 +28,9 @@ ARCHITECTURES: dict[str, DecoderFamily] = {
     "GptOssForCausalLM": GptOss(),
     "Gemma3ForCausalLM": Gemma3(),
     "MistralForCausalLM": Mistral(),
+    # SmolVLM is Idefics3's architecture under its own name.
+    "Idefics3ForConditionalGeneration": Idefics3(),
+    "SmolVLMForConditionalGeneration": Idefics3(),
 }
 
 
