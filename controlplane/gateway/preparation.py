@@ -84,7 +84,10 @@ async def prepare_count(body: bytes, *, hold: TenantHold) -> int:
 
 
 def _is_large(job: PrepareJob) -> bool:
-    return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES
+    """Large bodies, and any that may hold an image: fetching and decoding images (recipe.images) is
+    work for a prepare process, whatever the body's size. A body that spells `image` with JSON escapes
+    is prepared in a thread, under the same limits."""
+    return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES or b"image" in job.body
 
 
 async def _done_by(workers: FairWorkers, job: PrepareJob, hold: TenantHold) -> PreparedRequest | int | None:
