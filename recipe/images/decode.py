@@ -1,9 +1,8 @@
 """Decoding an image's bytes with Pillow, within the pixels limit: the size, RGB pixels and hash.
 
 Only PNG, JPEG, GIF and WebP decoders are tried (Pillow's others parse formats no client sends an
-API). The declared dimensions are checked before any pixel is decoded: a small file that declares a
-huge image (a decompression bomb) is refused from its header. Pillow's own guard is set to the same
-limit and its warning made an error, as a second line.
+API). Pillow's decompression-bomb guard is set to the pixels limit and its warning made an error, so
+that a small file declaring a huge image is refused from its header, before any pixel is decoded.
 """
 
 import hashlib
@@ -32,27 +31,28 @@ class DecodedImage:
 
 
 def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
-    """Raises DecodeRefused for non-image data, other formats, truncated files and more than `max_pixels`."""
+    """Raises DecodeRefused for non-image data, other formats, truncated files and more than `max_pixels`.
+    Sets Pillow's global guard: every caller in a process passes the same limit (the settings')."""
     Image.MAX_IMAGE_PIXELS = max_pixels
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             with Image.open(io.BytesIO(data), formats=FORMATS) as image:
                 width, height = image.size
-                _check_pixels(width, height, max_pixels)
+                # Again by hand: warnings filters are process-wide, and a gateway thread's
+                # catch_warnings may restore another's while this one opens its image.
+                if width * height > max_pixels:
+                    raise Image.DecompressionBombError(f"{width}x{height}")
                 image_format = image.format or "unknown"
                 rgb = image.convert("RGB")  # decodes every pixel: a truncated file fails here
         except Image.UnidentifiedImageError:
             raise DecodeRefused(f"is not a {', '.join(FORMATS[:-1])} or {FORMATS[-1]} image") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-            raise DecodeRefused(f"has more than {max_pixels} pixels") from None
+            raise DecodeRefused(
+                f"has more than {max_pixels} pixels (its header says so: nothing was decoded)"
+            ) from None
         except (OSError, SyntaxError, ValueError, EOFError) as error:
             raise DecodeRefused(f"could not be decoded: it is truncated or corrupt ({error})") from None
     digest = hashlib.sha256(f"{width}x{height}:".encode())
     digest.update(rgb.tobytes())
     return DecodedImage(width, height, image_format, digest.hexdigest())
-
-
-def _check_pixels(width: int, height: int, max_pixels: int) -> None:
-    if width * height > max_pixels:
-        raise DecodeRefused(f"is {width}x{height} = {width * height} pixels; at most {max_pixels} are allowed")

@@ -10,7 +10,7 @@ import base64
 import binascii
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from recipe.errors import invalid_request
@@ -29,7 +29,9 @@ class RequestImage:
     detail: Literal["auto", "low", "high"]
     width: int  # decoded, in pixels
     height: int
-    data: bytes  # the encoded file as sent or fetched (smaller than its pixels, to pass between processes)
+    data: bytes = field(
+        repr=False
+    )  # the encoded file as sent or fetched (smaller than its pixels, to pass between processes)
     content_hash: str  # recipe.images.decode.DecodedImage.content_hash: of the pixels
 
 
