@@ -7,9 +7,12 @@ never resolved a second time, so a DNS answer that changes between check and con
 reaches nothing. The whole fetch, redirects included, has one deadline; the body is streamed and
 abandoned past `max_bytes`; only `image/*` responses are read.
 
-Why not deepseek-recipe's ReqwestImageFetcher: it takes a destination filter and a byte limit, and
-checks the filter on redirects, but it has no timeout (a server that stalls holds it as long as it
-likes) and accepts any content type (tests/controlplane/gateway/test_image_fetch.py shows both).
+Why not deepseek-recipe's ReqwestImageFetcher: it takes a destination filter (asked after resolution
+and on redirects; it ships no rule, destinations.py is ours) and a byte limit, but it accepts any
+content type (tests/controlplane/gateway/test_image_fetch.py shows it) and has no time limit to set (a
+server that stalled 30 s held its fetch 30 s).
+
+Not bounded by the deadline: the system resolver (getaddrinfo), whose own timeouts apply.
 """
 
 import ipaddress
