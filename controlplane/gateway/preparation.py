@@ -6,10 +6,11 @@ GIL for as long as it runs, so a thread does not keep the event loop free: a 3.9
 holds it for ~10 s of tokenizing on a 2-core machine, and 4 MB of small messages for ~0.4 s of
 json.loads alone. So bodies up to SLUICE_PREPARE_INLINE_MAX_BYTES (a few milliseconds of work) are
 prepared in a few gateway threads, and larger ones, and any with an image to fetch or decode, first
-in prepare processes (prepare_pool), each job within a CPU budget. A count_tokens answer comes whole from there. A generation's prepared
-request holds its response builder, which cannot leave the process that made it: the process refuses
-a body that is invalid or over the context window, and a valid one is prepared again in a gateway
-thread, which the context window bounds (the recipe's tokenizer releases the GIL while it encodes).
+in prepare processes (prepare_pool), each job within a CPU budget. A count_tokens answer comes whole
+from there. A generation's prepared request holds its response builder, which cannot leave the
+process that made it: the process refuses a body that is invalid or over the context window, and a
+valid one is prepared again in a gateway thread, which the context window bounds (the recipe's
+tokenizer releases the GIL while it encodes).
 
 Both queues are fair between tenants (fair_work, weighted by fair_share_weight, each job costing its
 body's bytes), so a tenant's backlog of large bodies delays another tenant's by about one job each.
