@@ -92,8 +92,10 @@ def _checked_address(target: httpx.URL, is_allowed: AddressFilter) -> IpAddress:
         raise FetchRefused(f"its host `{target.host}` does not resolve ({error})") from None
     addresses = [ipaddress.ip_address(answer[4][0].partition("%")[0]) for answer in answers]
     refused = [address for address in addresses if not is_allowed(address)]
-    if refused or not addresses:
+    if refused:
         raise FetchRefused(f"its host `{target.host}` resolves to an address that is not public ({refused[0]})")
+    if not addresses:
+        raise FetchRefused(f"its host `{target.host}` resolves to no address")
     return addresses[0]
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from recipe.errors import invalid_request
+from recipe.errors import ApiError, invalid_request
 from recipe.limits import Path, field_name
 
 DETAILS = frozenset({"auto", "low", "high"})
@@ -130,6 +130,6 @@ def _detail(where: Path, detail: object) -> Literal["auto", "low", "high"]:
     return detail
 
 
-def _refusal(where: Path, problem: str):
+def _refusal(where: Path, problem: str) -> ApiError:
     name = field_name(where)
     return invalid_request(f"`{name}` {problem}", name)

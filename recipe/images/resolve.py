@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from recipe.errors import invalid_request
+from recipe.errors import ApiError, invalid_request
 from recipe.images.decode import DecodeRefused, decode_image
 from recipe.images.destinations import is_public_address
 from recipe.images.fetch import AddressFilter, FetchRefused, fetch_image
@@ -87,7 +87,7 @@ def _decoded_payload(part: ImagePart, max_bytes: int) -> bytes:
     return data
 
 
-def _too_large(part: ImagePart, max_bytes: int):
+def _too_large(part: ImagePart, max_bytes: int) -> ApiError:
     return invalid_request(
         f"`{part.field}`: the image is more than {max_bytes} bytes; at most {max_bytes} are allowed", part.field
     )
