@@ -284,7 +284,8 @@ SLUICE_BODY_READ_TIMEOUT_S = float(os.environ.get("SLUICE_BODY_READ_TIMEOUT_S", 
 SLUICE_HEADER_READ_TIMEOUT_S = float(os.environ.get("SLUICE_HEADER_READ_TIMEOUT_S", 10))
 
 # Nesting depth, counts and sizes in a request body (recipe.limits.RequestLimits), checked before any
-# work is done for it; each refusal is a 400 naming the field.
+# work is done for it; each refusal is a 400 naming the field. Image inputs too: SLUICE_MAX_IMAGES,
+# SLUICE_MAX_IMAGE_BYTES, SLUICE_MAX_IMAGE_PIXELS and SLUICE_IMAGE_FETCH_TIMEOUT_S (recipe.images).
 SLUICE_REQUEST_LIMITS = _request_limits(os.environ)
 # What one request's output constraint (response_format / text.format json_schema or regex, tools)
 # may cost a worker, sent with every constrained request: workers.protocol.messages.GrammarLimits lists the

@@ -24,6 +24,7 @@ from recipe.cache_hints import CacheRequest, read_cache_request
 from recipe.chatml import PromptText
 from recipe.conversation_responses import ConversationResponseFactory, choice_feed
 from recipe.errors import ApiError, invalid_request
+from recipe.images.resolve import resolve_images
 from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest
 from recipe.prompt_encoding import encode_conversation, render_prompt
@@ -75,6 +76,7 @@ def prepare_conversation_request(
     library_request = _library_request(protocol, body)
     responses_echo, namespace_tools = _responses_settings(library_request)
     converted = _converted(protocol, library_request, model.name)
+    _check_images(protocol, body, model, limits)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     forces_tool_call = conversation.tool_choice == "required" and bool(conversation.tools)
     prompt_token_ids = _encoded(conversation, model, protocol)
@@ -119,8 +121,18 @@ def count_prompt_tokens(
     its cache hints are checked, and count for nothing."""
     read_cache_request(protocol, body, limits)
     converted = _converted(protocol, _library_request(protocol, body), model.name)
+    _check_images(protocol, body, model, limits)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     return len(_encoded(conversation, model, protocol))
+
+
+def _check_images(protocol: ConversationProtocol, body: Mapping, model: ServedModel, limits: RequestLimits) -> None:
+    """Every image is read, fetched and decoded within `limits` (each refusal names its field); then,
+    since no served model takes images yet, the first one is refused by name."""
+    images = resolve_images(protocol, body, limits)
+    if images:
+        field = images[0].field
+        raise invalid_request(f"`{field}`: model `{model.name}` does not accept images", field)
 
 
 def _placed_hints(

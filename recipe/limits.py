@@ -41,6 +41,12 @@ class RequestLimits:
     max_logit_bias: int = 1024  # entries of logit_bias, each applied at every step
     max_choices: int = 16  # n: each choice is an engine request
     max_prompt_cache_key_chars: int = 64  # OpenAI's prompt_cache_key (recipe.cache_hints)
+    # Image inputs (recipe.images): how many, and each one's encoded bytes (sent or fetched) and
+    # decoded pixels; and the seconds one image URL may take to fetch, redirects included.
+    max_images: int = 16
+    max_image_bytes: int = 8 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+    image_fetch_timeout_s: int = 10
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -5,11 +5,12 @@ The native code that does most of this (json, the recipe's conversion, tokenizer
 GIL for as long as it runs, so a thread does not keep the event loop free: a 3.9 MB count_tokens body
 holds it for ~10 s of tokenizing on a 2-core machine, and 4 MB of small messages for ~0.4 s of
 json.loads alone. So bodies up to SLUICE_PREPARE_INLINE_MAX_BYTES (a few milliseconds of work) are
-prepared in a few gateway threads, and larger ones first in prepare processes (prepare_pool), each
-job within a CPU budget. A count_tokens answer comes whole from there. A generation's prepared
-request holds its response builder, which cannot leave the process that made it: the process refuses
-a body that is invalid or over the context window, and a valid one is prepared again in a gateway
-thread, which the context window bounds (the recipe's tokenizer releases the GIL while it encodes).
+prepared in a few gateway threads, and larger ones, and any with an image to fetch or decode, first
+in prepare processes (prepare_pool), each job within a CPU budget. A count_tokens answer comes whole
+from there. A generation's prepared request holds its response builder, which cannot leave the
+process that made it: the process refuses a body that is invalid or over the context window, and a
+valid one is prepared again in a gateway thread, which the context window bounds (the recipe's
+tokenizer releases the GIL while it encodes).
 
 Both queues are fair between tenants (fair_work, weighted by fair_share_weight, each job costing its
 body's bytes), so a tenant's backlog of large bodies delays another tenant's by about one job each.
@@ -73,18 +74,21 @@ def close_preparation() -> None:
 async def prepare_generation(body: bytes, *, protocol: str, hold: TenantHold) -> PreparedRequest:
     """`hold`, the call's on its tenant's caps, places its jobs in the fair queues."""
     job = PrepareJob("generation", protocol, body, settings.SLUICE_REQUEST_LIMITS)
-    if _is_large(job):
+    if _needs_process(job):
         await _done_by(_process_workers(), job, hold)
     return await _done_by(_thread_workers(), job, hold)
 
 
 async def prepare_count(body: bytes, *, hold: TenantHold) -> int:
     job = PrepareJob("count_tokens", "messages.count_tokens", body, settings.SLUICE_REQUEST_LIMITS)
-    return await _done_by(_process_workers() if _is_large(job) else _thread_workers(), job, hold)
+    return await _done_by(_process_workers() if _needs_process(job) else _thread_workers(), job, hold)
 
 
-def _is_large(job: PrepareJob) -> bool:
-    return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES
+def _needs_process(job: PrepareJob) -> bool:
+    """Large bodies, and any that may hold an image: fetching and decoding images (recipe.images) is
+    work for a prepare process, whatever the body's size. A body that spells `image` with JSON escapes
+    is prepared in a thread, under the same limits."""
+    return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES or b"image" in job.body
 
 
 async def _done_by(workers: FairWorkers, job: PrepareJob, hold: TenantHold) -> PreparedRequest | int | None:

@@ -65,7 +65,10 @@ def test_the_model_must_be_named_and_served(models, protocol: str) -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
         ({"messages": "Hi"}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}]},
+            "messages[0].content[1].image_url.url",
+        ),
         ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ],
 )
