@@ -224,3 +224,16 @@ def test_a_text_only_model_refuses_images(model_dir):
         text.generate([[1, 2, 3]], GREEDY, images=[[SMALL]])
 
     assert len(text.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_preempted_image_request_recomputes_with_its_images(hf_model, model_dir):
+    prompts = [image_prompt(SPLIT), image_prompt(OTHER)]
+    llm = vlm(model_dir, num_pages=7, enable_prefix_caching=False)
+
+    outs = llm.generate(prompts, GREEDY, images=[[SPLIT], [OTHER]])
+
+    assert llm.engine.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_tokens(hf_model, prompts[0], [SPLIT]),
+        hf_tokens(hf_model, prompts[1], [OTHER]),
+    ]
