@@ -1,17 +1,22 @@
 """A request's state inside the engine: tokens, progress, pages."""
 
 import enum
-from bisect import bisect_left
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from hashlib import blake2b
 from typing import Any
 
 import numpy as np
 
 from workers.engine.structured.constraint import TokenConstraint
-from workers.kvstore.block_hash import DIGEST_BYTES, ROOT_HASH, BlockHash, hash_block, hash_chain
+from workers.kvstore.block_hash import (
+    ROOT_HASH,
+    BlockHash,
+    hash_block,
+    hash_chain,
+    image_block_extra,
+    image_digest,
+)
 from workers.kvstore.hints import BlockRetention
 from workers.protocol.images import ImageEmbeddings
 from workers.protocol.logprobs import TokenLogprobs
@@ -31,12 +36,7 @@ class WindowReplay:
     exact: bool
 
 
-# Between a block's namespace extra and the digests of the images that start in it or before it; a
-# namespace holds no NUL of its own (namespace_extra, scoped_namespace), so no namespace spells it.
-IMAGES_EXTRA = b"\x00images:"
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class PromptImages:
     """A prompt's images (checked: workers.protocol.images.check_images) and where they go:
     `positions` are the prompt positions of every placeholder, image after image, so row j of the
@@ -56,13 +56,12 @@ class PromptImages:
             embeddings=tuple(images),
             positions=positions,
             starts=tuple(int(positions[i]) for i in firsts),
-            digests=tuple(blake2b(image.content_hash, digest_size=DIGEST_BYTES).digest() for image in images),
+            digests=tuple(image_digest(image.content_hash) for image in images),
         )
 
     def block_extra(self, base: bytes, index: int, block_size: int) -> bytes:
-        """The key extra of block `index` of `block_size` tokens."""
-        started = bisect_left(self.starts, (index + 1) * block_size)
-        return base + IMAGES_EXTRA + b"".join(self.digests[:started]) if started else base
+        """The key extra of block `index` of `block_size` tokens (block_hash.image_block_extra)."""
+        return image_block_extra(base, self.starts, self.digests, index, block_size)
 
 
 class RequestStatus(enum.Enum):

@@ -57,10 +57,12 @@ def check_images(
 def _check_image(image: ImageEmbeddings, name: str, hidden_size: int) -> None:
     if not isinstance(image, ImageEmbeddings):
         raise InvalidRequestError(f"{name} must be ImageEmbeddings, got {type(image).__name__}")
-    if not MIN_CONTENT_HASH_BYTES <= len(image.content_hash) <= MAX_CONTENT_HASH_BYTES:
+    if not isinstance(image.content_hash, bytes) or not (
+        MIN_CONTENT_HASH_BYTES <= len(image.content_hash) <= MAX_CONTENT_HASH_BYTES
+    ):
         raise InvalidRequestError(
             f"{name}.content_hash must be {MIN_CONTENT_HASH_BYTES} to {MAX_CONTENT_HASH_BYTES} bytes, "
-            f"got {len(image.content_hash)}"
+            f"got {image.content_hash!r:.40}"
         )
     if isinstance(image.num_tokens, bool) or not isinstance(image.num_tokens, int) or image.num_tokens <= 0:
         raise InvalidRequestError(f"{name}.num_tokens must be a positive integer, got {image.num_tokens!r}")
@@ -75,8 +77,8 @@ def _check_image(image: ImageEmbeddings, name: str, hidden_size: int) -> None:
             f"{name}.shape must be [num_tokens, hidden_size] = {list(expected_shape)}, got {list(image.shape)}"
         )
     expected_bytes = image.num_tokens * hidden_size * element
-    if len(image.data) != expected_bytes:
+    if not isinstance(image.data, bytes) or len(image.data) != expected_bytes:
         raise InvalidRequestError(
             f"{name}.data must be {expected_bytes} bytes ({image.num_tokens} x {hidden_size} {image.dtype}), "
-            f"got {len(image.data)}"
+            f"got {len(image.data) if isinstance(image.data, bytes) else type(image.data).__name__}"
         )

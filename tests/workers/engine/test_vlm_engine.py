@@ -14,6 +14,7 @@ from tests.workers.engine.hf_idefics3_reference import IMAGE_TOKEN_ID, build_hf_
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.engine import LLM, SamplingParams
 from workers.engine.image_inputs import ImageEncoder
+from workers.kvstore.block_hash import hash_chain, image_block_extra, image_digest
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.images import ImageEmbeddings
@@ -237,3 +238,20 @@ def test_a_preempted_image_request_recomputes_with_its_images(hf_model, model_di
         hf_tokens(hf_model, prompts[0], [SPLIT]),
         hf_tokens(hf_model, prompts[1], [OTHER]),
     ]
+
+
+def test_image_digests_enter_the_extra_from_their_block_on():
+    x, y = image_digest(b"x" * 32), image_digest(b"y" * 32)
+    base = b"model\x00tenant"
+
+    def extras(*digests: bytes) -> list[bytes]:
+        return [image_block_extra(base, (20, 40), digests, index, 16) for index in range(4)]
+
+    # Blocks [0, 16) hold no image; X starts in block 1, Y in block 2.
+    assert extras(x, y)[0] == base
+    assert extras(x, y)[1] != base and extras(x, y)[1] == extras(x, x)[1]
+    assert extras(x, y)[2] == extras(x, y)[3]  # every block after Y's carries both, in order
+    assert len({extras(x, y)[2], extras(y, x)[2], extras(x, x)[2], extras(x, y)[1], extras(y, x)[1]}) == 5
+    tokens = list(range(64))
+    with_x = hash_chain(tokens[:16], 16, extras(x, y)[0]) + hash_chain(tokens[16:32], 16, extras(x, y)[1])
+    assert with_x[0] == hash_chain(tokens, 16, base)[0] and with_x[1] != hash_chain(tokens, 16, base)[1]
