@@ -13,13 +13,16 @@ Two paths, chosen by the attention backend:
   Sampler instead.
 
 Both paths read the runner's own record of its requests (runner.request_states), kept from the
-scheduler's output: each request in full once, then only the pages it gains. A vision-language
-prompt's image embeddings replace the embeddings of the placeholders a step computes, by position
-(a chunk that cuts an image, or starts after a prefix hit inside one, takes the rows it holds); a
-step with any such rows never replays a CUDA graph. While no request it holds has images, a step
-does no work for them. Prompt logprobs (both
+scheduler's output: each request in full once, then only the pages it gains. Prompt logprobs (both
 paths) are computed eagerly for every prompt position of the requests that ask for them. This is
 the only engine component that builds tensors.
+
+A vision-language prompt's image embeddings replace the embeddings of the placeholders a step
+computes, on both paths, found by position: a chunk that cuts an image, or that starts inside one
+after a prefix hit, takes the rows it holds. A step with any such rows runs eagerly, never from a
+CUDA graph (graphs replay decode steps, which hold no prompt tokens, but a prompt's last token can
+run alone in a decode-shaped step). While no request the runner holds has images, a step does no
+work for them.
 """
 
 from collections.abc import Sequence
