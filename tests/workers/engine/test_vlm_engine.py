@@ -255,3 +255,35 @@ def test_image_digests_enter_the_extra_from_their_block_on():
     tokens = list(range(64))
     with_x = hash_chain(tokens[:16], 16, extras(x, y)[0]) + hash_chain(tokens[16:32], 16, extras(x, y)[1])
     assert with_x[0] == hash_chain(tokens, 16, base)[0] and with_x[1] != hash_chain(tokens, 16, base)[1]
+
+
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        pytest.param({}, id="reference"),
+        pytest.param({"attention_backend": "triton"}, id="device"),
+        # CUDA graphs replay decode-shaped steps: the lone last token must not take one.
+        pytest.param({"device": "cuda", "dtype": "float32"}, id="cuda-graphs", marks=ON_CUDA),
+    ],
+)
+def test_a_prompt_ending_in_an_image_computes_its_last_placeholder_alone(hf_model, model_dir, settings):
+    """A prompt whose last token is a placeholder, one token past whole pages: its second run hits
+    every page, and the last placeholder runs alone in a step shaped like a decode."""
+    if "attention_backend" in settings:
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the CPU device path under Triton's interpreter")
+    layout = placeholder_ids(image_layout(SPLIT.height, SPLIT.width, SETTINGS))[:-1]  # no closing marker
+    filler = (-(len(PREFIX) + len(layout)) - 1) % PAGE_SIZE + 2
+    prompt = PREFIX + [30] * filler + layout
+    assert len(prompt) % PAGE_SIZE == 1 and prompt[-1] == IMAGE_TOKEN_ID
+    llm = vlm(model_dir, max_num_batched_tokens=64, **settings)
+
+    first, again = (llm.generate([prompt], GREEDY, images=[[SPLIT]])[0] for _ in range(2))
+
+    assert again.num_cached_tokens == len(prompt) - 1
+    expected = hf_tokens(hf_model, prompt, [SPLIT])
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected
