@@ -36,7 +36,7 @@ from workers.engine.model_loader import LoadedModel
 from workers.engine.output_processor import OutputProcessor
 from workers.engine.outputs import RequestDelta, RequestFailure
 from workers.engine.parallel.placement import Placement
-from workers.engine.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from workers.engine.request import PENDING_TOKEN, FinishReason, PromptImages, Request, RequestStatus
 from workers.engine.resumption import ResumeStats, check_resumable, check_suspendable, with_seed
 from workers.engine.runner.model_runner import LaunchedStep, ModelRunner, SampledToken
 from workers.engine.sched.output import SchedulerOutput
@@ -57,6 +57,7 @@ from workers.protocol.engine_request import (
     Prefilled,
 )
 from workers.protocol.errors import InvalidConstraintError, InvalidRequestError
+from workers.protocol.images import check_images
 from workers.protocol.messages import OutputConstraintSpec
 from workers.text.tokenizer import Tokenizer
 
@@ -277,6 +278,7 @@ class LLMEngine(EngineCore):
             in_use=self._in_use(request.request_id),
         )
         check_cache_hints(request.cache_hints, len(request.prompt_token_ids))
+        images = self._prompt_images(request, request.prompt_token_ids)
         self.admission.check_room_to_wait()
         if request.prefill_only:
             pending = len(self.disaggregation) + sum(1 for r in self.requests.values() if r.prefill_only)
@@ -289,6 +291,7 @@ class LLMEngine(EngineCore):
             hash_extra=namespace_extra(self.kv_model_id, request.cache_namespace),
             cache_namespace=request.cache_namespace,
             prefill_only=request.prefill_only,
+            images=images,
             constraint=self._isolated(constraint),
             prompt_logprobs=request.prompt_logprobs,
             traffic_class=request.traffic_class,
@@ -312,6 +315,7 @@ class LLMEngine(EngineCore):
             in_use=self._in_use(request.request_id),
         )
         check_resumable(request.request_id, output_token_ids, request.params, max_tokens, self.model_config.vocab_size)
+        images = self._prompt_images(request, request.prompt_token_ids)
         self.admission.check_room_to_wait()
         new = Request(
             request_id=request.request_id,
@@ -321,6 +325,7 @@ class LLMEngine(EngineCore):
             hash_extra=namespace_extra(self.kv_model_id, request.cache_namespace),
             cache_namespace=request.cache_namespace,
             output_token_ids=list(output_token_ids),
+            images=images,
             constraint=self._isolated(constraint),
             traffic_class=request.traffic_class,
             tenant=request.tenant,
@@ -350,6 +355,7 @@ class LLMEngine(EngineCore):
             in_use=self._in_use(handoff.request_id),
         )
         self.disaggregation.fits(handoff, max_tokens=max_tokens)
+        images = self._prompt_images(request, handoff.prompt_token_ids)
         self.admission.check_room_to_run(num_reserved=len(self.disaggregation.reserved))
         new = continued_request(
             handoff,
@@ -357,12 +363,23 @@ class LLMEngine(EngineCore):
             hash_extra=namespace_extra(self.kv_model_id, handoff.cache_namespace),
             constraint=self._isolated(constraint),
         )
+        # Its prompt pages are keyed (and, after a preemption, recomputed) with its images.
+        new.images = images
         # What may fail for this request alone runs before its KV takes pages.
         if new.constraint is not None:
             for token in new.output_token_ids:
                 new.constraint.advance(token)
         self.outputs.add_continued(new)
         return new
+
+    def _prompt_images(self, request: EngineRequest, prompt: list[int]) -> PromptImages | None:
+        """The request's images, checked against the model and its prompt (InvalidRequestError naming
+        the field); None for a text prompt. A vision-language model's config names its image token."""
+        image_token_id = getattr(self.model_config, "image_token_id", None)
+        check_images(request.images, prompt, image_token_id=image_token_id, hidden_size=self.model_config.hidden_size)
+        if not request.images:
+            return None
+        return PromptImages.of(prompt, image_token_id, request.images)
 
     def _compile(self, request: EngineRequest) -> TokenConstraint | None:
         if request.constraint is None:

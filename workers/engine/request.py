@@ -1,13 +1,24 @@
 """A request's state inside the engine: tokens, progress, pages."""
 
 import enum
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from workers.engine.structured.constraint import TokenConstraint
-from workers.kvstore.block_hash import BlockHash
+from workers.kvstore.block_hash import (
+    ROOT_HASH,
+    BlockHash,
+    hash_block,
+    hash_chain,
+    image_block_extra,
+    image_digest,
+)
 from workers.kvstore.hints import BlockRetention
+from workers.protocol.images import ImageEmbeddings
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 
@@ -23,6 +34,34 @@ class WindowReplay:
     start: int
     end: int
     exact: bool
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImages:
+    """A prompt's images (checked: workers.protocol.images.check_images) and where they go:
+    `positions` are the prompt positions of every placeholder, image after image, so row j of the
+    images' concatenated embeddings belongs at positions[j]. An image's digest enters the key
+    extra of the block where its first placeholder lies and of every block after it."""
+
+    embeddings: tuple[ImageEmbeddings, ...]
+    positions: np.ndarray  # int64 [placeholders], ascending
+    starts: tuple[int, ...]  # each image's first placeholder position
+    digests: tuple[bytes, ...]  # each image's content hash, as a fixed-size digest
+
+    @classmethod
+    def of(cls, prompt: Sequence[int], image_token_id: int, images: Sequence[ImageEmbeddings]) -> "PromptImages":
+        positions = np.flatnonzero(np.asarray(prompt, dtype=np.int64) == image_token_id)
+        firsts = np.cumsum([0] + [image.num_tokens for image in images[:-1]])
+        return cls(
+            embeddings=tuple(images),
+            positions=positions,
+            starts=tuple(int(positions[i]) for i in firsts),
+            digests=tuple(image_digest(image.content_hash) for image in images),
+        )
+
+    def block_extra(self, base: bytes, index: int, block_size: int) -> bytes:
+        """The key extra of block `index` of `block_size` tokens (block_hash.image_block_extra)."""
+        return image_block_extra(base, self.starts, self.digests, index, block_size)
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +119,8 @@ class Request:
     # How many of `pages` the model runner has been told of; -1 while it does not hold the request
     # (before its first step, and again after preemption), when it is described in full.
     num_pages_sent: int = -1
+    # A vision-language model's prompt images; None for a text prompt.
+    images: PromptImages | None = None
     # Hashes of the request's full pages, in order; the chain continues from the last.
     page_hashes: list[BlockHash] = field(default_factory=list)
     # The replay of its sliding windows after its prefix hit, if it needed one (kv.window_replay).
@@ -175,6 +216,36 @@ class Request:
         self.page_hashes = []
         self.window_replay = None
         self.num_preemptions += 1
+
+    def block_extra(self, index: int, block_size: int) -> bytes:
+        """The key extra of the request's block `index` (blocks of `block_size` tokens): its namespace,
+        and the images that start in it or before it."""
+        if self.images is None:
+            return self.hash_extra
+        return self.images.block_extra(self.hash_extra, index, block_size)
+
+    def block_keys(
+        self,
+        tokens: Sequence[int],
+        block_size: int,
+        *,
+        parent: BlockHash = ROOT_HASH,
+        first_block: int = 0,
+        max_blocks: int | None = None,
+    ) -> list[BlockHash]:
+        """The chained keys of the full blocks of `tokens`, the request's tokens from block
+        `first_block` on (its key chain continuing from `parent`)."""
+        if self.images is None:
+            return hash_chain(tokens, block_size, self.hash_extra, parent=parent, max_blocks=max_blocks)
+        num_blocks = len(tokens) // block_size
+        if max_blocks is not None:
+            num_blocks = min(num_blocks, max_blocks)
+        keys: list[BlockHash] = []
+        for i in range(num_blocks):
+            extra = self.block_extra(first_block + i, block_size)
+            parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+            keys.append(parent)
+        return keys
 
     @property
     def num_reusable_tokens(self) -> int:

@@ -15,6 +15,7 @@ BLAKE2b is used rather than Python's `hash()` because keys must agree across pro
 would serve one prompt's KV to another.
 """
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -62,6 +63,29 @@ def hash_chain(
         parent = h.digest()
         keys.append(parent)
     return keys
+
+
+# Between a block's namespace extra and the digests of the images before its end; a namespace holds
+# no NUL of its own (namespace_extra, scoped_namespace), so no namespace spells it.
+IMAGES_EXTRA = b"\x00images:"
+
+
+def image_digest(content_hash: bytes) -> bytes:
+    """An image's content hash (any length) as the fixed-size digest block extras carry."""
+    return blake2b(content_hash, digest_size=DIGEST_BYTES).digest()
+
+
+def image_block_extra(
+    extra: bytes, image_starts: Sequence[int], image_digests: Sequence[bytes], index: int, block_size: int
+) -> bytes:
+    """The `extra` of block `index` (blocks of `block_size` tokens) of a prompt with images: `extra`
+    and the digests of the images whose first placeholder (ascending `image_starts`) lies in this
+    block or an earlier one. So a prefix with image X keys apart from one with image Y from the block
+    where the image starts, and blocks before it key as the same text's do."""
+    started = bisect_left(image_starts, (index + 1) * block_size)
+    if not started:
+        return extra
+    return extra + IMAGES_EXTRA + b"".join(image_digests[:started])
 
 
 def reusable_blocks(num_tokens: int, block_size: int) -> int:

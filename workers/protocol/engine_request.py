@@ -17,6 +17,7 @@ from typing import Annotated
 
 import msgspec
 
+from workers.protocol.images import ImageEmbeddings
 from workers.protocol.messages import MAX_CACHE_HINTS, CacheHint, OutputConstraintSpec
 from workers.protocol.sampling_params import SamplingParams
 
@@ -76,3 +77,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tenant_weight: Annotated[int, msgspec.Meta(ge=1)] = 1
     # Prefixes of the prompt the client asked the KV store to keep (workers.kvstore.hints).
     cache_hints: Annotated[tuple[CacheHint, ...], msgspec.Meta(max_length=MAX_CACHE_HINTS)] = ()
+    # A vision-language model's prompt images, in the order of their placeholders
+    # (workers.protocol.images). Every request whose prompt holds placeholders carries them, whatever
+    # its KV source: they key its blocks, and a recompute after preemption needs them.
+    images: tuple[ImageEmbeddings, ...] = ()

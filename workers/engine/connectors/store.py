@@ -56,7 +56,7 @@ from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.kv.swa_state import SwaStateSource
 from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.request import Request
-from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
+from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, reusable_blocks
 from workers.kvstore.hints import BlockRetention, RetentionCaps, plan_retention
 from workers.kvstore.store import KVStore
 from workers.protocol.messages import CacheHint
@@ -425,7 +425,7 @@ class StoreConnector(KVConnector):
             start = len(keys) * self.block_tokens
             tokens = request.token_slice(start, num_blocks * self.block_tokens)
             parent = keys[-1] if keys else ROOT_HASH
-            keys.extend(hash_chain(tokens, self.block_tokens, request.hash_extra, parent=parent))
+            keys.extend(request.block_keys(tokens, self.block_tokens, parent=parent, first_block=len(keys)))
         return keys[:num_blocks]
 
     def _prompt_tail(self, request: Request) -> tuple[int, int, BlockHash] | None:
@@ -440,7 +440,11 @@ class StoreConnector(KVConnector):
             return None
         parent = self._keys(request, index)[-1] if index else ROOT_HASH
         tail_tokens = request.prompt_token_ids[start : start + tokens]
-        return index, tokens, hash_block(parent, tail_tokens, request.hash_extra + TAIL_EXTRA)
+        return (
+            index,
+            tokens,
+            hash_block(parent, tail_tokens, request.block_extra(index, self.block_tokens) + TAIL_EXTRA),
+        )
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
         """[stored layers, planes, heads, tokens of the pages, width] on the cache's device."""

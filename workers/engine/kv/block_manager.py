@@ -24,7 +24,7 @@ from workers.engine.kv.kv_cache import per_group
 from workers.engine.kv.page_pool import PagePool
 from workers.engine.kv.window_replay import ReplayPolicy
 from workers.engine.request import Request, WindowReplay
-from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, hash_chain, reusable_blocks
+from workers.kvstore.block_hash import ROOT_HASH, BlockHash, hash_block, reusable_blocks
 
 # In a page table being built: a page to take from the pool.
 FRESH_PAGE = -1
@@ -94,7 +94,7 @@ class BlockManager:
             return [], []
         tokens = request.all_token_ids
         max_blocks = reusable_blocks(len(tokens), self.page_size)
-        keys = hash_chain(tokens, self.page_size, request.hash_extra, max_blocks=max_blocks)
+        keys = request.block_keys(tokens, self.page_size, max_blocks=max_blocks)
         pages: list[int] = []
         for i, key in enumerate(keys):
             page = self.pools[0].cached(key, self._chunk(tokens, i))
@@ -223,7 +223,7 @@ class BlockManager:
         for index in range(len(request.page_hashes), full):
             chunk = self._chunk(tokens, index)
             parent = request.page_hashes[-1] if request.page_hashes else ROOT_HASH
-            key = hash_block(parent, chunk, request.hash_extra)
+            key = hash_block(parent, chunk, request.block_extra(index, self.page_size))
             request.page_hashes.append(key)
             for group, pool in enumerate(self.pools):
                 page = self.pages_of(request, group)[index]

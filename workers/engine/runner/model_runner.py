@@ -16,6 +16,13 @@ Both paths read the runner's own record of its requests (runner.request_states),
 scheduler's output: each request in full once, then only the pages it gains. Prompt logprobs (both
 paths) are computed eagerly for every prompt position of the requests that ask for them. This is
 the only engine component that builds tensors.
+
+A vision-language prompt's image embeddings replace the embeddings of the placeholders a step
+computes, on both paths, found by position: a chunk that cuts an image, or that starts inside one
+after a prefix hit, takes the rows it holds. A step with any such rows runs eagerly, never from a
+CUDA graph (graphs replay decode steps, which hold no prompt tokens, but a prompt's last token can
+run alone in a decode-shaped step). While no request the runner holds has images, a step does no
+work for them.
 """
 
 from collections.abc import Sequence
@@ -28,13 +35,14 @@ from kernels.attention import AttentionMetadata, StepBatch, default_backend, get
 from kernels.batch_invariance import min_invariant_rows
 from workers.engine.config import EngineConfig
 from workers.engine.kv.kv_cache import KVCache
-from workers.engine.models.decoder import DecoderForCausalLM
+from workers.engine.models.decoder import DecoderForCausalLM, InjectedEmbeddings
 from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
 from workers.engine.sample.sampler import Sampler, SamplingBatch, token_logprobs
 from workers.engine.sched.output import SchedulerOutput
+from workers.protocol.images import ImageEmbeddings
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import MAX_LOGPROBS
 
@@ -158,10 +166,42 @@ class ModelRunner:
         """Start the step. On the device path a step whose rows all sample on the device returns
         before the device is done (`deferred`); its result() waits for the sampled ids."""
         dropped = self.states.update(output)
+        injected = self._injected(output) if self.states.num_with_images else None
         if self.batch is None:
-            return LaunchedStep(self._execute_reference(self.states.scheduled(output)))
+            return LaunchedStep(self._execute_reference(self.states.scheduled(output), injected))
         self.batch.update(output, dropped)
-        return self._launch_on_device(output)
+        return self._launch_on_device(output, injected)
+
+    def _injected(self, output: SchedulerOutput) -> InjectedEmbeddings | None:
+        """The image embeddings of the placeholders the step's sequences compute, at their rows of
+        the step's flattened tokens; None when the step computes none."""
+        rows: list[np.ndarray] = []
+        embeddings: list[torch.Tensor] = []
+        first_row = 0
+        for request_id, start, count in zip(
+            output.request_ids, output.num_computed_tokens, output.num_scheduled_tokens, strict=True
+        ):
+            state = self.states[request_id]
+            if state.images is not None:
+                positions = state.images.positions
+                lo, hi = np.searchsorted(positions, (start, start + count))
+                if hi > lo:
+                    rows.append(positions[lo:hi] - start + first_row)
+                    embeddings.append(self._image_embeddings(state)[lo:hi])
+            first_row += count
+        if not rows:
+            return None
+        return InjectedEmbeddings(
+            rows=torch.from_numpy(np.concatenate(rows)).to(self.device), embeddings=torch.cat(embeddings)
+        )
+
+    def _image_embeddings(self, state: RequestState) -> torch.Tensor:
+        """A request's image embeddings, concatenated in the model's dtype on its device (built once)."""
+        if state.image_embeddings is None:
+            dtype = self.model.embed_tokens.weight.dtype
+            parts = [embeddings_tensor(image) for image in state.images.embeddings]
+            state.image_embeddings = torch.cat(parts).to(device=self.device, dtype=dtype)
+        return state.image_embeddings
 
     def pinned_outputs(self) -> "_PinnedOutputs":
         """One of two sets of pinned buffers, in turn, for a step's sampled ids and logprobs."""
@@ -172,20 +212,21 @@ class ModelRunner:
 
     # The device path.
 
-    def _launch_on_device(self, output: SchedulerOutput) -> "LaunchedStep":
+    def _launch_on_device(self, output: SchedulerOutput, injected: InjectedEmbeddings | None) -> "LaunchedStep":
         plan = self.batch.plan(output, self.states)
         self.num_computed_tokens += plan.num_tokens
         if len(plan.constrained):
             self._stage_constraint_masks(plan, output)
         prompt_logprobs: list[PromptLogprobs] = []
-        if plan.decode_only and self.graphs is not None and self.graphs.fits(len(plan.rows)):
+        # A graph replays its captured inputs only: a step that injects embeddings runs eagerly.
+        if plan.decode_only and injected is None and self.graphs is not None and self.graphs.fits(len(plan.rows)):
             tokens, logprobs = self.graphs.run(plan, output, self.states)
         else:
             layout, device_buffer = self.batch.prepare(plan, output, self.states)
             inputs = self.batch.step_inputs(
                 layout, device_buffer, decode_only=plan.decode_only, max_query_len=plan.max_query_len
             )
-            hidden = self._hidden(inputs)
+            hidden = self._hidden(inputs, injected)
             if plan.prompt_logprobs:
                 query_starts = np.concatenate([[0], np.cumsum(plan.counts)])
                 prompt_logprobs = [
@@ -216,7 +257,7 @@ class ModelRunner:
         count = output.num_scheduled_tokens[index]
         return ScheduledSequence(state, state.token_slice(start, start + count), start, output.sample[index])
 
-    def _hidden(self, inputs: StepInputs) -> torch.Tensor:
+    def _hidden(self, inputs: StepInputs, injected: InjectedEmbeddings | None = None) -> torch.Tensor:
         # The device path's backends read only the tensors; the host lists stay empty.
         metadata = [
             self.backend.build_metadata(
@@ -231,12 +272,21 @@ class ModelRunner:
             )
             for tensors in inputs.attention
         ]
-        return self._forward(inputs.input_ids, inputs.attention[0].positions, metadata)
+        return self._forward(inputs.input_ids, inputs.attention[0].positions, metadata, injected)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list) -> torch.Tensor:
-        """The model over the step, each layer given its KV group's metadata (`metadata`, per group)."""
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: list,
+        injected: InjectedEmbeddings | None = None,
+    ) -> torch.Tensor:
+        """The model over the step, each layer given its KV group's metadata (`metadata`, per group),
+        with `injected` embeddings (a vision-language prompt's images) over their tokens'."""
         per_layer = layer_metadata(metadata, self.kv_cache.specs.group_of_layer)
-        return self.model(input_ids, positions, self.kv_cache.layers, per_layer, self.backend)
+        if injected is None:
+            return self.model(input_ids, positions, self.kv_cache.layers, per_layer, self.backend)
+        return self.model(input_ids, positions, self.kv_cache.layers, per_layer, self.backend, injected=injected)
 
     def _sample(
         self, logits: torch.Tensor, inputs: StepInputs, mode: str
@@ -254,7 +304,9 @@ class ModelRunner:
 
     # The reference path.
 
-    def _execute_reference(self, scheduled: Sequence[ScheduledSequence]) -> StepOutput:
+    def _execute_reference(
+        self, scheduled: Sequence[ScheduledSequence], injected: InjectedEmbeddings | None = None
+    ) -> StepOutput:
         input_ids = [token for s in scheduled for token in s.token_ids]
         replays = [s.state.window_replay for s in scheduled]
         replaying = any(replay is not None for replay in replays)
@@ -279,7 +331,7 @@ class ModelRunner:
         pos = metadata.positions
         if padding:
             pos = torch.cat([pos, pos.new_zeros(padding)])
-        hidden = self._forward(ids, pos, group_metadata)
+        hidden = self._forward(ids, pos, group_metadata, injected)
         self.num_computed_tokens += num_tokens
 
         prompt_logprobs = [
@@ -317,6 +369,12 @@ class ModelRunner:
             num_top = [scheduled.prompt_logprobs] * len(rows)
             entries.extend(token_logprobs(self._logits(hidden, rows), targets, num_top))
         return PromptLogprobs(request_id=scheduled.state.request_id, first_index=start + 1, entries=entries)
+
+
+def embeddings_tensor(image: ImageEmbeddings) -> torch.Tensor:
+    """An image's embeddings (checked at admission) as a [num_tokens, hidden] tensor, a copy."""
+    dtype = getattr(torch, image.dtype)
+    return torch.frombuffer(bytearray(image.data), dtype=dtype).reshape(image.shape)
 
 
 def _sampling_batch(states: Sequence[RequestState]) -> SamplingBatch:

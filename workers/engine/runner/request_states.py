@@ -7,8 +7,9 @@ and the host-driven sampler read.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
-from workers.engine.request import WindowReplay, token_slice
+from workers.engine.request import PromptImages, WindowReplay, token_slice
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams
@@ -24,6 +25,9 @@ class RequestState:
     prompt_logprobs: int | None
     block_ids: list[list[int]]  # per KV-cache group
     window_replay: WindowReplay | None = None  # its windows' replay after its prefix hit
+    images: PromptImages | None = None  # a vision-language prompt's images
+    # Their embeddings, concatenated, as a tensor on the model's device (the runner builds it once).
+    image_embeddings: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +61,8 @@ class ScheduledSequence:
 class RequestStates:
     def __init__(self) -> None:
         self.states: dict[str, RequestState] = {}
+        # How many of them have images: while none has, a step builds no injected embeddings.
+        self.num_with_images = 0
 
     def __len__(self) -> int:
         return len(self.states)
@@ -68,8 +74,12 @@ class RequestStates:
         """Apply a step's changes; the ids of the requests dropped."""
         dropped = [*output.finished_request_ids, *output.preempted]
         for request_id in dropped:
-            self.states.pop(request_id, None)
+            state = self.states.pop(request_id, None)
+            if state is not None and state.images is not None:
+                self.num_with_images -= 1
         for new in output.new_requests:
+            if new.images is not None:
+                self.num_with_images += 1
             self.states[new.request_id] = RequestState(
                 request_id=new.request_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -79,6 +89,7 @@ class RequestStates:
                 prompt_logprobs=new.prompt_logprobs,
                 block_ids=[list(group) for group in new.block_ids],
                 window_replay=new.window_replay,
+                images=new.images,
             )
         for request_id, groups in output.new_block_ids.items():
             for table, added in zip(self.states[request_id].block_ids, groups, strict=True):

@@ -16,7 +16,7 @@ Nothing here is a tensor: ids, counts and lists of ints only.
 from dataclasses import dataclass, field
 
 from workers.engine.connectors.store import KVLoad
-from workers.engine.request import WindowReplay
+from workers.engine.request import PromptImages, WindowReplay
 from workers.engine.structured.constraint import TokenConstraint
 from workers.protocol.sampling_params import SamplingParams
 
@@ -42,6 +42,8 @@ class NewRequestData:
     block_ids: BlockIds  # its pages so far, a copy
     # The replay of its sliding windows after its prefix hit (workers.engine.kv.window_replay), if any.
     window_replay: WindowReplay | None = None
+    # A vision-language prompt's images: their embeddings replace its placeholders' (None: a text prompt).
+    images: PromptImages | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,6 +227,7 @@ class Scheduler:
                     prompt_logprobs=request.prompt_logprobs,
                     block_ids=tuple(list(table) for table in tables),
                     window_replay=request.window_replay,
+                    images=request.images,
                 )
             )
         elif len(request.pages) > request.num_pages_sent:
