@@ -5,12 +5,13 @@ API). Pillow's decompression-bomb guard is set to the pixels limit and its warni
 that a small file declaring a huge image is refused from its header, before any pixel is decoded.
 """
 
-import hashlib
 import io
 import warnings
 from dataclasses import dataclass
 
 from PIL import Image
+
+from workers.text.image_hash import image_content_hash
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP")
 
@@ -24,10 +25,7 @@ class DecodedImage:
     width: int
     height: int
     format: str  # Pillow's name: "PNG", "JPEG", ...
-    # sha256 of the size and the decoded RGB pixels, not of the file: the same picture has one hash
-    # whether it came by data URL, base64 block or URL, or was re-encoded without loss (PNG at another
-    # compression level, other metadata), and the hash covers exactly what an encoder sees.
-    content_hash: str
+    content_hash: str  # workers.text.image_hash's, in hex
 
 
 def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
@@ -53,6 +51,4 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
             ) from None
         except (OSError, SyntaxError, ValueError, EOFError) as error:
             raise DecodeRefused(f"could not be decoded: it is truncated or corrupt ({error})") from None
-    digest = hashlib.sha256(f"{width}x{height}:".encode())
-    digest.update(rgb.tobytes())
-    return DecodedImage(width, height, image_format, digest.hexdigest())
+    return DecodedImage(width, height, image_format, image_content_hash(rgb).hex())

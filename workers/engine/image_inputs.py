@@ -9,7 +9,6 @@ prompt are what a serving stack should give for it.
 
 import json
 import os
-from hashlib import sha256
 from pathlib import Path
 
 import torch
@@ -19,16 +18,10 @@ from workers.engine.models.idefics3 import Idefics3ForConditionalGeneration
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.images import ImageEmbeddings
 from workers.text.idefics3_images import ImageLayout, ImageSettings, preprocess_image
+from workers.text.image_hash import image_content_hash
 
 # A whole image's longest edge, in tiles, when the model comes with no preprocessor config (SmolVLM's).
 DEFAULT_TILES_PER_EDGE = 4
-
-
-def content_hash(image: Image.Image) -> bytes:
-    """sha256 of the decoded image: its mode, size and pixels."""
-    digest = sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
-    digest.update(image.tobytes())
-    return digest.digest()
 
 
 def image_settings(model: Idefics3ForConditionalGeneration, source: object) -> ImageSettings:
@@ -59,7 +52,7 @@ class ImageEncoder:
         pixels, layout = preprocess_image(image, self.settings)
         embeddings = self.model.encode_images(torch.from_numpy(pixels).to(self.device)).contiguous().cpu()
         message = ImageEmbeddings(
-            content_hash=content_hash(image),
+            content_hash=image_content_hash(image),
             num_tokens=embeddings.shape[0],
             dtype=str(embeddings.dtype).removeprefix("torch."),
             shape=tuple(embeddings.shape),
