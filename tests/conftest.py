@@ -17,11 +17,14 @@ if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("trito
 import pytest  # noqa: E402
 
 from tests.workers.text.tiny_tokenizer import make_tiny_tokenizer
+from tests.zmq_linger import bound_linger
 from workers.engine.weights import ModelFiles, resolve_model
 from workers.engine.weights.registry import find_packaged_model
 from workers.text.tokenizer import Tokenizer
 
 SMOLLM2 = "smollm2-135m-instruct"
+
+bound_linger()
 
 
 @pytest.fixture(scope="session")
