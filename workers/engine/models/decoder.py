@@ -51,6 +51,20 @@ class InjectedEmbeddings:
     embeddings: torch.Tensor  # [n, hidden_size], in the model's dtype and on its device
 
 
+def copy_checkpoint_tensor(target: torch.Tensor, tensor: torch.Tensor | BlockQuantized, hf_name: str) -> None:
+    """Copy one checkpoint tensor into its place in a model, in the place's dtype; one saved quantized
+    and held unquantized here (kv_b_proj, modules_to_not_convert...) is dequantized first. Another
+    shape is refused, naming the tensor."""
+    if isinstance(tensor, BlockQuantized):
+        tensor = tensor.dequantize(torch.float32)
+    if target.shape != tensor.shape:
+        raise ModelLoadError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor.to(target.dtype))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, window: int | None) -> None:
         super().__init__()
@@ -291,19 +305,12 @@ class DecoderForCausalLM(nn.Module):
                 fp8.load_rows(offset or 0, tensor, hf_name)
                 loaded.add(hf_name)
                 continue
-            if isinstance(tensor, BlockQuantized):
-                # Saved quantized, held unquantized here (kv_b_proj, modules_to_not_convert...).
-                tensor = tensor.dequantize(torch.float32)
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model")
             param = params[name]
-            rows = param.data[offset : offset + tensor.shape[0]] if offset is not None else param.data
-            if rows.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}"
-                )
-            with torch.no_grad():
-                rows.copy_(tensor.to(param.dtype))
+            copy_checkpoint_tensor(
+                param.data[offset : offset + tensor.shape[0]] if offset is not None else param.data, tensor, hf_name
+            )
             loaded.add(hf_name)
         missing = sorted(self.expected_hf_names() - loaded)
         if missing:

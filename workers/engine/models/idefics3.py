@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from workers.engine.config import ModelConfig
-from workers.engine.models.decoder import DecoderForCausalLM, InjectedEmbeddings
+from workers.engine.models.decoder import DecoderForCausalLM, InjectedEmbeddings, copy_checkpoint_tensor
 from workers.engine.models.family import DecoderFamily
 from workers.engine.models.vision.connector import PixelShuffleConnector
 from workers.engine.models.vision.siglip import SiglipVisionTransformer, VisionConfig
@@ -98,15 +98,7 @@ class Idefics3VisionEncoder(nn.Module):
             name = _our_vision_name(hf_name)
             if name not in params:
                 raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model")
-            if isinstance(tensor, BlockQuantized):
-                tensor = tensor.dequantize(torch.float32)
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ModelLoadError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
+            copy_checkpoint_tensor(params[name], tensor, hf_name)
             loaded.add(hf_name)
         missing = sorted(self.expected_hf_names() - loaded)
         if missing:
