@@ -82,3 +82,26 @@ def _check_image(image: ImageEmbeddings, name: str, hidden_size: int) -> None:
             f"{name}.data must be {expected_bytes} bytes ({image.num_tokens} x {hidden_size} {image.dtype}), "
             f"got {len(image.data) if isinstance(image.data, bytes) else type(image.data).__name__}"
         )
+
+
+class ImageRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One image of a GenerateRequest whose embeddings an encode worker sends the worker separately
+    (ImageEmbeddingsDelivery): the request waits for them, in this order, before it is computed."""
+
+    content_hash: bytes
+    num_tokens: int
+
+
+class ImageEmbeddingsDelivery(msgspec.Struct, tag="image_embeddings", frozen=True, forbid_unknown_fields=True):
+    """Encode worker → the worker that computes a request's prompt (prefill or mixed), on its request
+    ROUTER: image `image_index` of `num_images` of request `request_id`. The message is two frames:
+    this struct, then the embeddings' raw bytes, a C-ordered `shape` array of `dtype` (never pickled).
+    The receiver checks them as ImageEmbeddings (check_images) once the request's images are all there."""
+
+    request_id: str
+    image_index: int
+    num_images: int
+    content_hash: bytes
+    num_tokens: int
+    dtype: str
+    shape: tuple[int, ...]

@@ -12,12 +12,18 @@ Disaggregated request path: the gateway sends an ExpectTransferRequest to the de
 then the GenerateRequest, with `decode_endpoint` set to that worker's transfer endpoint, to a prefill
 worker. The prefill worker sends the first output (finish_reason "transfer") to the gateway and the
 KV to the decode worker, which streams the remaining outputs to the peer that sent the expectation.
+
+A request with images (a vision-language model) names them in GenerateRequest.images; an encode
+worker (workers.protocol.encode) sends their embeddings to the worker computing the prompt as
+ImageEmbeddingsDelivery messages, and that worker holds the request until they are all there. The KV
+handoff carries the embeddings on to the decode worker (KVTransferHeader.images).
 """
 
 from typing import Annotated, Literal
 
 import msgspec
 
+from workers.protocol.images import ImageEmbeddings, ImageEmbeddingsDelivery, ImageRef
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import SamplingParams
 
@@ -89,6 +95,9 @@ class CacheHint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 # Holders of a prefix end's SWA state one request may name: a few workers at most keep the same blocks.
 MAX_SWA_HOLDERS = 8
+# Images one request may carry, whatever the gateway's SLUICE_MAX_IMAGES allows: a bound on the
+# messages a worker or an encoder reads.
+MAX_IMAGES_PER_REQUEST = 64
 
 
 class SwaHolder(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -126,6 +135,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True, forbid_unknow
     # stored prefix, as routing found them (empty: none, or routing did not look). The worker learns
     # where they are from it (workers.worker.swa_peers); it still asks the holder index itself.
     swa_holders: Annotated[tuple[SwaHolder, ...], msgspec.Meta(max_length=MAX_SWA_HOLDERS)] = ()
+    # A vision-language model's prompt images, in placeholder order: an encode worker sends their
+    # embeddings here (ImageEmbeddingsDelivery), and the request waits for them before it is computed.
+    images: Annotated[tuple[ImageRef, ...], msgspec.Meta(max_length=MAX_IMAGES_PER_REQUEST)] = ()
 
 
 class ExpectTransferRequest(msgspec.Struct, tag="expect_transfer", frozen=True, forbid_unknown_fields=True):
@@ -315,7 +327,7 @@ class SwaLayers(msgspec.Struct, frozen=True):
 
 class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     worker_id: str
-    role: str  # "mixed" (prefill and decode in one process), "prefill" or "decode"
+    role: str  # "mixed" (prefill and decode in one process), "prefill", "decode" or "encode" (vision)
     model: str
     request_endpoint: str
     max_model_len: int
@@ -406,6 +418,15 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # "bfloat16", "fp8_e4m3"...); "" from a worker that does not say.
     weight_dtype: str = ""
     kv_cache_dtype: str = ""
+    # An encode worker (role "encode"): vision-tower patches of the requests it holds, patches it has
+    # encoded, its embedding cache's lookups, and the patches per second its vision tower measured at
+    # its largest batch (the autoscaler's capacity of one encoder; 0 until measured).
+    patches_in_flight: int = 0
+    num_patches_encoded: int = 0
+    embedding_cache_hits: int = 0
+    embedding_cache_misses: int = 0
+    embedding_cache_bytes: int = 0
+    patches_per_second: float = 0.0
 
 
 # Control plane → worker. Each command carries an id chosen by the sender; a worker answers a
@@ -502,6 +523,7 @@ WorkerInbound = (
     | DeclineMigrationRequest
     | ResumeDecodeRequest
     | ControlRequest
+    | ImageEmbeddingsDelivery
 )
 WorkerOutbound = GenerateOutput | GenerateError | ControlAck
 
@@ -581,6 +603,9 @@ class KVTransferHeader(msgspec.Struct, tag="kv_header", frozen=True, forbid_unkn
     migrated: bool = False
     # Set: an offer of the sender's KV pool, and this message carries no layers.
     pool: KVPoolOffer | None = None
+    # A vision-language model's prompt images: the receiver keys the prompt's blocks with them, and
+    # recomputes the prompt with them after a preemption (workers.protocol.engine_request).
+    images: tuple[ImageEmbeddings, ...] = ()
 
 
 class KVTransferChunk(msgspec.Struct, tag="kv_chunk", frozen=True, forbid_unknown_fields=True):
