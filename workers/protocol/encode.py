@@ -20,10 +20,14 @@ from workers.protocol.messages import MAX_IMAGES_PER_REQUEST, ControlAck, Contro
 
 class EncodeImage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One image as the gateway read it: the encoded file as sent or fetched (PNG, JPEG...), already
-    decoded once there within the request limits, and the content hash of its pixels."""
+    decoded once there within the request limits; the content hash of its pixels
+    (workers.text.image_hash); its vision-tower patches (tiles × patches per tile) and placeholder
+    tokens as the gateway counted them from its size (workers.text.idefics3_images)."""
 
     content_hash: bytes
     data: bytes
+    num_patches: Annotated[int, msgspec.Meta(ge=1)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=1)]
 
 
 class EncodeRequest(msgspec.Struct, tag="encode", frozen=True, forbid_unknown_fields=True):
