@@ -32,7 +32,8 @@ class Node(models.Model):
 
 
 class PoolKind(models.TextChoices):
-    VE = "ve", "vision encoder"
+    # Vision encoders: the SigLIP tower and connector only, balanced by patches in flight.
+    ENCODE = "encode", "vision encoder"
     PREFILL = "prefill", "prefill"
     DECODE = "decode", "decode"
     # Prefill and decode in one process: for tests and tiny setups.

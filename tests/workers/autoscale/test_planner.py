@@ -193,7 +193,7 @@ def test_bounds_moved_by_an_operator_are_followed_before_demand():
 
 
 def test_no_signal_and_an_empty_pool():
-    assert plan(SimulatedPool(kind="ve").inputs(0.0, {})).rule == Rule.NO_SIGNAL
+    assert plan(SimulatedPool(kind="mixed").inputs(0.0, {})).rule == Rule.NO_SIGNAL
     # an empty pool with demand starts one even though its utilization is infinite
     empty = SimulatedPool(kind="prefill", min_instances=0, target=0)
     decision = empty.tick(0.0, prefill(100))
