@@ -10,10 +10,10 @@ It lives in the gateway because that is where requests are measured and heartbea
 Several gateways each collect their own share: their live snapshots differ, and each writes its own
 rollup row of a minute under its collector id, which the selectors merge (counts and latency
 histograms add up), so the dashboard's minutes count every gateway's requests.
-Decode load peaks (decode_loads) come from the heartbeats, which every gateway hears alike, so
-their rows keep the highest any gateway saw. So do the engine steps and KV handoffs a rollup row
-counts (worker_counters): every gateway's row of a minute holds about the same, and the selectors
-take the largest instead of adding them up.
+Decode load peaks (decode_loads) and encode pools' load (encode_loads) come from the heartbeats,
+which every gateway hears alike, so their rows keep the highest any gateway saw. So do the engine
+steps and KV handoffs a rollup row counts (worker_counters): every gateway's row of a minute holds
+about the same, and the selectors take the largest instead of adding them up.
 """
 
 import asyncio
@@ -33,12 +33,14 @@ from django.conf import settings
 from controlplane.common.connections import close_stale_connections
 from controlplane.telemetry import live
 from controlplane.telemetry.decode_loads import DecodeLoadPeaks, DecodePeak
+from controlplane.telemetry.encode_loads import EncodeLoads, EncodeMinute
 from controlplane.telemetry.expert_loads import ExpertLoadWindow
 from controlplane.telemetry.metrics import observe_request
 from controlplane.telemetry.models import KVStoreGC
 from controlplane.telemetry.selectors import kv_store_gcs_reporting
 from controlplane.telemetry.services import (
     decode_load_rollup_upsert,
+    encode_load_rollup_upsert,
     expert_load_rollup_upsert,
     rollup_upsert,
     rollups_delete_before,
@@ -103,6 +105,8 @@ class TelemetryCollector:
         self._decode_peaks = DecodeLoadPeaks()
         self._counters = WorkerCounterWindow(window_s)
         self._decode_finished: list[tuple[float, dict[str, DecodePeak]]] = []  # (minute start, {pool: peak})
+        self._encode_loads = EncodeLoads()
+        self._encode_finished: list[tuple[float, dict[str, EncodeMinute]]] = []  # (minute start, {pool: load})
         self._prune_at = now
 
     def record_request(self, sample: RequestSample) -> None:
@@ -124,6 +128,7 @@ class TelemetryCollector:
         self._roll(now)
         self._expert_window.add(now, expert_loads)
         self._decode_peaks.add(workers)
+        self._encode_loads.add(workers)
         self._minute.add_counts(self._counters.add(now, workers))
         store = kv_store(workers, store_gcs)
         if store is not None:
@@ -164,6 +169,9 @@ class TelemetryCollector:
             decode_peaks = self._decode_peaks.end_minute()
             if decode_peaks:
                 self._decode_finished.append((self._minute.start, decode_peaks))
+            encode_loads = self._encode_loads.end_minute()
+            if encode_loads:
+                self._encode_finished.append((self._minute.start, encode_loads))
             self._minute = MinuteTotals(start, kv_store_bytes=self._minute.kv_store_bytes)
 
     async def _broadcast(self, snapshot: dict) -> None:
@@ -197,6 +205,21 @@ class TelemetryCollector:
                     )
                 except Exception:
                     log.exception("writing the decode load of pool %s at %s failed", pool, minute)
+        encode_finished, self._encode_finished = self._encode_finished, []
+        for start, by_pool in encode_finished:
+            minute = datetime.fromtimestamp(start, UTC)
+            for pool, load in by_pool.items():
+                try:
+                    await sync_to_async(_in_tidy_connection)(
+                        encode_load_rollup_upsert,
+                        pool=pool,
+                        minute=minute,
+                        patches_demanded=load.patches_demanded,
+                        peak_patches_in_flight=load.peak_patches_in_flight,
+                        patches_per_second=load.patches_per_second,
+                    )
+                except Exception:
+                    log.exception("writing the encode load of pool %s at %s failed", pool, minute)
         finished, self._finished = self._finished, []
         for minute in finished:
             fields = minute.rollup_fields(self.collector_id)

@@ -99,3 +99,23 @@ class DecodeLoadRollup(models.Model):
 
     def __str__(self) -> str:
         return f"decode load {self.pool} {self.minute:%Y-%m-%d %H:%M}"
+
+
+class EncodeLoadRollup(models.Model):
+    """What a pool's encode workers were asked in one minute, as the collectors' ticks saw it: image
+    patches that came to them (finished plus the growth of those held), the most they held at once,
+    and the patches per second one encoder measured it encodes (0: none had). The autoscaler sizes
+    encode pools from these."""
+
+    pool = models.CharField(max_length=100)  # the pool's name, as heartbeats give it
+    minute = models.DateTimeField()
+    patches_demanded = models.PositiveBigIntegerField()
+    peak_patches_in_flight = models.PositiveBigIntegerField()
+    patches_per_second = models.FloatField()
+
+    class Meta:
+        ordering = ["minute"]
+        constraints = [models.UniqueConstraint(fields=["pool", "minute"], name="encodeload_unique_minute")]
+
+    def __str__(self) -> str:
+        return f"encode load {self.pool} {self.minute:%Y-%m-%d %H:%M}"

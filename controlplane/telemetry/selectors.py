@@ -1,4 +1,5 @@
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db.models import Max, Sum
@@ -6,7 +7,13 @@ from django.utils import timezone
 
 from controlplane.telemetry import latency_histogram
 from controlplane.telemetry.decode_loads import DecodePeak
-from controlplane.telemetry.models import DecodeLoadRollup, ExpertLoadRollup, KVStoreGC, TelemetryRollup
+from controlplane.telemetry.models import (
+    DecodeLoadRollup,
+    EncodeLoadRollup,
+    ExpertLoadRollup,
+    KVStoreGC,
+    TelemetryRollup,
+)
 
 COUNT_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens")
 # A store GC that missed this many of its runs' reports is taken for stopped.
@@ -85,3 +92,25 @@ def decode_load_peak(*, pool: str, since: datetime, until: datetime) -> DecodePe
     if peaks["requests"] is None:
         return None
     return DecodePeak(peaks["requests"], peaks["kv_tokens"])
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeLoad:
+    patches_per_s: list[float]  # asked of the pool in each minute, oldest first
+    patches_per_s_per_encoder: float  # the latest capacity one encoder measured; 0: none did
+
+
+def encode_load(*, pool: str, since: datetime, until: datetime) -> EncodeLoad:
+    """An encode pool's patches per second asked in each whole minute from `since` up to `until`, and
+    its latest measured capacity. No row in that time: no minutes (no collector heard its encoders);
+    otherwise a minute without a row counts as none asked."""
+    rows = list(EncodeLoadRollup.objects.filter(pool=pool, minute__gte=since, minute__lt=until).order_by("minute"))
+    if not rows:
+        return EncodeLoad(patches_per_s=[], patches_per_s_per_encoder=0.0)
+    demanded = {row.minute: row.patches_demanded for row in rows}
+    minutes = int((until - since).total_seconds() // 60)
+    measured = [row.patches_per_second for row in rows if row.patches_per_second > 0]
+    return EncodeLoad(
+        patches_per_s=[demanded.get(since + timedelta(minutes=i), 0) / 60.0 for i in range(minutes)],
+        patches_per_s_per_encoder=measured[-1] if measured else 0.0,
+    )

@@ -4,7 +4,13 @@ import msgspec
 from django.db import transaction
 
 from controlplane.telemetry.latency_histogram import Histogram
-from controlplane.telemetry.models import DecodeLoadRollup, ExpertLoadRollup, KVStoreGC, TelemetryRollup
+from controlplane.telemetry.models import (
+    DecodeLoadRollup,
+    EncodeLoadRollup,
+    ExpertLoadRollup,
+    KVStoreGC,
+    TelemetryRollup,
+)
 from workers.kvstore.gc_process import StoreGCReport
 
 
@@ -95,4 +101,26 @@ def decode_load_rollup_upsert(
         rollup.peak_requests_in_flight = max(rollup.peak_requests_in_flight, peak_requests_in_flight)
         rollup.peak_kv_tokens = max(rollup.peak_kv_tokens, peak_kv_tokens)
         rollup.save(update_fields=["peak_requests_in_flight", "peak_kv_tokens"])
+    return rollup
+
+
+@transaction.atomic
+def encode_load_rollup_upsert(
+    *, pool: str, minute: datetime, patches_demanded: int, peak_patches_in_flight: int, patches_per_second: float
+) -> EncodeLoadRollup:
+    """Writes an encode pool's load of one minute, keeping the higher of each figure where a row was
+    written before: every gateway's collector hears the same encoders, at ticks of its own (one that
+    started in the middle of the minute counted less of it)."""
+    figures = {
+        "patches_demanded": patches_demanded,
+        "peak_patches_in_flight": peak_patches_in_flight,
+        "patches_per_second": patches_per_second,
+    }
+    rollup, created = EncodeLoadRollup.objects.select_for_update().get_or_create(
+        pool=pool, minute=minute, defaults=figures
+    )
+    if not created:
+        for name, value in figures.items():
+            setattr(rollup, name, max(getattr(rollup, name), value))
+        rollup.save(update_fields=list(figures))
     return rollup

@@ -36,6 +36,16 @@ def prefill_demands(*, uncached_tokens_per_s: Sequence[float], tokens_per_s_per_
     }
 
 
+def encode_demands(*, patches_per_s: Sequence[float], patches_per_s_per_encoder: float) -> dict[str, Demand]:
+    """Vision-tower patches per second asked of an encode pool, per period of the look-back (oldest
+    first), against what one encoder measured it encodes per second. No periods, or no encoder that
+    measured its capacity yet: no signal, so the pool is left as it is."""
+    if not patches_per_s or patches_per_s_per_encoder <= 0:
+        return {}
+    mean = sum(patches_per_s) / len(patches_per_s)
+    return {"patches_per_s": Demand(mean=mean, peak=max(patches_per_s), per_worker=patches_per_s_per_encoder)}
+
+
 def decode_demands(
     workers: Sequence[WorkerLoad], config: PlannerConfig, *, peak_requests_in_flight: int = 0, peak_kv_tokens: int = 0
 ) -> dict[str, Demand]:

@@ -6,7 +6,10 @@ Demand against capacity:
   fitted cost model: a full step's chunk over the step's predicted time);
 - decode: requests in flight against `max_num_seqs` per worker, and KV tokens in use against each
   worker's KV capacity, whichever needs more workers;
-- mixed: both; vision encoders have no signal yet and are left as they are.
+- mixed: both;
+- encode (vision encoders): image patches per second asked of the pool (those its encoders finished
+  plus the growth of those they hold) against the patches per second one encoder measured; a pool
+  none of whose encoders measured it yet has no signal and is left as it is.
 
 Utilization is demand over the capacity of the pool's desired instances. Above `scale_up_above` the
 pool grows to the count that brings it to `target_utilization`; below `scale_down_below` it shrinks
@@ -58,7 +61,8 @@ class PlannerConfig:
 @dataclass(frozen=True, slots=True)
 class Demand:
     """What a pool is asked for, in its own unit (prefill: uncached tokens/s; decode: requests in
-    flight and KV tokens), and what one worker holds of it. `peak` is the highest of the look-back."""
+    flight and KV tokens; encode: patches/s), and what one worker holds of it. `peak` is the highest of
+    the look-back."""
 
     mean: float
     peak: float
@@ -83,7 +87,8 @@ class PoolInputs:
     paused: bool = False
     seconds_since_manual_scale: float | None = None
     seconds_since_last_change: float | None = None
-    # One entry per signal ("uncached_tokens_per_s", "requests_in_flight", "kv_tokens"); empty: none.
+    # One entry per signal ("uncached_tokens_per_s", "requests_in_flight", "kv_tokens", "patches_per_s");
+    # empty: none.
     demands: dict[str, Demand] = field(default_factory=dict)
 
 

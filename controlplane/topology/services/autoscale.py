@@ -12,7 +12,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from controlplane.common.errors import ConflictError
-from controlplane.telemetry.selectors import decode_load_peak, rollup_token_totals
+from controlplane.telemetry.selectors import decode_load_peak, encode_load, rollup_token_totals
 from controlplane.topology import selectors
 from controlplane.topology.models import InstanceState, Node, Pool, PoolKind, ScalingAction
 from controlplane.topology.services.agents import instance_start, instances_fail_unstarted
@@ -25,6 +25,7 @@ from workers.autoscale import (
     Rule,
     WorkerLoad,
     decode_demands,
+    encode_demands,
     plan,
     prefill_demands,
     prefill_tokens_per_s,
@@ -126,6 +127,11 @@ def pool_inputs(
             if i.state != InstanceState.STARTING
         ]
         demands |= decode_demands(loads, config, **decode_peaks(pool=pool, now=now))
+    if pool.kind == PoolKind.ENCODE:
+        load = encode_load(pool=pool.name, **_lookback(now))
+        demands |= encode_demands(
+            patches_per_s=load.patches_per_s, patches_per_s_per_encoder=load.patches_per_s_per_encoder
+        )
     return PoolInputs(
         kind=pool.kind,
         min_instances=pool.min_instances,
@@ -146,12 +152,16 @@ def pool_inputs(
 def decode_peaks(*, pool: Pool, now: datetime) -> dict[str, int]:
     """The most requests in flight and KV tokens in use the pool's decode workers held at once in each
     whole minute of the look-back (the gateways' telemetry), as decode_demands' keyword arguments."""
-    end = now.replace(second=0, microsecond=0)
-    start = end - timedelta(minutes=settings.SLUICE_AUTOSCALE_LOOKBACK_MINUTES)
-    peak = decode_load_peak(pool=pool.name, since=start, until=end)
+    peak = decode_load_peak(pool=pool.name, **_lookback(now))
     if peak is None:
         return {}
     return {"peak_requests_in_flight": peak.requests_in_flight, "peak_kv_tokens": peak.kv_tokens}
+
+
+def _lookback(now: datetime) -> dict[str, datetime]:
+    """The look-back's whole minutes before `now`'s, as a selector's `since` and `until`."""
+    end = now.replace(second=0, microsecond=0)
+    return {"since": end - timedelta(minutes=settings.SLUICE_AUTOSCALE_LOOKBACK_MINUTES), "until": end}
 
 
 def uncached_tokens_per_s(*, now: datetime) -> list[float]:
