@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane.telemetry import live
+from controlplane.telemetry.encode_loads import ENCODE_ROLE
 from controlplane.telemetry.serving_time_metrics import serving_time_families
-from controlplane.telemetry.snapshot import pool_of
+from controlplane.telemetry.snapshot import embedding_cache_hit_rate, pool_of
 from controlplane.telemetry.windows import RequestSample
 from workers.protocol.messages import WorkerHeartbeat
 
@@ -305,8 +306,62 @@ def heartbeat_families(
         load,
         slot_load,
         *swa_families(workers),
+        *encoder_families(workers),
         dtype_family(workers),
     ]
+
+
+def encoder_families(workers: list[WorkerHeartbeat]) -> list[Metric]:
+    """The encode workers' image patches (held now, encoded since each started, and what one measured it
+    encodes per second: the autoscaler's capacity of an encoder), and their embedding caches, each
+    labelled with its pool; per pool, the patches its encoders hold (what the gateway balances on)."""
+    labels = ["worker", "pool"]
+    in_flight = GaugeMetricFamily(
+        "sluice:encoder_patches_in_flight", "Image patches of the requests the encoder holds.", labels=labels
+    )
+    encoded = CounterMetricFamily(
+        "sluice:encoder_patches_encoded", "Image patches the encoder's vision tower encoded.", labels=labels
+    )
+    capacity = GaugeMetricFamily(
+        "sluice:encoder_capacity_patches_per_second",
+        "Patches per second the encoder measured its vision tower encodes at its largest batch (0: not yet).",
+        labels=labels,
+    )
+    hits = CounterMetricFamily(
+        "sluice:embedding_cache_hits", "Images whose embeddings the encoder's cache held.", labels=labels
+    )
+    misses = CounterMetricFamily(
+        "sluice:embedding_cache_misses", "Images the encoder's cache did not hold: encoded.", labels=labels
+    )
+    cache_bytes = GaugeMetricFamily(
+        "sluice:embedding_cache_bytes", "Bytes of embeddings in the encoder's cache.", labels=labels
+    )
+    hit_rate = GaugeMetricFamily(
+        "sluice:embedding_cache_hit_rate",
+        "Hits over lookups of the encoder's embedding cache since it started (absent before a lookup).",
+        labels=labels,
+    )
+    pool_in_flight: dict[str, int] = defaultdict(int)
+    for heartbeat in workers:
+        if heartbeat.role != ENCODE_ROLE:
+            continue
+        names = [heartbeat.worker_id, pool_of(heartbeat)]
+        in_flight.add_metric(names, heartbeat.patches_in_flight)
+        encoded.add_metric(names, heartbeat.num_patches_encoded)
+        capacity.add_metric(names, heartbeat.patches_per_second)
+        hits.add_metric(names, heartbeat.embedding_cache_hits)
+        misses.add_metric(names, heartbeat.embedding_cache_misses)
+        cache_bytes.add_metric(names, heartbeat.embedding_cache_bytes)
+        rate = embedding_cache_hit_rate(heartbeat.embedding_cache_hits, heartbeat.embedding_cache_misses)
+        if rate is not None:
+            hit_rate.add_metric(names, rate)
+        pool_in_flight[pool_of(heartbeat)] += heartbeat.patches_in_flight
+    pool_patches = GaugeMetricFamily(
+        "sluice:pool_patches_in_flight", "Image patches the pool's encoders hold.", labels=["pool"]
+    )
+    for pool, value in sorted(pool_in_flight.items()):
+        pool_patches.add_metric([pool], value)
+    return [in_flight, encoded, capacity, hits, misses, cache_bytes, hit_rate, pool_patches]
 
 
 def dtype_family(workers: list[WorkerHeartbeat]) -> Metric:

@@ -1,12 +1,14 @@
 """The live snapshot the collector broadcasts: the workers' latest heartbeats, the window's request
-figures and what the workers' counters say of the window (engine steps, KV handoffs), as a JSON-ready
-dict (its shape is the dashboard's contract)."""
+figures and what the workers' counters say of the window (engine steps, KV handoffs, image patches
+encoded), as a JSON-ready dict (its shape is the dashboard's contract). Encode workers and pools carry
+an "encoder" part (patches in flight, patches encoded, the embedding cache); others have None there."""
 
 from collections import defaultdict
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from controlplane.telemetry.encode_loads import ENCODE_ROLE, measured_capacity
 from controlplane.telemetry.windows import Totals, percentiles
 from controlplane.telemetry.worker_counters import CounterSums, summed
 from workers.protocol.messages import SwaTotals, WorkerHeartbeat
@@ -111,6 +113,7 @@ def _worker(heartbeat: WorkerHeartbeat, counters: dict[str, CounterSums], second
         "weight_dtype": heartbeat.weight_dtype,
         "kv_cache_dtype": heartbeat.kv_cache_dtype,
         "engine": counters.get(heartbeat.worker_id, CounterSums()).engine(seconds),
+        "encoder": _encoder([heartbeat], counters, seconds),
     }
 
 
@@ -128,6 +131,7 @@ def _pools(workers: list[WorkerHeartbeat], counters: dict[str, CounterSums], sec
             "num_waiting": sum(heartbeat.num_waiting for heartbeat in members),
             "kv_usage_mean": sum(heartbeat.kv_usage for heartbeat in members) / len(members),
             "engine": _engine(members, counters, seconds),
+            "encoder": _encoder(members, counters, seconds),
         }
         for pool, members in sorted(by_pool.items())
     ]
@@ -136,3 +140,32 @@ def _pools(workers: list[WorkerHeartbeat], counters: dict[str, CounterSums], sec
 def _engine(members: list[WorkerHeartbeat], counters: dict[str, CounterSums], seconds: float) -> dict:
     """The members' engine steps in the window, together."""
     return summed(counters[member.worker_id] for member in members if member.worker_id in counters).engine(seconds)
+
+
+def embedding_cache_hit_rate(hits: int, misses: int) -> float | None:
+    """Lookups that found the image's embeddings cached, as a fraction; None without a lookup."""
+    lookups = hits + misses
+    return hits / lookups if lookups else None
+
+
+def _encoder(members: list[WorkerHeartbeat], counters: dict[str, CounterSums], seconds: float) -> dict | None:
+    """Encode workers' figures together (one worker's, or a pool's): patches held now, encoded since
+    each started and per second over the window, one encoder's measured patches per second (the mean
+    of those that measured it; 0: none has), and their embedding caches. None for other roles."""
+    if members[0].role != ENCODE_ROLE:
+        return None
+    hits = sum(member.embedding_cache_hits for member in members)
+    misses = sum(member.embedding_cache_misses for member in members)
+    encoded = summed(counters[m.worker_id] for m in members if m.worker_id in counters).patches
+    return {
+        "patches_in_flight": sum(member.patches_in_flight for member in members),
+        "patches_encoded": sum(member.num_patches_encoded for member in members),
+        "patches_per_s": encoded / seconds,
+        "capacity_patches_per_s": measured_capacity(members),
+        "embedding_cache": {
+            "hits": hits,
+            "misses": misses,
+            "bytes": sum(member.embedding_cache_bytes for member in members),
+            "hit_rate": embedding_cache_hit_rate(hits, misses),
+        },
+    }

@@ -1,9 +1,9 @@
-"""The counters the workers' heartbeats carry since each worker started (engine steps, KV handoffs), as
-what happened lately. At each collector tick a worker counts what its counters grew by since the
-heartbeat read at the tick before: nothing for a worker first heard (its past is not this window's),
-everything for one that restarted (a new started_at). The ticks' counts are summed over the live
-window per worker (the snapshot sums them per pool and over the cluster) and, by the collector, over
-the minute in progress for its rollup."""
+"""The counters the workers' heartbeats carry since each worker started (engine steps, KV handoffs,
+image patches encoded), as what happened lately. At each collector tick a worker counts what its
+counters grew by since the heartbeat read at the tick before: nothing for a worker first heard (its
+past is not this window's), everything for one that restarted (a new started_at). The ticks' counts
+are summed over the live window per worker (the snapshot sums them per pool and over the cluster)
+and, by the collector, over the minute in progress for its rollup."""
 
 from collections import deque
 from collections.abc import Iterable
@@ -28,11 +28,13 @@ class CounterSums:
     step_seconds: float = 0.0
     step_tokens: float = 0.0
     handoffs: dict[tuple[str, str], HandoffSums] = field(default_factory=dict)  # by (direction, backend)
+    patches: int = 0  # image patches an encode worker encoded
 
     def add(self, other: "CounterSums") -> None:
         self.steps += other.steps
         self.step_seconds += other.step_seconds
         self.step_tokens += other.step_tokens
+        self.patches += other.patches
         for key, sums in other.handoffs.items():
             mine = self.handoffs.setdefault(key, HandoffSums())
             mine.transfers += sums.transfers
@@ -91,7 +93,8 @@ def counts_since(before: WorkerHeartbeat | None, now: WorkerHeartbeat) -> Counte
     """What `now`'s counters grew by since `before` (None: since the worker started)."""
     steps = _grown(before.step_seconds if before else None, now.step_seconds)
     tokens = _grown(before.step_tokens if before else None, now.step_tokens)
-    sums = CounterSums(steps=steps[0], step_seconds=steps[1], step_tokens=tokens[1])
+    patches = now.num_patches_encoded - (before.num_patches_encoded if before else 0)
+    sums = CounterSums(steps=steps[0], step_seconds=steps[1], step_tokens=tokens[1], patches=patches)
     for direction in DIRECTIONS:
         earlier = getattr(before, f"handoff_{direction}") if before else {}
         for backend, totals in getattr(now, f"handoff_{direction}").items():

@@ -136,6 +136,7 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
         "weight_dtype": "fp8_e4m3",
         "kv_cache_dtype": "bfloat16",
         "engine": NO_STEPS,
+        "encoder": None,
     }
     assert snapshot["pools"] == [
         {
@@ -147,6 +148,7 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
             "num_waiting": 0,
             "kv_usage_mean": 0.0,
             "engine": NO_STEPS,
+            "encoder": None,
         },
         {
             "pool": "prefill",
@@ -157,6 +159,7 @@ def test_pools_and_the_kv_store_come_from_the_heartbeats(collector, heartbeats, 
             "num_waiting": 3,
             "kv_usage_mean": 0.375,
             "engine": NO_STEPS,
+            "encoder": None,
         },
     ]
     assert snapshot["kv_store"] == {
