@@ -9,6 +9,7 @@ from dash import dcc, html
 NO_WORKERS = "No data: no engine worker is running"
 DENSE_MODEL = "dense model: no experts"
 NOT_REPORTED = "not reported"
+NO_ENCODERS = "no vision encoder is running"
 
 # Traces of each time-series figure: (snapshot path, rollup field, legend name). The live extension
 # (a clientside callback in telemetry_app) appends to the same traces in the same order.
@@ -130,6 +131,91 @@ def worker_rows(snapshot: dict) -> list[tuple]:
         )
         for worker in snapshot["workers"]
     ]
+
+
+def encode_pool_rows(pools: Iterable, snapshot: dict) -> list[tuple]:
+    """Configured encode pools (topology models) with what the snapshot saw of their encoders."""
+    live = {pool["pool"]: pool for pool in snapshot["pools"]}
+    rows = []
+    for pool in pools:
+        seen = live.get(pool.name, {})
+        encoder = seen.get("encoder") or {}
+        cache = encoder.get("embedding_cache", {})
+        rows.append(
+            (
+                pool.cluster.name,
+                pool.name,
+                pool.model,
+                f"{pool.min_instances}..{pool.max_instances} (target {pool.target_instances})",
+                f"{seen.get('ready', 0)}/{seen.get('instances', 0)}",
+                encoder.get("patches_in_flight", 0),
+                one_decimal(encoder.get("patches_per_s")),
+                capacity(encoder.get("capacity_patches_per_s")),
+                percent(cache.get("hit_rate")),
+                megabytes(cache.get("bytes")),
+            )
+        )
+    return rows
+
+
+def encoder_rows(snapshot: dict) -> list[tuple]:
+    """The encode workers as their heartbeats report them: patches held and encoded, their measured
+    capacity, and their embedding caches."""
+    rows = []
+    for worker in snapshot["workers"]:
+        encoder = worker.get("encoder")
+        if encoder is None:
+            continue
+        cache = encoder["embedding_cache"]
+        rows.append(
+            (
+                worker["worker_id"],
+                worker["pool"],
+                worker["state"],
+                encoder["patches_in_flight"],
+                encoder["patches_encoded"],
+                one_decimal(encoder["patches_per_s"]),
+                capacity(encoder["capacity_patches_per_s"]),
+                percent(cache["hit_rate"]),
+                f"{cache['hits']}/{cache['misses']}",
+                megabytes(cache["bytes"]),
+            )
+        )
+    return rows
+
+
+def capacity(patches_per_s: float | None) -> str:
+    """An encoder's measured patches per second (0: not measured yet)."""
+    return "not measured" if not patches_per_s else f"{patches_per_s:.1f}"
+
+
+def megabytes(num_bytes: int | None) -> str:
+    return "no data" if num_bytes is None else f"{num_bytes / 1e6:.2f} MB"
+
+
+def encoder_figure(snapshot: dict) -> go.Figure:
+    """Patches each encoder holds now (what the gateway balances on), its cache hit rate as the label."""
+    title = "Vision encoders: patches in flight"
+    encoders = [worker for worker in snapshot["workers"] if worker.get("encoder") is not None]
+    if not encoders:
+        return _empty_figure(title, NO_ENCODERS)
+    figure = _layout(
+        go.Figure(
+            go.Bar(
+                x=[worker["encoder"]["patches_in_flight"] for worker in encoders],
+                y=[worker["worker_id"] for worker in encoders],
+                orientation="h",
+                text=[
+                    f"cache hit rate {percent(worker['encoder']['embedding_cache']['hit_rate'])}" for worker in encoders
+                ],
+                name="patches in flight",
+            )
+        ),
+        title,
+    )
+    figure.update_layout(height=220)
+    figure.update_xaxes(title="patches in flight")
+    return figure
 
 
 def handoff_rows(kv_handoff: dict) -> list[tuple]:

@@ -14,6 +14,7 @@ from django_plotly_dash import DjangoDash
 
 from controlplane.telemetry.live import current_snapshot
 from controlplane.telemetry.selectors import rollup_series
+from controlplane.topology.models import PoolKind
 from controlplane.topology.selectors import pool_list, scaling_event_list
 from dashboard import figures
 
@@ -53,6 +54,32 @@ WORKER_COLUMNS = (
     "steps/s",
     *ENGINE_COLUMNS,
 )
+# Vision encoders: image patches held now and encoded over the last 60 s, one encoder's measured
+# capacity, and the embedding cache.
+ENCODE_POOL_COLUMNS = (
+    "cluster",
+    "pool",
+    "model",
+    "instances",
+    "ready/seen",
+    "patches in flight",
+    "patches/s",
+    "capacity/encoder (patches/s)",
+    "embedding cache hit rate",
+    "embedding cache",
+)
+ENCODER_COLUMNS = (
+    "encoder",
+    "pool",
+    "state",
+    "patches in flight",
+    "patches encoded",
+    "patches/s",
+    "capacity (patches/s)",
+    "cache hit rate",
+    "cache hits/misses",
+    "cache size",
+)
 HANDOFF_COLUMNS = ("backend", "direction", "handoffs", "throughput", "mean per handoff")
 
 # Per figure, the snapshot fields (dotted paths) its traces show, in trace order.
@@ -88,6 +115,9 @@ app.layout = html.Div(
         html.Div(id="pools"),
         html.H3("Instances"),
         html.Div(id="instances"),
+        html.H3("Vision encoders"),
+        html.Div(id="encoders"),
+        dcc.Graph(id="encoders-graph"),
         html.H3("KV handoff (last 60 s)"),
         html.Div(id="kv-handoff"),
         *(_graph(graph_id) for graph_id in figures.SERIES),
@@ -208,4 +238,22 @@ def render_live(snapshot: dict | None):
         figures.swa_figure(snapshot["swa"]),
         figures.scaling_timeline(events),
         figures.expert_heatmaps(snapshot["expert_load"]),
+    )
+
+
+@app.callback(
+    Output("encoders", "children"),
+    Output("encoders-graph", "figure"),
+    Input("snapshot", "data"),
+)
+def render_encoders(snapshot: dict | None):
+    """The encode pools (configured ones, with what the snapshot saw of them) and their encoders."""
+    snapshot = snapshot or current_snapshot()
+    pools = figures.encode_pool_rows(pool_list(kind=PoolKind.ENCODE), snapshot)
+    return (
+        [
+            figures.table("encode-pools-table", ENCODE_POOL_COLUMNS, pools, empty="no encode pool"),
+            figures.table("encoders-table", ENCODER_COLUMNS, figures.encoder_rows(snapshot), empty=figures.NO_ENCODERS),
+        ],
+        figures.encoder_figure(snapshot),
     )

@@ -14,8 +14,10 @@ from controlplane.topology.models import (
 )
 
 
-def pool_list() -> QuerySet[Pool]:
-    return Pool.objects.select_related("cluster").order_by("cluster__name", "name")
+def pool_list(*, kind: str | None = None) -> QuerySet[Pool]:
+    """Every pool, or those of one kind (a PoolKind value)."""
+    pools = Pool.objects.select_related("cluster").order_by("cluster__name", "name")
+    return pools if kind is None else pools.filter(kind=kind)
 
 
 def pool_scaling_summary() -> list[dict]:
