@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_ACK_TIMEOUT_S = 5.0
 REAP_INTERVAL_S = 0.5
+ENCODE_ROLE = "encode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class WorkerLaunch:
     instance_id: int
     worker_id: str
     pool: str
-    role: str  # "prefill", "decode" or "mixed"
+    role: str  # "prefill", "decode", "mixed" or "encode" (a vision encoder)
     model: str
     # The pool's precision (EngineArgs.quantization, kv_cache_dtype): over the host's worker options.
     quantization: str | None = None
@@ -74,7 +75,9 @@ class NodeAgent:
         advertise_host: str = "",
     ) -> None:
         """`worker_options(role)`: the engine and worker flags this host gives a worker of that role
-        (device, KV cache size, KV store...), checked when a worker starts (ValueError); the agent
+        (device, KV cache size, KV store...), checked when a worker starts (ValueError); an encode
+        worker (a vision encoder: request and heartbeat endpoints as a prefill worker's, no transfer
+        endpoint) is started without the host's KV store, which it has no use for. The agent
         adds identity, pool, model, the pool's precision, endpoints, and `curve_key_file`, the agent's
         own copy of the cluster's CURVE key (workers.curve), which its workers need to register with a
         registry on the network. `advertise_host`: the name or address other hosts reach this one by; its
@@ -125,6 +128,7 @@ class NodeAgent:
             heartbeat_endpoint=binds[1],
             registry_endpoint=self.registry_endpoint,
             **({"transfer_endpoint": binds[2]} if launch.role == "decode" else {}),
+            **({"kv_store": None} if launch.role == ENCODE_ROLE else {}),
             **({"advertise_host": self.advertise_host} if self.advertise_host else {}),
             **({"curve_key_file": self.curve_key_file} if self.curve_key_file else {}),
         )

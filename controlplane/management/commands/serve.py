@@ -1,9 +1,11 @@
 """`python manage.py serve`: the whole stack on this machine (gateway + engine workers), supervised.
 
 Workers: one prefill and one decode worker by default (`--prefill N --decode M` for more), or
-`--workers K` mixed workers (prefill and decode in one process) instead. They are each pool's lower
-bound: the autoscaler (on the supervisor's timer) and operators add workers up to a pool's max, started
-by the local node agent, also on the supervisor's timer.
+`--workers K` mixed workers (prefill and decode in one process) instead; `--encode E` adds E vision
+encoders (the same model's vision tower and connector, so only for a model that takes images), which
+encode a request's images and hand their embeddings to the worker computing its prompt. They are each
+pool's lower bound: the autoscaler (on the supervisor's timer) and operators add workers up to a
+pool's max, started by the local node agent, also on the supervisor's timer.
 
 The KV store: every worker uses it, decode workers persisting the blocks they complete and
 checkpointing their requests beside them, so a decode worker that dies has its requests resumed on
@@ -36,7 +38,7 @@ from controlplane.topology.selectors import local_workers_kv_capacity, local_wor
 from controlplane.topology.services import autoscale_tick, topology_ensure_local
 from workers.args import EngineArgs, add_engine_arguments
 from workers.client.routing.router import STEP_BUDGET_S
-from workers.engine.weights import resolve_model
+from workers.engine.weights import ModelFiles, resolve_model
 from workers.kvstore.gc_options import add_gc_arguments
 from workers.kvstore.gc_process import StoreGCConfig
 from workers.worker.args import WorkerArgs
@@ -63,6 +65,11 @@ WORKER_DISCOVERY_INTERVAL_S = 2.0
 # store's index), then the registry and the store's GC process, which keeps that index.
 STOP_GATEWAY, STOP_WORKERS, STOP_SERVICES = 0, 1, 2
 
+ENCODE_ROLE = "encode"
+# The architectures whose checkpoints carry a vision tower an encode worker runs (the engine's
+# Idefics3 family, workers.engine.models.registry); read from config.json, without loading torch.
+VISION_ARCHITECTURES = frozenset({"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"})
+
 
 class Command(BaseCommand):
     help = "Run the gateway and engine workers on this machine until Ctrl-C."
@@ -73,6 +80,12 @@ class Command(BaseCommand):
         parser.add_argument("--workers", type=int, help="run this many mixed prefill+decode workers instead")
         parser.add_argument("--prefill", type=int, help="prefill workers (default 1)")
         parser.add_argument("--decode", type=int, help="decode workers (default 1)")
+        parser.add_argument(
+            "--encode",
+            type=int,
+            default=0,
+            help="vision encoder workers (default 0); they run the model's vision tower, so the model must take images",
+        )
         parser.add_argument("--no-kv-store", action="store_true", help="run without the global KV store")
         # The store's GC process's settings (its runs, capacity, eviction policy).
         add_gc_arguments(parser, interval_help="seconds between runs of the store's GC (default: %(default)s)")
@@ -89,6 +102,7 @@ class Command(BaseCommand):
         workers: int | None,
         prefill: int | None,
         decode: int | None,
+        encode: int,
         no_kv_store: bool,
         kv_gc_interval: float,
         kv_store_capacity_bytes: int,
@@ -96,6 +110,8 @@ class Command(BaseCommand):
         **options,
     ) -> None:
         roles = _worker_roles(workers, prefill, decode)
+        if encode < 0:
+            raise CommandError(f"--encode must be at least 0, got {encode}")
         try:
             engine = EngineArgs.from_namespace(argparse.Namespace(**options))
         except ValueError as error:
@@ -103,7 +119,7 @@ class Command(BaseCommand):
         model, kv_store_index = engine.model, engine.kv_store_index
         if no_kv_store:
             engine = replace(engine, kv_store=None)
-        engine = with_device_share(engine, len(roles))
+        engine = with_device_share(engine, len(roles) + encode)
         if engine.kv_store:
             try:  # the GC process's settings, checked here rather than in a child that would keep failing
                 StoreGCConfig(
@@ -124,7 +140,7 @@ class Command(BaseCommand):
                 engine, cost_model=str(fitted), step_budget_ms=engine.step_budget_ms or STEP_BUDGET_S * 1000
             )
         # Convert the packaged weights here, once, with a visible progress bar, before children race for them.
-        resolve_model(model, progress=True)
+        roles += encode_roles(encode, resolve_model(model, progress=True))
         # The private directory of the ipc sockets, removed once everything stopped, however serve ends.
         with tempfile.TemporaryDirectory(prefix="sluice-") as runtime:
             self._serve(
@@ -159,6 +175,9 @@ class Command(BaseCommand):
             engine = replace(engine, kv_store_index=f"ipc://{runtime}/kv-index")
         # Decode workers run their steps unbudgeted.
         decode_engine = replace(engine, cost_model=None, step_budget_ms=None)
+        # Encoders run the same model's vision tower: no steps to budget, no KV and so no KV store.
+        encode_engine = replace(decode_engine, kv_store=None)
+        role_engines = {"decode": decode_engine, "prefill": engine, "mixed": engine, ENCODE_ROLE: encode_engine}
         # Workers register here; the registry keeps their EngineInstance rows current.
         registry_endpoint = f"ipc://{runtime}/registry"
         pools = [(role, role, roles.count(role)) for role in dict.fromkeys(roles)]
@@ -175,7 +194,7 @@ class Command(BaseCommand):
         try:
             workers = [
                 WorkerArgs(
-                    engine=decode_engine if role == "decode" else engine,
+                    engine=role_engines[role],
                     role=role,
                     worker_id=name,
                     request_endpoint=requests,
@@ -264,11 +283,10 @@ class Command(BaseCommand):
         )
         self.stdout.flush()
         # The local node's agent: the workers the autoscaler (or an operator) adds beyond these.
-        added_engine = {"decode": decode_engine, "prefill": engine, "mixed": engine}
         agent = NodeAgent(
             runtime_dir=runtime,
             registry_endpoint=registry_endpoint,
-            worker_options=lambda role: [*added_engine[role].to_argv(), "--kv-gc-interval=0"],
+            worker_options=lambda role: [*role_engines[role].to_argv(), "--kv-gc-interval=0"],
             on_exit=record_exit,
             env=child_env(),
             curve_key_file=settings.SLUICE_CURVE_KEY_FILE,
@@ -276,7 +294,11 @@ class Command(BaseCommand):
         timers = [
             Timer("node agent", AGENT_ROUND_S, lambda: reconcile_local(agent, hostname)),
             Timer("autoscaler", settings.SLUICE_AUTOSCALE_INTERVAL_S, AutoscalerAfterStart(names)),
-            Timer("KV cache report", WORKER_DISCOVERY_INTERVAL_S, KVCacheReport(names, self.stdout)),
+            Timer(
+                "KV cache report",
+                WORKER_DISCOVERY_INTERVAL_S,
+                KVCacheReport([name for name, role in zip(names, roles) if role != ENCODE_ROLE], self.stdout),
+            ),
             Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
         ]
         stop_added_workers = StopStep(STOP_WORKERS, lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S))
@@ -354,6 +376,19 @@ def _worker_roles(workers: int | None, prefill: int | None, decode: int | None) 
     if prefill < 1 or decode < 1:
         raise CommandError(f"--prefill and --decode must be at least 1, got {prefill} and {decode}")
     return ["prefill"] * prefill + ["decode"] * decode
+
+
+def encode_roles(encode: int, files: ModelFiles) -> list[str]:
+    """The roles of `encode` vision encoders of the model in `files`: refused when there are some and
+    the model takes no images (it has no vision tower to run)."""
+    if encode and not VISION_ARCHITECTURES.intersection(files.config.get("architectures") or ()):
+        architectures = ", ".join(files.config.get("architectures") or ()) or "none named"
+        raise CommandError(
+            f"--encode {encode}: model {files.name!r} is text-only (architecture: {architectures}), so it has "
+            f"no vision tower for encode workers to run; serve a vision-language model "
+            f"({', '.join(sorted(VISION_ARCHITECTURES))}) or leave out --encode"
+        )
+    return [ENCODE_ROLE] * encode
 
 
 def worker_command(args: WorkerArgs) -> list[str]:
