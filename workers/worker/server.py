@@ -54,7 +54,7 @@ from workers.worker.args import WorkerArgs
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
-from workers.worker.image_inbox import Failed, ImageInbox, Ready, Settled, check_refs
+from workers.worker.image_inbox import ImageInbox, Ready, Settled, check_refs
 from workers.worker.migration import Migration
 from workers.worker.registry import register_until_acknowledged
 from workers.worker.resumption import Resumption
@@ -360,7 +360,7 @@ class Worker:
         """A request whose images are all there goes to the engine; one that failed waiting is told."""
         if isinstance(settled, Ready):
             self._admit(settled.peer, settled.request, settled.images)
-        elif isinstance(settled, Failed):
+        else:
             self._send(settled.peer, GenerateError(settled.request_id, settled.kind, settled.message))
             self.control.check_drained()
 

@@ -45,8 +45,8 @@ from workers.protocol.messages import (
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-# Long enough that a drain finds the request still decoding on its first decode worker.
-LONG = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+# Enough tokens that a request migrated after its first decode step has most of them still to come.
+LONG = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 KV_CACHE_BYTES = 1 << 24
 TRANSFER_TIMEOUT_S = 3.0  # the mixed worker's: how long a request waits for its images
 SPLIT = picture(60, 44, seed=1)  # a 2 x 2 grid and the global tile
@@ -223,6 +223,8 @@ def test_a_prefill_worker_hands_the_images_on_to_the_decode_worker(workers, offl
 
 
 def test_a_drained_decode_worker_migrates_an_image_request_with_its_images(workers, offline):
+    """The decode worker drains (no grace) after it was told to expect the request: the request is
+    offered for migration after its first decode step there, and continues on the other."""
     directory, started = workers
     prompt, embeddings, expected = offline
     request_id, moved_id = new_id("migrating"), new_id("migrated")
@@ -234,27 +236,23 @@ def test_a_drained_decode_worker_migrates_an_image_request_with_its_images(worke
         Dealer(started["d1"].endpoints[0]) as second_decode,
         Dealer(started["p"].endpoints[0]) as gateway,
     ):
-        first_decode.send(ExpectTransferRequest(request_id))
+        first_decode.send(ExpectTransferRequest(request_id), DrainRequest("drain-d0", grace_s=0.0))
+        drained = first_decode.receive()
         gateway.send(request)
         for index in range(len(embeddings)):
             gateway.socket.send_multipart(delivery(request_id, index, embeddings))
         prefilled = stream(gateway, request_id)
-        decoded = [first_decode.receive()]  # decoding on d0 has started
-        first_decode.send(DrainRequest("drain-d0", grace_s=0.0))
-        while not (isinstance(decoded[-1], GenerateOutput) and decoded[-1].finish_reason is not None):
-            decoded.append(first_decode.receive())
-        acks = [reply for reply in decoded if isinstance(reply, ControlAck)]
-        decoded = [reply for reply in decoded if isinstance(reply, GenerateOutput)]
-        assert decoded[-1].finish_reason == "migrate"
+        decoded = stream(first_decode, request_id)
         second_decode.send(ExpectTransferRequest(moved_id))
         first_decode.send(MigrateRequest(request_id, moved_id, transfer_endpoint(directory, "d1")))
         moved = stream(second_decode, moved_id)
         first_decode.send(ResumeRequest("resume-d0"))
         resumed = first_decode.receive()
 
-    assert [ack.ok for ack in acks] == [True] and isinstance(resumed, ControlAck) and resumed.ok
-    assert moved[-1].finish_reason == "length"
+    assert isinstance(drained, ControlAck) and drained.ok and drained.num_in_flight == 1
+    assert decoded[-1].finish_reason == "migrate" and moved[-1].finish_reason == "length"
     assert tokens_of(prefilled) + tokens_of(decoded) + tokens_of(moved) == expected[LONG.max_tokens]
+    assert isinstance(resumed, ControlAck) and resumed.ok
 
 
 def doubled(request_id: str, embeddings: list[ImageEmbeddings]) -> list[bytes]:
