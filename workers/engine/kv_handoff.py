@@ -34,6 +34,7 @@ from workers.engine.kv.kv_cache import KVCache
 from workers.engine.kv.kv_pages import gather_tokens, scatter_tokens
 from workers.engine.request import Request
 from workers.protocol.errors import InvalidRequestError
+from workers.protocol.images import ImageEmbeddings
 from workers.protocol.sampling_params import SamplingParams
 
 
@@ -61,6 +62,9 @@ class KVHandoff:
     pages: tuple[int, ...] = ()
     # From a draining decode engine (a migration) rather than a prefill engine.
     migrated: bool = False
+    # A vision-language model's prompt images: the receiver keys the prompt's blocks with them and
+    # recomputes the prompt with them after a preemption.
+    images: tuple[ImageEmbeddings, ...] = ()
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
@@ -139,6 +143,7 @@ def export_handoff(request: Request, layers: "PagedLayers", kv_model_id: str) ->
         num_layers=len(layers),
         layers=layers,
         pages=tuple(request.pages),
+        images=request.images.embeddings if request.images is not None else (),
     )
 
 

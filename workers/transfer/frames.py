@@ -77,6 +77,7 @@ def transfer_header(handoff: KVHandoff, *, chunk_layers: int = 1, pool: KVPoolOf
         chunk_layers=chunk_layers,
         migrated=handoff.migrated,
         pool=pool,
+        images=handoff.images,
     )
 
 
@@ -229,6 +230,7 @@ def handoff_of(header: KVTransferHeader, layers: Sequence[torch.Tensor] = ()) ->
         num_layers=header.num_layers,
         layers=layers,
         migrated=header.migrated,
+        images=header.images,
     )
 
 

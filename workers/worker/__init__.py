@@ -11,11 +11,14 @@ or as an offer of its pages to a worker of the same host) and releases the pages
 there (workers.transfer). A "decode" worker also binds a ROUTER, its transfer endpoint: it continues
 the requests whose KV arrives there, streaming their outputs to the peer that sent the
 ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
-has lost all of its other half keeps serving.
+has lost all of its other half keeps serving. A mixed or prefill worker also takes the embeddings of
+a request's images from encode workers on its ROUTER (ImageEmbeddingsDelivery and a raw frame), and
+holds a request with images until they are all there.
 
 The parts, one job each: `process` (the entry point: title, parent death, crash report), `server`
 (sockets, the loop and the handler table), `transfers` (the disaggregation side: KV sent after
-prefill, KV expected and taken in for decode), `heartbeats` (load reports and the registration),
+prefill, KV expected and taken in for decode), `image_inbox` (requests waiting for their images'
+embeddings, and embeddings that came first), `heartbeats` (load reports and the registration),
 `control` (drain state and control commands), `swa_holder` (a sliding-window model's SWA state: kept,
 registered in the holder index, served to and fetched from other workers, whose endpoints `swa_peers`
 learns from requests), `args` (WorkerArgs and its flags).

@@ -28,7 +28,9 @@ HEARTBEAT_INTERVAL_S = 0.1
 # Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
 # names no timeout of its own (the gateway's name the request's predicted prefill and transfer, see
 # workers.client.prefill_deadlines). It counts from the expectation, which comes before the prefill is even
-# scheduled: a backstop for a gateway that vanished (a gateway fails a stalled transfer itself).
+# scheduled: a backstop for a gateway that vanished (a gateway fails a stalled transfer itself). The
+# same bound holds a request with images waiting for their embeddings from an encode worker
+# (workers.worker.image_inbox): the gateway retries a failed encoder itself, within it.
 TRANSFER_TIMEOUT_S = 120.0
 
 
@@ -56,7 +58,8 @@ class WorkerArgs:
     transfer_timeout_s: float = setting(
         TRANSFER_TIMEOUT_S,
         flag="--transfer-timeout",
-        help="seconds a decode worker waits for KV when the expectation names no timeout",
+        help="seconds a decode worker waits for KV when the expectation names no timeout, and a request waits "
+        "for its images' embeddings",
     )
     swa_state_endpoint: str | None = setting(
         None,

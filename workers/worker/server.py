@@ -27,6 +27,7 @@ from workers.kvstore.checkpoint_files import FOLDER as CHECKPOINTS_FOLDER
 from workers.kvstore.gc import GarbageCollector
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.errors import EngineOverloadedError, InvalidConstraintError, InvalidRequestError
+from workers.protocol.images import ImageEmbeddings, ImageEmbeddingsDelivery
 from workers.protocol.messages import (
     AbortRequest,
     ApplyEPLayoutRequest,
@@ -35,6 +36,7 @@ from workers.protocol.messages import (
     DrainRequest,
     ExpectTransferRequest,
     GenerateError,
+    GenerateOutput,
     GenerateRequest,
     MigrateRequest,
     ResumeDecodeRequest,
@@ -52,6 +54,7 @@ from workers.worker.args import WorkerArgs
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage, RedisStorage
 from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
+from workers.worker.image_inbox import ImageInbox, Ready, Settled, check_refs
 from workers.worker.migration import Migration
 from workers.worker.registry import register_until_acknowledged
 from workers.worker.resumption import Resumption
@@ -129,6 +132,8 @@ class Worker:
         self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
         self.encoder = msgspec.msgpack.Encoder()
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
+        # Requests with images waiting for their embeddings, which the worker's transfer timeout bounds.
+        self.inbox = ImageInbox(config.transfer_timeout_s)
         self._resized_at = 0.0  # the EP group's last resize this worker has acted on
         self.control = WorkerControl(
             self.worker_id,
@@ -213,6 +218,9 @@ class Worker:
             ready = dict(self.poller.poll(idle_ms))
             if self.router in ready:
                 self._receive()
+            if self.inbox.holding:
+                for failed in self.inbox.expired(time.monotonic()):
+                    self._settle(failed)
             self.transfers.poll(ready, MAX_MESSAGES_PER_STEP)
             if self.control.migrate_at is not None and self.config.role == "decode":
                 self.migration.offer_due()
@@ -253,7 +261,13 @@ class Worker:
         log.error("worker %s: the engine failed; failing %d requests", self.worker_id, self._num_in_flight())
         self.stop.set()
         self.heartbeats.join()
-        peers = {**self.owners, **self.transfers.expected_peers(), **self.transfers.sending, **self.migration.peers()}
+        peers = {
+            **self.owners,
+            **self.inbox.peers(),
+            **self.transfers.expected_peers(),
+            **self.transfers.sending,
+            **self.migration.peers(),
+        }
         for request_id, peer in peers.items():
             if peer:  # b"": a send aborted by its owner, who wants nothing more
                 self._send(peer, GenerateError(request_id, "worker_failed", reason))
@@ -267,16 +281,26 @@ class Worker:
             self._handle(frames[0], frames[1:])
 
     def _handle(self, peer: bytes, frames: list[bytes]) -> None:
-        if len(frames) != 1:
-            self._reject_malformed(peer, f"expected one message frame, got {len(frames)}", b"")
-            return
+        """One message: one frame, or two for image embeddings (the struct, then the raw bytes)."""
+        wrong_count = f"expected one message frame, got {len(frames)}"
         try:
-            message = self.decoder.decode(frames[0])
+            message = self.decoder.decode(frames[0] if frames else b"")
         except msgspec.DecodeError as error:
-            self._reject_malformed(peer, str(invalid_request_from(error)), frames[0])
+            if len(frames) == 1:
+                self._reject_malformed(peer, str(invalid_request_from(error)), frames[0])
+            else:
+                self._reject_malformed(peer, wrong_count, b"")
             return
+        if isinstance(message, ImageEmbeddingsDelivery):
+            self._guarded(peer, message, lambda: self._on_image_embeddings(peer, message, frames[1:]))
+        elif len(frames) != 1:
+            self._reject_malformed(peer, wrong_count, b"")
+        else:
+            self._guarded(peer, message, lambda: self.handlers[type(message)](peer, message))
+
+    def _guarded(self, peer: bytes, message: Any, handle: Callable[[], None]) -> None:
         try:
-            self.handlers[type(message)](peer, message)
+            handle()
         except Exception:
             # A bug in admitting one request must not take the others down with the process.
             log.exception("handling %s failed", type(message).__name__)
@@ -294,6 +318,53 @@ class Worker:
             message = f"worker {self.worker_id} is a {self.config.role} worker: it does not send KV"
             self._send(peer, GenerateError(request.request_id, "invalid_request", message))
             return
+        if request.images:
+            self._wait_for_images(peer, request)
+            return
+        self._admit(peer, request, ())
+
+    def _wait_for_images(self, peer: bytes, request: GenerateRequest) -> None:
+        """Hold a request with images until an encode worker has delivered every image's embeddings."""
+        request_id = request.request_id
+        if self.config.role == "decode":
+            problem = f"images: worker {self.worker_id} is a decode worker: it computes no prompts with images"
+        elif request_id in self.owners or request_id in self.inbox:
+            problem = f"request id {request_id!r} is already in use"
+        else:
+            problem = check_refs(request, getattr(self.engine.info.model_config, "image_token_id", None))
+        if problem:
+            self._send(peer, GenerateError(request_id, "invalid_request", problem))
+            return
+        settled = self.inbox.wait(peer, request, time.monotonic())
+        if settled is not None:
+            self._settle(settled)
+
+    def _on_image_embeddings(self, peer: bytes, delivery: ImageEmbeddingsDelivery, data: list[bytes]) -> None:
+        """One image's embeddings from an encode worker. A refused one fails its request, whose owner
+        is told (the encoder sent it and is done with it); the sender hears only of embeddings sent to
+        a worker that takes none."""
+        if self.config.role == "decode":
+            message = f"worker {self.worker_id} is a decode worker: it takes no image embeddings"
+            self._send(peer, GenerateError(delivery.request_id, "invalid_request", message))
+            return
+        now = time.monotonic()
+        if len(data) != 1:
+            reason = f"image_embeddings: a delivery is two frames (the struct, the raw bytes), got {len(data) + 1}"
+            settled = self.inbox.refuse(delivery.request_id, reason, now)
+        else:
+            settled = self.inbox.deliver(delivery, data[0], now)
+        if settled is not None:
+            self._settle(settled)
+
+    def _settle(self, settled: Settled) -> None:
+        """A request whose images are all there goes to the engine; one that failed waiting is told."""
+        if isinstance(settled, Ready):
+            self._admit(settled.peer, settled.request, settled.images)
+        else:
+            self._send(settled.peer, GenerateError(settled.request_id, settled.kind, settled.message))
+            self.control.check_drained()
+
+    def _admit(self, peer: bytes, request: GenerateRequest, images: tuple[ImageEmbeddings, ...]) -> None:
         try:
             self.engine.add_request(
                 EngineRequest(
@@ -308,6 +379,7 @@ class Worker:
                     tenant=request.tenant,
                     tenant_weight=request.tenant_weight,
                     cache_hints=request.cache_hints,
+                    images=images,
                 )
             )
         except InvalidConstraintError as error:
@@ -333,6 +405,12 @@ class Worker:
             message = f"worker {self.worker_id} is a {self.config.role} worker: it resumes no decoding"
             self._send(peer, GenerateError(request.request.request_id, "invalid_request", message))
             return
+        if request.request.images:
+            # A checkpoint keeps no embeddings, and a resume recomputes the prompt's tail: the gateway
+            # reruns an image request from its prompt instead, its images encoded again.
+            message = "an image request is not resumed from a checkpoint: its images' embeddings are not kept"
+            self._send(peer, GenerateError(request.request.request_id, "checkpoint_invalid", message))
+            return
         self.resumption.on_resume_decode(peer, request)
 
     def _on_control(self, peer: bytes, request: ControlRequest) -> None:
@@ -340,7 +418,7 @@ class Worker:
 
     def _on_shutdown(self, peer: bytes, request: ShutdownRequest) -> None:
         """Abort what is in flight before acknowledging, so the ack confirms nothing is left running."""
-        for request_id in [*self.owners, *self.transfers.expected, *self.migration.offered]:
+        for request_id in [*self.owners, *self.inbox.waiting, *self.transfers.expected, *self.migration.offered]:
             self._abort(request_id)
         self._on_control(peer, request)
         log.info("worker %s shutting down (command %s)", self.worker_id, request.command_id)
@@ -349,6 +427,15 @@ class Worker:
     def _abort(self, request_id: str) -> None:
         """Stop a request; its owner gets a last output with finish_reason "abort" (a request whose KV
         is being sent has reported its last output: sending stops, and its pages go when it has)."""
+        waiting = self.inbox.drop(request_id, time.monotonic())
+        if waiting is not None:
+            # It never reached the engine: its last output is the one a queued request's abort gives.
+            prompt_length = len(waiting.request.prompt_token_ids)
+            self._send(
+                waiting.peer,
+                GenerateOutput(request_id, [], "", finish_reason="abort", num_prompt_tokens=prompt_length),
+            )
+            return
         if self.transfers.abort(request_id) or self.migration.forget(request_id):
             return
         delta = self.engine.abort_request(request_id)
@@ -356,7 +443,7 @@ class Worker:
             self._send_delta(delta)
 
     def _num_in_flight(self) -> int:
-        return len(self.owners) + self.transfers.num_in_flight + self.migration.num_offered
+        return len(self.owners) + len(self.inbox) + self.transfers.num_in_flight + self.migration.num_offered
 
     def _send_delta(self, delta: RequestDelta) -> None:
         owner = self.owners.pop(delta.request_id) if delta.finished else self.owners[delta.request_id]
@@ -382,7 +469,9 @@ class Worker:
         except msgspec.DecodeError:
             return ""
         request_id = fields.get("request_id") if isinstance(fields, dict) else None
-        if not isinstance(request_id, str) or request_id in self.owners or request_id in self.transfers.sending:
+        if not isinstance(request_id, str) or any(
+            request_id in in_flight for in_flight in (self.owners, self.inbox.waiting, self.transfers.sending)
+        ):
             return ""
         return request_id
 
@@ -393,7 +482,8 @@ class Worker:
     def _shut_down(self) -> None:
         """Abort what is in flight, so that every stream ends with an output rather than a timeout."""
         log.info("worker %s stopping; aborting %d requests", self.worker_id, self._num_in_flight())
-        for request_id in [*self.owners, *self.transfers.sending, *self.transfers.expected, *self.migration.offered]:
+        in_flight = [*self.owners, *self.inbox.waiting, *self.transfers.sending, *self.transfers.expected]
+        for request_id in [*in_flight, *self.migration.offered]:
             self._abort(request_id)
         self.transfers.close()
         self.resumption.close()

@@ -219,4 +219,5 @@ def continuing(handoff: KVHandoff, constraint: OutputConstraintSpec | None = Non
         cache_namespace=handoff.cache_namespace,
         constraint=constraint,
         traffic_class=handoff.traffic_class,
+        images=handoff.images,
     )
