@@ -318,13 +318,3 @@ def test_a_vlm_whose_image_token_is_not_the_tokenizers_or_without_preprocessor_c
         ServedModel.from_model_files(resolve_model(wrong_token), 2048)
     with pytest.raises(ModelLoadError, match="preprocessor"):
         ServedModel.from_model_files(resolve_model(no_preprocessor), 2048)
-
-
-def test_the_gateways_vision_defaults_are_the_engines():
-    from workers.engine.models import idefics3
-    from workers.text import vision_prompt
-
-    assert vision_prompt.DEFAULT_IMAGE_TOKEN_ID == idefics3.DEFAULT_IMAGE_TOKEN_ID
-    assert vision_prompt.DEFAULT_SCALE_FACTOR == idefics3.DEFAULT_SCALE_FACTOR
-    assert vision_prompt.DEFAULT_IMAGE_SIZE == idefics3.VISION_DEFAULTS["image_size"]
-    assert vision_prompt.DEFAULT_PATCH_SIZE == idefics3.VISION_DEFAULTS["patch_size"]
