@@ -13,6 +13,7 @@ from recipe import conversation_requests
 from recipe.image_prompts import IMAGE_MARKER
 from tests.controlplane.gateway.helpers import FakeEngine, key_headers, three_token_script
 from tests.controlplane.gateway.images import data_url, image_part, png, text_part
+from tests.controlplane.gateway.live import served_models
 from tests.controlplane.gateway.test_hostile_inputs import assert_refused
 from tests.vlm_model import build_tiny_vlm
 from workers.protocol.images import ImageRef
@@ -42,15 +43,10 @@ def vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def served_vlm(vlm_dir, settings, monkeypatch) -> str:
-    """The gateway serves the tiny VLM alone, with a fresh catalog and fresh prepare processes."""
-    from controlplane.gateway import catalog, preparation
-
-    preparation.close_preparation()
-    monkeypatch.setattr(catalog, "_catalog", None)
-    settings.SLUICE_MODELS = [str(vlm_dir)]
-    yield vlm_dir.name
-    preparation.close_preparation()
+def served_vlm(vlm_dir) -> str:
+    """The gateway serves the tiny VLM alone; its name."""
+    with served_models(vlm_dir):
+        yield vlm_dir.name
 
 
 @pytest.fixture
