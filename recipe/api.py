@@ -14,6 +14,7 @@ from typing import get_args
 from recipe.completions import prepare_completion
 from recipe.conversation_requests import count_prompt_tokens, prepare_conversation_request
 from recipe.errors import ApiError, invalid_request
+from recipe.images.resolve import RequestImage
 from recipe.limits import RequestLimits, check_request_bounds
 from recipe.prepared_request import ApiProtocol, PreparedRequest, ResponseBuilder, SseEvent
 from recipe.served_model import ServedModel
@@ -25,6 +26,7 @@ __all__ = [
     "ApiError",
     "PreparedRequest",
     "Protocol",
+    "RequestImage",
     "RequestLimits",
     "ResponseBuilder",
     "ServedModel",
@@ -36,17 +38,22 @@ __all__ = [
 
 
 def prepare_request(
-    protocol: Protocol, body: dict, models: Mapping[str, ServedModel], limits: RequestLimits = RequestLimits()
+    protocol: Protocol,
+    body: dict,
+    models: Mapping[str, ServedModel],
+    limits: RequestLimits = RequestLimits(),
+    images: tuple[RequestImage, ...] | None = None,
 ) -> PreparedRequest:
     """Raises ApiError: 400 for a malformed or invalid request or one past `limits` (with the field in
     `param`), 404 for an unknown model, 400 when the prompt plus max_tokens does not fit the context
-    window."""
+    window. `images`: the body's images as read already, by an earlier preparation of the same body
+    (its PreparedRequest.read_images); None: they are read here."""
     if protocol not in get_args(Protocol):
         raise ValueError(f"unknown protocol {protocol!r}")
     model = _served_model(body, models, protocol, limits)
     if protocol == "completions":
         return prepare_completion(body, model, limits)
-    return prepare_conversation_request(protocol, body, model, limits)
+    return prepare_conversation_request(protocol, body, model, limits, images)
 
 
 def count_tokens(body: dict, models: Mapping[str, ServedModel], limits: RequestLimits = RequestLimits()) -> int:

@@ -24,10 +24,11 @@ from recipe.cache_hints import CacheRequest, read_cache_request
 from recipe.chatml import PromptText
 from recipe.conversation_responses import ConversationResponseFactory, choice_feed
 from recipe.errors import ApiError, invalid_request
-from recipe.images.resolve import resolve_images
+from recipe.image_prompts import encode_images, expand_images, refuse_marker_text
+from recipe.images.resolve import RequestImage, resolve_images
 from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest
-from recipe.prompt_encoding import encode_conversation, render_prompt
+from recipe.prompt_encoding import encode_conversation, encode_prompt_text, render_prompt
 from recipe.served_model import ServedModel
 from workers.protocol.errors import InvalidRequestError
 from workers.protocol.messages import OutputConstraintSpec
@@ -64,8 +65,13 @@ MAX_FIELDS_TRIED = 64
 
 
 def prepare_conversation_request(
-    protocol: ConversationProtocol, body: Mapping, model: ServedModel, limits: RequestLimits
+    protocol: ConversationProtocol,
+    body: Mapping,
+    model: ServedModel,
+    limits: RequestLimits,
+    images: tuple[RequestImage, ...] | None = None,
 ) -> PreparedRequest:
+    """`images`: the body's images as read already (by a prepare process); None: read here."""
     # Fields read here are checked before the library sees the body, so that errors name them.
     n = request_fields.choices(body, limits.max_choices) if protocol == "chat.completions" else 1
     cache = read_cache_request(protocol, body, limits)
@@ -76,15 +82,15 @@ def prepare_conversation_request(
     library_request = _library_request(protocol, body)
     responses_echo, namespace_tools = _responses_settings(library_request)
     converted = _converted(protocol, library_request, model.name)
-    _check_images(protocol, body, model, limits)
+    images = _request_images(protocol, body, model, limits, images)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     forces_tool_call = conversation.tool_choice == "required" and bool(conversation.tools)
-    prompt_token_ids = _encoded(conversation, model, protocol)
+    prompt_token_ids = _encoded(conversation, model, protocol, images)
     try:
         max_tokens = converted.resolve_max_tokens(len(prompt_token_ids), model.max_model_len)
     except deepseek_recipe.ConversionError as error:
         raise invalid_request(str(error), MAX_TOKENS_FIELDS[protocol]) from None
-    placed = _placed_hints(protocol, body, cache, conversation, prompt_token_ids, model)
+    placed = _placed_hints(protocol, body, cache, conversation, prompt_token_ids, model, images)
 
     responses = ConversationResponseFactory(
         protocol=protocol,
@@ -111,6 +117,8 @@ def prepare_conversation_request(
         response_factory=responses.new_response,
         cache_hints=placed.hints,
         prompt_cache_key=cache.prompt_cache_key,
+        images=encode_images(images, model.vision) if model.vision is not None else (),
+        read_images=images,
     )
 
 
@@ -121,18 +129,28 @@ def count_prompt_tokens(
     its cache hints are checked, and count for nothing."""
     read_cache_request(protocol, body, limits)
     converted = _converted(protocol, _library_request(protocol, body), model.name)
-    _check_images(protocol, body, model, limits)
+    images = _request_images(protocol, body, model, limits, None)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
-    return len(_encoded(conversation, model, protocol))
+    return len(_encoded(conversation, model, protocol, images))
 
 
-def _check_images(protocol: ConversationProtocol, body: Mapping, model: ServedModel, limits: RequestLimits) -> None:
-    """Every image is read, fetched and decoded within `limits` (each refusal names its field); then,
-    since no served model takes images yet, the first one is refused by name."""
-    images = resolve_images(protocol, body, limits)
-    if images:
+def _request_images(
+    protocol: ConversationProtocol,
+    body: Mapping,
+    model: ServedModel,
+    limits: RequestLimits,
+    read: tuple[RequestImage, ...] | None,
+) -> tuple[RequestImage, ...]:
+    """Every image read, fetched and decoded within `limits` (each refusal names its field), unless
+    `read` already; a model that takes no images refuses the first one by name. A vision-language
+    model first refuses text that spells its image marker (recipe.image_prompts)."""
+    if model.vision is not None:
+        refuse_marker_text(body)
+    images = read if read is not None else resolve_images(protocol, body, limits)
+    if images and model.vision is None:
         field = images[0].field
         raise invalid_request(f"`{field}`: model `{model.name}` does not accept images", field)
+    return images
 
 
 def _placed_hints(
@@ -142,24 +160,40 @@ def _placed_hints(
     conversation: deepseek_recipe.Conversation,
     prompt_token_ids: list[int],
     model: ServedModel,
+    images: tuple[RequestImage, ...],
 ) -> PlacedHints:
     if not cache.breakpoints:
         return PlacedHints()
     return place_breakpoints(
         cache.breakpoints,
         body=body,
-        prompt=render_prompt(conversation, model),
+        prompt=_prompt(conversation, model, protocol, images),
         conversation=conversation,
         token_ids=prompt_token_ids,
         tokenizer=model.tokenizer,
-        render=lambda marked: _rendered(protocol, marked, model),
+        render=lambda marked: _rendered(protocol, marked, model, images),
     )
 
 
-def _rendered(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> PromptText:
+def _rendered(
+    protocol: ConversationProtocol, body: Mapping, model: ServedModel, images: tuple[RequestImage, ...]
+) -> PromptText:
     """The prompt text `body` renders to (a request marked for its cache breakpoints)."""
     converted = _converted(protocol, _library_request(protocol, body), model.name)
-    return render_prompt(_with_anthropic_any_as_required(protocol, body, converted.conversation), model)
+    return _prompt(_with_anthropic_any_as_required(protocol, body, converted.conversation), model, protocol, images)
+
+
+def _prompt(
+    conversation: deepseek_recipe.Conversation,
+    model: ServedModel,
+    protocol: ConversationProtocol,
+    images: tuple[RequestImage, ...],
+) -> PromptText:
+    """The rendered prompt, with each image's placeholders in place for a vision-language model."""
+    prompt = render_prompt(conversation, model)
+    if model.vision is None:
+        return prompt
+    return expand_images(prompt, images, model.vision, MESSAGES_FIELDS[protocol])
 
 
 def _check_token_counts(protocol: ConversationProtocol, body: Mapping, model: ServedModel) -> None:
@@ -254,8 +288,13 @@ def _with_anthropic_any_as_required(
 
 
 def _encoded(
-    conversation: deepseek_recipe.Conversation, model: ServedModel, protocol: ConversationProtocol
+    conversation: deepseek_recipe.Conversation,
+    model: ServedModel,
+    protocol: ConversationProtocol,
+    images: tuple[RequestImage, ...],
 ) -> list[int]:
+    if model.vision is not None:
+        return encode_prompt_text(_prompt(conversation, model, protocol, images), model.tokenizer)
     if any(message.image_sources for message in conversation.messages):
         raise invalid_request(f"model `{model.name}` does not accept images", MESSAGES_FIELDS[protocol])
     return encode_conversation(conversation, model)

@@ -9,6 +9,8 @@ from typing import Literal
 
 import msgspec
 
+from recipe.images.resolve import RequestImage
+from workers.protocol.encode import EncodeImage
 from workers.protocol.messages import CacheHint, GenerateOutput, OutputConstraintSpec
 from workers.protocol.sampling_params import SamplingParams
 
@@ -59,6 +61,11 @@ class PreparedRequest:
     # that scopes the cache within the tenant's namespace.
     cache_hints: tuple[CacheHint, ...] = ()
     prompt_cache_key: str | None = None
+    # The prompt's images for the encoder, in prompt order (their placeholders are in prompt_token_ids).
+    images: tuple[EncodeImage, ...] = ()
+    # The same images as read (fetched, decoded), so that the request can be prepared again in
+    # another process without fetching them again (controlplane.gateway.prepare_process).
+    read_images: tuple[RequestImage, ...] = field(default=(), repr=False)
 
     def sampling_params(self, choice: int) -> SamplingParams:
         """A seeded request gets seed + choice, so its choices differ but each is reproducible."""

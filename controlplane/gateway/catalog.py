@@ -31,10 +31,15 @@ def load_catalog() -> Catalog:
             models = {}
             for name in settings.SLUICE_MODELS:
                 files = resolve_model(name, progress=False)
-                # The engine's default context window is the model's own; the workers enforce it too.
-                models[files.name] = ServedModel.from_model_files(files, files.config["max_position_embeddings"])
+                models[files.name] = ServedModel.from_model_files(files, _context_window(files.config))
             _catalog = Catalog(models=models, created=int(time.time()))
     return _catalog
+
+
+def _context_window(config: dict) -> int:
+    """The engine's default context window is the model's own (its text model's, for a
+    vision-language model); the workers enforce it too."""
+    return (config.get("text_config") or config)["max_position_embeddings"]
 
 
 async def served_catalog() -> Catalog:

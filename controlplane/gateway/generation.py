@@ -11,6 +11,9 @@ stops reading a stream stops taking events, and once that many outputs wait for 
 engine requests are aborted, so it holds no engine capacity and no more memory (it ends with an
 error event, should the client read again). The call's hold on its tenant's caps counts each
 choice's prompt as queued until its first output, and the call in flight until the generation ends.
+
+A prompt with images names them in its GenerateRequest (content hash and placeholder count, in prompt
+order), and the client gets the images themselves, which it sends to an encode worker.
 """
 
 import asyncio
@@ -30,6 +33,8 @@ from recipe.api import PreparedRequest, SseEvent
 from recipe.constraint_fields import constraint_field
 from workers.client.engine_client import EngineClient
 from workers.client.worker_link import RequestRejectedError
+from workers.protocol.encode import EncodeImage
+from workers.protocol.images import ImageRef
 from workers.protocol.messages import GenerateOutput, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -76,6 +81,7 @@ class Generation:
         self._usage = UsageCount()
         response_id = f"{RESPONSE_ID_PREFIXES[protocol]}{uuid.uuid4().hex}"
         self._builder = prepared.new_response(response_id, int(time.time()))
+        self._images = prepared.images
         self._constraint = (
             msgspec.structs.replace(prepared.constraint, limits=settings.SLUICE_GRAMMAR_LIMITS)
             if prepared.constraint is not None
@@ -93,6 +99,7 @@ class Generation:
                 tenant=tenant,
                 tenant_weight=tenant_weight,
                 cache_hints=prepared.cache_hints,
+                images=tuple(ImageRef(image.content_hash, image.num_tokens) for image in prepared.images),
             )
             for choice in range(prepared.n)
         ]
@@ -172,7 +179,7 @@ class Generation:
         first_seen = False
         try:
             request = self._requests[choice]
-            async with aclosing(self._client.generate(request)) as stream:
+            async with aclosing(_generate(self._client, request, self._images)) as stream:
                 async for output in stream:
                     if not first_seen:
                         first_seen = True
@@ -196,3 +203,13 @@ class Generation:
             "request_timeout",
             f"The stream was stopped: the client left {self._max_buffered} outputs unread.",
         )
+
+
+def _generate(
+    client: EngineClient, request: GenerateRequest, images: tuple[EncodeImage, ...]
+) -> AsyncIterator[GenerateOutput]:
+    """The request's outputs; its images, if any, go to the client to be encoded. A request without
+    images is made without the argument, which a client that takes no images lacks."""
+    if images:
+        return client.generate(request, images=images)
+    return client.generate(request)

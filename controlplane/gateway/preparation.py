@@ -10,7 +10,8 @@ in prepare processes (prepare_pool), each job within a CPU budget. A count_token
 from there. A generation's prepared request holds its response builder, which cannot leave the
 process that made it: the process refuses a body that is invalid or over the context window, and a
 valid one is prepared again in a gateway thread, which the context window bounds (the recipe's
-tokenizer releases the GIL while it encodes).
+tokenizer releases the GIL while it encodes), with the images the process read: an image is fetched
+and decoded once.
 
 Both queues are fair between tenants (fair_work, weighted by fair_share_weight, each job costing its
 body's bytes), so a tenant's backlog of large bodies delays another tenant's by about one job each.
@@ -18,6 +19,7 @@ body's bytes), so a tenant's backlog of large bodies delays another tenant's by 
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 
 from django.conf import settings
@@ -27,7 +29,7 @@ from controlplane.gateway.fair_work import FairWorkers
 from controlplane.gateway.prepare_jobs import PrepareJob, run_job
 from controlplane.gateway.prepare_pool import prepare_pool
 from controlplane.gateway.tenant_caps import TenantHold
-from recipe.api import PreparedRequest
+from recipe.api import PreparedRequest, RequestImage
 
 _lock = threading.Lock()
 _threads: FairWorkers | None = None
@@ -75,7 +77,8 @@ async def prepare_generation(body: bytes, *, protocol: str, hold: TenantHold) ->
     """`hold`, the call's on its tenant's caps, places its jobs in the fair queues."""
     job = PrepareJob("generation", protocol, body, settings.SLUICE_REQUEST_LIMITS)
     if _needs_process(job):
-        await _done_by(_process_workers(), job, hold)
+        images = await _done_by(_process_workers(), job, hold)
+        job = dataclasses.replace(job, images=images)
     return await _done_by(_thread_workers(), job, hold)
 
 
@@ -91,7 +94,9 @@ def _needs_process(job: PrepareJob) -> bool:
     return len(job.body) > settings.SLUICE_PREPARE_INLINE_MAX_BYTES or b"image" in job.body
 
 
-async def _done_by(workers: FairWorkers, job: PrepareJob, hold: TenantHold) -> PreparedRequest | int | None:
+async def _done_by(
+    workers: FairWorkers, job: PrepareJob, hold: TenantHold
+) -> PreparedRequest | int | tuple[RequestImage, ...]:
     share = hold.fair_share
     work = workers.submit(job, tenant=share.tenant, weight=share.weight, cost=len(job.body))
     try:

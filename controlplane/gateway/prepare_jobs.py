@@ -7,7 +7,7 @@ from typing import Literal
 
 from controlplane.gateway.catalog import Catalog, require_model
 from controlplane.gateway.request_body import parse_json_body
-from recipe.api import PreparedRequest, RequestLimits, count_tokens, prepare_request
+from recipe.api import PreparedRequest, RequestImage, RequestLimits, count_tokens, prepare_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +16,9 @@ class PrepareJob:
     protocol: str
     body: bytes
     limits: RequestLimits
+    # A generation's images as a prepare process read them (fetched, decoded): the gateway thread that
+    # prepares it again takes them from there. None: they are read by this job.
+    images: tuple[RequestImage, ...] | None = None
 
 
 def run_job(job: PrepareJob, catalog: Catalog) -> PreparedRequest | int:
@@ -25,4 +28,4 @@ def run_job(job: PrepareJob, catalog: Catalog) -> PreparedRequest | int:
     require_model(body, catalog)
     if job.kind == "count_tokens":
         return count_tokens(body, catalog.models, job.limits)
-    return prepare_request(job.protocol, body, catalog.models, job.limits)
+    return prepare_request(job.protocol, body, catalog.models, job.limits, job.images)

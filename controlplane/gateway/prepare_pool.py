@@ -20,6 +20,7 @@ from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.fair_work import FairWorkers
 from controlplane.gateway.prepare_jobs import PrepareJob
 from controlplane.gateway.prepare_process import READY, read_frame, write_frame
+from recipe.api import RequestImage
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ class PrepareProcess:
             process.wait()
         process.stdout.close()
 
-    def run(self, job: PrepareJob) -> int | None:
-        """count_tokens: the count; a generation: None once the child found it valid."""
+    def run(self, job: PrepareJob) -> int | tuple[RequestImage, ...]:
+        """count_tokens: the count; a generation, once the child found it valid: its images as the
+        child read them."""
         process = self._started()
         try:
             write_frame(process.stdin, (job, self.cpu_budget_s))

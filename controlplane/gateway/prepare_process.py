@@ -72,8 +72,9 @@ def main() -> None:
             reply = ("error", refusal.kind, refusal.message, refusal.param)
         else:
             # A prepared generation cannot travel (its response builder holds native objects): the
-            # gateway prepares it again, knowing that it is valid and fits its context window.
-            reply = ("ok", result if isinstance(result, int) else None)
+            # gateway prepares it again, knowing that it is valid and fits its context window, with
+            # the images read here (so that none is fetched or decoded twice).
+            reply = ("ok", result if isinstance(result, int) else result.read_images)
         write_frame(frames_out, reply)
 
 

@@ -25,7 +25,7 @@ class DecodedImage:
     width: int
     height: int
     format: str  # Pillow's name: "PNG", "JPEG", ...
-    content_hash: str  # workers.text.image_hash's, in hex
+    content_hash: bytes  # workers.text.image_hash's: what the encoder and the KV block keys use
 
 
 def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
@@ -51,4 +51,4 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
             ) from None
         except (OSError, SyntaxError, ValueError, EOFError) as error:
             raise DecodeRefused(f"could not be decoded: it is truncated or corrupt ({error})") from None
-    return DecodedImage(width, height, image_format, image_content_hash(rgb).hex())
+    return DecodedImage(width, height, image_format, image_content_hash(rgb))

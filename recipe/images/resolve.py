@@ -32,7 +32,7 @@ class RequestImage:
     data: bytes = field(
         repr=False
     )  # the encoded file as sent or fetched (smaller than its pixels, to pass between processes)
-    content_hash: str  # recipe.images.decode.DecodedImage.content_hash: of the pixels
+    content_hash: bytes  # recipe.images.decode.DecodedImage.content_hash: of the pixels
 
 
 def resolve_images(

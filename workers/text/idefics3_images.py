@@ -101,6 +101,15 @@ def image_prompt(layout: ImageLayout, settings: ImageSettings) -> str:
     return "".join(rows) + "\n" + global_tile
 
 
+def image_tag_tokens(settings: ImageSettings) -> tuple[str, ...]:
+    """Every tag image_prompt writes for an image of any size with these settings (each one special
+    token of the model's vocabulary): the fake token, the image token, the global-image tag and the
+    row/column tags of the largest grid."""
+    most = math.ceil(min(settings.longest_edge, MAX_IMAGE_SIDE) / settings.tile_side) if settings.split_images else 0
+    grid = tuple(f"<row_{r}_col_{c}>" for r in range(1, most + 1) for c in range(1, most + 1))
+    return (FAKE_TOKEN_AROUND_IMAGE, IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN, *grid)
+
+
 def num_image_tokens(layout: ImageLayout, settings: ImageSettings, *, double_newline_tokens: int) -> int:
     """How many tokens image_prompt(layout) encodes to, without encoding it: the markers are special
     tokens, so each newline run between them encodes alone, a lone "\n" as one token and the "\n\n"

@@ -50,9 +50,9 @@ def api(db) -> Api:
 @pytest.fixture(scope="session")
 def smollm2_worker(smollm2_files, tmp_path_factory) -> tuple[str, str]:
     """(request endpoint, heartbeat endpoint) of a SmolLM2 worker process, shared by the live tests."""
-    from tests.controlplane.gateway.live import smollm2_worker_process
+    from tests.controlplane.gateway.live import worker_process
 
-    with smollm2_worker_process(tmp_path_factory.mktemp("worker")) as endpoints:
+    with worker_process(tmp_path_factory.mktemp("worker")) as endpoints:
         yield endpoints
 
 

@@ -1,5 +1,6 @@
-"""A live gateway for tests: a real SmolLM2 worker process on ipc:// sockets, and uvicorn serving the
-real ASGI application (lifespan included) in a thread of the test process."""
+"""A live gateway for tests: a real worker process (SmolLM2, or another model such as the tiny VLM of
+tests.vlm_model) on ipc:// sockets, and uvicorn serving the real ASGI application (lifespan included)
+in a thread of the test process; `served_models` has the gateway serve other models than SmolLM2."""
 
 import contextlib
 import os
@@ -40,10 +41,10 @@ def _wait_for_heartbeat(endpoint: str, process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def smollm2_worker_process(directory: Path) -> Iterator[tuple[str, str]]:
-    """(request endpoint, heartbeat endpoint) of a running SmolLM2 worker."""
+def worker_process(directory: Path, model: str | os.PathLike = SMOLLM2) -> Iterator[tuple[str, str]]:
+    """(request endpoint, heartbeat endpoint) of a running worker of `model` (a name or a directory)."""
     endpoints = (f"ipc://{directory}/w.req", f"ipc://{directory}/w.hb")
-    command = [sys.executable, "-m", "workers.worker", "--model", SMOLLM2, "--worker-id", "gateway-tests"]
+    command = [sys.executable, "-m", "workers.worker", "--model", os.fspath(model), "--worker-id", "gateway-tests"]
     command += ["--request-endpoint", endpoints[0], "--heartbeat-endpoint", endpoints[1]]
     command += ["--kv-cache-bytes", str(128 << 20)]
     # One torch thread: on a small shared machine more threads than cores stall the worker's steps
@@ -82,3 +83,20 @@ def live_gateway(worker: tuple[str, str], django_db_blocker, listener: socket.so
             server.should_exit = True
             thread.join(timeout=15)
             listener.close()
+
+
+@contextlib.contextmanager
+def served_models(*models: str | os.PathLike) -> Iterator[None]:
+    """The gateway serves `models` (SLUICE_MODELS) meanwhile: its catalog and prepare processes are
+    made afresh for them, and again for the settings before once it is over."""
+    from controlplane.gateway import catalog, preparation
+
+    preparation.close_preparation()
+    before = catalog._catalog
+    catalog._catalog = None
+    try:
+        with override_settings(SLUICE_MODELS=[os.fspath(model) for model in models]):
+            yield
+    finally:
+        preparation.close_preparation()
+        catalog._catalog = before
