@@ -11,7 +11,8 @@ or as an offer of its pages to a worker of the same host) and releases the pages
 there (workers.transfer). A "decode" worker also binds a ROUTER, its transfer endpoint: it continues
 the requests whose KV arrives there, streaming their outputs to the peer that sent the
 ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
-has lost all of its other half keeps serving.
+has lost all of its other half keeps serving. An "encode" worker runs a vision-language model's vision
+tower alone and sends images' embeddings to the worker computing their prompt (workers.worker.encoder).
 
 The parts, one job each: `process` (the entry point: title, parent death, crash report), `server`
 (sockets, the loop and the handler table), `transfers` (the disaggregation side: KV sent after
