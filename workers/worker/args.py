@@ -122,7 +122,9 @@ class WorkerArgs:
         ):
             raise ValueError("embedding_cache_bytes and max_encode_patches are settings of encode workers only")
         if self.role == "encode" and (self.swa_state_endpoint or self.engine.kv_store):
-            raise ValueError("an encode worker runs the vision tower only: it has no KV store and no SWA state endpoint")
+            raise ValueError(
+                "an encode worker runs the vision tower only: it has no KV store and no SWA state endpoint"
+            )
         if self.kv_eviction_policy not in POLICIES:
             raise ValueError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from {sorted(POLICIES)}")
 

@@ -49,7 +49,10 @@ def check_image(
     layout = image_layout(image.height, image.width, settings)
     num_tokens = layout.num_tiles * settings.image_seq_len
     num_patches = layout.num_tiles * patches_per_tile
-    for name, counted, own in (("num_tokens", encoded.num_tokens, num_tokens), ("num_patches", encoded.num_patches, num_patches)):
+    for name, counted, own in (
+        ("num_tokens", encoded.num_tokens, num_tokens),
+        ("num_patches", encoded.num_patches, num_patches),
+    ):
         if counted != own:
             raise InvalidRequestError(
                 f"{field}.{name}: the encoder lays this {image.width}x{image.height} image out as "
@@ -64,7 +67,9 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
     image = _decoding(field, lambda: Image.open(io.BytesIO(data), formats=FORMATS))
     width, height = image.size  # from the header: no pixel is decoded yet
     if width * height > max_pixels:
-        raise InvalidRequestError(f"{field}.data: a {width}x{height} image has more than max_pixels ({max_pixels}) pixels")
+        raise InvalidRequestError(
+            f"{field}.data: a {width}x{height} image has more than max_pixels ({max_pixels}) pixels"
+        )
     _decoding(field, image.load)  # decodes every pixel: a truncated file fails here
     return image
 
