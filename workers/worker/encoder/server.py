@@ -171,10 +171,11 @@ class EncodeServer:
 
     def measure_throughput(self) -> None:
         """The vision tower's patches per second at its largest batch (the autoscaler's capacity of one
-        encoder), timed once at start after a one-tile warm-up; tiles of zeros cost what images do."""
+        encoder): one batch at that size warms it up (allocations, kernel choices), the next is timed.
+        Tiles of zeros cost what images do."""
         side = self.model.settings.tile_side
-        self.model.encode(np.zeros((1, 3, side, side), dtype=np.float32))
         pixels = np.zeros((self.max_tiles, 3, side, side), dtype=np.float32)
+        self.model.encode(pixels)
         started = time.perf_counter()
         self.model.encode(pixels)  # returns on the CPU: the device's work is done
         elapsed = time.perf_counter() - started
