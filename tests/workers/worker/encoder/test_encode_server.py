@@ -92,8 +92,8 @@ class Encoder:
                 return beat
 
 
-@pytest.fixture
-def encoder(vision):
+def started(vision):
+    """An EncodeServer of `vision` serving on its thread, with a gateway, a destination and a SUB."""
     context = zmq.Context()
     config = WorkerArgs(
         engine=EngineArgs(model="unused: the model is given"),
@@ -132,6 +132,16 @@ def encoder(vision):
     context.destroy(linger=0)
 
 
+@pytest.fixture
+def encoder(vision):
+    yield from started(vision)
+
+
+@pytest.fixture
+def bf16_encoder(model_dir):
+    yield from started(load_vision_model(EngineArgs(model=model_dir, dtype="bfloat16")))
+
+
 def encode_image(image, **changes) -> EncodeImage:
     tiles = image_layout(image.height, image.width, SETTINGS).num_tiles
     fields = {
@@ -166,6 +176,18 @@ def test_embeddings_reach_the_destination_as_the_offline_engine_computes_them(en
         assert (header.num_tokens, header.dtype, header.shape) == (expected.num_tokens, "float32", expected.shape)
         ours = as_floats(data).reshape(header.shape)
         torch.testing.assert_close(ours, as_floats(expected.data).reshape(expected.shape), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_embeddings_go_as_their_raw_bytes(bf16_encoder, offline):
+    bf16_encoder.send(request("r1", bf16_encoder.destination_endpoint, encode_image(SPLIT)))
+
+    ((header, data),) = bf16_encoder.deliveries(1)
+
+    assert isinstance(bf16_encoder.answer(), EncodeDone)
+    assert (header.dtype, header.shape, len(data)) == ("bfloat16", (20, 64), 20 * 64 * 2)
+    ours = torch.frombuffer(bytearray(data), dtype=torch.bfloat16).reshape(header.shape).float()
+    expected = as_floats(offline.encode(SPLIT)[1].data).reshape(header.shape)
+    torch.testing.assert_close(ours, expected, atol=0.05, rtol=0.05)
 
 
 def test_the_same_image_again_comes_from_the_cache(encoder):

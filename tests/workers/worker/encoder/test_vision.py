@@ -69,3 +69,16 @@ def test_tiles_other_than_the_towers_are_refused(model_dir, tmp_path):
 
     with pytest.raises(ModelLoadError, match=r"max_image_size.longest_edge \(64\) must be the vision tower's"):
         load_vision_model(EngineArgs(model=directory))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_tower_runs_in_bfloat16_and_hands_back_cpu_tensors(model_dir):
+    cpu = load_vision_model(EngineArgs(model=model_dir))
+    cuda = load_vision_model(EngineArgs(model=model_dir, device="cuda"))
+    pixels, _ = preprocess_image(picture(60, 44, seed=1), cpu.settings)
+
+    ours = cuda.encode(pixels)
+
+    assert (cuda.device.type, ours.device.type, ours.dtype) == ("cuda", "cpu", torch.bfloat16)
+    torch.testing.assert_close(ours.float(), cpu.encode(pixels), atol=0.05, rtol=0.05)
