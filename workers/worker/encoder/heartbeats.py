@@ -59,8 +59,7 @@ class EncoderHeartbeats:
         self.thread.start()
 
     def join(self) -> None:
-        if self.thread.is_alive():
-            self.thread.join()
+        self.thread.join()
 
     def _run(self) -> None:
         while not self.stop.wait(self.config.heartbeat_interval_s):

@@ -32,7 +32,7 @@ from workers.protocol.messages import (
 from workers.text.idefics3_images import image_layout
 from workers.text.image_hash import image_content_hash
 from workers.worker.args import WorkerArgs
-from workers.worker.encoder.server import EncodeServer
+from workers.worker.encoder.server import MAX_QUEUED_BATCHES, EncodeServer
 from workers.worker.encoder.vision import load_vision_model
 
 TIMEOUT_MS = 10_000
@@ -341,3 +341,21 @@ def test_a_failing_vision_tower_fails_the_requests_in_flight_and_ends_the_server
     assert "failed: RuntimeError" in failed.message
     encoder.thread.join(timeout=10)
     assert [type(error) for error in encoder.failure] == [RuntimeError]
+
+
+def test_a_request_past_the_patches_an_encoder_holds_is_refused_as_overloaded(encoder):
+    """One request alone always runs, however large; another that would go past the encoder's
+    MAX_QUEUED_BATCHES of patches while it runs is refused, and taken once it is done."""
+    many = [encode_image(picture(60, 44, seed=100 + index)) for index in range(64)]
+    assert sum(image.num_patches for image in many) > MAX_QUEUED_BATCHES * MAX_TILES * PATCHES_PER_TILE
+
+    encoder.send(request("large", encoder.destination_endpoint, *many))
+    encoder.send(request("small", encoder.destination_endpoint, encode_image(WIDE)))
+
+    refusal = encoder.answer()
+    assert (refusal.request_id, refusal.kind) == ("small", "overloaded")
+    assert len(encoder.deliveries(64)) == 64
+    assert encoder.answer() == EncodeDone("large", num_patches=64 * 5 * PATCHES_PER_TILE, num_cached=0)
+    encoder.send(request("small", encoder.destination_endpoint, encode_image(WIDE)))
+    encoder.deliveries(1)
+    assert encoder.answer() == EncodeDone("small", num_patches=3 * PATCHES_PER_TILE, num_cached=0)
