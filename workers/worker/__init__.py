@@ -13,7 +13,8 @@ the requests whose KV arrives there, streaming their outputs to the peer that se
 ExpectTransferRequest. Either role still runs a plain GenerateRequest whole, so a pool that
 has lost all of its other half keeps serving. A mixed or prefill worker also takes the embeddings of
 a request's images from encode workers on its ROUTER (ImageEmbeddingsDelivery and a raw frame), and
-holds a request with images until they are all there.
+holds a request with images until they are all there. An "encode" worker runs a vision-language model's vision
+tower alone and sends images' embeddings to the worker computing their prompt (workers.worker.encoder).
 
 The parts, one job each: `process` (the entry point: title, parent death, crash report), `server`
 (sockets, the loop and the handler table), `transfers` (the disaggregation side: KV sent after

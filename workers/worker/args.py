@@ -23,7 +23,9 @@ from workers.kvstore.gc_options import (
     GC_INTERVAL_S,
 )
 
-ROLES = ("mixed", "prefill", "decode")
+# "encode": a vision encoder (workers.worker.encoder), which runs a vision-language model's vision tower
+# only and sends images' embeddings to the worker computing their prompt.
+ROLES = ("mixed", "prefill", "decode", "encode")
 HEARTBEAT_INTERVAL_S = 0.1
 # Longest a decode worker waits for the KV of a request it was told to expect, when the expectation
 # names no timeout of its own (the gateway's name the request's predicted prefill and transfer, see
@@ -32,6 +34,10 @@ HEARTBEAT_INTERVAL_S = 0.1
 # same bound holds a request with images waiting for their embeddings from an encode worker
 # (workers.worker.image_inbox): the gateway retries a failed encoder itself, within it.
 TRANSFER_TIMEOUT_S = 120.0
+# An encode worker's embedding cache: about 250 SmolVLM-2B images of 17 tiles (64 × 2048 bf16 per tile).
+EMBEDDING_CACHE_BYTES = 1 << 30
+# An encode worker's largest vision-tower batch: 16 tiles of SmolVLM's 32 × 32 patches.
+MAX_ENCODE_PATCHES = 16384
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +71,14 @@ class WorkerArgs:
         None,
         help="sliding-window models: bind the socket other workers fetch SWA state from here",
         none="beside the request endpoint (ipc: its path + '.swa'; tcp: the same host, a port the system picks)",
+    )
+    embedding_cache_bytes: int = setting(
+        EMBEDDING_CACHE_BYTES,
+        help="encode workers: bytes of image embeddings kept by content hash, least recently used evicted (0: none)",
+    )
+    max_encode_patches: int = setting(
+        MAX_ENCODE_PATCHES,
+        help="encode workers: vision-tower patches per batch, in whole tiles (one tile at least)",
     )
     advertise_host: str = setting(
         "",
@@ -102,6 +116,18 @@ class WorkerArgs:
             raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
         if self.kv_gc_interval_s < 0:
             raise ValueError(f"kv_gc_interval_s must be >= 0, got {self.kv_gc_interval_s}")
+        if self.embedding_cache_bytes < 0:
+            raise ValueError(f"embedding_cache_bytes must be >= 0, got {self.embedding_cache_bytes}")
+        if self.max_encode_patches < 1:
+            raise ValueError(f"max_encode_patches must be positive, got {self.max_encode_patches}")
+        if self.role != "encode" and (
+            self.embedding_cache_bytes != EMBEDDING_CACHE_BYTES or self.max_encode_patches != MAX_ENCODE_PATCHES
+        ):
+            raise ValueError("embedding_cache_bytes and max_encode_patches are settings of encode workers only")
+        if self.role == "encode" and (self.swa_state_endpoint or self.engine.kv_store):
+            raise ValueError(
+                "an encode worker runs the vision tower only: it has no KV store and no SWA state endpoint"
+            )
         if self.kv_eviction_policy not in POLICIES:
             raise ValueError(f"unknown kv_eviction_policy {self.kv_eviction_policy!r}; choose from {sorted(POLICIES)}")
 

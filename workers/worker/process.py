@@ -1,6 +1,7 @@
 """The worker process's entry point: sets its title, dies with its parent, loads the cluster's CURVE
 key (a bad key file, or a network endpoint without one, ends it at once with one line), builds the
-engine and the store's GC, serves until told to stop, and reports a crash (exit code 1)."""
+engine and the store's GC (or, for role "encode", the vision encoder: workers.worker.encoder), serves
+until told to stop, and reports a crash (exit code 1)."""
 
 import argparse
 import ctypes
@@ -20,36 +21,45 @@ from workers.kvstore.store import KVStore
 from workers.kvstore.ttl import TTLPolicy
 from workers.process_title import set_process_title
 from workers.worker.args import WorkerArgs, add_worker_arguments
+from workers.worker.encoder.server import run_encoder
 from workers.worker.server import CLOSE_LINGER_MS, Worker
 
 log = logging.getLogger(__name__)
 
 PROCESS_TITLE = "sluice-worker"  # /proc/self/comm keeps 15 bytes
+ENCODER_PROCESS_TITLE = "sluice-encoder"
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 def run_worker_process(config: WorkerArgs) -> None:
     """The worker's entry point: returns after SIGTERM/SIGINT or a ShutdownRequest; a crash is logged
     and exits 1."""
-    set_process_title(PROCESS_TITLE)
+    set_process_title(ENCODER_PROCESS_TITLE if config.role == "encode" else PROCESS_TITLE)
     _die_with_parent()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     key = _curve_key(config)
     try:
-        engine = build_engine(config.engine)
-        store = engine.kv_store
-        collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
-        context = zmq.Context()
-        try:
-            Worker(config, engine, context, stop, collector, key=key).serve()
-        finally:
-            context.destroy(linger=CLOSE_LINGER_MS)
-            engine.close()
+        if config.role == "encode":
+            run_encoder(config, stop, key)
+        else:
+            _serve_engine(config, stop, key)
     except Exception:
         log.exception("worker %s crashed", config.worker_id or os.getpid())
         raise SystemExit(1) from None
+
+
+def _serve_engine(config: WorkerArgs, stop: threading.Event, key: curve.CurveKey | None) -> None:
+    engine = build_engine(config.engine)
+    store = engine.kv_store
+    collector = _start_store_gc(store, config, stop) if store is not None and config.kv_gc_interval_s else None
+    context = zmq.Context()
+    try:
+        Worker(config, engine, context, stop, collector, key=key).serve()
+    finally:
+        context.destroy(linger=CLOSE_LINGER_MS)
+        engine.close()
 
 
 def _curve_key(config: WorkerArgs) -> curve.CurveKey | None:
@@ -98,7 +108,8 @@ def configure_logging() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m workers.worker",
-        description="An engine worker process: serves GenerateRequests over ZMQ and publishes heartbeats.",
+        description="An engine worker process: serves GenerateRequests over ZMQ and publishes heartbeats "
+        "(role encode: a vision encoder, serving EncodeRequests).",
     )
     add_worker_arguments(parser)
     configure_logging()
