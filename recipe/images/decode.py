@@ -42,7 +42,7 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
                 if width * height > max_pixels:
                     raise Image.DecompressionBombError(f"{width}x{height}")
                 image_format = image.format or "unknown"
-                rgb = image.convert("RGB")  # decodes every pixel: a truncated file fails here
+                image.load()  # decodes every pixel: a truncated file fails here
         except Image.UnidentifiedImageError:
             raise DecodeRefused(f"is not a {', '.join(FORMATS[:-1])} or {FORMATS[-1]} image") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -51,4 +51,4 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
             ) from None
         except (OSError, SyntaxError, ValueError, EOFError) as error:
             raise DecodeRefused(f"could not be decoded: it is truncated or corrupt ({error})") from None
-    return DecodedImage(width, height, image_format, image_content_hash(rgb))
+    return DecodedImage(width, height, image_format, image_content_hash(image))

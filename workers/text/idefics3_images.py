@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from workers.text.image_hash import rgb_pixels
+
 IMAGE_TOKEN = "<image>"
 FAKE_TOKEN_AROUND_IMAGE = "<fake_token_around_image>"
 GLOBAL_IMAGE_TOKEN = "<global-img>"
@@ -136,7 +138,7 @@ def preprocess_image(image: Image.Image, settings: ImageSettings) -> tuple[np.nd
     """The image's tiles as float32 pixel values [tiles, 3, tile_side, tile_side] (the global image
     last), and its layout."""
     layout = image_layout(image.height, image.width, settings)
-    rgb = _resize(_to_rgb(image), layout.resized, settings.resample)
+    rgb = _resize(rgb_pixels(image), layout.resized, settings.resample)
     if not settings.split_images:
         tiles = [_resize(rgb, (settings.tile_side, settings.tile_side), settings.resample)]
     else:
@@ -154,15 +156,6 @@ def preprocess_image(image: Image.Image, settings: ImageSettings) -> tuple[np.nd
     mean = np.array(settings.image_mean, dtype=np.float32)[:, None, None]
     std = np.array(settings.image_std, dtype=np.float32)[:, None, None]
     return (scaled - mean) / std, layout
-
-
-def _to_rgb(image: Image.Image) -> np.ndarray:
-    """[height, width, 3] uint8; transparency is composited onto white, as HF's convert_to_rgb does."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(white, rgba)
-    return np.array(image.convert("RGB"))
 
 
 def _resize(pixels: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarray:

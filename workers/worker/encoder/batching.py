@@ -44,21 +44,20 @@ class TileQueue:
     def __init__(self, settings: ImageSettings) -> None:
         self.settings = settings
         self._images: deque[ImageJob] = deque()
-        self._by_hash: dict[bytes, ImageJob] = {}  # queued cacheable images, to join rather than repeat
+        self._by_hash: dict[bytes, ImageJob] = {}  # queued images, to join rather than repeat
 
     def __bool__(self) -> bool:
         return bool(self._images)
 
     def add(self, checked: CheckedImage, waiter: Any) -> bool:
         """Queue the image for `waiter`; True when it joined the same image already queued."""
-        queued = self._by_hash.get(checked.content_hash) if checked.cacheable else None
+        queued = self._by_hash.get(checked.content_hash)
         if queued is not None:
             queued.waiters.append(waiter)
             return True
         job = ImageJob(checked, [waiter])
         self._images.append(job)
-        if checked.cacheable:
-            self._by_hash[checked.content_hash] = job
+        self._by_hash[checked.content_hash] = job
         return False
 
     def next_batch(self, max_tiles: int) -> TileBatch:

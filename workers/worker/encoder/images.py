@@ -31,9 +31,6 @@ class CheckedImage:
     content_hash: bytes
     num_patches: int
     num_tokens: int
-    # Whether its embeddings may be cached by content hash: the hash covers the RGB pixels, not the
-    # alpha the preprocessing composites onto white, so two images differing only there share it.
-    cacheable: bool
 
 
 def check_image(
@@ -58,8 +55,7 @@ def check_image(
                 f"{field}.{name}: the encoder lays this {image.width}x{image.height} image out as "
                 f"{layout.num_tiles} tiles, {own} {name.removeprefix('num_')}; the request says {counted}"
             )
-    transparent = "A" in image.getbands() or image.info.get("transparency") is not None
-    return CheckedImage(image, layout, content_hash, num_patches, num_tokens, cacheable=not transparent)
+    return CheckedImage(image, layout, content_hash, num_patches, num_tokens)
 
 
 def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:

@@ -247,7 +247,7 @@ class EncodeServer:
         self.load.num_in_flight = len(self.requests)
         self.load.patches_in_flight += job.num_patches
         for index, image in enumerate(images):
-            cached = self.cache.get(image.content_hash) if image.cacheable else None
+            cached = self.cache.get(image.content_hash)
             if cached is None:
                 self.queue.add(image, (job, index))
             elif self.requests.get(request_id) is job:  # not failed by an earlier image's send
@@ -266,8 +266,7 @@ class EncodeServer:
         for image in self.queue.complete(batch, embeddings):
             rows = image.outputs[0].contiguous()
             encoded = Embeddings(data=rows.view(torch.uint8).numpy().tobytes(), dtype=dtype, shape=tuple(rows.shape))
-            if image.checked.cacheable:
-                self.cache.put(image.checked.content_hash, encoded)
+            self.cache.put(image.checked.content_hash, encoded)
             for job, index in image.waiters:
                 if self.requests.get(job.request_id) is job:
                     self._deliver(job, index, image.checked, encoded)

@@ -13,7 +13,7 @@ from workers.worker.encoder.images import CheckedImage
 ROWS_PER_TILE = SETTINGS.image_seq_len
 
 
-def checked(image, *, cacheable: bool = True) -> CheckedImage:
+def checked(image) -> CheckedImage:
     layout = image_layout(image.height, image.width, SETTINGS)
     return CheckedImage(
         image=image,
@@ -21,7 +21,6 @@ def checked(image, *, cacheable: bool = True) -> CheckedImage:
         content_hash=image_content_hash(image),
         num_patches=layout.num_tiles * 16,
         num_tokens=layout.num_tiles * ROWS_PER_TILE,
-        cacheable=cacheable,
     )
 
 
@@ -60,10 +59,9 @@ def test_an_image_already_queued_is_joined_not_encoded_twice():
 
     assert queue.add(checked(image), "first") is False
     assert queue.add(checked(image), "second") is True
-    assert queue.add(checked(image, cacheable=False), "uncacheable") is False
 
     batch = queue.next_batch(8)
-    assert batch.pixels.shape[0] == 6
+    assert batch.pixels.shape[0] == 3
     done = queue.complete(batch, fake_tower(batch.pixels))
-    assert [job.waiters for job in done] == [["first", "second"], ["uncacheable"]]
+    assert [job.waiters for job in done] == [["first", "second"]]
     assert queue.add(checked(image), "later") is False  # a finished image is queued anew
