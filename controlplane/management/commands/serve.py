@@ -41,6 +41,7 @@ from workers.client.routing.router import STEP_BUDGET_S
 from workers.engine.weights import ModelFiles, resolve_model
 from workers.kvstore.gc_options import add_gc_arguments
 from workers.kvstore.gc_process import StoreGCConfig
+from workers.text.vision_prompt import VISION_ARCHITECTURES
 from workers.worker.args import WorkerArgs
 from workers.worker.node_agent import NodeAgent
 
@@ -68,7 +69,6 @@ STOP_GATEWAY, STOP_WORKERS, STOP_SERVICES = 0, 1, 2
 ENCODE_ROLE = "encode"
 # The architectures whose checkpoints carry a vision tower an encode worker runs (the engine's
 # Idefics3 family, workers.engine.models.registry); read from config.json, without loading torch.
-VISION_ARCHITECTURES = frozenset({"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"})
 
 
 class Command(BaseCommand):
