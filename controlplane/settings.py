@@ -230,7 +230,9 @@ def _request_limits(environ: Mapping[str, str]) -> RequestLimits:
     values = {}
     for field in dataclasses.fields(RequestLimits):
         name = f"SLUICE_{field.name.upper()}"
-        if name in environ:
+        if name in environ and field.name == "image_fetch_allowed_networks":
+            values[field.name] = tuple(network.strip() for network in environ[name].split(",") if network.strip())
+        elif name in environ:
             try:
                 values[field.name] = int(environ[name])
             except ValueError:
@@ -285,7 +287,9 @@ SLUICE_HEADER_READ_TIMEOUT_S = float(os.environ.get("SLUICE_HEADER_READ_TIMEOUT_
 
 # Nesting depth, counts and sizes in a request body (recipe.limits.RequestLimits), checked before any
 # work is done for it; each refusal is a 400 naming the field. Image inputs too: SLUICE_MAX_IMAGES,
-# SLUICE_MAX_IMAGE_BYTES, SLUICE_MAX_IMAGE_PIXELS and SLUICE_IMAGE_FETCH_TIMEOUT_S (recipe.images).
+# SLUICE_MAX_IMAGE_BYTES, SLUICE_MAX_IMAGE_PIXELS and SLUICE_IMAGE_FETCH_TIMEOUT_S (recipe.images);
+# SLUICE_IMAGE_FETCH_ALLOWED_NETWORKS, comma-separated CIDRs, lets image URLs reach those private
+# networks (an operator's own image service; metadata addresses stay refused).
 SLUICE_REQUEST_LIMITS = _request_limits(os.environ)
 # What one request's output constraint (response_format / text.format json_schema or regex, tools)
 # may cost a worker, sent with every constrained request: workers.protocol.messages.GrammarLimits lists the

@@ -11,6 +11,7 @@ The gateway builds RequestLimits from its settings (`SLUICE_MAX_<FIELD>`, contro
 the defaults here are those settings' defaults.
 """
 
+import ipaddress
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -47,10 +48,18 @@ class RequestLimits:
     max_image_bytes: int = 8 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
     image_fetch_timeout_s: int = 10
+    # Networks (CIDR) an image URL may resolve to although they are private: an operator's own image
+    # service. Metadata addresses stay refused whatever this says (recipe.images.destinations).
+    image_fetch_allowed_networks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for network in self.image_fetch_allowed_networks:
+            try:
+                ipaddress.ip_network(network)
+            except ValueError:
+                raise ValueError(f"image_fetch_allowed_networks: {network!r} is not a network (CIDR)") from None
         for field in fields(self):
-            if getattr(self, field.name) < 1:
+            if field.name != "image_fetch_allowed_networks" and getattr(self, field.name) < 1:
                 raise ValueError(f"{field.name} must be at least 1, got {getattr(self, field.name)}")
         if self.max_json_depth > LIBRARY_MAX_JSON_DEPTH:
             raise ValueError(f"max_json_depth is at most {LIBRARY_MAX_JSON_DEPTH}, got {self.max_json_depth}")

@@ -1,10 +1,12 @@
-"""Which addresses an image URL may be fetched from: public unicast ones only.
+"""Which addresses an image URL may be fetched from: public unicast ones, and the private networks an
+operator names (SLUICE_IMAGE_FETCH_ALLOWED_NETWORKS), never a cloud metadata address.
 
 deepseek-recipe's ReqwestImageFetcher takes a destination filter but ships none ("the caller writes
 the rule"); this is the rule, used by recipe.images.fetch.
 """
 
 import ipaddress
+from collections.abc import Callable, Sequence
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -43,3 +45,20 @@ def _nat64_embedded(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | N
     if address in _NAT64:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
+
+
+def address_filter(allowed_networks: Sequence[str]) -> Callable[[IpAddress], bool]:
+    """Public addresses, and those in `allowed_networks` (CIDRs an operator trusts) except metadata
+    addresses, which no setting opens."""
+    networks = tuple(ipaddress.ip_network(network) for network in allowed_networks)
+    if not networks:
+        return is_public_address
+
+    def is_allowed(address: IpAddress) -> bool:
+        if address in METADATA_ADDRESSES:
+            return False
+        return is_public_address(address) or any(
+            address.version == network.version and address in network for network in networks
+        )
+
+    return is_allowed

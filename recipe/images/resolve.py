@@ -15,7 +15,7 @@ from typing import Literal
 
 from recipe.errors import ApiError, invalid_request
 from recipe.images.decode import DecodeRefused, decode_image
-from recipe.images.destinations import is_public_address
+from recipe.images.destinations import address_filter
 from recipe.images.fetch import AddressFilter, FetchRefused, fetch_image
 from recipe.images.parts import DataImage, ImagePart, image_parts
 from recipe.limits import RequestLimits
@@ -36,9 +36,11 @@ class RequestImage:
 
 
 def resolve_images(
-    protocol: str, body: Mapping, limits: RequestLimits, *, is_allowed: AddressFilter = is_public_address
+    protocol: str, body: Mapping, limits: RequestLimits, *, is_allowed: AddressFilter | None = None
 ) -> tuple[RequestImage, ...]:
-    """The body's images; `is_allowed` is the fetch's address rule (tests swap it)."""
+    """The body's images; `is_allowed` is the fetch's address rule (tests swap it), by default public
+    addresses and the limits' allowed networks."""
+    is_allowed = is_allowed or address_filter(limits.image_fetch_allowed_networks)
     parts = image_parts(protocol, body)
     if len(parts) > limits.max_images:
         field = parts[limits.max_images].field

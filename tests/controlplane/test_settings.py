@@ -40,10 +40,19 @@ def test_request_limits_default_to_the_recipes_and_each_is_set_by_its_own_variab
     assert _request_limits({"SLUICE_MAX_TOOLS": "8", "SLUICE_MAX_JSON_DEPTH": "20"}) == RequestLimits(
         max_tools=8, max_json_depth=20
     )
+    assert _request_limits({"SLUICE_IMAGE_FETCH_ALLOWED_NETWORKS": "10.0.0.0/8, fd00::/8"}) == RequestLimits(
+        image_fetch_allowed_networks=("10.0.0.0/8", "fd00::/8")
+    )
 
 
 @pytest.mark.parametrize(
-    "environ", [{"SLUICE_MAX_TOOLS": "many"}, {"SLUICE_MAX_TOOLS": "0"}, {"SLUICE_MAX_JSON_DEPTH": "500"}]
+    "environ",
+    [
+        {"SLUICE_MAX_TOOLS": "many"},
+        {"SLUICE_MAX_TOOLS": "0"},
+        {"SLUICE_MAX_JSON_DEPTH": "500"},
+        {"SLUICE_IMAGE_FETCH_ALLOWED_NETWORKS": "intranet"},
+    ],
 )
 def test_request_limits_out_of_range_are_refused_at_start(environ):
     with pytest.raises(ImproperlyConfigured):

@@ -17,7 +17,7 @@ import deepseek_recipe
 import pytest
 
 from recipe.api import ApiError, RequestLimits
-from recipe.images.destinations import is_public_address
+from recipe.images.destinations import address_filter, is_public_address
 from recipe.images.fetch import MAX_REDIRECTS
 from recipe.images.resolve import resolve_images
 from tests.controlplane.gateway.helpers import key_headers
@@ -92,6 +92,8 @@ def serve() -> Iterator[Callable[..., Server]]:
 
 
 def fetch(url: str, *, is_allowed=is_public_address, **limits):
+    if limits.get("image_fetch_allowed_networks"):
+        return resolve_images("chat.completions", body_with_images("chat.completions", url), RequestLimits(**limits))
     return resolve_images(
         "chat.completions", body_with_images("chat.completions", url), RequestLimits(**limits), is_allowed=is_allowed
     )
@@ -156,6 +158,24 @@ def test_an_image_from_an_allowed_server_is_fetched_and_decoded(serve):
     (image,) = fetch(server.url("/cat.png"), is_allowed=also_the_allowed_server)
     assert (image.width, image.height, image.data) == (8, 6, IMAGE)
     assert server.hits == ["/cat.png"]
+
+
+def test_an_operator_allowed_private_network_is_fetched_from_and_nothing_else_is(serve):
+    server = serve("127.0.0.1", {"/cat.png": IMAGE_ROUTE})
+    (image,) = fetch(server.url("/cat.png"), image_fetch_allowed_networks=("127.0.0.0/8",))
+    assert image.data == IMAGE and server.hits == ["/cat.png"]
+    refused = refused_fetch("http://10.1.2.3/cat.png", image_fetch_allowed_networks=("127.0.0.0/8",))
+    assert "not public" in refused.message
+
+
+def test_no_allowed_network_opens_a_metadata_address():
+    allowed = address_filter(["169.254.0.0/16", "100.64.0.0/10", "10.0.0.0/8"])
+    assert allowed(ipaddress.ip_address("169.254.1.1")) and allowed(ipaddress.ip_address("10.9.8.7"))
+    for metadata in ("169.254.169.254", "100.100.100.200"):
+        assert not allowed(ipaddress.ip_address(metadata))
+    assert not allowed(ipaddress.ip_address("192.168.1.1"))
+    with pytest.raises(ValueError, match="image_fetch_allowed_networks"):
+        RequestLimits(image_fetch_allowed_networks=("10.0.0.0/33",))
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
