@@ -144,6 +144,8 @@ class ImageEncoding:
             if not isinstance(answer, GenerateError | WorkerUnavailableError):
                 log.warning("unexpected answer from encoder %s: %s", self.encoder.request_endpoint, answer)
                 continue
+            if isinstance(answer, GenerateError) and answer.kind == "draining":
+                self.encoder.mark_draining()  # not chosen again until its heartbeat says otherwise
             reason = f"encoder {self.encoder.request_endpoint} failed: {_describe(answer)}"
             self._close_stream()
             self.failed.add(self.encoder)

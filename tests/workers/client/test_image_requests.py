@@ -338,6 +338,53 @@ def test_a_split_request_has_its_images_sent_to_the_prefill_worker_which_is_char
     run(tmp_path, scenario)
 
 
+def test_a_draining_encoder_is_replaced_and_not_chosen_again_until_it_heartbeats_otherwise(tmp_path):
+    async def scenario(stack: Stack):
+        worker = stack.peer("w", "mixed")
+        draining = stack.peer("e0", "encode")
+        other = stack.peer("e1", "encode", patches_in_flight=100)
+        await stack.ready()
+        images = (image(1),)
+
+        first = start(stack, image_request("r1", *images), images)
+        await draining.next(EncodeRequest)
+        draining.stop_heartbeats()  # its last heartbeat still says ready
+        await draining.reply(GenerateError("r1", "draining", "the encoder is draining"))
+        await other.next(EncodeRequest)
+        second = start(stack, image_request("r2", *images), images)
+        chosen = await other.next(EncodeRequest)
+        for request_id, task in (("r1", first), ("r2", second)):
+            assert (await worker.next(GenerateRequest)).request_id == request_id
+            await finish(worker, request_id)
+            await task
+
+        # e0 has the fewer patches, but said it is draining
+        assert chosen.request_id == "r2" and draining.received.empty()
+
+    run(tmp_path, scenario)
+
+
+def test_an_encoders_garbage_and_answers_for_unknown_requests_are_ignored(tmp_path):
+    async def scenario(stack: Stack):
+        worker = stack.peer("w", "mixed")
+        encoder = stack.peer("e", "encode")
+        await stack.ready()
+        images = (image(1),)
+
+        stream = start(stack, image_request("r", *images), images)
+        await encoder.next(EncodeRequest)
+        await encoder.router.send_multipart([encoder.peer, b"\xc1 not msgpack"])
+        await encoder.reply(EncodeDone("nobody", 1, 0))
+        await encoder.reply(GenerateError("nobody", "encode_failed", "no such request"))
+        await encoder.reply(EncodeDone("r", 8, 0))
+        await worker.next(GenerateRequest)
+        await finish(worker, "r")
+
+        assert len(await stream) == 2
+
+    run(tmp_path, scenario)
+
+
 def test_encoders_are_never_chosen_to_run_a_request(tmp_path):
     async def scenario(stack: Stack):
         stack.peer("e", "encode")
