@@ -385,6 +385,28 @@ def test_an_encoders_garbage_and_answers_for_unknown_requests_are_ignored(tmp_pa
     run(tmp_path, scenario)
 
 
+def test_a_split_request_whose_images_fail_is_aborted_on_both_its_workers(tmp_path):
+    async def scenario(stack: Stack):
+        prefill = stack.peer("p", "prefill")
+        decode = stack.peer("d", "decode")
+        encoder = stack.peer("e", "encode")  # the only encoder: its failure leaves none to retry on
+        await stack.ready()
+        images = (image(1),)
+
+        stream = start(stack, image_request("r", *images), images)
+        await decode.next(ExpectTransferRequest)
+        await prefill.next(GenerateRequest)
+        encode = await encoder.next(EncodeRequest)
+        await encoder.reply(GenerateError(encode.request_id, "overloaded", "no room"))
+        with pytest.raises(RequestRejectedError) as failed:
+            await stream
+
+        assert failed.value.kind == "encode_failed" and "no other encoder is available" in failed.value.message
+        assert await prefill.next(AbortRequest) == await decode.next(AbortRequest) == AbortRequest("r#1")
+
+    run(tmp_path, scenario)
+
+
 def test_encoders_are_never_chosen_to_run_a_request(tmp_path):
     async def scenario(stack: Stack):
         stack.peer("e", "encode")
