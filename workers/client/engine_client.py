@@ -10,6 +10,10 @@ Every request's stream goes through workers.client.split_stream: with ready pref
 the request is split between them, its outputs still arriving as one stream; otherwise one worker
 runs it whole (mixed workers, or a pool that lost its other half).
 
+A request with images (GenerateRequest.images) has them encoded by an encode worker at the same time
+as its prompt is sent to the worker that computes it (workers.client.encoders). Encoders are followed
+like the other workers (add_worker: their heartbeats say role "encode"), and never run a request.
+
 Over the network both sockets are CURVE clients (workers.curve) holding the cluster's key.
 
 A request that fails on its own ends with RequestRejectedError ("invalid_constraint", "internal")
@@ -31,6 +35,7 @@ import zmq.asyncio
 from workers import curve
 from workers.client.crash_suspects import CrashSuspects
 from workers.client.dead_holders import DeadHolders
+from workers.client.encoders import ENCODE, ImageEncoding, check_images
 from workers.client.prefill_deadlines import DeadlineModel
 from workers.client.routing.router import Router, cost_model_from_environment, fitted_cost_model_from_environment
 from workers.client.split_stream import SplitStream
@@ -38,6 +43,7 @@ from workers.client.worker_link import RequestRejectedError, StreamItem, WorkerL
 from workers.eplb.expert_loads import ExpertLoadCounts
 from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
+from workers.protocol.encode import EncodeDone, EncodeImage, EncoderInbound, EncoderOutbound
 from workers.protocol.messages import (
     HEARTBEAT_TIMEOUT_S,
     AbortRequest,
@@ -66,6 +72,7 @@ class EngineClient:
         router: Router | None = None,
         deadline_model: DeadlineModel | None = None,
         key: curve.CurveKey | None = None,
+        max_image_pixels: int | None = None,
     ) -> None:
         """`store_index`: the global KV store's index, shared with the workers (Redis), from which a
         request's hit length is read to weigh its prefill work; None: every prompt counts whole.
@@ -73,13 +80,16 @@ class EngineClient:
         fitted cost model, else the conservative rate). `key`: the cluster's CURVE key. `holders`: the
         SWA holder index beside the store's (workers.kvstore.store.open_holders), from which a sliding-
         window model's hits are routed as its workers will use them; a worker this client finds dead
-        has its registrations dropped there (workers.client.dead_holders)."""
+        has its registrations dropped there (workers.client.dead_holders). `max_image_pixels`: the
+        gateway's bound on an image's pixels (SLUICE_MAX_IMAGE_PIXELS), which encoders re-check while
+        decoding (EncodeRequest.max_pixels); None: this client takes no requests with images."""
         self.store_index = store_index
         self.holders = holders
         self.router = router or Router(cost_model_from_environment())
         self.deadline_model = deadline_model or DeadlineModel(
             fitted_cost_model_from_environment(), step_budget_s=self.router.step_budget_s
         )
+        self.max_image_pixels = max_image_pixels
         self.crash_suspects = CrashSuspects()
         self.closed = False
         self._own_context = context is None
@@ -93,11 +103,11 @@ class EngineClient:
         self._dead_holders = DeadHolders(holders) if holders is not None else None
         self._tasks: list[asyncio.Task[None]] = []
         self._encoder = msgspec.msgpack.Encoder()
-        self._output_decoder = msgspec.msgpack.Decoder(WorkerOutbound)
+        self._output_decoder = msgspec.msgpack.Decoder(WorkerOutbound | EncoderOutbound)
         self._heartbeat_decoder = msgspec.msgpack.Decoder(WorkerHeartbeat)
 
     def add_worker(self, request_endpoint: str, heartbeat_endpoint: str) -> None:
-        """Follow the worker; curve.CurveError when its endpoints need a key this client lacks."""
+        """Follow the worker (an encoder too); curve.CurveError when its endpoints need a key this client lacks."""
         curve.check_endpoints([request_endpoint, heartbeat_endpoint], self._key)
         dealer = self._context.socket(zmq.DEALER)
         curve.connect(dealer, request_endpoint, self._key)
@@ -123,7 +133,7 @@ class EngineClient:
         if self._dead_holders is not None:
             await self._dead_holders.wait()
         for link in self._links:
-            for request_id in link.streams:
+            for request_id in link.streams if link.role != ENCODE else ():
                 self.send_now(link, AbortRequest(request_id))
             link.fail_streams("the engine client closed")
             link.dealer.close(linger=CLOSE_LINGER_MS)
@@ -136,31 +146,48 @@ class EngineClient:
         now = time.monotonic()
         return [link.heartbeat for link in self._links if link.is_healthy(now, self._heartbeat_timeout_s)]
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """The request's outputs, up to the one with a finish_reason.
+    async def generate(
+        self, request: GenerateRequest, images: tuple[EncodeImage, ...] = ()
+    ) -> AsyncIterator[GenerateOutput]:
+        """The request's outputs, up to the one with a finish_reason. `images`: the images that
+        request.images names, one for one, with their data, which an encoder turns into embeddings
+        for the worker computing the prompt (workers.client.encoders).
 
         Raises WorkerUnavailableError (no ready worker, or none left to try) or
-        RequestRejectedError. A consumer that stops early (break, cancellation) aborts the request.
-        A worker that refuses the request as draining never started it: it goes to another ready
-        worker. Failures are retried as split_stream describes.
+        RequestRejectedError ("encode_failed": no encoder, or two, could encode the images). A
+        consumer that stops early (break, cancellation) aborts the request. A worker that refuses
+        the request as draining never started it: it goes to another ready worker. Failures are
+        retried as split_stream describes.
         """
         if any(request.request_id in other.streams for other in self._links):
             raise RequestRejectedError("invalid_request", f"request id {request.request_id!r} is already in use")
-        stream = SplitStream(self, request).outputs()
+        check_images(request, images)
+        if images and self.max_image_pixels is None:
+            raise RequestRejectedError("internal", "this engine client was built without max_image_pixels: no images")
+        stream = SplitStream(self, request, images).outputs()
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield output
 
-    async def generate_whole(self, request: GenerateRequest, link: WorkerLink) -> AsyncIterator[GenerateOutput]:
+    async def generate_whole(
+        self, request: GenerateRequest, link: WorkerLink, encoding: ImageEncoding | None = None
+    ) -> AsyncIterator[GenerateOutput]:
         """The request run start to end on `link`, once: a worker's GenerateError ends it as a
-        RequestRejectedError (also "draining"), the worker going away as WorkerUnavailableError."""
+        RequestRejectedError (also "draining"), the worker going away as WorkerUnavailableError.
+        `encoding`: its images' encoding for `link`, started with the request and over at its first
+        output."""
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         link.streams[request.request_id] = queue
-        ended = False  # the worker has forgotten the request: nothing to abort
+        ended = True  # the worker has not been sent the request, or has forgotten it: nothing to abort
         try:
+            if encoding is not None:
+                await encoding.start()
+            ended = False
             await link.dealer.send(self._encoder.encode(request))
             while True:
                 item = await queue.get()
+                if encoding is not None:  # the images arrived (or the attempt is over)
+                    encoding.stop()
                 if isinstance(item, WorkerUnavailableError):
                     ended = True
                     raise item
@@ -172,6 +199,8 @@ class EngineClient:
                 if ended:
                     return
         finally:
+            if encoding is not None:
+                encoding.stop()
             if link.streams.get(request.request_id) is queue:
                 del link.streams[request.request_id]
             if not ended:
@@ -181,17 +210,22 @@ class EngineClient:
         """Ask the workers that have the request to stop it; its stream then ends with finish_reason
         "abort"."""
         for link in self._links:
-            if request_id in link.streams:
+            if request_id in link.streams and link.role != ENCODE:
                 await link.dealer.send(self._encoder.encode(AbortRequest(request_id)))
 
     def ready_links(self) -> list[WorkerLink]:
+        """The engine workers ready for requests (encoders are not)."""
         now = time.monotonic()
-        return [link for link in self._links if link.is_ready(now, self._heartbeat_timeout_s)]
+        return [link for link in self._links if link.is_ready(now, self._heartbeat_timeout_s) and link.role != ENCODE]
 
-    async def send(self, link: WorkerLink, message: WorkerInbound) -> None:
+    def ready_encoders(self) -> list[WorkerLink]:
+        now = time.monotonic()
+        return [link for link in self._links if link.is_ready(now, self._heartbeat_timeout_s) and link.role == ENCODE]
+
+    async def send(self, link: WorkerLink, message: WorkerInbound | EncoderInbound) -> None:
         await link.dealer.send(self._encoder.encode(message))
 
-    def send_now(self, link: WorkerLink, message: WorkerInbound) -> None:
+    def send_now(self, link: WorkerLink, message: WorkerInbound | EncoderInbound) -> None:
         """Send without awaiting, for cleanup paths that may run while being cancelled or closed."""
         if link.dealer.closed:
             return
@@ -218,6 +252,8 @@ class EngineClient:
                 continue
             if isinstance(message, GenerateError) and message.kind == "worker_failed":
                 link.mark_failed()
+            if isinstance(message, EncodeDone | GenerateError):
+                link.encoding_patches.pop(message.request_id, None)
             queue = link.streams.get(message.request_id)
             if queue is not None:
                 queue.put_nowait(message)

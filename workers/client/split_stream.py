@@ -55,6 +55,13 @@ decode balancer counts its requests from the gateway's side and its last heartbe
 reach it while one that just finished still holds its place there.
 Whatever ends a stream, each worker that may still hold the request is told to abort it, so both
 sides free its KV.
+
+Images. Each attempt of a request with images has them encoded for the worker that computes its
+prompt (the prefill worker, or the one running it whole), sent with the request to that worker
+(workers.client.encoders); a rerun elsewhere is a new destination, so it sends them again. An
+encoder that fails is tried once more on another, across the request's attempts; then, or with no
+encoder ready, the request fails "encode_failed" ("invalid_request" when the encoder refused the
+images), without a rerun.
 """
 
 import asyncio
@@ -67,6 +74,7 @@ from typing import Protocol
 import msgspec
 
 from workers.client.crash_suspects import CrashSuspects, leaves_another
+from workers.client.encoders import ImageEncoding
 from workers.client.prefill_deadlines import DeadlineModel
 from workers.client.routing.prefix_match import StoreHit
 from workers.client.routing.router import DecodeLoad, Router, expected_peak
@@ -80,6 +88,7 @@ from workers.client.worker_link import (
 )
 from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
+from workers.protocol.encode import EncodeImage, EncoderInbound
 from workers.protocol.messages import (
     AbortRequest,
     DeclineMigrationRequest,
@@ -128,16 +137,21 @@ class StreamClient(Protocol):
     store_index: BlockIndex | None
     holders: HolderIndex | None
     deadline_model: DeadlineModel
+    max_image_pixels: int | None
 
     def ready_links(self) -> list[WorkerLink]: ...
 
+    def ready_encoders(self) -> list[WorkerLink]: ...
+
     def healthy_workers(self) -> list[WorkerHeartbeat]: ...
 
-    def generate_whole(self, request: GenerateRequest, link: WorkerLink) -> AsyncIterator[GenerateOutput]: ...
+    def generate_whole(
+        self, request: GenerateRequest, link: WorkerLink, encoding: ImageEncoding | None = None
+    ) -> AsyncIterator[GenerateOutput]: ...
 
-    async def send(self, link: WorkerLink, message: WorkerInbound) -> None: ...
+    async def send(self, link: WorkerLink, message: WorkerInbound | EncoderInbound) -> None: ...
 
-    def send_now(self, link: WorkerLink, message: WorkerInbound) -> None: ...
+    def send_now(self, link: WorkerLink, message: WorkerInbound | EncoderInbound) -> None: ...
 
 
 class _Retry(Exception):
@@ -168,9 +182,11 @@ class _Tagged:
 
 
 class SplitStream:
-    def __init__(self, client: StreamClient, request: GenerateRequest) -> None:
+    def __init__(self, client: StreamClient, request: GenerateRequest, images: tuple[EncodeImage, ...] = ()) -> None:
         self.client = client
         self.request = request
+        self.images = images  # those request.images names, with their data
+        self.failed_encoders: set[WorkerLink] = set()
         self.delivered: list[int] = []  # tokens the consumer has been given
         self.avoid: set[WorkerLink] = set()  # workers that failed this request
         self.num_split_attempts = 0
@@ -263,7 +279,7 @@ class SplitStream:
             hit, live = await self._store_hit(link)
             request = msgspec.structs.replace(request, swa_holders=swa_holders(hit, live))
         try:
-            async for output in self.client.generate_whole(request, link):
+            async for output in self.client.generate_whole(request, link, self._encoding(request.request_id, link)):
                 yield output
         except WorkerUnavailableError as error:
             raise _Retry(str(error), link, crashed=True) from None
@@ -274,6 +290,14 @@ class SplitStream:
                 raise
             link.mark_draining()
             raise _Retry(f"worker {link.request_endpoint}: draining: {error.message}", link) from None
+
+    def _encoding(self, request_id: str, destination: WorkerLink) -> ImageEncoding | None:
+        """The encoding of the request's images for `destination`, under `request_id`; None without images."""
+        if not self.images:
+            return None
+        return ImageEncoding(
+            self.client, request_id, self.images, destination, self.failed_encoders, self.client.max_image_pixels
+        )
 
     async def _choose(self) -> tuple[WorkerLink, WorkerLink, float, StoreHit, dict[str, str]] | WorkerLink:
         """(prefill, decode, the prefill compute charged to the router, the prompt's hit in the store
@@ -362,11 +386,14 @@ class SplitStream:
         charged = True  # the prefill's predicted compute still counts against the prefill worker
         produced = 0  # tokens this attempt has streamed
         early: collections.deque[GenerateOutput] = collections.deque()  # decode outputs ahead of the prefill's
+        encoding = self._encoding(request_id, prefill)
         try:
             await client.send(decode, ExpectTransferRequest(request_id, request.constraint, deadlines.handoff_s))
             routed = msgspec.structs.replace(
                 request, decode_endpoint=decode.heartbeat.transfer_endpoint, swa_holders=swa_holders(hit, live)
             )
+            if encoding is not None:
+                await encoding.start()
             await client.send(prefill, routed)
             while True:
                 if early and path.phase != PREFILL:
@@ -389,6 +416,8 @@ class SplitStream:
                     early.append(item)
                     continue
                 if side == PREFILL:
+                    if encoding is not None:  # the prefill computed the prompt: its images arrived
+                        encoding.stop()
                     if charged:
                         client.router.prefill_done(prefill.request_endpoint, cost)
                         prefill.queued_prefill_tokens -= queued
@@ -412,6 +441,8 @@ class SplitStream:
                 if item.finish_reason is not None:
                     return
         finally:
+            if encoding is not None:
+                encoding.stop()
             if charged:
                 client.router.prefill_done(prefill.request_endpoint, cost)
                 prefill.queued_prefill_tokens -= queued

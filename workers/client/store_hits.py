@@ -1,6 +1,10 @@
 """A request's hit in the global KV store as routing weighs it (workers.client.routing.prefix_match), read
 off the event loop, and the holders of its SWA state the worker that computes it is told of.
 
+A prompt with images is keyed with them (prefix_match.PromptImageKeys) by the worker's image token; a
+worker that does not name one, or a prompt whose placeholders do not add up to its images, is routed
+as a miss rather than keyed as text, which would count blocks of other images as hits.
+
 "Live" holders are the workers this client holds healthy (their heartbeats keep coming) that advertise
 an SWA state endpoint: a registration of a worker that died, before anyone dropped it, is not one.
 """
@@ -9,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from workers.client.routing.prefix_match import StoreHit, stored_prefix, swa_store_hit
+from workers.client.routing.prefix_match import PromptImageKeys, StoreHit, stored_prefix, swa_store_hit
 from workers.kvstore.block_hash import namespace_extra
 from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
@@ -62,7 +66,14 @@ def _read(
 ) -> StoreHit:
     block_tokens = worker.kv_block_tokens
     extra = namespace_extra(worker.kv_model_id, request.cache_namespace)
-    prefix = stored_prefix(index, request.prompt_token_ids, block_tokens=block_tokens, extra=extra)
+    images = None
+    if request.images:
+        if worker.image_token_id is None:
+            return NO_HIT
+        images = PromptImageKeys.of(request.prompt_token_ids, worker.image_token_id, request.images)
+        if images is None:
+            return NO_HIT
+    prefix = stored_prefix(index, request.prompt_token_ids, block_tokens=block_tokens, extra=extra, images=images)
     if worker.swa_layers is None:
         return StoreHit(len(prefix) * block_tokens, len(prefix) * block_tokens)
     try:

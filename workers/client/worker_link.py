@@ -51,6 +51,9 @@ class WorkerLink:
     # Uncached prompt tokens of the prefills this client sent here that have not yet produced their
     # first token: the queue a new prefill waits behind (workers.client.prefill_deadlines).
     queued_prefill_tokens: int = 0
+    # An encoder's: the vision-tower patches of the requests this client sent it that it has not yet
+    # answered (done or failed), by request id (workers.client.encoders).
+    encoding_patches: dict[str, int] = field(default_factory=dict)
 
     def is_healthy(self, now: float, timeout_s: float) -> bool:
         return self.heartbeat is not None and now - self.heartbeat_received_at <= timeout_s
@@ -84,6 +87,7 @@ class WorkerLink:
         for queue in self.streams.values():
             queue.put_nowait(WorkerUnavailableError(reason))
         self.streams.clear()
+        self.encoding_patches.clear()
 
 
 def least_loaded(links: list[WorkerLink]) -> WorkerLink:

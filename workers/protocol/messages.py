@@ -363,6 +363,9 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     # kv_block_tokens is 0 when the worker has no KV store.
     kv_model_id: str = ""
     kv_block_tokens: int = 0
+    # A vision-language model's image placeholder token (None: a text-only model, or a worker that does
+    # not say): routing finds each image's first placeholder by it, to key blocks with the image.
+    image_token_id: int | None = None
     # The global KV store as this worker's index reads it (zeros without a store). Only the worker that
     # runs the store's GC knows its capacity, watermarks (fractions of it) and eviction totals since
     # the worker started; the others send zeros.

@@ -4,6 +4,12 @@ The prompt's blocks are keyed with the engine's own chain (workers.kvstore.block
 (model and cache namespace, see `namespace_extra`), then the index walks the chain to the first
 absent key. No block data is read, so routing can weigh a request's real prefill work cheaply.
 
+A prompt with images keys its blocks as the engine does (workers.kvstore.block_hash.image_block_extra):
+each image's digest enters the extra of the block its first placeholder lies in and of every block
+after it, so identical images in identical positions hit and different images never do. The
+placeholders are found by the worker's image token (WorkerHeartbeat.image_token_id), the images' own
+placeholder counts (ImageRef.num_tokens) telling where one image ends and the next begins.
+
 A model with sliding-window layers uses a hit as its worker will (workers.kvstore.swa_replay): the
 store keeps only the full-attention blocks, so the hit stands as it is only where a live worker holds
 the SWA state at its end (one holder-index lookup of that end's window); otherwise it backs off one
@@ -15,11 +21,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.kvstore.block_hash import BlockHash, hash_chain, reusable_blocks
+from workers.kvstore.block_hash import (
+    ROOT_HASH,
+    BlockHash,
+    hash_block,
+    hash_chain,
+    image_block_extra,
+    image_digest,
+    reusable_blocks,
+)
 from workers.kvstore.holders import HolderIndex
 from workers.kvstore.index import BlockIndex
 from workers.kvstore.swa_replay import SwaStateSource, swa_hit
 from workers.kvstore.swa_window import window_keys
+from workers.protocol.images import ImageRef
 from workers.protocol.messages import SwaLayers
 
 
@@ -35,19 +50,80 @@ class StoreHit:
         return self.hit_tokens - self.compute_from
 
 
+@dataclass(frozen=True, slots=True)
+class PromptImageKeys:
+    """What a prompt's images add to its block keys: each image's first placeholder position
+    (ascending) and its content hash as a block-extra digest."""
+
+    starts: tuple[int, ...]
+    digests: tuple[bytes, ...]
+
+    @classmethod
+    def of(
+        cls, token_ids: Sequence[int] | np.ndarray, image_token_id: int, images: Sequence[ImageRef]
+    ) -> "PromptImageKeys | None":
+        """None when the prompt's placeholders do not add up to the images' (the worker refuses
+        such a request, so it has no hit to weigh)."""
+        positions = np.flatnonzero(np.asarray(token_ids, dtype=np.int64) == image_token_id)
+        counts = [image.num_tokens for image in images]
+        if len(positions) != sum(counts) or any(count < 1 for count in counts):
+            return None
+        firsts = np.cumsum([0, *counts[:-1]])
+        return cls(
+            starts=tuple(int(positions[first]) for first in firsts),
+            digests=tuple(image_digest(image.content_hash) for image in images),
+        )
+
+
+def prompt_block_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    block_tokens: int,
+    extra: bytes,
+    images: PromptImageKeys | None = None,
+    *,
+    max_blocks: int | None = None,
+) -> list[BlockHash]:
+    """The chained keys of the prompt's full blocks, as the engine keys them (with its images)."""
+    if images is None:
+        return hash_chain(token_ids, block_tokens, extra, max_blocks=max_blocks)
+    tokens = np.asarray(token_ids, dtype=np.int32)
+    num_blocks = len(tokens) // block_tokens
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    keys: list[BlockHash] = []
+    parent = ROOT_HASH
+    for index in range(num_blocks):
+        block_extra = image_block_extra(extra, images.starts, images.digests, index, block_tokens)
+        parent = hash_block(parent, tokens[index * block_tokens : (index + 1) * block_tokens], block_extra)
+        keys.append(parent)
+    return keys
+
+
 def stored_prefix(
-    index: BlockIndex, token_ids: Sequence[int] | np.ndarray, *, block_tokens: int, extra: bytes
+    index: BlockIndex,
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    block_tokens: int,
+    extra: bytes,
+    images: PromptImageKeys | None = None,
 ) -> list[BlockHash]:
     """The keys of the prompt's blocks the store holds, from the first: whole blocks."""
-    keys = hash_chain(token_ids, block_tokens, extra, max_blocks=reusable_blocks(len(token_ids), block_tokens))
+    max_blocks = reusable_blocks(len(token_ids), block_tokens)
+    keys = prompt_block_keys(token_ids, block_tokens, extra, images, max_blocks=max_blocks)
     return keys[: index.match_prefix(keys)]
 
 
 def store_hit_tokens(
-    index: BlockIndex, token_ids: Sequence[int] | np.ndarray, *, block_tokens: int, extra: bytes
+    index: BlockIndex,
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    block_tokens: int,
+    extra: bytes,
+    images: PromptImageKeys | None = None,
 ) -> int:
     """Prompt tokens the store can serve: whole blocks from the start."""
-    return len(stored_prefix(index, token_ids, block_tokens=block_tokens, extra=extra)) * block_tokens
+    prefix = stored_prefix(index, token_ids, block_tokens=block_tokens, extra=extra, images=images)
+    return len(prefix) * block_tokens
 
 
 def swa_store_hit(
