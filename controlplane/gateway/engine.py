@@ -39,7 +39,12 @@ def _holders() -> HolderIndex | None:
 
 
 async def _started_client() -> EngineClient:
-    client = EngineClient(store_index=_store_index(), holders=_holders(), key=data_plane_key())
+    client = EngineClient(
+        store_index=_store_index(),
+        holders=_holders(),
+        key=data_plane_key(),
+        max_image_pixels=settings.SLUICE_REQUEST_LIMITS.max_image_pixels,
+    )
     try:
         for request_endpoint, heartbeat_endpoint in settings.SLUICE_WORKER_ENDPOINTS:
             client.add_worker(request_endpoint, heartbeat_endpoint)

@@ -97,6 +97,10 @@ def as_gateway_error(error: Exception) -> GatewayError:
         return GatewayError("overloaded", "The engine is overloaded; try again shortly.")
     if isinstance(error, RequestRejectedError) and error.kind == "invalid_request":
         return GatewayError("invalid_request", error.message)
+    if isinstance(error, RequestRejectedError) and error.kind == "encode_failed":
+        # No encoder could encode the request's images (none ready, or two failed): the images
+        # passed the gateway's checks, so a retry may well succeed.
+        return GatewayError("overloaded", f"The request's images could not be encoded: {error.message}")
     # Details of internal failures stay in the log, not in the response.
     log.error("request failed", exc_info=error)
     return GatewayError("server_error", GENERIC_SERVER_ERROR)

@@ -33,7 +33,6 @@ from recipe.api import PreparedRequest, SseEvent
 from recipe.constraint_fields import constraint_field
 from workers.client.engine_client import EngineClient
 from workers.client.worker_link import RequestRejectedError
-from workers.protocol.encode import EncodeImage
 from workers.protocol.images import ImageRef
 from workers.protocol.messages import GenerateOutput, GenerateRequest
 
@@ -179,7 +178,7 @@ class Generation:
         first_seen = False
         try:
             request = self._requests[choice]
-            async with aclosing(_generate(self._client, request, self._images)) as stream:
+            async with aclosing(self._client.generate(request, images=self._images)) as stream:
                 async for output in stream:
                     if not first_seen:
                         first_seen = True
@@ -203,13 +202,3 @@ class Generation:
             "request_timeout",
             f"The stream was stopped: the client left {self._max_buffered} outputs unread.",
         )
-
-
-def _generate(
-    client: EngineClient, request: GenerateRequest, images: tuple[EncodeImage, ...]
-) -> AsyncIterator[GenerateOutput]:
-    """The request's outputs; its images, if any, go to the client to be encoded. A request without
-    images is made without the argument, which a client that takes no images lacks."""
-    if images:
-        return client.generate(request, images=images)
-    return client.generate(request)

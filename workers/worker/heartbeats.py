@@ -123,6 +123,7 @@ class Heartbeats:
             max_num_seqs=self.config.engine.max_num_seqs,
             kv_model_id=info.kv_model_id,
             kv_block_tokens=info.kv_block_tokens,
+            image_token_id=getattr(info.model_config, "image_token_id", None),
             kv_store_bytes=store_usage.num_bytes,
             kv_store_blocks=store_usage.num_blocks,
             kv_store_capacity_bytes=collector.capacity_bytes if collector else 0,

@@ -73,7 +73,7 @@ class FakeEngine:
         self.requests: list[GenerateRequest] = []
         self.closed_early: list[str] = []
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest, images=()) -> AsyncIterator[GenerateOutput]:
         self.requests.append(request)
         try:
             async for output in self.script(request):

@@ -16,6 +16,7 @@ from tests.controlplane.gateway.images import data_url, image_part, png, text_pa
 from tests.controlplane.gateway.live import served_models
 from tests.controlplane.gateway.test_hostile_inputs import assert_refused
 from tests.vlm_model import build_tiny_vlm
+from workers.client.worker_link import RequestRejectedError
 from workers.protocol.images import ImageRef
 from workers.text.image_hash import image_content_hash
 
@@ -147,3 +148,25 @@ def test_text_spelling_the_image_marker_is_the_protocols_400(protocol, served_vl
     answer = api.post(protocol, body, headers=key_headers(make_api_key()))
     assert_refused(answer, protocol, "messages[0].content[0].text")
     assert engine.requests == []
+
+
+@pytest.mark.parametrize(("protocol", "status"), [("chat.completions", 503), ("messages", 529)])
+def test_images_no_encoder_could_encode_are_the_protocols_overloaded_error(
+    protocol, status, served_vlm, api, make_api_key, monkeypatch
+):
+    async def no_encoder(request):
+        raise RequestRejectedError("encode_failed", "no encoder is available")
+        yield
+
+    failing = ImageTakingEngine(no_encoder)
+
+    async def engine_client() -> ImageTakingEngine:
+        return failing
+
+    monkeypatch.setattr("controlplane.gateway.views.engine_client", engine_client)
+    body = request_body(protocol, served_vlm, image_part(protocol, data_url(PICTURE)))
+
+    answer = api.post(protocol, body, headers=key_headers(make_api_key()))
+
+    assert answer.status_code == status, answer.text
+    assert "could not be encoded: no encoder is available" in answer.text
