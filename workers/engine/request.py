@@ -12,10 +12,11 @@ from workers.engine.structured.constraint import TokenConstraint
 from workers.kvstore.block_hash import (
     ROOT_HASH,
     BlockHash,
-    hash_block,
     hash_chain,
     image_block_extra,
     image_digest,
+    image_hash_chain,
+    image_placeholders,
 )
 from workers.kvstore.hints import BlockRetention
 from workers.protocol.images import ImageEmbeddings
@@ -50,12 +51,11 @@ class PromptImages:
 
     @classmethod
     def of(cls, prompt: Sequence[int], image_token_id: int, images: Sequence[ImageEmbeddings]) -> "PromptImages":
-        positions = np.flatnonzero(np.asarray(prompt, dtype=np.int64) == image_token_id)
-        firsts = np.cumsum([0] + [image.num_tokens for image in images[:-1]])
+        positions, starts = image_placeholders(prompt, image_token_id, [image.num_tokens for image in images])
         return cls(
             embeddings=tuple(images),
             positions=positions,
-            starts=tuple(int(positions[i]) for i in firsts),
+            starts=starts,
             digests=tuple(image_digest(image.content_hash) for image in images),
         )
 
@@ -237,15 +237,16 @@ class Request:
         `first_block` on (its key chain continuing from `parent`)."""
         if self.images is None:
             return hash_chain(tokens, block_size, self.hash_extra, parent=parent, max_blocks=max_blocks)
-        num_blocks = len(tokens) // block_size
-        if max_blocks is not None:
-            num_blocks = min(num_blocks, max_blocks)
-        keys: list[BlockHash] = []
-        for i in range(num_blocks):
-            extra = self.block_extra(first_block + i, block_size)
-            parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extra)
-            keys.append(parent)
-        return keys
+        return image_hash_chain(
+            tokens,
+            block_size,
+            self.hash_extra,
+            self.images.starts,
+            self.images.digests,
+            parent=parent,
+            first_block=first_block,
+            max_blocks=max_blocks,
+        )
 
     @property
     def num_reusable_tokens(self) -> int:

@@ -88,6 +88,43 @@ def image_block_extra(
     return extra + IMAGES_EXTRA + b"".join(image_digests[:started])
 
 
+def image_hash_chain(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra: bytes,
+    image_starts: Sequence[int],
+    image_digests: Sequence[bytes],
+    *,
+    parent: BlockHash = ROOT_HASH,
+    first_block: int = 0,
+    max_blocks: int | None = None,
+) -> list[BlockHash]:
+    """hash_chain of a prompt with images: each block's extra from image_block_extra. `token_ids` are
+    the prompt's from block `first_block` on, the chain continuing from `parent`."""
+    tokens = np.asarray(token_ids, dtype=np.int32)
+    num_blocks = len(tokens) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    keys: list[BlockHash] = []
+    for i in range(num_blocks):
+        block_extra = image_block_extra(extra, image_starts, image_digests, first_block + i, block_size)
+        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], block_extra)
+        keys.append(parent)
+    return keys
+
+
+def image_placeholders(
+    token_ids: Sequence[int] | np.ndarray, image_token_id: int, num_tokens: Sequence[int]
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Where a prompt's images go: every placeholder's position (ascending), and each image's first
+    one, image i taking `num_tokens[i]` placeholders in turn. ValueError when they do not add up."""
+    positions = np.flatnonzero(np.asarray(token_ids, dtype=np.int64) == image_token_id)
+    if len(positions) != sum(num_tokens) or any(count < 1 for count in num_tokens):
+        raise ValueError(f"{len(positions)} image placeholders for images of {list(num_tokens)} tokens")
+    firsts = np.cumsum([0, *num_tokens[:-1]])
+    return positions, tuple(int(positions[first]) for first in firsts)
+
+
 def reusable_blocks(num_tokens: int, block_size: int) -> int:
     """How many leading blocks of a prompt a cache may serve: at least one token is always computed,
     since its logits sample the next token."""

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from workers.kvstore.block_hash import (
-    ROOT_HASH,
     BlockHash,
-    hash_block,
     hash_chain,
-    image_block_extra,
     image_digest,
+    image_hash_chain,
+    image_placeholders,
     reusable_blocks,
 )
 from workers.kvstore.holders import HolderIndex
@@ -64,13 +63,12 @@ class PromptImageKeys:
     ) -> "PromptImageKeys | None":
         """None when the prompt's placeholders do not add up to the images' (the worker refuses
         such a request, so it has no hit to weigh)."""
-        positions = np.flatnonzero(np.asarray(token_ids, dtype=np.int64) == image_token_id)
-        counts = [image.num_tokens for image in images]
-        if len(positions) != sum(counts) or any(count < 1 for count in counts):
+        try:
+            _, starts = image_placeholders(token_ids, image_token_id, [image.num_tokens for image in images])
+        except ValueError:
             return None
-        firsts = np.cumsum([0, *counts[:-1]])
         return cls(
-            starts=tuple(int(positions[first]) for first in firsts),
+            starts=starts,
             digests=tuple(image_digest(image.content_hash) for image in images),
         )
 
@@ -86,17 +84,7 @@ def prompt_block_keys(
     """The chained keys of the prompt's full blocks, as the engine keys them (with its images)."""
     if images is None:
         return hash_chain(token_ids, block_tokens, extra, max_blocks=max_blocks)
-    tokens = np.asarray(token_ids, dtype=np.int32)
-    num_blocks = len(tokens) // block_tokens
-    if max_blocks is not None:
-        num_blocks = min(num_blocks, max_blocks)
-    keys: list[BlockHash] = []
-    parent = ROOT_HASH
-    for index in range(num_blocks):
-        block_extra = image_block_extra(extra, images.starts, images.digests, index, block_tokens)
-        parent = hash_block(parent, tokens[index * block_tokens : (index + 1) * block_tokens], block_extra)
-        keys.append(parent)
-    return keys
+    return image_hash_chain(token_ids, block_tokens, extra, images.starts, images.digests, max_blocks=max_blocks)
 
 
 def stored_prefix(
