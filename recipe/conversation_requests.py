@@ -25,6 +25,7 @@ from recipe.chatml import PromptText
 from recipe.conversation_responses import ConversationResponseFactory, choice_feed
 from recipe.errors import ApiError, invalid_request
 from recipe.image_prompts import encode_images, expand_images, refuse_marker_text
+from recipe.images.parts import image_parts
 from recipe.images.resolve import RequestImage, resolve_images
 from recipe.limits import RequestLimits
 from recipe.prepared_request import PreparedRequest
@@ -81,6 +82,7 @@ def prepare_conversation_request(
     sampling_fields = _sampling_fields(protocol, body, model)
     library_request = _library_request(protocol, body)
     responses_echo, namespace_tools = _responses_settings(library_request)
+    image_parts(protocol, body)  # its refusals name the field; the library's name only the message
     converted = _converted(protocol, library_request, model.name)
     images = _request_images(protocol, body, model, limits, images)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
@@ -128,7 +130,9 @@ def count_prompt_tokens(
     """The prompt length this request would have (Anthropic's count_tokens, which takes no max_tokens);
     its cache hints are checked, and count for nothing."""
     read_cache_request(protocol, body, limits)
-    converted = _converted(protocol, _library_request(protocol, body), model.name)
+    library_request = _library_request(protocol, body)
+    image_parts(protocol, body)  # its refusals name the field; the library's name only the message
+    converted = _converted(protocol, library_request, model.name)
     images = _request_images(protocol, body, model, limits, None)
     conversation = _with_anthropic_any_as_required(protocol, body, converted.conversation)
     return len(_encoded(conversation, model, protocol, images))
