@@ -20,8 +20,9 @@ Workload (seeded; every policy sees the same requests and arrival times):
 Encoders: each takes its queue in arrival order, whole requests (one EncodeRequest carries all a
 request's images), as many as fit `--encoder-batch-patches` in one batch (the first always goes);
 a batch takes `overhead + patches / patches_per_s` times the log-normal `--noise`, and its requests'
-embeddings are ready when it ends. The defaults are an H100's so400m throughput in bf16 from
-bench.vision_encoder (ours, at 16 to 64 tiles) and a batch's fixed cost; pass measured ones. The
+embeddings are ready when it ends. The default throughput is an estimate for so400m in bf16 on an
+H100 (about 0.9 GFLOP a patch at some 360 TFLOP/s), the overhead a batch's launch and copies; pass
+bench.vision_encoder's measured `ours_encoder_patches_per_s` with --encoder-patches-per-s. The
 balancers count patches and requests the gateway has sent to each encoder and not seen done, as the
 gateway's client does (its own sends added to the encoder's heartbeat). No embedding cache: every
 image is new, so every patch is encoded.
