@@ -3,7 +3,7 @@ encoder pool before the prefill pool; the encoder balancer (fewest patches in fl
 round-robin and least-requests, by the p99 TTFT of image requests.
 
     python -m bench.lb_sim --image-mix [--cost-model var/cost_model.json] [--encoders 4]
-        [--encoder-utilization 0.8] [--encoder-patches-per-s 400000] [--encoder-batch-overhead-s 0.004]
+        [--encoder-utilization 0.8] [--encoder-patches-per-s 341000] [--encoder-batch-overhead-s 0.0009]
         [--image-requests 4000] [--prefill-workers 8] [--quick]
 
 Workload (seeded; every policy sees the same requests and arrival times):
@@ -20,9 +20,11 @@ Workload (seeded; every policy sees the same requests and arrival times):
 Encoders: each takes its queue in arrival order, whole requests (one EncodeRequest carries all a
 request's images), as many as fit `--encoder-batch-patches` in one batch (the first always goes);
 a batch takes `overhead + patches / patches_per_s` times the log-normal `--noise`, and its requests'
-embeddings are ready when it ends. The default throughput is an estimate for so400m in bf16 on an
-H100 (about 0.9 GFLOP a patch at some 360 TFLOP/s), the overhead a batch's launch and copies; pass
-bench.vision_encoder's measured `ours_encoder_patches_per_s` with --encoder-patches-per-s. The
+embeddings are ready when it ends. The defaults are bench.vision_encoder's so400m encoder (tower and
+connector, bf16) on an H100 (bench/results/vision_encoder_h100.json), a line fitted through its
+batches of 8 to 64 tiles: 2.93 µs a patch (341k patches/s) and 0.9 ms a batch. Under 8 tiles the
+measured time stays near 11-12 ms (kernel launches bound it); a request has at least 5 tiles, where
+the line gives 11.6 ms, so the floor is left out. The
 balancers count patches and requests the gateway has sent to each encoder and not seen done, as the
 gateway's client does (its own sends added to the encoder's heartbeat). No embedding cache: every
 image is new, so every patch is encoded.
@@ -67,8 +69,8 @@ IMAGES_PER_REQUEST = ((1, 0.6), (2, 0.2), (4, 0.12), (8, 0.08))
 ASPECTS = ((1.0, 0.3), (4 / 3, 0.3), (16 / 9, 0.2), (3 / 4, 0.1), (4.0, 0.05), (1 / math.sqrt(2), 0.05))  # w / h
 TEXT_TOKENS_MEDIAN = 200
 QUICK_IMAGE_REQUESTS = 300
-DEFAULT_PATCHES_PER_S = 400_000.0
-DEFAULT_BATCH_OVERHEAD_S = 0.004
+DEFAULT_PATCHES_PER_S = 341_000.0
+DEFAULT_BATCH_OVERHEAD_S = 0.0009
 DEFAULT_BATCH_PATCHES = 64 * PATCHES_PER_TILE
 
 

@@ -7,8 +7,11 @@ whole tiles:
         [--repeats 10] [--warmup 3]
 
 Shapes: "so400m" is SigLIP-so400m-patch14-384 (hidden 1152, 27 layers, 16 heads, intermediate 4304,
-384-pixel tiles of 14-pixel patches: 729 patches a tile) with SmolVLM-Instruct's connector (pixel
-shuffle by 3, projected to its 2048-wide text model: 81 embeddings a tile); "tiny" is the test
+14-pixel patches, 27 × 27 = 729 patches a tile) with SmolVLM-Instruct's connector (pixel shuffle by 3,
+projected to its 2048-wide text model: 81 embeddings a tile). Its tiles are 378 pixels, not 384:
+HF's strided convolution drops the 6 pixels past the 27th patch, and our config refuses a patch size
+that does not divide the tile (workers.engine.models.idefics3), so 378 gives both towers the
+checkpoint's 729 patches and the same work. "tiny" is the test
 suite's tiny Idefics3 vision side, for a CPU run. Random weights (seeded; norms and biases perturbed
 so that every parameter matters), bfloat16 on CUDA, float32 on the CPU; SDPA attention in both.
 
@@ -46,7 +49,7 @@ SHAPES = {
             intermediate_size=4304,
             num_hidden_layers=27,
             num_attention_heads=16,
-            image_size=384,
+            image_size=27 * 14,
             patch_size=14,
         ),
         "scale_factor": 3,
