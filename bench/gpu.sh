@@ -27,7 +27,7 @@
 # MLA decode kernel's configs at DeepSeek-V3's 128 heads and V2-Lite's 16.
 set -euo pipefail
 out=${OUT:-bench-out}
-steps=${STEPS:-tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit fp8_gemm fp8_decode}
+steps=${STEPS:-tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit fp8_gemm fp8_decode vision_encoder}
 mkdir -p "$out"
 for wheel in msgspec gguf pyzmq; do
   ls .whl/"$wheel"-*.whl >/dev/null 2>&1 || { echo "missing .whl/$wheel-*.whl (see the top of bench/gpu.sh)"; exit 2; }
@@ -136,4 +136,15 @@ for name in ('llama3_8b_b1', 'llama3_8b_b256', 'deepseek_v3_4_layers'):
     print(name, json.dumps(d['decode_speedup_over_bf16']))
     for variant, v in d['variants'].items():
         for r in v['rows']: print(' ', variant, r['batch_size'], r['max_running'], r['decode_tok_s'], r['roofline_fraction'])"
+fi
+if has vision_encoder; then
+  python3 -m bench.vision_encoder --device cuda --shape so400m >"$out/vision_encoder_gpu.json" \
+    2>"$out/vision_encoder_gpu.log" || echo "VISION ENCODER BENCHMARK FAILED"
+  python3 -c "
+import json; d = json.load(open('$out/vision_encoder_gpu.json'))
+print('agreement', json.dumps(d['agreement']))
+print('tiles patches ours_tower_patches_s hf_tower_patches_s ours_encoder_patches_s tower_speedup_over_hf')
+for r in d['rows']:
+    print(r['batch_tiles'], r['patches'], r['ours_tower_patches_per_s'], r['hf_tower_patches_per_s'],
+          r['ours_encoder_patches_per_s'], r['tower_speedup_over_hf'])"
 fi

@@ -36,6 +36,10 @@ log-normal factor (`--noise`) so that the balancers, which see only predictions,
 Load imbalance is max/mean over workers of their outstanding load, sampled at every arrival to the
 pool (prefill: predicted seconds of queued compute; decode: predicted step time) and averaged over
 samples where any worker is loaded. Utilization is busy time over workers x span.
+
+`--image-mix` simulates instead an image-heavy mix through an encoder pool before the prefill pool:
+the encoder balancer (fewest patches in flight) against round-robin and least-requests, by the p99
+TTFT of image requests (bench.lb_sim_images says how; its options are listed under "image mix").
 """
 
 import argparse
@@ -493,11 +497,16 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.1, help="log-normal sigma of service times")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests, for tests")
+    # Imported here: bench.lb_sim_images builds on this module's pools.
+    from bench import lb_sim_images
+
+    lb_sim_images.add_arguments(parser)
     args = parser.parse_args()
     if args.prefill_workers < 1 or args.decode_workers < 1 or not 0 < args.utilization < 1:
         parser.error("worker counts must be positive and --utilization in (0, 1)")
+    lb_sim_images.check_arguments(parser, args)
     try:
-        result = run(args)
+        result = lb_sim_images.run(args) if args.image_mix else run(args)
     except ValueError as error:
         parser.error(str(error))
     print(json.dumps(result, indent=2))
