@@ -66,7 +66,7 @@ class NodeViewSet(*READ, viewsets.GenericViewSet):
 
 
 class PoolViewSet(*READ, viewsets.GenericViewSet):
-    """Pools of one kind of worker (VE, prefill, decode, or mixed), each scaled on its own."""
+    """Pools of one kind of worker (encode, prefill, decode, or mixed), each scaled on its own."""
 
     serializer_class = PoolSerializer
     filterset_class = PoolFilter
