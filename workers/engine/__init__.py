@@ -8,10 +8,11 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
-# MKL's AVX2 reproducibility mode keeps one summation order for matmuls of 4 rows and more
-# (instead of 12), so batch-invariant padding costs less. MKL reads this at its first call, which
-# is why it is set as soon as the engine package is imported.
-os.environ.setdefault("MKL_CBWR", "AVX2")
+# MKL's strict AVX2 reproducibility mode keeps one summation order whatever a matmul's row count, on
+# AVX-512 CPUs too (there the plain AVX2 mode still rounds some row counts differently, and no padding
+# helps), so results are batch-invariant. MKL reads this at its first call, which is why it is set as
+# soon as the engine package is imported.
+os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 _EXPORTS = {
     "LLM": "workers.engine.llm",
