@@ -106,8 +106,9 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 # Longest a request waits for a decode worker with room for its KV, or for a prefill worker to take
-# it, before it is refused "overloaded".
-CAPACITY_WAIT_S = 10.0
+# it, before it is refused "overloaded": a burst the workers drain in tens of seconds (64 streams on
+# two CPU cores) waits rather than failing part of its requests.
+CAPACITY_WAIT_S = 30.0
 CAPACITY_POLL_S = 0.05
 PREFILL, DECODE = "prefill", "decode"
 TRANSFER = "transfer"  # the phase between the prefill's last output and the decode's first
