@@ -50,11 +50,12 @@ def read_vision_prompt(directory: Path, config: Mapping) -> VisionPrompt | None:
     image_size = _positive_int(vision, "image_size", DEFAULT_IMAGE_SIZE, "vision_config.")
     patch_size = _positive_int(vision, "patch_size", DEFAULT_PATCH_SIZE, "vision_config.")
     scale = _positive_int(config, "scale_factor", DEFAULT_SCALE_FACTOR)
-    patches_per_side, remainder = divmod(image_size, patch_size)
-    if remainder or patches_per_side % scale:
+    # A tile's last image_size % patch_size pixels are read by no patch (SmolVLM-Instruct: 384 / 14).
+    patches_per_side = image_size // patch_size
+    if not patches_per_side or patches_per_side % scale:
         raise ModelLoadError(
-            f"vision_config.image_size ({image_size}) must be a multiple of patch_size ({patch_size}) "
-            f"times scale_factor ({scale})"
+            f"vision_config.image_size // patch_size ({image_size} // {patch_size}) must be a positive "
+            f"multiple of scale_factor ({scale})"
         )
     path = Path(directory) / PREPROCESSOR_FILE
     try:

@@ -219,7 +219,7 @@ def test_unknown_and_missing_tensors_are_refused(hf_model):
     ("change", "field"),
     [
         ({"vision_config": {**TINY_IDEFICS3["vision_config"], "hidden_act": "quick_gelu"}}, "vision_config.hidden_act"),
-        ({"vision_config": {**TINY_IDEFICS3["vision_config"], "patch_size": 5}}, "vision_config.patch_size"),
+        ({"vision_config": {**TINY_IDEFICS3["vision_config"], "patch_size": 40}}, "vision_config.patch_size"),
         ({"vision_config": {**TINY_IDEFICS3["vision_config"], "image_size": [32, 16]}}, "vision_config.image_size"),
         (
             {"vision_config": {**TINY_IDEFICS3["vision_config"], "num_attention_heads": 5}},
@@ -234,6 +234,26 @@ def test_unknown_and_missing_tensors_are_refused(hf_model):
 def test_bad_config_fields_are_refused_by_name(change, field):
     with pytest.raises(ModelLoadError, match=field.replace(".", r"\.")):
         model_config({**HF_CONFIG, **change})
+
+
+def test_a_patch_size_that_does_not_divide_the_tile_drops_its_last_pixels_as_hf():
+    """SmolVLM-Instruct's tower: 384-pixel tiles of 14-pixel patches, 27 per side, the last 6 pixels
+    of each row and column read by no patch; here 27-pixel tiles of 2-pixel patches, 13 per side."""
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+
+    vision = {**TINY_IDEFICS3["vision_config"], "image_size": 27, "patch_size": 2}
+    torch.manual_seed(0)
+    reference = Idefics3VisionEmbeddings(Idefics3VisionConfig(**vision))
+    ours = Idefics3VisionEncoder(model_config({**HF_CONFIG, "vision_config": vision, "scale_factor": 1}))
+    ours.vision_model.embeddings.load_state_dict(reference.state_dict())
+    pixel_values = torch.randn(2, 3, 27, 27)
+    full = torch.ones(2, 13, 13, dtype=torch.bool)
+
+    with torch.no_grad():
+        embedded = ours.vision_model.embeddings(pixel_values)
+    assert embedded.shape == (2, 13 * 13, vision["hidden_size"])
+    torch.testing.assert_close(embedded, reference(pixel_values, full))
 
 
 @pytest.mark.parametrize("patches_per_side", [4, 19, 26])

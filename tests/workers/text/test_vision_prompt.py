@@ -35,6 +35,16 @@ def test_a_smolvlm_directory_gives_its_image_token_tokens_and_patches_per_tile(t
     assert vision.num_tokens(layout) == (12 + 1) * 64 and vision.num_patches(layout) == 13 * 1024
 
 
+def test_smolvlm_instructs_tiles_count_the_patches_its_tower_reads(tmp_path):
+    """384-pixel tiles of 14-pixel patches: 27 per side, the last 6 pixels read by no patch (as HF)."""
+    config = {**SMOLVLM_CONFIG, "scale_factor": 3, "vision_config": {"image_size": 384, "patch_size": 14}}
+    preprocessor = {"size": {"longest_edge": 1536}, "max_image_size": {"longest_edge": 384}}
+    vision = read_vision_prompt(model_dir(tmp_path, preprocessor), config)
+
+    assert vision.patches_per_tile == 27 * 27
+    assert vision.settings.image_seq_len == 81  # (27 / 3)², SmolVLM-Instruct's image_seq_len
+
+
 def test_a_text_model_takes_no_images(tmp_path):
     assert read_vision_prompt(tmp_path, {"architectures": ["LlamaForCausalLM"]}) is None
     assert read_vision_prompt(tmp_path, {}) is None

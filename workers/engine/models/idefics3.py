@@ -220,9 +220,9 @@ def _vision_config(hf: dict[str, Any]) -> VisionConfig:
             f"vision_config.hidden_size ({config.hidden_size}) is not a multiple of "
             f"vision_config.num_attention_heads ({config.num_heads})"
         )
-    if config.image_size % config.patch_size:
+    if config.patch_size > config.image_size:
         raise ModelLoadError(
-            f"vision_config.patch_size ({config.patch_size}) must divide vision_config.image_size ({config.image_size})"
+            f"vision_config.patch_size ({config.patch_size}) is larger than vision_config.image_size ({config.image_size})"
         )
     return config
 
