@@ -2,8 +2,9 @@
 
 BLAS libraries pick a kernel by problem size; below some row count (MKL: 4 rows with
 MKL_CBWR=AVX2,STRICT, which workers.engine sets; 12 without it; on AVX-512 CPUs, without STRICT, no
-row count is enough) a row's dot products are summed in another order and round differently. Padding every matmul to at least that many rows makes results batch-invariant. The
-threshold is measured once per process on the running BLAS rather than assumed.
+row count is enough) a row's dot products are summed in another order and round differently.
+Padding every matmul to at least that many rows makes results batch-invariant. The threshold is
+measured once per process on the running BLAS rather than assumed.
 """
 
 import functools

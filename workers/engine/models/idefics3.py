@@ -222,7 +222,8 @@ def _vision_config(hf: dict[str, Any]) -> VisionConfig:
         )
     if config.patch_size > config.image_size:
         raise ModelLoadError(
-            f"vision_config.patch_size ({config.patch_size}) is larger than vision_config.image_size ({config.image_size})"
+            f"vision_config.patch_size ({config.patch_size}) is larger than "
+            f"vision_config.image_size ({config.image_size})"
         )
     return config
 
