@@ -5,7 +5,8 @@ Encoders are links like the engine workers (workers.client.worker_link): found t
 DEALER and a SUB each, CURVE as every link; their heartbeats say role "encode", and they are never
 chosen to compute a request. The balancer picks the ready encoder with the fewest patches in flight:
 those its last heartbeat reports plus those this client sent it since and has not seen done or
-failed; ties go to the one with the fewest requests.
+failed; ties go to the one with the fewest requests, then to the one the first image's content hash
+ranks first (rendezvous hashing), so the same image meets the same encoder's embedding cache.
 
 An attempt's encoding (ImageEncoding) sends the EncodeRequest, with the request endpoint that the
 worker computing the prompt advertises as its destination, at the same time as the attempt sends
@@ -22,6 +23,7 @@ still answers.
 import asyncio
 import logging
 from collections.abc import Sequence
+from hashlib import blake2b
 from typing import Protocol
 
 from workers.client.worker_link import RequestRejectedError, StreamItem, WorkerLink, WorkerUnavailableError
@@ -46,9 +48,19 @@ def requests_in_flight(link: WorkerLink) -> int:
     return max(len(link.encoding_patches), beat.num_running + beat.num_waiting)
 
 
-def fewest_patches(encoders: Sequence[WorkerLink]) -> WorkerLink:
-    """The encoder with the fewest patches in flight, then the fewest requests."""
-    return min(encoders, key=lambda link: (patches_in_flight(link), requests_in_flight(link)))
+def fewest_patches(encoders: Sequence[WorkerLink], affinity: bytes = b"") -> WorkerLink:
+    """The encoder with the fewest patches in flight, then the fewest requests; among encoders as
+    loaded, the one `affinity` (the request's first image's content hash) ranks first by rendezvous
+    hashing, so an image sent again while the pool is idle meets the encoder whose embedding cache
+    holds it rather than being encoded on another."""
+    return min(
+        encoders,
+        key=lambda link: (patches_in_flight(link), requests_in_flight(link), _rendezvous(affinity, link)),
+    )
+
+
+def _rendezvous(affinity: bytes, link: WorkerLink) -> bytes:
+    return blake2b(affinity + link.request_endpoint.encode(), digest_size=8).digest()
 
 
 def check_images(request: GenerateRequest, images: Sequence[EncodeImage]) -> None:
@@ -122,7 +134,7 @@ class ImageEncoding:
         encoders = [link for link in self.client.ready_encoders() if link not in self.failed]
         if not encoders:
             raise RequestRejectedError(ENCODE_FAILED, f"{reason} (request {self.request_id})")
-        return fewest_patches(encoders)
+        return fewest_patches(encoders, self.images[0].content_hash)
 
     async def _send(self, encoder: WorkerLink) -> None:
         self.encoder = encoder

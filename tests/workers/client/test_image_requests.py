@@ -174,6 +174,41 @@ def test_among_encoders_with_as_many_patches_the_one_with_fewer_requests_is_chos
     run(tmp_path, scenario)
 
 
+async def receiver_of(request_id: str, encoders: list[FakePeer]) -> FakePeer:
+    """The encoder the EncodeRequest of `request_id` went to (the others received nothing)."""
+    while True:
+        for encoder in encoders:
+            if not encoder.received.empty():
+                message = encoder.received.get_nowait()
+                assert isinstance(message, EncodeRequest) and message.request_id == request_id, message
+                return encoder
+        await asyncio.sleep(0.005)
+
+
+def test_encoders_as_loaded_take_the_same_image_each_time_and_share_out_different_ones(tmp_path):
+    async def scenario(stack: Stack):
+        worker = stack.peer("w", "mixed")
+        encoders = [stack.peer(f"e{index}", "encode") for index in range(3)]
+        await stack.ready()
+        chosen: dict[int, set[str]] = {}
+        for round_ in range(2):
+            for seed in range(12):
+                request_id = f"r{round_}-{seed}"
+                images = (image(seed),)
+                stream = start(stack, image_request(request_id, *images), images)
+                encoder = await receiver_of(request_id, encoders)
+                chosen.setdefault(seed, set()).add(encoder.name)
+                await encoder.reply(EncodeDone(request_id, 8, 0))
+                await worker.next(GenerateRequest)
+                await finish(worker, request_id)
+                await stream
+
+        assert all(len(names) == 1 for names in chosen.values()), chosen
+        assert len(set.union(*chosen.values())) > 1
+
+    run(tmp_path, scenario)
+
+
 def test_a_failed_encoder_is_replaced_by_another_once(tmp_path):
     async def scenario(stack: Stack):
         worker = stack.peer("w", "mixed")
