@@ -39,8 +39,11 @@ def test_the_baseline_scores_every_window_token_and_agrees_with_itself(baseline)
     # A small model on 18th- and 19th-century prose: well above 1, far below the vocabulary's 49,152.
     assert 2 < row["perplexity"] < 200 and math.isfinite(row["perplexity"])
     assert row["ratio"] == 1.0
-    # Teacher-forced prefill reranks the engine's own greedy decode: the two paths agree.
-    assert row["greedy_token_agreement"] == 1.0
+    # Teacher-forced prefill reranks the engine's own greedy decode: the two paths agree but for a
+    # near tie. In bf16 on the CPU they need not agree bitwise: oneDNN's bf16 matmuls round by row
+    # count (a prefill chunk's and a decode step's differ; MKL_CBWR does not reach them), and one of
+    # 128 positions flipped on an AVX-512 machine.
+    assert row["greedy_token_agreement"] >= 0.99
     assert row["greedy_prefix_agreement"] == 1.0 and row["greedy_prefix_lengths"] == [SETUP.new_tokens] * 8
 
 
