@@ -26,6 +26,27 @@ REGISTRATION_RETRY_S = 2.0
 POLL_S = 0.1
 
 
+def registration_thread(
+    context: zmq.Context,
+    endpoint: str | None,
+    registration: WorkerRegistration,
+    stop: threading.Event,
+    *,
+    key: curve.CurveKey | None,
+) -> threading.Thread | None:
+    """The thread that announces a worker (of any role) at the registry `endpoint` until it is
+    acknowledged or `stop` is set; None without a registry."""
+    if not endpoint:
+        return None
+    return threading.Thread(
+        target=register_until_acknowledged,
+        args=(context, endpoint, registration, stop),
+        kwargs={"key": key},
+        name="registration",
+        daemon=True,
+    )
+
+
 def register_until_acknowledged(
     context: zmq.Context,
     endpoint: str,

@@ -56,7 +56,7 @@ from workers.worker.control import WorkerControl
 from workers.worker.heartbeats import Heartbeats, WorkerIdentity, registration
 from workers.worker.image_inbox import ImageInbox, Ready, Settled, check_refs
 from workers.worker.migration import Migration
-from workers.worker.registry import register_until_acknowledged
+from workers.worker.registry import registration_thread
 from workers.worker.resumption import Resumption
 from workers.worker.swa_holder import open_swa_holder
 from workers.worker.transfers import Transfers
@@ -190,16 +190,8 @@ class Worker:
             ApplyEPLayoutRequest: self._on_control,
             StatusRequest: self._on_control,
         }
-        self.registration_thread = (
-            threading.Thread(
-                target=register_until_acknowledged,
-                args=(context, config.registry_endpoint, registration(self.identity, config, engine), stop),
-                kwargs={"key": key},
-                name="registration",
-                daemon=True,
-            )
-            if config.registry_endpoint
-            else None
+        self.registration_thread = registration_thread(
+            context, config.registry_endpoint, registration(self.identity, config, engine), stop, key=key
         )
 
     def serve(self) -> None:

@@ -52,7 +52,7 @@ from workers.worker.encoder.heartbeats import EncoderHeartbeats, EncoderLoad, en
 from workers.worker.encoder.images import CheckedImage, check_image
 from workers.worker.encoder.vision import VisionModel, load_vision_model
 from workers.worker.heartbeats import WorkerIdentity
-from workers.worker.registry import register_until_acknowledged
+from workers.worker.registry import registration_thread
 from workers.worker.server import CLOSE_LINGER_MS, connectable_endpoint
 
 log = logging.getLogger(__name__)
@@ -134,16 +134,8 @@ class EncodeServer:
             ApplyEPLayoutRequest: self._on_control,
             StatusRequest: self._on_control,
         }
-        self.registration_thread = (
-            threading.Thread(
-                target=register_until_acknowledged,
-                args=(context, config.registry_endpoint, encoder_registration(self.identity, config, model), stop),
-                kwargs={"key": key},
-                name="registration",
-                daemon=True,
-            )
-            if config.registry_endpoint
-            else None
+        self.registration_thread = registration_thread(
+            context, config.registry_endpoint, encoder_registration(self.identity, config, model), stop, key=key
         )
 
     def serve(self) -> None:
