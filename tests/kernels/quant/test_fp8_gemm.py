@@ -34,7 +34,14 @@ from kernels.quant.fp8_blocks import (  # noqa: E402
     quantize_weight_blocks,
     w8a8_block_matmul_reference,
 )
-from kernels.quant.fp8_gemm import GemmConfig, block_fp8_matmul_with, gemm_config, w8a8_block_fp8_matmul  # noqa: E402
+from kernels.quant.fp8_gemm import (  # noqa: E402
+    CUBLAS_AGREEMENT,
+    CUBLAS_MIN_M,
+    GemmConfig,
+    block_fp8_matmul_with,
+    gemm_config,
+    w8a8_block_fp8_matmul,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # On the GPU the tensor cores' shorter FP8 sums (~2^-13 of a 128-deep partial sum, ~1e-4 here) set
@@ -175,7 +182,13 @@ def test_gpu_kernel_equals_the_reference_at_llama_8b_sizes(m, n, k):
     x, weight, values, scale_inv, b = make_inputs((m,), n, k, torch.bfloat16, bias=True, seed=m)
     out = w8a8_block_fp8_matmul(x, values, scale_inv, (128, 128), b)
     reference = w8a8_block_matmul_reference(x, values, scale_inv, (128, 128), b)
-    torch.testing.assert_close(out, reference, **ONE_ULP[torch.bfloat16])
+    if m > CUBLAS_MIN_M:
+        # Prefill sizes run on torch's blockwise FP8 GEMM where it is offered: it sums in its own
+        # order, so it agrees with the reference as a whole (the bound its start-up probe holds it
+        # to), not to one ulp per element (an H100 left 2% of outputs near zero a few ulps apart).
+        assert relative_error(out, reference) < CUBLAS_AGREEMENT
+    else:
+        torch.testing.assert_close(out, reference, **ONE_ULP[torch.bfloat16])
     assert relative_error(reference, x.float() @ weight.T + b.float()) < QUANTIZATION_ERROR_BOUND
 
 
