@@ -7,12 +7,14 @@ a whole: every request the worker holds gets a "worker_failed" error at once, ra
 for the heartbeats to stop, and the worker exits (code 1) for its supervisor to restart it.
 """
 
+import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +86,9 @@ class Worker:
         self.config = config
         self.engine = engine
         self.stop = stop
-        hostname = socket.gethostname()
-        advertised_host = config.advertise_host or hostname
-        self.worker_id = config.worker_id or f"{hostname}-{os.getpid()}"
-        self.router = context.socket(zmq.ROUTER)
-        curve.bind(self.router, config.request_endpoint, key)
-        publisher = context.socket(zmq.PUB)
-        curve.bind(publisher, config.heartbeat_endpoint, key)
+        bound = bind_worker_sockets(config, context, key)
+        self.worker_id, self.router, publisher = bound.identity.worker_id, bound.router, bound.publisher
+        advertised_host = bound.advertised_host
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         receiver: TransferReceiver | None = None
@@ -121,14 +119,7 @@ class Worker:
             if spec
             else None
         )
-        self.identity = WorkerIdentity(
-            worker_id=self.worker_id,
-            hostname=hostname,
-            started_at=time.time(),
-            request_endpoint=connectable_endpoint(self.router, advertised_host),
-            heartbeat_endpoint=connectable_endpoint(publisher, advertised_host),
-            transfer_endpoint=transfer_endpoint,
-        )
+        self.identity = dataclasses.replace(bound.identity, transfer_endpoint=transfer_endpoint)
         self.decoder = msgspec.msgpack.Decoder(WorkerInbound)
         self.encoder = msgspec.msgpack.Encoder()
         self.owners: dict[str, bytes] = {}  # request id → ROUTER identity of the peer that sent it
@@ -509,6 +500,36 @@ def failure_error(request_id: str, failure: RequestFailure) -> GenerateError:
         return GenerateError(request_id, "invalid_constraint", failure.message)
     log.error("request %s failed: %s", request_id, failure.message)
     return GenerateError(request_id, "internal", "the worker failed to process this request's output")
+
+
+@dataclass(frozen=True, slots=True)
+class BoundWorkerSockets:
+    """A worker's request ROUTER and heartbeat PUB, bound, and its identity as peers see it."""
+
+    router: zmq.Socket
+    publisher: zmq.Socket
+    identity: WorkerIdentity  # transfer_endpoint "": a decode worker sets its own
+    advertised_host: str
+
+
+def bind_worker_sockets(config: WorkerArgs, context: zmq.Context, key: curve.CurveKey | None) -> BoundWorkerSockets:
+    """The sockets every worker role binds (engine worker and encoder alike), and its name: --worker-id,
+    else <hostname>-<pid>; its endpoints as other hosts connect to them (connectable_endpoint)."""
+    hostname = socket.gethostname()
+    advertised_host = config.advertise_host or hostname
+    router = context.socket(zmq.ROUTER)
+    curve.bind(router, config.request_endpoint, key)
+    publisher = context.socket(zmq.PUB)
+    curve.bind(publisher, config.heartbeat_endpoint, key)
+    identity = WorkerIdentity(
+        worker_id=config.worker_id or f"{hostname}-{os.getpid()}",
+        hostname=hostname,
+        started_at=time.time(),
+        request_endpoint=connectable_endpoint(router, advertised_host),
+        heartbeat_endpoint=connectable_endpoint(publisher, advertised_host),
+        transfer_endpoint="",
+    )
+    return BoundWorkerSockets(router, publisher, identity, advertised_host)
 
 
 def connectable_endpoint(bound: zmq.Socket, advertised_host: str) -> str:

@@ -14,8 +14,6 @@ flight gets "encode_failed" at once (the gateway sends it to another encoder) an
 """
 
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -51,9 +49,8 @@ from workers.worker.encoder.embedding_cache import EmbeddingCache, Embeddings
 from workers.worker.encoder.heartbeats import EncoderHeartbeats, EncoderLoad, encoder_registration
 from workers.worker.encoder.images import CheckedImage, check_image
 from workers.worker.encoder.vision import VisionModel, load_vision_model
-from workers.worker.heartbeats import WorkerIdentity
 from workers.worker.registry import registration_thread
-from workers.worker.server import CLOSE_LINGER_MS, connectable_endpoint
+from workers.worker.server import CLOSE_LINGER_MS, bind_worker_sockets
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +88,9 @@ class EncodeServer:
         self.config = config
         self.model = model
         self.stop = stop
-        hostname = socket.gethostname()
-        advertised_host = config.advertise_host or hostname
-        self.worker_id = config.worker_id or f"{hostname}-{os.getpid()}"
-        self.router = context.socket(zmq.ROUTER)
-        curve.bind(self.router, config.request_endpoint, key)
-        publisher = context.socket(zmq.PUB)
-        curve.bind(publisher, config.heartbeat_endpoint, key)
-        self.identity = WorkerIdentity(
-            worker_id=self.worker_id,
-            hostname=hostname,
-            started_at=time.time(),
-            request_endpoint=connectable_endpoint(self.router, advertised_host),
-            heartbeat_endpoint=connectable_endpoint(publisher, advertised_host),
-            transfer_endpoint="",
-        )
+        bound = bind_worker_sockets(config, context, key)
+        self.router, publisher, self.identity = bound.router, bound.publisher, bound.identity
+        self.worker_id = self.identity.worker_id
         self.max_tiles = max(1, config.max_encode_patches // model.patches_per_tile)
         self.max_queued_patches = MAX_QUEUED_BATCHES * self.max_tiles * model.patches_per_tile
         self.cache = EmbeddingCache(config.embedding_cache_bytes)
