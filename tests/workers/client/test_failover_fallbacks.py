@@ -8,6 +8,7 @@ import asyncio
 import os
 import random
 import signal
+import time
 import uuid
 
 import pytest
@@ -159,14 +160,21 @@ def test_a_draining_worker_keeps_a_request_no_other_has_room_for_and_it_finishes
         client = await connected_client(*endpoints(workers, "p0", "d0", "d1"), heartbeat_timeout_s=PATIENT_CLIENT_S)
         try:
             await wait_for_heartbeat(client, lambda beats: beat(client, "d1").num_running == 1, timeout_s=30)
+            prompt_tokens_at_start = beat(client, "p0").num_prompt_tokens
             outputs: list[GenerateOutput] = []
             task = asyncio.create_task(stream(client, request, outputs))
             await tokens_at_least(outputs, 8)
+            # p0's heartbeats are periodic: wait for one that counts the prompt it computed
+            await wait_for_heartbeat(
+                client, lambda beats: beat(client, "p0").num_prompt_tokens > prompt_tokens_at_start
+            )
             prompt_tokens = beat(client, "p0").num_prompt_tokens
             # when d0, the only other decode worker, drains with no grace
             await asyncio.to_thread(drain_now, workers["d0"])
             await task
             await wait_for_heartbeat(client, lambda beats: beat(client, "d0").state == "drained")
+            ended_at = time.time()
+            await wait_for_heartbeat(client, lambda beats: beat(client, "p0").sent_at > ended_at)
             return outputs, prompt_tokens, beat(client, "p0").num_prompt_tokens, beat(client, "d0")
         finally:
             await client.close()
