@@ -28,7 +28,7 @@ import triton.language as tl
 from kernels.moe.combine import combine_pairs
 from kernels.moe.configs import DIRECT, TileConfig, block_k_for
 from kernels.moe.scales import BlockScales, scale_args
-from kernels.quant.fp8_gemm import quantize_group
+from kernels.quant.fp8_activations import quantize_group
 
 
 def direct_experts(

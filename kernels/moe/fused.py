@@ -34,7 +34,7 @@ from kernels.moe.combine import combine_pairs
 from kernels.moe.configs import TileConfig, aligned_config, block_k_for, tile_config
 from kernels.moe.direct import direct_experts
 from kernels.moe.scales import BlockScales, scale_args
-from kernels.quant.fp8_gemm import quantize_group
+from kernels.quant.fp8_activations import quantize_group
 
 
 def fused_experts(
