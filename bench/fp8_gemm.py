@@ -9,6 +9,8 @@ torch._scaled_mm is given DeepSeek-V3's scales (1x128 per-token groups, 128x128 
 this torch and GPU take them, checked against the reference; otherwise rowwise scales (one per token,
 one per output channel of the dequantized weight) as the nearest peer. `scaled_mm_scaling` says which.
 Its activations are quantized before the timed call (our kernel quantizes inside its own time).
+Up to GEMV_MAX_M rows the FP8 GEMV (kernels.quant.fp8_gemv) is timed beside them: the candidate for
+decode at small batch, which the dispatcher takes only once a device run shows it ahead.
 
 Per row: the median of triton.testing.do_bench (L2 flushed between calls) for each op; TFLOP/s
 (2 * M * N * K over the time); our time over each peer's; and each op's fraction of the memory
@@ -29,6 +31,7 @@ import torch
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 BLOCK = (128, 128)
+GEMV_MAX_M = 4  # rows at which the GEMV candidate is timed too
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 # The peer's result may differ from our reference by what the float32 summation order gives, far
 # under the 2.5% that rowwise scales (a different quantization) or a misread scale layout would.
@@ -103,9 +106,18 @@ class ScaledMmPeer:
 
 
 def sweep_configs(m: int) -> list:
-    """Tile configs worth trying at M rows, for tuning CONFIGS."""
+    """Tile configs worth trying at M rows, for tuning CONFIGS (and the GEMV's at a few rows)."""
     from kernels.quant.fp8_gemm import GemmConfig
+    from kernels.quant.fp8_gemv import GemvConfig
 
+    if m <= GEMV_MAX_M:
+        return [
+            GemvConfig(block_n, groups_per_step, warps)
+            for block_n in (4, 8, 16, 32)
+            for groups_per_step in (2, 4, 8, 16)
+            for warps in (4, 8)
+            if block_n * groups_per_step * 128 <= 32768
+        ]
     if m <= 16:
         return [
             GemmConfig(16, n, w, s, split_k=split)
@@ -135,7 +147,29 @@ def sweep_configs(m: int) -> list:
 
 
 def _config_row(config) -> list:
+    from kernels.quant.fp8_gemv import GemvConfig
+
+    if isinstance(config, GemvConfig):
+        return ["gemv", config.block_n, config.groups_per_step, config.num_warps]
     return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.split_k, config.prequantize]
+
+
+def dispatched_config(m: int, n: int, k: int) -> list | str:
+    """What w8a8_block_fp8_matmul runs at these sizes: the GEMM's config, or cuBLAS."""
+    from kernels.quant.fp8_gemm import CUBLAS_MIN_M, gemm_config
+
+    if m > CUBLAS_MIN_M:
+        return "cublas_blockwise_if_offered"
+    return _config_row(gemm_config(m, n, k, BLOCK[1]))
+
+
+def _timed_with(x, values, scale_inv, config) -> Callable[[], torch.Tensor]:
+    from kernels.quant.fp8_gemm import block_fp8_matmul_with
+    from kernels.quant.fp8_gemv import GemvConfig, block_fp8_gemv_with
+
+    if isinstance(config, GemvConfig):
+        return partial(block_fp8_gemv_with, x, values, scale_inv, BLOCK, None, config)
+    return partial(block_fp8_matmul_with, x, values, scale_inv, BLOCK, None, config)
 
 
 def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bool) -> tuple[list[dict], dict]:
@@ -143,7 +177,8 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
     import triton.testing
 
     from kernels.quant.fp8_blocks import quantize_weight_blocks, w8a8_block_matmul_reference
-    from kernels.quant.fp8_gemm import block_fp8_matmul_with, gemm_config, w8a8_block_fp8_matmul
+    from kernels.quant.fp8_gemm import gemm_config, w8a8_block_fp8_matmul
+    from kernels.quant.fp8_gemv import block_fp8_gemv_with, gemv_config
 
     n, k = SHAPES[name]
     generator = torch.Generator("cuda").manual_seed(0)
@@ -165,6 +200,10 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
             "bf16": time_ms(lambda: torch.matmul(x, weight.T)),
             "scaled_mm": time_ms(scaled_mm),
         }
+        gemv = None
+        if m <= GEMV_MAX_M:  # the GEMV candidate (kernels.quant.fp8_gemv), not yet what decode runs
+            gemv = partial(block_fp8_gemv_with, x, values, scale_inv, BLOCK, None, gemv_config(m, n, k, BLOCK[1]))
+            times["gemv"] = time_ms(gemv)
         config = gemm_config(m, n, k, BLOCK[1])
         flops = 2 * m * n * k
         activation_bytes = m * k * 2 + m * n * 2
@@ -172,11 +211,12 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
             "ours": n * k + scale_inv.numel() * 4 + activation_bytes,
             "bf16": n * k * 2 + activation_bytes,
             "scaled_mm": n * k + activation_bytes,
+            "gemv": n * k + scale_inv.numel() * 4 + activation_bytes,
         }
         row = {
             "m": m,
             "scaled_mm_scaling": scaling,
-            "config": _config_row(config),
+            "config": dispatched_config(m, n, k),
             "ours_vs_reference_relative_error": round(relative_error(ours, reference), 6),
             "scaled_mm_vs_reference_relative_error": round(relative_error(scaled_mm(), reference), 6),
         }
@@ -187,13 +227,15 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
                 row[f"{op}_memory_roofline_fraction"] = round(least_bytes[op] / bandwidth / (ms / 1000), 3)
         row["speedup_over_bf16"] = round(times["bf16"] / times["ours"], 3)
         row["speedup_over_scaled_mm"] = round(times["scaled_mm"] / times["ours"], 3)
+        if gemv is not None:
+            row["gemv_config"] = _config_row(gemv_config(m, n, k, BLOCK[1]))
+            row["gemv_vs_reference_relative_error"] = round(relative_error(gemv(), reference), 6)
+            row["gemv_speedup_over_bf16"] = round(times["bf16"] / times["gemv"], 3)
         if sweep:
             timed = {}
             for candidate in dict.fromkeys([config, *sweep_configs(m)]):  # the table's own first
                 try:
-                    timed[candidate] = time_ms(
-                        partial(block_fp8_matmul_with, x, values, scale_inv, BLOCK, None, candidate)
-                    )
+                    timed[candidate] = time_ms(_timed_with(x, values, scale_inv, candidate))
                 except triton.runtime.errors.OutOfResources:
                     continue
             best = min(timed, key=timed.get)
