@@ -29,12 +29,18 @@ SERIES: dict[str, list[tuple[str, str, str]]] = {
         ("engine.step_time_mean_s", "step_time_mean_s", "engine step mean"),
         ("kv_handoff.received_mean_s", "kv_handoff_mean_s", "KV handoff mean (until usable)"),
     ],
+    "spec-decode-graph": [
+        ("spec_decode.acceptance_length", "spec_acceptance_length", "mean accepted length"),
+        ("spec_decode.verified_per_draft", "spec_verified_per_draft", "draft tokens verified per request"),
+        ("spec_decode.budget_per_step", "spec_budget_per_step", "budget: draft tokens verified per step"),
+    ],
 }
 SERIES_TITLES = {
     "hit-rate-graph": ("Prefix-cache hit rate", "fraction of prompt tokens"),
     "latency-graph": ("Latency percentiles", "seconds"),
     "tokens-graph": ("Throughput", "tokens/s"),
     "serving-time-graph": ("Engine step and KV handoff time, all workers", "seconds"),
+    "spec-decode-graph": ("Speculative decoding, all workers", "tokens"),
 }
 PER_MINUTE_FIELDS = {"prompt_tokens", "generation_tokens"}
 

@@ -165,7 +165,7 @@ app.clientside_callback(
     function (snapshot, paths) {{
         const skip = dash_clientside.no_update;
         if (!snapshot) {{
-            return [skip, skip, skip, skip, skip];
+            return [skip, skip, skip, skip, skip, skip];
         }}
         const pick = (path) => path.split(".").reduce((value, key) => (value == null ? null : value[key]), snapshot);
         const extend = (graph) => [
@@ -179,6 +179,7 @@ app.clientside_callback(
             extend("latency-graph"),
             extend("tokens-graph"),
             extend("serving-time-graph"),
+            extend("spec-decode-graph"),
             rate == null ? "no data" : (rate * 100).toFixed(2) + "%",
         ];
     }}
@@ -187,6 +188,7 @@ app.clientside_callback(
     Output("latency-graph", "extendData"),
     Output("tokens-graph", "extendData"),
     Output("serving-time-graph", "extendData"),
+    Output("spec-decode-graph", "extendData"),
     Output("hit-rate-value", "children"),
     Input("snapshot", "data"),
     State("series-paths", "data"),
@@ -198,6 +200,7 @@ app.clientside_callback(
     Output("latency-graph", "figure"),
     Output("tokens-graph", "figure"),
     Output("serving-time-graph", "figure"),
+    Output("spec-decode-graph", "figure"),
     Input("seed-minutes", "data"),
 )
 def seed_series(minutes: int):

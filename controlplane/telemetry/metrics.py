@@ -19,6 +19,7 @@ from controlplane.telemetry import live
 from controlplane.telemetry.encode_loads import ENCODE_ROLE
 from controlplane.telemetry.serving_time_metrics import serving_time_families
 from controlplane.telemetry.snapshot import embedding_cache_hit_rate, pool_of
+from controlplane.telemetry.spec_decode_metrics import spec_decode_families
 from controlplane.telemetry.windows import RequestSample
 from workers.protocol.messages import WorkerHeartbeat
 
@@ -134,6 +135,7 @@ class _Scrape:
         yield from REQUEST_REGISTRY.collect()
         yield from heartbeat_families(self._workers, self._expert_load, self._store_gcs)
         yield from serving_time_families(self._workers)
+        yield from spec_decode_families(self._workers)
         yield from pool_families(self._pools, self._scaling_events)
 
 

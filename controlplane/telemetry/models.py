@@ -23,6 +23,13 @@ class TelemetryRollup(models.Model):
     engine_step_seconds = models.FloatField(default=0.0)  # summed, each from launch to result read
     kv_handoffs = models.PositiveBigIntegerField(default=0)  # received, over every backend
     kv_handoff_seconds = models.FloatField(default=0.0)  # summed, each until its KV was usable
+    # Speculative decoding over every worker: drafts (one per request and verify step), their draft
+    # tokens verified and accepted, verify steps, and the draft tokens those steps verified in all.
+    spec_drafts = models.PositiveBigIntegerField(default=0)
+    spec_draft_tokens = models.PositiveBigIntegerField(default=0)
+    spec_accepted_tokens = models.PositiveBigIntegerField(default=0)
+    spec_steps = models.PositiveBigIntegerField(default=0)
+    spec_budget_tokens = models.FloatField(default=0.0)
 
     class Meta:
         ordering = ["minute"]

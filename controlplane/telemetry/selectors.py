@@ -14,6 +14,7 @@ from controlplane.telemetry.models import (
     KVStoreGC,
     TelemetryRollup,
 )
+from controlplane.telemetry.worker_counters import SpecSums
 
 COUNT_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "generation_tokens")
 # A store GC that missed this many of its runs' reports is taken for stopped.
@@ -26,8 +27,9 @@ def rollup_series(*, minutes: int = 60) -> list[dict]:
     summed, TTFT and inter-token latency percentiles (p50, p99) from the summed histograms, the store's
     size as the largest any gateway saw (they read the same store), the cache hit rate (cached
     prompt tokens / prompt tokens; None for a minute without prompt tokens), and the mean engine step
-    and KV handoff times from the row that counted the most of them (every gateway hears the same
-    workers; None for a minute without any)."""
+    and KV handoff times and speculative decoding's mean accepted length, draft tokens verified per
+    draft and budget per verify step (spec_*, worker_counters.SpecSums.summary) from the row that
+    counted the most of them (every gateway hears the same workers; None for a minute without any)."""
     since = timezone.now() - timedelta(minutes=minutes)
     rows = TelemetryRollup.objects.filter(minute__gte=since).order_by("minute")
     by_minute: dict[datetime, list[TelemetryRollup]] = defaultdict(list)
@@ -54,6 +56,14 @@ def _merged(minute: datetime, parts: list[TelemetryRollup]) -> dict:
     store_sizes = [part.kv_store_bytes for part in parts if part.kv_store_bytes is not None]
     steps = max(parts, key=lambda part: part.engine_steps)
     handoffs = max(parts, key=lambda part: part.kv_handoffs)
+    spec = max(parts, key=lambda part: part.spec_steps)
+    spec_sums = SpecSums(
+        drafts=spec.spec_drafts,
+        draft_tokens=spec.spec_draft_tokens,
+        accepted_tokens=spec.spec_accepted_tokens,
+        steps=spec.spec_steps,
+        budget_tokens=spec.spec_budget_tokens,
+    )
     return {
         "minute": minute,
         **counts,
@@ -65,6 +75,7 @@ def _merged(minute: datetime, parts: list[TelemetryRollup]) -> dict:
         "cache_hit_rate": counts["cached_tokens"] / counts["prompt_tokens"] if counts["prompt_tokens"] else None,
         "step_time_mean_s": steps.engine_step_seconds / steps.engine_steps if steps.engine_steps else None,
         "kv_handoff_mean_s": handoffs.kv_handoff_seconds / handoffs.kv_handoffs if handoffs.kv_handoffs else None,
+        **{f"spec_{name}": value for name, value in spec_sums.summary().items()},
     }
 
 

@@ -30,6 +30,11 @@ def rollup_upsert(
     engine_step_seconds: float = 0.0,
     kv_handoffs: int = 0,
     kv_handoff_seconds: float = 0.0,
+    spec_drafts: int = 0,
+    spec_draft_tokens: int = 0,
+    spec_accepted_tokens: int = 0,
+    spec_steps: int = 0,
+    spec_budget_tokens: float = 0.0,
 ) -> TelemetryRollup:
     """Writes the collector's row of the minute, replacing one it wrote before (a retried write is
     harmless); other collectors' rows of the minute stay, to be merged by the selectors."""
@@ -48,6 +53,11 @@ def rollup_upsert(
             "engine_step_seconds": engine_step_seconds,
             "kv_handoffs": kv_handoffs,
             "kv_handoff_seconds": kv_handoff_seconds,
+            "spec_drafts": spec_drafts,
+            "spec_draft_tokens": spec_draft_tokens,
+            "spec_accepted_tokens": spec_accepted_tokens,
+            "spec_steps": spec_steps,
+            "spec_budget_tokens": spec_budget_tokens,
         },
     )
     return rollup

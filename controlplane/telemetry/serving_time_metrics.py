@@ -50,9 +50,9 @@ def serving_time_families(workers: Iterable[WorkerHeartbeat]) -> list[Metric]:
     for heartbeat in workers:
         worker = [heartbeat.worker_id, pool_of(heartbeat)]
         if heartbeat.step_seconds is not None:
-            step_seconds.add_metric(worker, *_buckets(heartbeat.step_seconds))
+            step_seconds.add_metric(worker, *histogram_buckets(heartbeat.step_seconds))
         if heartbeat.step_tokens is not None:
-            step_tokens.add_metric(worker, *_buckets(heartbeat.step_tokens))
+            step_tokens.add_metric(worker, *histogram_buckets(heartbeat.step_tokens))
         for direction, by_backend in (("sent", heartbeat.handoff_sent), ("received", heartbeat.handoff_received)):
             for backend, totals in sorted(by_backend.items()):
                 handoff = [*worker, direction, backend]
@@ -66,7 +66,7 @@ def serving_time_families(workers: Iterable[WorkerHeartbeat]) -> list[Metric]:
     return [step_seconds, step_tokens, handoffs, handoff_bytes, handoff_seconds, fetches, fetch_bytes, fetch_seconds]
 
 
-def _buckets(histogram: HistogramCounts) -> tuple[list[tuple[str, float]], float]:
+def histogram_buckets(histogram: HistogramCounts) -> tuple[list[tuple[str, float]], float]:
     """Cumulative `le` buckets ending with +Inf, and the sum: HistogramMetricFamily.add_metric's."""
     cumulative, seen = [], 0
     for bound, count in zip((*histogram.bounds, float("inf")), histogram.counts, strict=True):

@@ -62,6 +62,7 @@ def build_snapshot(
         "expert_load": expert_load or {},
         "engine": cluster.engine(seconds),
         "kv_handoff": cluster.kv_handoff(seconds),
+        "spec_decode": cluster.spec.summary(),
     }
 
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from controlplane.telemetry import latency_histogram
 from controlplane.telemetry.latency_histogram import Histogram
-from controlplane.telemetry.worker_counters import CounterSums
+from controlplane.telemetry.worker_counters import CounterSums, SpecSums
 
 # Requests whose latencies the live window keeps at most: the percentiles of a busy window are then
 # those of its last this-many requests, and the memory stays bounded.
@@ -114,6 +114,8 @@ class MinuteTotals:
     engine_step_seconds: float = 0.0
     kv_handoffs: int = 0
     kv_handoff_seconds: float = 0.0
+    # Speculative decoding over every worker (worker_counters.SpecSums).
+    spec: SpecSums = field(default_factory=SpecSums)
 
     def add(self, sample: RequestSample) -> None:
         self.requests += 1
@@ -130,6 +132,7 @@ class MinuteTotals:
         self.engine_step_seconds += counts.step_seconds
         self.kv_handoffs += received.transfers
         self.kv_handoff_seconds += received.seconds
+        self.spec.add(counts.spec)
 
     def rollup_fields(self, collector: str) -> dict:
         """The keyword arguments of services.rollup_upsert, for the collector named `collector`."""
@@ -147,4 +150,9 @@ class MinuteTotals:
             "engine_step_seconds": self.engine_step_seconds,
             "kv_handoffs": self.kv_handoffs,
             "kv_handoff_seconds": self.kv_handoff_seconds,
+            "spec_drafts": self.spec.drafts,
+            "spec_draft_tokens": self.spec.draft_tokens,
+            "spec_accepted_tokens": self.spec.accepted_tokens,
+            "spec_steps": self.spec.steps,
+            "spec_budget_tokens": self.spec.budget_tokens,
         }

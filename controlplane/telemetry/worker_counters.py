@@ -1,15 +1,15 @@
 """The counters the workers' heartbeats carry since each worker started (engine steps, KV handoffs,
-image patches encoded), as what happened lately. At each collector tick a worker counts what its
-counters grew by since the heartbeat read at the tick before: nothing for a worker first heard (its
-past is not this window's), everything for one that restarted (a new started_at). The ticks' counts
-are summed over the live window per worker (the snapshot sums them per pool and over the cluster)
-and, by the collector, over the minute in progress for its rollup."""
+image patches encoded, speculative decoding's drafts), as what happened lately. At each collector
+tick a worker counts what its counters grew by since the heartbeat read at the tick before: nothing
+for a worker first heard (its past is not this window's), everything for one that restarted (a new
+started_at). The ticks' counts are summed over the live window per worker (the snapshot sums them
+per pool and over the cluster) and, by the collector, over the minute in progress for its rollup."""
 
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from workers.protocol.messages import HandoffTotals, HistogramCounts, WorkerHeartbeat
+from workers.protocol.messages import HandoffTotals, HistogramCounts, SpecDecodeTotals, WorkerHeartbeat
 
 DIRECTIONS = ("sent", "received")
 NO_HANDOFFS = HandoffTotals(num_transfers=0, num_bytes=0, seconds=0.0)
@@ -23,18 +23,49 @@ class HandoffSums:
 
 
 @dataclass(slots=True)
+class SpecSums:
+    """Speculative decoding's counters (workers.engine.spec.stats): drafts (one per request and verify
+    step), their draft tokens verified and accepted, and the verify steps and the draft tokens they
+    verified in all (the budget)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+    budget_tokens: float = 0.0
+
+    def add(self, other: "SpecSums") -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.steps += other.steps
+        self.budget_tokens += other.budget_tokens
+
+    def summary(self) -> dict:
+        """The mean accepted length (tokens a request gains per verifying step, its bonus token
+        included), draft tokens verified per draft, and the budget per verify step; None without them."""
+        return {
+            "acceptance_length": 1 + self.accepted_tokens / self.drafts if self.drafts else None,
+            "verified_per_draft": self.draft_tokens / self.drafts if self.drafts else None,
+            "budget_per_step": self.budget_tokens / self.steps if self.steps else None,
+        }
+
+
+@dataclass(slots=True)
 class CounterSums:
     steps: int = 0
     step_seconds: float = 0.0
     step_tokens: float = 0.0
     handoffs: dict[tuple[str, str], HandoffSums] = field(default_factory=dict)  # by (direction, backend)
     patches: int = 0  # image patches an encode worker encoded
+    spec: SpecSums = field(default_factory=SpecSums)  # speculative decoding
 
     def add(self, other: "CounterSums") -> None:
         self.steps += other.steps
         self.step_seconds += other.step_seconds
         self.step_tokens += other.step_tokens
         self.patches += other.patches
+        self.spec.add(other.spec)
         for key, sums in other.handoffs.items():
             mine = self.handoffs.setdefault(key, HandoffSums())
             mine.transfers += sums.transfers
@@ -95,6 +126,7 @@ def counts_since(before: WorkerHeartbeat | None, now: WorkerHeartbeat) -> Counte
     tokens = _grown(before.step_tokens if before else None, now.step_tokens)
     patches = now.num_patches_encoded - (before.num_patches_encoded if before else 0)
     sums = CounterSums(steps=steps[0], step_seconds=steps[1], step_tokens=tokens[1], patches=patches)
+    sums.spec = _spec_grown(before.spec_decode if before else None, now.spec_decode)
     for direction in DIRECTIONS:
         earlier = getattr(before, f"handoff_{direction}") if before else {}
         for backend, totals in getattr(now, f"handoff_{direction}").items():
@@ -105,6 +137,19 @@ def counts_since(before: WorkerHeartbeat | None, now: WorkerHeartbeat) -> Counte
                 totals.seconds - previous.seconds,
             )
     return sums
+
+
+def _spec_grown(before: SpecDecodeTotals | None, now: SpecDecodeTotals | None) -> SpecSums:
+    if now is None:
+        return SpecSums()
+    budget = _grown(before.budget if before else None, now.budget)
+    return SpecSums(
+        drafts=now.num_drafts - (before.num_drafts if before else 0),
+        draft_tokens=now.num_draft_tokens - (before.num_draft_tokens if before else 0),
+        accepted_tokens=now.num_accepted_tokens - (before.num_accepted_tokens if before else 0),
+        steps=budget[0],
+        budget_tokens=budget[1],
+    )
 
 
 def _grown(before: HistogramCounts | None, now: HistogramCounts | None) -> tuple[int, float]:

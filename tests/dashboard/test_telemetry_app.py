@@ -1,6 +1,7 @@
 """The dashboard's live parts, rendered through django-plotly-dash's callback endpoint as a browser asks."""
 
 import json
+from datetime import timedelta
 
 import pytest
 from django.utils import timezone
@@ -207,6 +208,37 @@ def test_the_step_and_handoff_times_are_seeded_from_the_minutes_rollups(client_a
     traces = seeded["serving-time-graph.figure"]["data"]
     assert [trace["name"] for trace in traces] == ["engine step mean", "KV handoff mean (until usable)"]
     assert [trace["y"] for trace in traces] == [[0.01], [0.05]]
+
+
+@pytest.mark.django_db
+def test_speculative_decoding_s_acceptance_length_and_budget_are_seeded_from_the_minutes_rollups(client_as):
+    minute = timezone.now().replace(second=0, microsecond=0)
+    empty = dict(requests=0, prompt_tokens=0, cached_tokens=0, generation_tokens=0, ttft_histogram={}, itl_histogram={})
+    rollup_upsert(
+        minute=minute - timedelta(minutes=1), collector="gateway-a", kv_store_bytes=None, **empty
+    )  # before speculation
+    rollup_upsert(
+        minute=minute,
+        collector="gateway-a",
+        kv_store_bytes=None,
+        spec_drafts=50,
+        spec_draft_tokens=200,
+        spec_accepted_tokens=110,
+        spec_steps=10,
+        spec_budget_tokens=200.0,
+        **empty,
+    )
+    outputs = [(graph, "figure") for graph in figures.SERIES]
+
+    seeded = _callback(client_as("operator"), outputs, "seed-minutes", "data", 60)
+
+    traces = seeded["spec-decode-graph.figure"]["data"]
+    assert [trace["name"] for trace in traces] == [
+        "mean accepted length",
+        "draft tokens verified per request",
+        "budget: draft tokens verified per step",
+    ]
+    assert [trace["y"] for trace in traces] == [[None, 3.2], [None, 4.0], [None, 20.0]]
 
 
 @pytest.mark.django_db

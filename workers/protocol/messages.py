@@ -286,6 +286,21 @@ class HandoffTotals(msgspec.Struct, frozen=True):
     seconds: float
 
 
+class SpecDecodeTotals(msgspec.Struct, frozen=True):
+    """Speculative decoding since the worker started (workers.engine.spec.stats): `method` drafts;
+    per request and step that verified drafts (a "draft", as vLLM counts), the draft tokens verified
+    and accepted, and how often each draft position was accepted; per verify step, the draft tokens
+    the batch verified (`budget`); and the drafter's recent calibration error (0: not measured)."""
+
+    method: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+    budget: HistogramCounts
+    calibration_error: float = 0.0
+
+
 # A worker's state, as its heartbeats and control answers say: it takes new requests only when ready;
 # draining or drained (it finishes what it has, then idles) after a DrainRequest; stopping after a
 # ShutdownRequest.
@@ -414,6 +429,8 @@ class WorkerHeartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     store_fetch_seconds: float = 0.0
     # A model with sliding-window layers: what became of its SWA state (None for other models).
     swa: SwaTotals | None = None
+    # A worker that decodes speculatively: what its drafts became (None without speculation).
+    spec_decode: SpecDecodeTotals | None = None
     # A model with sliding-window layers: its window, replay mode and SWA state endpoint (None for
     # other models). Routing keys its hits with kv_block_tokens and kv_model_id as for any model.
     swa_layers: SwaLayers | None = None

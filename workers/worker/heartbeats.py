@@ -13,10 +13,18 @@ import zmq
 
 from workers.engine.engine_core import EngineCore
 from workers.engine.kv.swa_stats import SwaStats
+from workers.engine.spec.stats import SpecDecodeStats
 from workers.engine.step_stats import Buckets
 from workers.kvstore.gc import GarbageCollector
 from workers.kvstore.index import IndexUsage
-from workers.protocol.messages import HistogramCounts, SwaLayers, SwaTotals, WorkerHeartbeat, WorkerRegistration
+from workers.protocol.messages import (
+    HistogramCounts,
+    SpecDecodeTotals,
+    SwaLayers,
+    SwaTotals,
+    WorkerHeartbeat,
+    WorkerRegistration,
+)
 from workers.worker.args import WorkerArgs
 from workers.worker.control import WorkerControl
 from workers.worker.transfers import Transfers
@@ -152,6 +160,7 @@ class Heartbeats:
             store_fetch_bytes=store.fetch_bytes if store else 0,
             store_fetch_seconds=store.fetch_seconds if store else 0.0,
             swa=swa_totals(stats.swa) if stats.swa else None,
+            spec_decode=spec_decode_totals(stats.spec_decode) if stats.spec_decode else None,
             swa_layers=self.swa_layers,
             weight_dtype=info.weight_dtype,
             kv_cache_dtype=info.kv_cache_dtype,
@@ -177,6 +186,18 @@ class Heartbeats:
 
 def swa_totals(stats: SwaStats) -> SwaTotals:
     return SwaTotals(**asdict(stats))
+
+
+def spec_decode_totals(stats: SpecDecodeStats) -> SpecDecodeTotals:
+    return SpecDecodeTotals(
+        method=stats.method,
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_position=tuple(stats.accepted_per_position),
+        budget=histogram_counts(stats.budget),
+        calibration_error=stats.calibration_error,
+    )
 
 
 def histogram_counts(buckets: Buckets) -> HistogramCounts:

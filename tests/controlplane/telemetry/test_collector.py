@@ -18,7 +18,7 @@ from controlplane.telemetry.collector import (
     telemetry_collector,
 )
 from controlplane.telemetry.windows import RequestSample
-from workers.protocol.messages import HandoffTotals, HistogramCounts, SwaTotals
+from workers.protocol.messages import HandoffTotals, HistogramCounts, SpecDecodeTotals, SwaTotals
 
 SNAPSHOT_KEYS = {
     "at",
@@ -36,7 +36,9 @@ SNAPSHOT_KEYS = {
     "expert_load",
     "engine",
     "kv_handoff",
+    "spec_decode",
 }
+NO_SPECULATION = {"acceptance_length": None, "verified_per_draft": None, "budget_per_step": None}
 NO_STEPS = {"steps_per_s": 0.0, "step_time_mean_s": None, "tokens_per_step": None}
 
 
@@ -224,6 +226,49 @@ def test_steps_and_handoffs_count_what_the_counters_grew_by_in_the_window(collec
     ]
 
 
+def spec_totals(drafts: int, draft_tokens: int, accepted: int, steps: int, budget: float) -> SpecDecodeTotals:
+    return SpecDecodeTotals(
+        method="ngram",
+        num_drafts=drafts,
+        num_draft_tokens=draft_tokens,
+        num_accepted_tokens=accepted,
+        accepted_per_position=(accepted, 0, 0),
+        budget=HistogramCounts(bounds=(8.0,), counts=(steps, 0), total=budget),
+    )
+
+
+def test_speculative_decoding_counts_what_the_drafts_grew_by_in_the_window(
+    collector, clock, heartbeats, make_heartbeat
+):
+    # given two speculating decode workers heard before, then 30 s of work, and a worker without speculation
+    heartbeats.workers = [
+        make_heartbeat(
+            "d0", role="decode", pool="decode", started_at=1.0, spec_decode=spec_totals(50, 200, 100, 20, 200)
+        ),
+        make_heartbeat("d1", role="decode", pool="decode", started_at=1.0, spec_decode=spec_totals(0, 0, 0, 0, 0)),
+        make_heartbeat("d2", role="decode", pool="decode", started_at=1.0),
+    ]
+    tick(collector)
+    clock.now += 30
+    heartbeats.workers = [
+        # d0: 10 more drafts of 4 tokens, 24 accepted, over 5 steps of 8
+        make_heartbeat(
+            "d0", role="decode", pool="decode", started_at=1.0, spec_decode=spec_totals(60, 240, 124, 25, 240)
+        ),
+        # d1: 10 drafts of 2 tokens, 6 accepted, over 5 steps; and one step the budget turned off
+        make_heartbeat("d1", role="decode", pool="decode", started_at=1.0, spec_decode=spec_totals(10, 20, 6, 6, 20)),
+        make_heartbeat("d2", role="decode", pool="decode", started_at=1.0),
+    ]
+
+    snapshot = tick(collector)
+
+    assert snapshot["spec_decode"] == {
+        "acceptance_length": approx(1 + 30 / 20),
+        "verified_per_draft": approx(60 / 20),
+        "budget_per_step": approx(60 / 11),
+    }
+
+
 def test_steps_leave_the_window_after_a_minute(collector, clock, heartbeats, make_heartbeat):
     heartbeats.workers = [make_heartbeat("w0", **steps(0, 0.0, 0))]
     tick(collector)
@@ -246,6 +291,7 @@ def test_without_workers_the_snapshot_is_empty_but_complete(collector):
     assert snapshot["cache_hit_rate"] is None and snapshot["ttft_s"] is None and snapshot["itl_s"] is None
     assert snapshot["kv_store"] is None and snapshot["swa"] is None and snapshot["expert_load"] == {}
     assert snapshot["engine"] == NO_STEPS and snapshot["kv_handoff"] == {"received_mean_s": None, "by_backend": []}
+    assert snapshot["spec_decode"] == NO_SPECULATION
     assert json.loads(json.dumps(snapshot)) == snapshot
 
 

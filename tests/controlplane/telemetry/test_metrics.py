@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from controlplane.telemetry.metrics import exposition  # noqa: E402
 from tests.controlplane.gateway.helpers import key_headers, three_token_script, valid_body  # noqa: E402
+from workers.engine.spec.stats import SpecDecodeStats  # noqa: E402
 from workers.protocol.messages import (  # noqa: E402
     GenerateOutput,
     HandoffTotals,
@@ -19,6 +20,7 @@ from workers.protocol.messages import (  # noqa: E402
     RequestPhaseTimes,
     SwaTotals,
 )
+from workers.worker.heartbeats import spec_decode_totals  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -152,6 +154,30 @@ def test_sliding_window_workers_report_their_swa_state_and_others_none(make_hear
     assert running[("sluice:swa_replayed_tokens_total", (("worker", "p0"),))] == 128
     assert running[("sluice:kv_store_bytes_not_written_total", (("worker", "p0"),))] == 9000
     assert not any(dict(labels).get("worker") == "p1" for name, labels in running if "swa" in name)
+
+
+def test_speculating_workers_report_drafts_acceptance_per_position_and_budget_and_others_none(make_heartbeat):
+    stats = SpecDecodeStats("ngram", max_draft_tokens=3)
+    stats.record_step(verified=[3, 2, 0], accepted=[2, 0, 0])  # a step verifying 5 draft tokens
+    stats.record_step(verified=[3], accepted=[3])
+    stats.calibration_error = 0.125
+    speculating = make_heartbeat("d0", role="decode", pool="decode", spec_decode=spec_decode_totals(stats))
+    plain = make_heartbeat("d1", role="decode", pool="decode")
+
+    running = samples(exposition([speculating, plain]).decode())
+
+    worker = (("method", "ngram"), ("pool", "decode"), ("worker", "d0"))
+    assert running[("vllm:spec_decode_num_drafts_total", worker)] == 3
+    assert running[("vllm:spec_decode_num_draft_tokens_total", worker)] == 8
+    assert running[("vllm:spec_decode_num_accepted_tokens_total", worker)] == 5
+    per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [running[(per_position, tuple(sorted((*worker, ("position", str(p))))))] for p in range(3)] == [2, 2, 1]
+    budget = "sluice:spec_decode_budget_tokens"
+    assert running[(f"{budget}_count", worker)] == 2 and running[(f"{budget}_sum", worker)] == 8
+    assert running[(f"{budget}_bucket", tuple(sorted((*worker, ("le", "4.0")))))] == 1  # the step of 3
+    assert running[(f"{budget}_bucket", tuple(sorted((*worker, ("le", "8.0")))))] == 2  # and the step of 5
+    assert running[("sluice:spec_decode_calibration_error", worker)] == 0.125
+    assert not any(dict(labels).get("worker") == "d1" for name, labels in running if "spec_decode" in name)
 
 
 def test_each_worker_s_weight_and_kv_dtypes_are_an_info_metric(make_heartbeat):

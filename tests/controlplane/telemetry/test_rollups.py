@@ -14,7 +14,7 @@ from controlplane.telemetry.models import DecodeLoadRollup, TelemetryRollup
 from controlplane.telemetry.selectors import rollup_series, rollup_token_totals
 from controlplane.telemetry.services import decode_load_rollup_upsert, rollup_upsert
 from controlplane.telemetry.windows import RequestSample
-from workers.protocol.messages import HandoffTotals, HistogramCounts
+from workers.protocol.messages import HandoffTotals, HistogramCounts, SpecDecodeTotals
 
 pytestmark = pytest.mark.django_db
 
@@ -129,6 +129,43 @@ def test_a_minute_counts_the_steps_and_handoffs_the_workers_counters_grew_by(clo
     assert merged["kv_handoff_mean_s"] == pytest.approx(0.1)
 
 
+def test_a_minute_counts_speculative_decoding_and_the_series_gives_acceptance_length_and_budget(
+    clock, heartbeats, make_heartbeat
+):
+    # given a speculating decode worker heard before the minute, then 20 s of work in it
+    def beat(drafts: int, draft_tokens: int, accepted: int, steps: int) -> list:
+        spec = SpecDecodeTotals(
+            method="ngram",
+            num_drafts=drafts,
+            num_draft_tokens=draft_tokens,
+            num_accepted_tokens=accepted,
+            accepted_per_position=(accepted,),
+            budget=HistogramCounts(bounds=(16.0,), counts=(steps, 0), total=float(draft_tokens)),
+        )
+        return [make_heartbeat("d0", role="decode", spec_decode=spec)]
+
+    collector = TelemetryCollector(heartbeats, clock=clock)
+    minute = at(clock)
+    heartbeats.workers = beat(100, 500, 300, 25)
+    async_to_sync(collector.tick)()
+    clock.now += 20
+    heartbeats.workers = beat(140, 660, 380, 35)
+    async_to_sync(collector.tick)()
+
+    # when the minute ends
+    clock.now += 50
+    async_to_sync(collector.tick)()
+
+    # then its row holds what the counters grew by, and the series the figures the dashboard plots
+    rollup = TelemetryRollup.objects.get(minute=minute)
+    assert (rollup.spec_drafts, rollup.spec_draft_tokens, rollup.spec_accepted_tokens) == (40, 160, 80)
+    assert (rollup.spec_steps, rollup.spec_budget_tokens) == (10, pytest.approx(160.0))
+    [merged] = rollup_series(minutes=60 * 24 * 365 * 100)
+    assert merged["spec_acceptance_length"] == pytest.approx(3.0)
+    assert merged["spec_verified_per_draft"] == pytest.approx(4.0)
+    assert merged["spec_budget_per_step"] == pytest.approx(16.0)
+
+
 def test_gateways_that_heard_the_same_workers_are_not_added_up():
     minute = timezone.now().replace(second=0, microsecond=0)
     write(minute, collector="gateway-a", engine_steps=100, engine_step_seconds=1.0, kv_handoffs=0)
@@ -216,4 +253,7 @@ def test_rollup_series_lists_the_last_minutes_oldest_first_with_hit_rates():
         "cache_hit_rate",
         "step_time_mean_s",
         "kv_handoff_mean_s",
+        "spec_acceptance_length",
+        "spec_verified_per_draft",
+        "spec_budget_per_step",
     }
