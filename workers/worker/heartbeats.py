@@ -5,6 +5,7 @@ thread every heartbeat interval."""
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 import msgspec
@@ -42,10 +43,39 @@ class WorkerIdentity:
     transfer_endpoint: str  # "" unless a decode worker
 
 
-class Heartbeats:
-    """Publishes heartbeats from a thread of its own: one engine step (a long prefill on a CPU) can take
-    seconds, longer than a client waits before it declares the worker dead. The PUB socket is used by
-    that thread alone (ZMQ sockets are not thread-safe)."""
+class HeartbeatThread(ABC):
+    """Publishes a worker's heartbeats from a thread of its own, every heartbeat interval until `stop`
+    is set: one engine step (a long prefill on a CPU) can take seconds, longer than a client waits
+    before it declares the worker dead. The PUB socket is used by that thread alone (ZMQ sockets are
+    not thread-safe)."""
+
+    def __init__(self, interval_s: float, publisher: zmq.Socket, stop: threading.Event) -> None:
+        self.interval_s = interval_s
+        self.publisher = publisher
+        self.stop = stop
+        self.encoder = msgspec.msgpack.Encoder()
+        self.thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            self.publish()
+
+    def publish(self) -> None:
+        self.publisher.send(self.encoder.encode(self.heartbeat()))
+
+    @abstractmethod
+    def heartbeat(self) -> WorkerHeartbeat:
+        """The worker's heartbeat now."""
+
+
+class Heartbeats(HeartbeatThread):
+    """An engine worker's heartbeats."""
 
     def __init__(
         self,
@@ -62,6 +92,7 @@ class Heartbeats:
     ) -> None:
         """`transfers`: the worker's KV transfers, whose migration and handoff counters the heartbeats carry;
         `swa_layers`: a sliding-window model's, as every heartbeat says."""
+        super().__init__(config.heartbeat_interval_s, publisher, stop)
         self.identity = identity
         self.swa_layers = swa_layers
         self.transfers = transfers
@@ -69,24 +100,10 @@ class Heartbeats:
         self.engine = engine
         self.control = control
         self.collector = collector
-        self.publisher = publisher
-        self.stop = stop
-        self.encoder = msgspec.msgpack.Encoder()
         self.store_usage = IndexUsage(num_blocks=0, num_bytes=0)  # the last read, kept when a read fails
         self.store_usage_failing = False
-        self.thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
-
-    def _run(self) -> None:
-        while not self.stop.wait(self.config.heartbeat_interval_s):
-            self.publish()
-
-    def publish(self) -> None:
+    def heartbeat(self) -> WorkerHeartbeat:
         # Read while the main thread steps: a racy snapshot of counters, good enough for load reports.
         stats = self.engine.stats()
         store = stats.store
@@ -100,7 +117,7 @@ class Heartbeats:
         handoffs = transfers.handoff_totals() if transfers else None
         resume = stats.resume
         steps = stats.steps
-        heartbeat = WorkerHeartbeat(
+        return WorkerHeartbeat(
             worker_id=identity.worker_id,
             role=self.config.role,
             model=info.model_name,
@@ -165,7 +182,6 @@ class Heartbeats:
             weight_dtype=info.weight_dtype,
             kv_cache_dtype=info.kv_cache_dtype,
         )
-        self.publisher.send(self.encoder.encode(heartbeat))
 
     def _read_store_usage(self) -> IndexUsage:
         """The store index's totals; a shared index (Redis, or the one the store's GC process serves)

@@ -7,7 +7,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import msgspec
 import torch
 import zmq
 
@@ -16,7 +15,7 @@ from workers.worker.args import WorkerArgs
 from workers.worker.control import WorkerControl
 from workers.worker.encoder.embedding_cache import EmbeddingCache
 from workers.worker.encoder.vision import VisionModel
-from workers.worker.heartbeats import WorkerIdentity
+from workers.worker.heartbeats import HeartbeatThread, WorkerIdentity
 
 
 @dataclass
@@ -30,8 +29,8 @@ class EncoderLoad:
     patches_per_second: float = 0.0  # measured at start (EncodeServer.measure_throughput)
 
 
-class EncoderHeartbeats:
-    """The PUB socket is used by the heartbeat thread alone (ZMQ sockets are not thread-safe)."""
+class EncoderHeartbeats(HeartbeatThread):
+    """An encode worker's heartbeats."""
 
     def __init__(
         self,
@@ -44,30 +43,17 @@ class EncoderHeartbeats:
         publisher: zmq.Socket,
         stop: threading.Event,
     ) -> None:
+        super().__init__(config.heartbeat_interval_s, publisher, stop)
         self.identity = identity
         self.config = config
         self.model = model
         self.control = control
         self.load = load
         self.cache = cache
-        self.publisher = publisher
-        self.stop = stop
-        self.encoder = msgspec.msgpack.Encoder()
-        self.thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
-
-    def _run(self) -> None:
-        while not self.stop.wait(self.config.heartbeat_interval_s):
-            self.publish()
-
-    def publish(self) -> None:
+    def heartbeat(self) -> WorkerHeartbeat:
         identity, load, cache = self.identity, self.load, self.cache
-        heartbeat = WorkerHeartbeat(
+        return WorkerHeartbeat(
             worker_id=identity.worker_id,
             role="encode",
             model=self.model.name,
@@ -95,7 +81,6 @@ class EncoderHeartbeats:
             embedding_cache_bytes=cache.num_bytes,
             patches_per_second=load.patches_per_second,
         )
-        self.publisher.send(self.encoder.encode(heartbeat))
 
 
 def encoder_registration(identity: WorkerIdentity, config: WorkerArgs, model: VisionModel) -> WorkerRegistration:
