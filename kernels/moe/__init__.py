@@ -52,16 +52,26 @@ def experts(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    activation_group: int | None = None,
 ) -> torch.Tensor:
     """[T, H]: the weighted sum over each token's k slots of the SiLU-gated expert FFNs (see
     reference.py for the layout). FP8 experts: w13 and w2 in e4m3 with their block scales
-    (kernels.moe.scales). On CUDA with Triton no host syncs, so CUDA graphs can capture it."""
+    (kernels.moe.scales); off CUDA they are held dequantized, and `activation_group` quantizes the
+    activations as the FP8 kernels do. On CUDA with Triton no host syncs, so CUDA graphs can capture it."""
     scales = block_scales(w13_scale_inv, w2_scale_inv, block)
     if hidden.device.type == "cuda" and _has_triton():
         return _fused().fused_experts(hidden, w13, w2, topk_slots, topk_weights, scales)
     check_experts_inputs(hidden, w13, w2, topk_slots, topk_weights, scales)
     return experts_reference(
-        hidden, w13, w2, topk_slots, topk_weights, w13_scale_inv=w13_scale_inv, w2_scale_inv=w2_scale_inv, block=block
+        hidden,
+        w13,
+        w2,
+        topk_slots,
+        topk_weights,
+        w13_scale_inv=w13_scale_inv,
+        w2_scale_inv=w2_scale_inv,
+        block=block,
+        activation_group=activation_group,
     )
 
 

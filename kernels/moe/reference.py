@@ -11,7 +11,7 @@ CUDA-graph path.
 import torch
 import torch.nn.functional as F
 
-from kernels.quant.fp8_blocks import w8a8_block_matmul_reference
+from kernels.quant.fp8_blocks import dequantized_w8a8, w8a8_block_matmul_reference
 
 
 def experts_reference(
@@ -24,16 +24,21 @@ def experts_reference(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    activation_group: int | None = None,
 ) -> torch.Tensor:
     """[T, H] in hidden's dtype: sum over k of topk_weights[t, k] * expert(topk_slots[t, k])(hidden[t]).
     With block and the scales, w13 and w2 are e4m3 (kernels.moe.scales) and each expert's two
     GEMMs compute what the FP8 kernels do (w8a8_block_matmul_reference): activations quantized per
-    token and group of block_k channels, weights dequantized."""
+    token and group of block_k channels, weights dequantized. `activation_group` (no scales): the
+    weights are FP8 experts' already dequantized (off CUDA), and the activations are quantized in
+    groups of that many channels all the same."""
 
     def linear(x: torch.Tensor, weights: torch.Tensor, scale_inv: torch.Tensor | None, slot: int) -> torch.Tensor:
-        if scale_inv is None:
-            return F.linear(x, weights[slot])
-        return w8a8_block_matmul_reference(x, weights[slot], scale_inv[slot], block)
+        if scale_inv is not None:
+            return w8a8_block_matmul_reference(x, weights[slot], scale_inv[slot], block)
+        if activation_group is not None:
+            return dequantized_w8a8(x, weights[slot], activation_group, None)
+        return F.linear(x, weights[slot])
 
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     held = topk_slots[topk_slots >= 0]

@@ -82,9 +82,15 @@ def w8a8_block_matmul_reference(
 ) -> torch.Tensor:
     """x @ W.T in float32 as the W8A8 kernel computes it: x quantized per token and group of block_k
     channels, W dequantized from its tiles; the result in x's dtype."""
-    x_values, x_scales = quantize_activation_groups(x, block[1])
-    x_real = x_values.float() * x_scales.repeat_interleave(block[1], dim=-1)[..., : x.shape[-1]]
-    out = x_real @ dequantize_weight_blocks(values, scale_inv, block).T
+    return dequantized_w8a8(x, dequantize_weight_blocks(values, scale_inv, block), block[1], bias)
+
+
+def dequantized_w8a8(x: torch.Tensor, weight: torch.Tensor, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T with x quantized per token and `group` channels as the W8A8 kernel does, the
+    product in float32: w8a8_block_matmul_reference's op order, the weight already dequantized."""
+    x_values, x_scales = quantize_activation_groups(x, group)
+    x_real = x_values.float() * x_scales.repeat_interleave(group, dim=-1)[..., : x.shape[-1]]
+    out = x_real @ weight.float().T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

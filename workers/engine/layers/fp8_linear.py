@@ -20,7 +20,7 @@ from kernels.quant.fp8_blocks import (
     FP8,
     block_grid,
     dequantize_weight_blocks,
-    quantize_activation_groups,
+    dequantized_w8a8,
     quantize_weight_blocks,
 )
 from workers.engine.weights.quantization import BlockQuantized
@@ -124,14 +124,3 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
-
-
-def dequantized_w8a8(x: torch.Tensor, weight: torch.Tensor, group: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T with x quantized per token and `group` channels as the W8A8 kernel does, the
-    product in float32: w8a8_block_matmul_reference's op order, the weight already dequantized."""
-    x_values, x_scales = quantize_activation_groups(x, group)
-    x_real = x_values.float() * x_scales.repeat_interleave(group, dim=-1)[..., : x.shape[-1]]
-    out = x_real @ weight.float().T
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)

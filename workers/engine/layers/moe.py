@@ -179,7 +179,8 @@ class RoutedExperts(nn.Module):
     After `use_fp8(block)` they load as block-scaled e4m3 (layers.fp8_linear): on CUDA they stay
     e4m3 with w13_scale_inv [E, ceil(2I / bn), ceil(H / bk)] and w2_scale_inv [E, ceil(H / bn),
     ceil(I / bk)], which the experts kernel reads; elsewhere they are dequantized when loading
-    finishes into the model's dtype, and the reference loop runs them as ever."""
+    finishes into the model's dtype, and the reference loop runs them with the activations quantized
+    per token and group of block_k channels, as the kernel does."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -225,7 +226,9 @@ class RoutedExperts(nn.Module):
                 w2_scale_inv=self.w2_scale_inv,
                 block=self.block,
             )
-        return run_experts(hidden, self.w13, self.w2, topk_ids, topk_weights)
+        # FP8 experts held dequantized (off CUDA) still quantize their activations, as on CUDA.
+        group = self.block[1] if self.block is not None else None
+        return run_experts(hidden, self.w13, self.w2, topk_ids, topk_weights, activation_group=group)
 
     def load_expert_weight(self, expert: int, projection: str, tensor: torch.Tensor | BlockQuantized) -> None:
         """Copy one expert's `gate`, `up` or `down` projection (HF's [out, in] layout) into place; a

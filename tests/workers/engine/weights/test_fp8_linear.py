@@ -73,7 +73,7 @@ def test_parts_off_tile_boundaries_are_quantized_as_one_matrix(as_saved):
     assert torch.equal(layer.weight, dequantize_weight_blocks(*quantize_weight_blocks(whole, BLOCK), BLOCK))
 
 
-def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized():
+def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized_and_quantize_their_activations():
     num_experts, hidden, intermediate = 4, 64, 128
     experts = RoutedExperts(num_experts, hidden, intermediate)
     experts.use_fp8(BLOCK, keep_weights=False)
@@ -94,7 +94,26 @@ def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized():
 
     assert not experts.quantized and experts.w13_scale_inv is None
     assert torch.equal(experts.w13, w13) and torch.equal(experts.w2, w2)
-    assert torch.equal(experts(hidden_states, ids, weights), experts_reference(hidden_states, w13, w2, ids, weights))
+    out = experts(hidden_states, ids, weights)
+
+    # what the FP8 kernels compute from the saved e4m3 tiles: activations quantized per 1 x 128 group
+    def stacked(name: str, projections: tuple[str, ...]) -> torch.Tensor:
+        return torch.stack([torch.cat([getattr(saved_parts[e, p], name) for p in projections]) for e in range(4)])
+
+    tiles = {name: stacked(name, ("gate", "up")) for name in ("values", "scale_inv")}
+    down = {name: stacked(name, ("down",)) for name in tiles}
+    kernel = experts_reference(
+        hidden_states,
+        tiles["values"],
+        down["values"],
+        ids,
+        weights,
+        w13_scale_inv=tiles["scale_inv"],
+        w2_scale_inv=down["scale_inv"],
+        block=BLOCK,
+    )
+    torch.testing.assert_close(out, kernel, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(out, experts_reference(hidden_states, w13, w2, ids, weights), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
