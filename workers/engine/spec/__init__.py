@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, the confidence of their drafts and the verification budget."""

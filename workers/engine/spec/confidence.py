@@ -1,0 +1,220 @@
+"""How likely each draft token is to be accepted: the drafter's own probability, calibrated online.
+
+One `AcceptanceCalibrator` per drafter. For each draft position j (0..K-1) it keeps `bins` fixed
+bins of the drafter's raw probability, each with a decayed count of drafts verified and of drafts
+accepted. A bin's acceptance rate starts at its own centre (a prior worth `prior_strength`
+outcomes: an unseen drafter is trusted as it is), and the rates of a position are made monotone
+non-decreasing in the raw probability by isotonic regression, so a likelier draft never gets a lower
+estimate. `calibrate` interpolates linearly between bin centres.
+
+Memory is fixed (a few [K, bins] arrays) and tracks drift by exponential decay rather than a window:
+a window would store every outcome in it, decay needs only the counts. The decay is per outcome of
+each position, not per step, so the memory is the same number of outcomes (`half_life` halves a
+count) at batch 1 and at batch 200 and the statistical precision of a bin does not depend on load.
+
+`calibrate`, `observe` and `expected_accepted_prefix` run on the tensors' device with no host sync
+(no `.item()`, no branching on values), so they fit an asynchronously scheduled step; on a CPU
+tensor they also check values, which costs no device sync. `calibration_error` reads the counts
+back to the host: call it off the hot path.
+
+A missing draft (a row with fewer than K drafts) has raw probability `NO_DRAFT`; it stays `NO_DRAFT`
+through `calibrate` and `expected_accepted_prefix`, and the budget never verifies it.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NO_DRAFT = -1.0
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationError:
+    """Expected calibration error (|accepted rate - predicted| per bin, weighted by outcomes) over
+    the recent outcomes, of the calibrated estimate as it was when each outcome came in."""
+
+    overall: float  # over all positions, bins of the calibrated probability pooled across positions
+    per_position: tuple[float, ...]  # per draft position; 0.0 where none was observed yet
+    raw_overall: float  # the drafter's own probability on the same outcomes, for comparison
+    outcomes: float  # decayed number of outcomes behind these figures
+
+
+class AcceptanceCalibrator:
+    def __init__(
+        self,
+        max_draft_tokens: int,
+        *,
+        bins: int = 20,
+        prior_strength: float = 4.0,
+        half_life: float = 4096.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+        if not isinstance(bins, int) or bins < 2:
+            raise ValueError(f"bins must be an int >= 2, got {bins!r}")
+        if not (isinstance(prior_strength, int | float) and math.isfinite(prior_strength) and prior_strength > 0):
+            raise ValueError(f"prior_strength must be a positive number, got {prior_strength!r}")
+        if not (isinstance(half_life, int | float) and math.isfinite(half_life) and half_life > 0):
+            raise ValueError(f"half_life must be a positive number of outcomes, got {half_life!r}")
+        self.max_draft_tokens = max_draft_tokens
+        self.bins = bins
+        self.prior_strength = float(prior_strength)
+        self.half_life = float(half_life)
+        self.device = torch.device(device)
+        shape = (max_draft_tokens, bins)
+        self._centres = ((torch.arange(bins, device=self.device, dtype=torch.float32) + 0.5) / bins).expand(shape)
+        # Indexed by the bin of the raw probability: what the calibration is fitted on.
+        self._verified = torch.zeros(shape, device=self.device)
+        self._accepted = torch.zeros(shape, device=self.device)
+        self._raw_sum = torch.zeros(shape, device=self.device)  # for the drafter's own ECE
+        # Indexed by the bin of the calibrated probability given at the time: its ECE.
+        self._scored = torch.zeros(shape, device=self.device)
+        self._scored_accepted = torch.zeros(shape, device=self.device)
+        self._scored_sum = torch.zeros(shape, device=self.device)
+        self.table = self._centres.clone()  # [K, bins] calibrated acceptance at each bin centre
+
+    def calibrate(self, raw: torch.Tensor) -> torch.Tensor:
+        """Acceptance probability (float32, [R, k]) of each draft from its raw probability [R, k],
+        column j being draft position j (k <= max_draft_tokens); `NO_DRAFT` entries stay `NO_DRAFT`."""
+        self._check_raw(raw)
+        present = raw >= 0
+        # Between bin centres (u = 0 at the first centre, bins - 1 at the last), flat beyond them.
+        u = (raw.float().nan_to_num(0.0).clamp(0.0, 1.0) * self.bins - 0.5).clamp(0.0, self.bins - 1.0)
+        low = u.floor().clamp(max=self.bins - 2)
+        frac = u - low
+        flat = self._flat_index(low.long())
+        table = self.table.flatten()
+        value = table[flat] * (1.0 - frac) + table[flat + 1] * frac
+        return torch.where(present, value, NO_DRAFT)
+
+    def observe(self, raw: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Learn from one verify step: row r verified its first `verified[r]` drafts (raw
+        probabilities `raw[r]`) and accepted the first `accepted[r]` of them. Drafts at positions
+        >= verified[r] were not verified, and drafts after the first rejected one were not judged on
+        their own: neither teaches anything."""
+        self._check_raw(raw)
+        rows, k = raw.shape
+        for name, value in (("verified", verified), ("accepted", accepted)):
+            if value.shape != (rows,):
+                raise ValueError(f"{name} must have shape ({rows},) like raw's rows, got {tuple(value.shape)}")
+            if value.dtype.is_floating_point or value.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
+            if value.device != raw.device:
+                raise ValueError(f"{name} is on {value.device}, raw on {raw.device}")
+        if raw.device.type == "cpu":
+            if bool(((verified < 0) | (verified > k)).any()):
+                raise ValueError(f"verified counts must lie in [0, {k}], got {verified.tolist()}")
+            if bool(((accepted < 0) | (accepted > verified)).any()):
+                raise ValueError(f"accepted counts must lie in [0, verified], got {accepted.tolist()}")
+        # A draft after the first rejection was checked against the target's reply to a wrong
+        # token: it says nothing about itself. The estimate is therefore the chance of acceptance
+        # given the drafts before it were accepted, which is what the cumulative product needs.
+        position = torch.arange(k, device=raw.device)
+        accepted = torch.minimum(accepted, verified)[:, None]
+        seen = (position < verified[:, None]) & (position <= accepted) & (raw >= 0)
+        hit = (seen & (position < accepted)).float()
+        seen = seen.float()
+        probability = raw.float().nan_to_num(0.0).clamp(0.0, 1.0)
+        predicted = self.calibrate(raw).clamp(0.0, 1.0)  # before this step's outcomes: an honest score
+
+        decay = torch.exp2(-seen.sum(0) / self.half_life)[:, None]
+        for counts in self._all_counts():
+            counts[:k] *= decay
+        raw_bin = self._flat_index(self._bin(probability))
+        scored_bin = self._flat_index(self._bin(predicted))
+        for counts, index, amount in (
+            (self._verified, raw_bin, seen),
+            (self._accepted, raw_bin, hit),
+            (self._raw_sum, raw_bin, probability * seen),
+            (self._scored, scored_bin, seen),
+            (self._scored_accepted, scored_bin, hit),
+            (self._scored_sum, scored_bin, predicted * seen),
+        ):
+            counts.view(-1).scatter_add_(0, index.flatten(), amount.flatten())
+        self._refit()
+
+    def calibration_error(self) -> CalibrationError:
+        """The calibration error over recent outcomes, as host floats for metrics (reads the device)."""
+        scored, accepted, predicted = (
+            c.double().cpu() for c in (self._scored, self._scored_accepted, self._scored_sum)
+        )
+        per_outcomes = scored.sum(1)
+        per_position = (accepted - predicted).abs().sum(1) / per_outcomes.clamp(min=1e-12)
+        outcomes = float(per_outcomes.sum())
+        pooled = float((accepted.sum(0) - predicted.sum(0)).abs().sum())
+        raw_gap = float((self._accepted.double().cpu() - self._raw_sum.double().cpu()).abs().sum())
+        return CalibrationError(
+            overall=pooled / outcomes if outcomes > 0 else 0.0,
+            per_position=tuple(float(e) if n > 0 else 0.0 for e, n in zip(per_position, per_outcomes)),
+            raw_overall=raw_gap / outcomes if outcomes > 0 else 0.0,
+            outcomes=outcomes,
+        )
+
+    def _refit(self) -> None:
+        """Isotonic regression of each position's bin rates, by the min-max formula
+        fit(i) = max_{a<=i} min_{b>=i} mean(a..b) (Barlow et al. 1972, Thm 1.4): the same fit a
+        pool-adjacent-violators pass finds, in fixed-shape tensor ops with no data-dependent loop."""
+        weight = self._verified + self.prior_strength
+        total = self._accepted + self.prior_strength * self._centres
+        zero = torch.zeros((self.max_draft_tokens, 1), device=self.device)
+        cum_weight = torch.cat([zero, weight.cumsum(1)], 1)
+        cum_total = torch.cat([zero, total.cumsum(1)], 1)
+        # mean[a, b] of bins a..b, for a <= b.
+        mean = (cum_total[:, None, 1:] - cum_total[:, :-1, None]) / (cum_weight[:, None, 1:] - cum_weight[:, :-1, None])
+        index = torch.arange(self.bins, device=self.device)
+        below = index[:, None] <= index[None, :]  # [a, b]: a <= b
+        mean = torch.where(below, mean, math.inf)
+        tail_min = mean.flip(2).cummin(2).values.flip(2)  # [a, i]: min over b >= i of mean(a..b)
+        self.table = torch.where(below, tail_min, -math.inf).amax(1).clamp(0.0, 1.0)
+
+    def _all_counts(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self._verified,
+            self._accepted,
+            self._raw_sum,
+            self._scored,
+            self._scored_accepted,
+            self._scored_sum,
+        )
+
+    def _bin(self, probability: torch.Tensor) -> torch.Tensor:
+        return (probability * self.bins).long().clamp(0, self.bins - 1)
+
+    def _flat_index(self, bin_index: torch.Tensor) -> torch.Tensor:
+        """Index into a flattened [K, bins] array of column j's bins."""
+        position = torch.arange(bin_index.shape[1], device=bin_index.device)
+        return position * self.bins + bin_index
+
+    def _check_raw(self, raw: torch.Tensor) -> None:
+        if not isinstance(raw, torch.Tensor) or raw.dim() != 2:
+            raise ValueError(f"raw must be a [requests, draft positions] tensor, got {_shape(raw)}")
+        if raw.shape[1] > self.max_draft_tokens:
+            raise ValueError(
+                f"raw has {raw.shape[1]} draft positions, more than max_draft_tokens={self.max_draft_tokens}"
+            )
+        if not raw.dtype.is_floating_point:
+            raise ValueError(f"raw must hold floating-point probabilities, got {raw.dtype}")
+        if raw.device != self.device:
+            raise ValueError(f"raw is on {raw.device}, the calibrator on {self.device}")
+        if raw.device.type == "cpu" and bool((((raw < 0) | (raw > 1)) & (raw != NO_DRAFT) | raw.isnan()).any()):
+            raise ValueError(f"raw probabilities must lie in [0, 1] (or be NO_DRAFT={NO_DRAFT}), got {raw.tolist()}")
+
+
+def expected_accepted_prefix(calibrated: torch.Tensor) -> torch.Tensor:
+    """[R, k]: entry j is the chance that drafts 0..j are all accepted (the cumulative product), so a
+    row's sum is the expected accepted length of verifying all of it. Entries from a row's first
+    `NO_DRAFT` on are `NO_DRAFT`. Each row is non-increasing: a product of factors in [0, 1] never
+    grows, in floating point too (rounding is monotone and x itself is representable)."""
+    if not isinstance(calibrated, torch.Tensor) or calibrated.dim() != 2 or not calibrated.dtype.is_floating_point:
+        raise ValueError(
+            f"calibrated must be a floating-point [requests, draft positions] tensor, got {_shape(calibrated)}"
+        )
+    present = (calibrated >= 0).int().cummin(1).values.bool()
+    prefix = torch.where(present, calibrated.clamp(0.0, 1.0), 0.0).cumprod(1)
+    return torch.where(present, prefix, NO_DRAFT)
+
+
+def _shape(value: object) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
