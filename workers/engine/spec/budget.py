@@ -38,8 +38,10 @@ SPEC_BUDGETS = ("fixed", "dspark")
 class VerifyStepCurve:
     """The decode step of `batch` requests plus `per_draft_token_s` for each draft token verified.
 
-    From the fitted cost model: a draft token costs what one more decode row does, plus attention
-    over its request's context, taken as the batch's mean (total_kv / batch)."""
+    From the fitted decode model, a + b*tokens + e*total_kv: a draft token costs what one more
+    decode row does (b) and no more KV reads, because a verify row of a few tokens reads its
+    request's KV once, as a decode row does (attention at this size is bound by memory, not by
+    arithmetic)."""
 
     batch: int
     decode_step_s: float
@@ -62,7 +64,7 @@ class VerifyStepCurve:
         return cls(
             batch=batch,
             decode_step_s=model.predict_decode_step(batch, total_kv),
-            per_draft_token_s=model.decode_per_request_s + model.decode_per_kv_token_s * total_kv / batch,
+            per_draft_token_s=model.decode_per_request_s,
         )
 
     def __call__(self, tokens: np.ndarray) -> np.ndarray:

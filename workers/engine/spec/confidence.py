@@ -167,7 +167,8 @@ class AcceptanceCalibrator:
         below = index[:, None] <= index[None, :]  # [a, b]: a <= b
         mean = torch.where(below, mean, math.inf)
         tail_min = mean.flip(2).cummin(2).values.flip(2)  # [a, i]: min over b >= i of mean(a..b)
-        self.table = torch.where(below, tail_min, -math.inf).amax(1).clamp(0.0, 1.0)
+        # In place, so a CUDA graph that captured `calibrate` reads the new map.
+        self.table.copy_(torch.where(below, tail_min, -math.inf).amax(1).clamp(0.0, 1.0))
 
     def _all_counts(self) -> tuple[torch.Tensor, ...]:
         return (
