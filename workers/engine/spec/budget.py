@@ -91,6 +91,8 @@ class FixedBudget:
         return _check_batch(batch) * self.max_draft_tokens
 
     def allocate(self, expected_prefix: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
+        """Only which drafts exist is read (any matrix with `NO_DRAFT` for the missing ones will do),
+        and `total` is not: its own plan, batch * K, covers every draft."""
         _check_prefix_tensor(expected_prefix, self.max_draft_tokens)
         _check_total(total, expected_prefix)
         return _present_prefix(expected_prefix >= 0).sum(1)
@@ -123,7 +125,8 @@ class DSparkBudget:
 
     def allocate(self, expected_prefix: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
         _check_prefix_tensor(expected_prefix, self.max_draft_tokens)
-        return allocate_greedy(expected_prefix, total, min_confidence=self.min_confidence)
+        _check_total(total, expected_prefix)
+        return _greedy(expected_prefix, total, self.min_confidence)
 
 
 def make_spec_budget(
@@ -189,9 +192,13 @@ def allocate_greedy(
     missing), the `total` largest, ties to the lower row then the lower position, counted per row.
     Torch ops on E's device only (a stable sort and a scatter), so `total` may be a device tensor and
     nothing waits for the host."""
-    rows, k = _check_prefix_tensor(expected_prefix, None)
+    _check_prefix_tensor(expected_prefix, None)
     _check_total(total, expected_prefix)
-    min_confidence = _check_min_confidence(min_confidence)
+    return _greedy(expected_prefix, total, _check_min_confidence(min_confidence))
+
+
+def _greedy(expected_prefix: torch.Tensor, total: int | torch.Tensor, min_confidence: float) -> torch.Tensor:
+    rows, k = expected_prefix.shape
     eligible = _present_prefix((expected_prefix >= min_confidence) & (expected_prefix >= 0))
     value = torch.where(eligible, expected_prefix, -math.inf).cummin(1).values
     order = torch.sort(value.flatten(), descending=True, stable=True).indices
@@ -229,7 +236,7 @@ def _check_batch(batch: int) -> int:
     return int(batch)
 
 
-def _check_prefix_tensor(expected_prefix: torch.Tensor, max_draft_tokens: int | None) -> tuple[int, int]:
+def _check_prefix_tensor(expected_prefix: torch.Tensor, max_draft_tokens: int | None) -> None:
     if (
         not isinstance(expected_prefix, torch.Tensor)
         or expected_prefix.dim() != 2
@@ -244,7 +251,6 @@ def _check_prefix_tensor(expected_prefix: torch.Tensor, max_draft_tokens: int | 
     # Values are checked only where that costs no device sync.
     if expected_prefix.device.type == "cpu" and bool((expected_prefix.isnan() | (expected_prefix > 1)).any()):
         raise ValueError("expected_prefix entries must be probabilities <= 1 (negative for a missing draft)")
-    return expected_prefix.shape[0], expected_prefix.shape[1]
 
 
 def _check_total(total: int | torch.Tensor, expected_prefix: torch.Tensor) -> None:

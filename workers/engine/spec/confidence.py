@@ -199,8 +199,14 @@ class AcceptanceCalibrator:
             raise ValueError(f"raw must hold floating-point probabilities, got {raw.dtype}")
         if raw.device != self.device:
             raise ValueError(f"raw is on {raw.device}, the calibrator on {self.device}")
-        if raw.device.type == "cpu" and bool((((raw < 0) | (raw > 1)) & (raw != NO_DRAFT) | raw.isnan()).any()):
-            raise ValueError(f"raw probabilities must lie in [0, 1] (or be NO_DRAFT={NO_DRAFT}), got {raw.tolist()}")
+        if raw.device.type == "cpu":
+            bad = (((raw < 0) | (raw > 1)) & (raw != NO_DRAFT) | raw.isnan()).nonzero()
+            if len(bad):
+                row, position = bad[0].tolist()
+                raise ValueError(
+                    f"raw probabilities must lie in [0, 1] (or be NO_DRAFT={NO_DRAFT}), "
+                    f"got {raw[row, position].item()} at request {row}, position {position}"
+                )
 
 
 def expected_accepted_prefix(calibrated: torch.Tensor) -> torch.Tensor:
