@@ -141,6 +141,20 @@ def test_a_profile_stands_for_a_batch_of_rows_like_it():
     assert 0 < from_profile < 200
 
 
+def test_a_batch_that_repeats_the_lagged_rows_gets_the_total_of_the_repeated_matrix():
+    generator = np.random.default_rng(7)
+    torch_generator = torch.Generator().manual_seed(7)
+    for _ in range(30):
+        lagged = random_prefix(int(generator.integers(1, 6)), 4, torch_generator).double().numpy()
+        repeat = int(generator.integers(2, 5))
+        batch = lagged.shape[0] * repeat
+        curve = VerifyStepCurve(batch=batch, decode_step_s=0.01, per_draft_token_s=float(generator.uniform(1e-5, 2e-3)))
+
+        total = best_total(lagged, batch=batch, step_seconds=curve, margin=0.0)
+
+        assert total == reference_total(np.tile(lagged, (repeat, 1)), curve, 0.0, 0.0)
+
+
 def test_the_total_shrinks_per_request_as_the_batch_grows():
     # A memory-bound step: a large fixed cost shared by the batch, a small cost per token.
     profile = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]])

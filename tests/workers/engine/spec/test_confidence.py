@@ -146,6 +146,17 @@ def test_unverified_drafts_and_drafts_after_a_rejection_teach_nothing():
     assert not torch.equal(calibrator.table[0], untouched[0])
 
 
+def test_rows_may_hold_fewer_positions_than_the_most_drafts():
+    calibrator = AcceptanceCalibrator(K, half_life=1e12)
+    raw = torch.tensor([[0.9, 0.9]])
+
+    calibrator.observe(raw, torch.tensor([2]), torch.tensor([2]))
+
+    assert calibrator.calibrate(raw).shape == (1, 2)
+    assert calibrator.calibration_error().outcomes == pytest.approx(2.0)
+    torch.testing.assert_close(calibrator.table[2], AcceptanceCalibrator(K).table[2])
+
+
 def test_missing_drafts_stay_missing():
     calibrator = AcceptanceCalibrator(K)
     raw = torch.tensor([[0.8, NO_DRAFT, NO_DRAFT], [0.5, 0.4, 0.3]])
