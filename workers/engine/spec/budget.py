@@ -32,6 +32,9 @@ from workers.cost_model import PrefillCostModel
 StepSeconds = Callable[[np.ndarray], np.ndarray]
 
 SPEC_BUDGETS = ("fixed", "dspark")
+# Speculation must beat no speculation by this much (relative, in expected tokens per second) to run:
+# the step-time fit is a few percent off, and a draft's gain is only an estimate.
+VALVE_MARGIN = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +75,9 @@ class VerifyStepCurve:
 
 
 class SpecBudget(Protocol):
-    def plan_total(self, *, batch: int, step_seconds: StepSeconds, lagged_prefix: np.ndarray | None) -> int:
-        """Draft tokens to verify this step, in all (host side, from statistics already on the host)."""
+    def plan_total(self, *, batch: int, step_seconds: StepSeconds | None, lagged_prefix: np.ndarray | None) -> int:
+        """Draft tokens to verify this step, in all (host side, from statistics already on the host).
+        `step_seconds` is None where the engine has no fitted cost model."""
         ...
 
     def allocate(self, expected_prefix: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,7 @@ class FixedBudget:
     def __init__(self, max_draft_tokens: int) -> None:
         self.max_draft_tokens = _check_max_draft_tokens(max_draft_tokens)
 
-    def plan_total(self, *, batch: int, step_seconds: StepSeconds, lagged_prefix: np.ndarray | None) -> int:
+    def plan_total(self, *, batch: int, step_seconds: StepSeconds | None, lagged_prefix: np.ndarray | None) -> int:
         return _check_batch(batch) * self.max_draft_tokens
 
     def allocate(self, expected_prefix: torch.Tensor, total: int | torch.Tensor) -> torch.Tensor:
@@ -104,15 +108,17 @@ class DSparkBudget:
     verified; speculation stops when its best rate is no more than `1 + margin` times the rate
     without it."""
 
-    def __init__(self, max_draft_tokens: int, *, min_confidence: float = 0.0, margin: float = 0.02) -> None:
+    def __init__(self, max_draft_tokens: int, *, min_confidence: float = 0.0, margin: float = VALVE_MARGIN) -> None:
         self.max_draft_tokens = _check_max_draft_tokens(max_draft_tokens)
         self.min_confidence = _check_min_confidence(min_confidence)
         self.margin = _check_margin(margin)
 
-    def plan_total(self, *, batch: int, step_seconds: StepSeconds, lagged_prefix: np.ndarray | None) -> int:
+    def plan_total(self, *, batch: int, step_seconds: StepSeconds | None, lagged_prefix: np.ndarray | None) -> int:
         """With nothing known yet (`lagged_prefix` None or empty: the first steps), verify every
         draft, as `fixed` would, so the calibrator sees outcomes at every position."""
         batch = _check_batch(batch)
+        if step_seconds is None:
+            raise ValueError("the dspark spec budget needs the step-time curve of a fitted cost model (cost_model)")
         if lagged_prefix is None or len(lagged_prefix) == 0:
             return batch * self.max_draft_tokens
         return best_total(
@@ -130,7 +136,7 @@ class DSparkBudget:
 
 
 def make_spec_budget(
-    name: str, *, max_draft_tokens: int, min_confidence: float = 0.0, margin: float = 0.02
+    name: str, *, max_draft_tokens: int, min_confidence: float = 0.0, margin: float = VALVE_MARGIN
 ) -> SpecBudget:
     if name == "fixed":
         return FixedBudget(max_draft_tokens)
@@ -145,7 +151,7 @@ def best_total(
     batch: int,
     step_seconds: StepSeconds,
     min_confidence: float = 0.0,
-    margin: float = 0.02,
+    margin: float = VALVE_MARGIN,
 ) -> int:
     """The T in [0, batch*K] maximising expected emitted tokens per second,
     (batch + sum of the T largest eligible entries of E) / step_seconds(batch + T); 0 unless that

@@ -202,7 +202,7 @@ def test_the_policies_behind_one_face():
     dspark = make_spec_budget("dspark", max_draft_tokens=5, min_confidence=0.1)
     prefix = torch.tensor([[0.9, 0.8, 0.05, NO_DRAFT, NO_DRAFT]]).expand(4, 5)
 
-    assert fixed.plan_total(batch=4, step_seconds=curve, lagged_prefix=None) == 20
+    assert fixed.plan_total(batch=4, step_seconds=None, lagged_prefix=None) == 20  # needs no cost model
     assert fixed.allocate(prefix, 20).tolist() == [3, 3, 3, 3]
     # Nothing lagged yet: DSpark verifies everything, so every position gets outcomes.
     assert dspark.plan_total(batch=4, step_seconds=curve, lagged_prefix=None) == 20
@@ -219,6 +219,7 @@ def test_the_policies_behind_one_face():
         (lambda: DSparkBudget(0), "max_draft_tokens"),
         (lambda: DSparkBudget(5, min_confidence=1.5), "min_confidence"),
         (lambda: DSparkBudget(5, margin=-0.1), "margin"),
+        (lambda: DSparkBudget(5).plan_total(batch=2, step_seconds=None, lagged_prefix=None), "cost_model"),
         (lambda: VerifyStepCurve(batch=0, decode_step_s=0.01, per_draft_token_s=0.0), "batch"),
         (lambda: VerifyStepCurve(batch=1, decode_step_s=-1.0, per_draft_token_s=0.0), "decode_step_s"),
         (
