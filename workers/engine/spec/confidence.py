@@ -1,16 +1,19 @@
 """How likely each draft token is to be accepted: the drafter's own probability, calibrated online.
 
 One `AcceptanceCalibrator` per drafter. For each draft position j (0..K-1) it keeps `bins` fixed
-bins of the drafter's raw probability, each with a decayed count of drafts verified and of drafts
-accepted. A bin's acceptance rate starts at its own centre (a prior worth `prior_strength`
-outcomes: an unseen drafter is trusted as it is), and the rates of a position are made monotone
-non-decreasing in the raw probability by isotonic regression, so a likelier draft never gets a lower
-estimate. `calibrate` interpolates linearly between bin centres.
+bins of the drafter's raw probability, each with a decayed count of drafts judged and of drafts
+accepted. A draft is judged when it was verified and every draft before it was accepted, so the
+estimate is the chance of acceptance given the drafts before it were accepted: what the cumulative
+product (`expected_accepted_prefix`) multiplies. A bin's acceptance rate starts at its own centre (a
+prior worth `prior_strength` outcomes: an unseen drafter is trusted as it is), and the rates of a
+position are made monotone non-decreasing in the raw probability by isotonic regression, so a
+likelier draft never gets a lower estimate. `calibrate` interpolates linearly between bin centres.
 
-Memory is fixed (a few [K, bins] arrays) and tracks drift by exponential decay rather than a window:
-a window would store every outcome in it, decay needs only the counts. The decay is per outcome of
-each position, not per step, so the memory is the same number of outcomes (`half_life` halves a
-count) at batch 1 and at batch 200 and the statistical precision of a bin does not depend on load.
+Memory is fixed (one [2, 3, K, bins] array of sums and the [K, bins] map) and tracks drift by
+exponential decay rather than a window: a window would store every outcome in it, decay needs only
+the sums. The decay is per outcome of each position, not per step, so the memory is the same number
+of outcomes (`half_life` halves a sum) at batch 1 and at batch 200, and the statistical precision of
+a bin does not depend on load.
 
 `calibrate`, `observe` and `expected_accepted_prefix` run on the tensors' device with no host sync
 (no `.item()`, no branching on values), so they fit an asynchronously scheduled step; on a CPU
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 NO_DRAFT = -1.0
+RAW, SCORED = 0, 1  # binnings of AcceptanceCalibrator's sums
+OUTCOMES, ACCEPTED, PREDICTED = 0, 1, 2  # its quantities
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +67,18 @@ class AcceptanceCalibrator:
         self.bins = bins
         self.prior_strength = float(prior_strength)
         self.half_life = float(half_life)
-        self.device = torch.device(device)
-        shape = (max_draft_tokens, bins)
-        self._centres = ((torch.arange(bins, device=self.device, dtype=torch.float32) + 0.5) / bins).expand(shape)
-        # Indexed by the bin of the raw probability: what the calibration is fitted on.
-        self._verified = torch.zeros(shape, device=self.device)
-        self._accepted = torch.zeros(shape, device=self.device)
-        self._raw_sum = torch.zeros(shape, device=self.device)  # for the drafter's own ECE
-        # Indexed by the bin of the calibrated probability given at the time: its ECE.
-        self._scored = torch.zeros(shape, device=self.device)
-        self._scored_accepted = torch.zeros(shape, device=self.device)
-        self._scored_sum = torch.zeros(shape, device=self.device)
+        self.device = torch.empty(0, device=device).device  # "cuda" made concrete ("cuda:0"), as tensors report it
+        self._centres = ((torch.arange(bins, device=self.device, dtype=torch.float32) + 0.5) / bins).expand(
+            max_draft_tokens, bins
+        )
+        # Decayed sums per (binning, quantity, position, bin). Binning RAW is by the drafter's
+        # probability: the calibration is fitted on it, and it scores the drafter's own error.
+        # Binning SCORED is by the calibrated probability given before the outcome: its error.
+        # Quantities: OUTCOMES (drafts judged), ACCEPTED, PREDICTED (the sum of the probabilities
+        # that binning's estimate gave them).
+        self._sums = torch.zeros((2, 3, max_draft_tokens, bins), device=self.device)
+        # [binning, quantity, 1, 1]: where each block of the sums starts in their flat view.
+        self._block_starts = torch.arange(6, device=self.device).view(2, 3, 1, 1) * max_draft_tokens * bins
         self.table = self._centres.clone()  # [K, bins] calibrated acceptance at each bin centre
 
     def calibrate(self, raw: torch.Tensor) -> torch.Tensor:
@@ -109,8 +115,7 @@ class AcceptanceCalibrator:
             if bool(((accepted < 0) | (accepted > verified)).any()):
                 raise ValueError(f"accepted counts must lie in [0, verified], got {accepted.tolist()}")
         # A draft after the first rejection was checked against the target's reply to a wrong
-        # token: it says nothing about itself. The estimate is therefore the chance of acceptance
-        # given the drafts before it were accepted, which is what the cumulative product needs.
+        # token: it says nothing about itself.
         position = torch.arange(k, device=raw.device)
         accepted = torch.minimum(accepted, verified)[:, None]
         seen = (position < verified[:, None]) & (position <= accepted) & (raw >= 0)
@@ -120,35 +125,24 @@ class AcceptanceCalibrator:
         predicted = self.calibrate(raw).clamp(0.0, 1.0)  # before this step's outcomes: an honest score
 
         decay = torch.exp2(-seen.sum(0) / self.half_life)[:, None]
-        for counts in self._all_counts():
-            counts[:k] *= decay
-        raw_bin = self._flat_index(self._bin(probability))
-        scored_bin = self._flat_index(self._bin(predicted))
-        for counts, index, amount in (
-            (self._verified, raw_bin, seen),
-            (self._accepted, raw_bin, hit),
-            (self._raw_sum, raw_bin, probability * seen),
-            (self._scored, scored_bin, seen),
-            (self._scored_accepted, scored_bin, hit),
-            (self._scored_sum, scored_bin, predicted * seen),
-        ):
-            counts.view(-1).scatter_add_(0, index.flatten(), amount.flatten())
+        self._sums[:, :, :k] *= decay
+        bins = torch.stack([self._bin(probability), self._bin(predicted)])  # [binning, R, k]
+        cell = (position * self.bins + bins)[:, None] + self._block_starts  # [binning, quantity, R, k]
+        amount = torch.stack([torch.stack([seen, hit, estimate * seen]) for estimate in (probability, predicted)])
+        self._sums.view(-1).scatter_add_(0, cell.flatten(), amount.flatten())
         self._refit()
 
     def calibration_error(self) -> CalibrationError:
         """The calibration error over recent outcomes, as host floats for metrics (reads the device)."""
-        scored, accepted, predicted = (
-            c.double().cpu() for c in (self._scored, self._scored_accepted, self._scored_sum)
-        )
-        per_outcomes = scored.sum(1)
-        per_position = (accepted - predicted).abs().sum(1) / per_outcomes.clamp(min=1e-12)
+        sums = self._sums.double().cpu()
+        gap = (sums[:, ACCEPTED] - sums[:, PREDICTED]).abs()  # [binning, position, bin]
+        per_outcomes = sums[SCORED, OUTCOMES].sum(1)
         outcomes = float(per_outcomes.sum())
-        pooled = float((accepted.sum(0) - predicted.sum(0)).abs().sum())
-        raw_gap = float((self._accepted.double().cpu() - self._raw_sum.double().cpu()).abs().sum())
+        pooled = float((sums[SCORED, ACCEPTED].sum(0) - sums[SCORED, PREDICTED].sum(0)).abs().sum())
         return CalibrationError(
             overall=pooled / outcomes if outcomes > 0 else 0.0,
-            per_position=tuple(float(e) if n > 0 else 0.0 for e, n in zip(per_position, per_outcomes)),
-            raw_overall=raw_gap / outcomes if outcomes > 0 else 0.0,
+            per_position=tuple(float(e / n) if n > 0 else 0.0 for e, n in zip(gap[SCORED].sum(1), per_outcomes)),
+            raw_overall=float(gap[RAW].sum()) / outcomes if outcomes > 0 else 0.0,
             outcomes=outcomes,
         )
 
@@ -156,8 +150,8 @@ class AcceptanceCalibrator:
         """Isotonic regression of each position's bin rates, by the min-max formula
         fit(i) = max_{a<=i} min_{b>=i} mean(a..b) (Barlow et al. 1972, Thm 1.4): the same fit a
         pool-adjacent-violators pass finds, in fixed-shape tensor ops with no data-dependent loop."""
-        weight = self._verified + self.prior_strength
-        total = self._accepted + self.prior_strength * self._centres
+        weight = self._sums[RAW, OUTCOMES] + self.prior_strength
+        total = self._sums[RAW, ACCEPTED] + self.prior_strength * self._centres
         zero = torch.zeros((self.max_draft_tokens, 1), device=self.device)
         cum_weight = torch.cat([zero, weight.cumsum(1)], 1)
         cum_total = torch.cat([zero, total.cumsum(1)], 1)
@@ -169,16 +163,6 @@ class AcceptanceCalibrator:
         tail_min = mean.flip(2).cummin(2).values.flip(2)  # [a, i]: min over b >= i of mean(a..b)
         # In place, so a CUDA graph that captured `calibrate` reads the new map.
         self.table.copy_(torch.where(below, tail_min, -math.inf).amax(1).clamp(0.0, 1.0))
-
-    def _all_counts(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self._verified,
-            self._accepted,
-            self._raw_sum,
-            self._scored,
-            self._scored_accepted,
-            self._scored_sum,
-        )
 
     def _bin(self, probability: torch.Tensor) -> torch.Tensor:
         return (probability * self.bins).long().clamp(0, self.bins - 1)
