@@ -51,6 +51,32 @@ class GrammarConstraint:
         self._vocab_size = vocab_size
 
     def allowed_tokens(self) -> torch.Tensor:
+        return self._mask()
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        valid = self._matcher.validate_tokens(token_ids)
+        if self._matcher.is_error():
+            raise ConstraintError(f"the output constraint failed: {_error(self._matcher)}")
+        return valid
+
+    def masks_along(self, token_ids: list[int]) -> list[torch.Tensor]:
+        # Validated first: consuming a refused token would leave the matcher in its error state for good.
+        valid = self.valid_prefix(token_ids)
+        if valid < len(token_ids):
+            raise ConstraintError(f"draft token {token_ids[valid]} is not allowed by the output constraint here")
+        masks = []
+        consumed = 0
+        try:
+            for token_id in token_ids:
+                masks.append(self._mask())
+                self._matcher.consume_token(token_id)
+                consumed += 1
+            masks.append(self._mask())
+        finally:
+            self._matcher.rollback(consumed)
+        return masks
+
+    def _mask(self) -> torch.Tensor:
         # The bitmask is little-endian 32-bit words, so byte k holds tokens 8k..8k+7, lowest bit first.
         # numpy unpacks it in microseconds; the same in torch ops took milliseconds.
         packed = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)

@@ -267,3 +267,39 @@ def test_a_grammar_that_takes_longer_than_the_compile_limit_is_refused(smollm2_t
 
     with pytest.raises(InvalidRequestError, match=r"invalid tools: it took \d+ ms to compile; the limit is 1 ms"):
         compile_constraint(spec, smollm2_tokenizer, VOCAB)
+
+
+def test_a_draft_is_checked_and_its_masks_computed_without_moving_the_constraint(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("json", json.dumps(PERSON)), smollm2_tokenizer, VOCAB)
+    drive(constraint, smollm2_tokenizer, '{"name": "Ada", "age": ')
+    before = constraint.allowed_tokens()
+    valid = smollm2_tokenizer.encode("36}")
+    invalid = smollm2_tokenizer.encode('"x"')
+
+    # how much of a draft the schema allows in turn, the state unchanged
+    assert constraint.valid_prefix(valid) == len(valid)
+    assert constraint.valid_prefix([*valid[:1], *invalid]) == 1
+    assert torch.equal(constraint.allowed_tokens(), before)
+
+    # the masks along a valid draft are those of consuming it token by token
+    masks = constraint.masks_along(valid)
+    assert len(masks) == len(valid) + 1 and torch.equal(masks[0], before)
+    assert torch.equal(constraint.allowed_tokens(), before)
+    for token_id, mask in zip(valid, masks, strict=False):
+        assert torch.equal(constraint.allowed_tokens(), mask) and mask[token_id]
+        constraint.advance(token_id)
+    assert torch.equal(constraint.allowed_tokens(), masks[-1])
+    assert constraint.is_finished() and only_end_of_sequence_is_allowed(constraint, smollm2_tokenizer)
+
+
+def test_masks_along_a_draft_the_constraint_refuses_fail_and_leave_the_state(smollm2_tokenizer: Tokenizer) -> None:
+    constraint = compile_constraint(OutputConstraintSpec("json", json.dumps(PERSON)), smollm2_tokenizer, VOCAB)
+    drive(constraint, smollm2_tokenizer, '{"name": "Ada", "age": ')
+    before = constraint.allowed_tokens()
+
+    with pytest.raises(ConstraintError, match="not allowed"):
+        constraint.masks_along([*smollm2_tokenizer.encode("3"), *smollm2_tokenizer.encode('"')])
+
+    assert torch.equal(constraint.allowed_tokens(), before)
+    drive(constraint, smollm2_tokenizer, "36}")
+    assert constraint.is_finished()
