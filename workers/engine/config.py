@@ -46,7 +46,8 @@ class MoeConfig:
     # "topk_softmax": gpt-oss's softmax over the top-k logits of a router with a bias.
     routing: str
     norm_topk_prob: bool
-    # Per layer: whether its feed-forward is the routed experts (else the dense MLP).
+    # Per layer the checkpoint holds (the served ones, then any multi-token-prediction layers):
+    # whether its feed-forward is the routed experts (else the dense MLP).
     sparse_layers: tuple[bool, ...]
     num_groups: int = 1
     topk_groups: int = 1
@@ -167,9 +168,10 @@ class ModelConfig:
     # Multi-head latent attention (None: every head's keys and values are cached). With it, head_dim
     # is a query's and key's width (qk_nope_head_dim + qk_rope_head_dim) and num_kv_heads num_heads.
     mla: MlaConfig | None = None
-    # Layers a checkpoint holds past num_layers that are not served (DeepSeek-V3's multi-token
-    # prediction layers): their tensors are skipped on load.
-    unserved_layers: int = 0
+    # DeepSeek-V3's multi-token-prediction layers, which a checkpoint holds past num_layers
+    # (num_nextn_predict_layers): loaded into models.mtp's predictor where the loader is asked for
+    # it, else their tensors are skipped.
+    mtp_layers: int = 0
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -88,7 +88,8 @@ def test_v3_reads_as_mla_with_grouped_sigmoid_routing():
         intermediate_size=2048,
         routing="grouped_sigmoid",
         norm_topk_prob=True,
-        sparse_layers=(False, False, False, True),
+        # Four layers, then the MTP layer (num_nextn_predict_layers), routed as a fifth layer would be.
+        sparse_layers=(False, False, False, True, True),
         num_groups=8,
         topk_groups=4,
         routed_scaling_factor=2.5,
