@@ -27,6 +27,17 @@ Where the report is not explicit, what this follows:
 Its transformer block is the main model's layer class built at index L, so MLA, the experts and FP8
 (workers.engine.fp8_model) apply to it as to any layer. Its KV: one latent per position per MTP layer,
 at the same slots as the main model's (`kv_cache_spec`).
+
+Drafting K tokens after the main model computed positions 0..n-1 (final hidden states h) and sampled
+t_n (test_mtp's chained-steps test runs exactly this):
+- step 1: out = mtp(h, [t_1..t_n], positions 0..n-1, ...) over the positions the MTP layer has not
+  seen yet (a prefill: all; a decode: the newly accepted ones), metadata as for those positions'
+  query rows; d_1 = sample(mtp.compute_logits(out[last])).
+- step s = 2..K: out = mtp(out[last], [d_{s-1}], position n+s-2, ...), one query row per request
+  whose sequence length is n+s-1 in the MTP layer's KV; d_s from its logits.
+A draft step writes the MTP layer's latent at its position's slot; after verification, the accepted
+positions' are rewritten from the main model's hidden states in the next round's step 1. With several
+MTP layers, step s would use layer (s-1) % num_nextn_predict_layers, as vLLM does.
 """
 
 import re

@@ -98,17 +98,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = CONFIG["rms_nor
 
 
 def reference_logits(hf_model, tensors: dict, tokens: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-    """The report's MTP layer at every position i: eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)]) through
-    the transformer block, then shared_head's norm and head; h_i the main model's final hidden state
-    (after its final norm), Emb and head the MTP layer's own."""
+    """The MTP layer's logits at every position i of `tokens`, from h_i the main model's final hidden
+    state there (after its final norm) as HF computes it, and t_{i+1} `next_tokens[i]`."""
+    with torch.no_grad():
+        hidden = hf_model.model(tokens[None]).last_hidden_state[0]
+    return reference_mtp(hf_model, tensors, hidden, next_tokens)[1]
+
+
+def reference_mtp(
+    hf_model, tensors: dict, hidden: torch.Tensor, next_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The report's MTP layer at every position i, (out, logits): eh_proj([enorm(Emb(t_{i+1}));
+    hnorm(h_i)]) through the transformer block (HF's decoder layer, causal over the positions), then
+    shared_head's norm (out) and head (logits); Emb and head the MTP layer's own."""
 
     def own(name: str) -> torch.Tensor:
         return tensors[f"model.layers.{MTP_LAYER}.{name}"]
 
-    length = tokens.shape[0]
+    length = hidden.shape[0]
     positions = torch.arange(length)[None]
     with torch.no_grad():
-        hidden = hf_model.model(tokens[None]).last_hidden_state
+        hidden = hidden[None]
         embeddings = F.embedding(next_tokens[None], own("embed_tokens.weight"))
         combined = torch.cat([rms_norm(embeddings, own("enorm.weight")), rms_norm(hidden, own("hnorm.weight"))], -1)
         block_input = F.linear(combined, own("eh_proj.weight"))
@@ -119,8 +129,8 @@ def reference_logits(hf_model, tensors: dict, tokens: torch.Tensor, next_tokens:
             position_ids=positions,
             position_embeddings=hf_model.model.rotary_emb(block_input, positions),
         )
-        out = rms_norm(block_output, own("shared_head.norm.weight"))
-        return F.linear(out, own("shared_head.head.weight"))[0]
+        out = rms_norm(block_output, own("shared_head.norm.weight"))[0]
+        return out, F.linear(out, own("shared_head.head.weight"))
 
 
 class Pass:
@@ -179,6 +189,47 @@ def test_the_mtp_layer_is_the_reports_equations_over_a_prefill_and_a_decode_step
 
     torch.testing.assert_close(torch.cat([prefill, decode]), expected, atol=1e-5, rtol=1e-5)
     assert expected.std() > 0.1  # the logits are far from zero: the comparison means something
+
+
+def test_k_chained_greedy_draft_steps_are_the_reference_over_the_chained_inputs(
+    checkpoint, checkpoint_tensors, hf_model
+):
+    # The main model has computed `prompt` and sampled `sampled`. Draft step 1 runs the MTP layer
+    # over every position (h_i, t_{i+1}), the last pairing h_{n-1} with the sampled token; each later
+    # step one position on, from the previous step's out and draft: one decode row reading the MTP
+    # layer's KV of the positions before.
+    steps = 4
+    tokens = sequence()
+    prompt, sampled = tokens[:-1], tokens[-1:]
+    run = Pass(load(checkpoint, with_mtp=True))
+    mtp = run.loaded.model.mtp
+    hidden = run.main_hidden(prompt)
+    inputs, next_tokens = hidden, torch.cat([prompt[1:], sampled])
+    first, drafts, draft_logits = 0, [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            positions = torch.arange(first, first + len(inputs))
+            metadata = run.metadata(len(inputs), first + len(inputs))
+            out = mtp(inputs, next_tokens, positions, run.mtp_kv, metadata, run.backend)
+            logits = mtp.compute_logits(out[-1:])
+            draft_logits.append(logits[0])
+            drafts.append(int(logits.argmax()))
+            first += len(inputs)
+            inputs, next_tokens = out[-1:], torch.tensor(drafts[-1:])
+
+    # The reference runs the whole chained sequence at once, growing it a draft at a time.
+    with torch.no_grad():
+        chained_hidden = hf_model.model(prompt[None]).last_hidden_state[0]
+    chained_tokens = torch.cat([prompt[1:], sampled])
+    expected = []
+    for _ in range(steps):
+        out, logits = reference_mtp(hf_model, checkpoint_tensors, chained_hidden, chained_tokens)
+        expected.append(logits[-1])
+        chained_hidden = torch.cat([chained_hidden, out[-1:]])
+        chained_tokens = torch.cat([chained_tokens, logits[-1:].argmax(-1)])
+
+    assert drafts == chained_tokens[-steps:].tolist()
+    torch.testing.assert_close(torch.stack(draft_logits), torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
 def test_the_fused_ops_path_gives_the_reference_paths_out(checkpoint):
