@@ -46,8 +46,7 @@ class MoeConfig:
     # "topk_softmax": gpt-oss's softmax over the top-k logits of a router with a bias.
     routing: str
     norm_topk_prob: bool
-    # Per layer the checkpoint holds (the served ones, then any multi-token-prediction layers):
-    # whether its feed-forward is the routed experts (else the dense MLP).
+    # Per layer: whether its feed-forward is the routed experts (else the dense MLP).
     sparse_layers: tuple[bool, ...]
     num_groups: int = 1
     topk_groups: int = 1
@@ -58,6 +57,13 @@ class MoeConfig:
     # then gate * sigmoid(swiglu_alpha * gate) * (up + 1). None: SiLU(gate) * up, no biases.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Per multi-token-prediction layer (ModelConfig.mtp_layers): whether it routes, as sparse_layers.
+    mtp_sparse_layers: tuple[bool, ...] = ()
+
+    def routes(self, layer: int) -> bool:
+        """Whether the checkpoint's layer `layer` routes: a served layer, or past them an MTP layer."""
+        served = len(self.sparse_layers)
+        return self.sparse_layers[layer] if layer < served else self.mtp_sparse_layers[layer - served]
 
     def validate(self) -> None:
         if self.num_experts < 1 or self.intermediate_size < 1:

@@ -142,7 +142,7 @@ class MLP(nn.Module):
 def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
     """Layer `layer`'s MLP: dense, or a sparse MoE block where the config routes that layer."""
     moe = config.moe
-    if moe is None or not moe.sparse_layers[layer]:
+    if moe is None or not moe.routes(layer):
         return MLP(config.hidden_size, config.intermediate_size)
     shared = MLP(config.hidden_size, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
     return SparseMoeBlock(
@@ -422,7 +422,7 @@ def _expected_layer_names(config: ModelConfig, layer: int) -> set[str]:
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-    sparse = config.moe is not None and config.moe.sparse_layers[layer]
+    sparse = config.moe is not None and config.moe.routes(layer)
     feed_forward = _expected_moe_names(config) if sparse else dense
     return {f"model.layers.{layer}.{p}" for p in per_layer + feed_forward}
 

@@ -96,6 +96,8 @@ class _DeepSeek(DecoderFamily):
             intermediate_size=intermediate,
             norm_topk_prob=norm_topk_prob,
             sparse_layers=tuple(i >= first_sparse for i in range(num_layers)),
+            # The multi-token-prediction layers, numbered after the served ones, route by the same rule.
+            mtp_sparse_layers=tuple(i >= first_sparse for i in range(num_layers, num_layers + self.mtp_layers(hf))),
             routed_scaling_factor=float(hf["routed_scaling_factor"]),
             shared_intermediate_size=intermediate * int(hf["n_shared_experts"]),
             **self.routing(hf),

@@ -48,9 +48,7 @@ class DecoderFamily:
                 layer_windows=self.layer_windows(hf, num_layers),
                 dtype=_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
                 initializer_range=float(hf.get("initializer_range", 0.02)),
-                # The experts' config covers the multi-token-prediction layers too: their feed-forward
-                # is of the kind the family gives a layer at their index.
-                moe=self.moe_config(hf, num_layers + self.mtp_layers(hf)),
+                moe=self.moe_config(hf, num_layers),
                 mla=self.mla_config(hf),
                 mtp_layers=self.mtp_layers(hf),
             )

@@ -58,7 +58,6 @@ from workers.protocol.errors import ModelLoadError
 OWN_PARTS = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 # Those the checkpoint must hold; the embedding and the head may be left to the main model's.
 REQUIRED_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-SHAREABLE_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
 LAYER = re.compile(r"layers\.(\d+)\.")
 PREDICTOR_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(block\.)?")
 
