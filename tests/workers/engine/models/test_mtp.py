@@ -6,10 +6,12 @@ it. Also: its fused-ops path (in Triton's interpreter off CUDA), loading without
 as before, what is refused and how, and its FP8 form."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 if not torch.cuda.is_available():
@@ -62,9 +64,7 @@ def mtp_own_tensors(config: dict, layer: int, *, with_embedding_and_head: bool) 
     return {f"model.layers.{layer}.{name}": tensor for name, tensor in tensors.items()}
 
 
-def saved_tensors(model: nn.Module, directory) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def saved_tensors(model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
     model.save_pretrained(directory)
     return {
         name: tensor for path in sorted(directory.glob("*.safetensors")) for name, tensor in load_file(path).items()
