@@ -57,6 +57,13 @@ class MoeConfig:
     # then gate * sigmoid(swiglu_alpha * gate) * (up + 1). None: SiLU(gate) * up, no biases.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Per multi-token-prediction layer (ModelConfig.mtp_layers): whether it routes, as sparse_layers.
+    mtp_sparse_layers: tuple[bool, ...] = ()
+
+    def routes(self, layer: int) -> bool:
+        """Whether the checkpoint's layer `layer` routes: a served layer, or past them an MTP layer."""
+        served = len(self.sparse_layers)
+        return self.sparse_layers[layer] if layer < served else self.mtp_sparse_layers[layer - served]
 
     def validate(self) -> None:
         if self.num_experts < 1 or self.intermediate_size < 1:
@@ -167,9 +174,10 @@ class ModelConfig:
     # Multi-head latent attention (None: every head's keys and values are cached). With it, head_dim
     # is a query's and key's width (qk_nope_head_dim + qk_rope_head_dim) and num_kv_heads num_heads.
     mla: MlaConfig | None = None
-    # Layers a checkpoint holds past num_layers that are not served (DeepSeek-V3's multi-token
-    # prediction layers): their tensors are skipped on load.
-    unserved_layers: int = 0
+    # DeepSeek-V3's multi-token-prediction layers, which a checkpoint holds past num_layers
+    # (num_nextn_predict_layers): loaded into models.mtp's predictor where the loader is asked for
+    # it, else their tensors are skipped.
+    mtp_layers: int = 0
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:

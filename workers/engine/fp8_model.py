@@ -2,16 +2,19 @@
 (layers.fp8_linear.Fp8Linear, RoutedExperts.use_fp8) before their weights load or, for random
 weights, from the weights they hold.
 
-Quantized: the decoder layers' linear projections and routed experts. Kept in the model's dtype, as
-DeepSeek-V3's checkpoint keeps them: embeddings, norms, lm_head, routers (not nn.Linear modules) and
-Qwen2-MoE's shared-expert gate, plus MLA's kv_b_proj, which attention uses only in absorbed form
-(views of its weight multiplied per head, models.mla): a checkpoint's e4m3 kv_b_proj is dequantized
-at load into the model's dtype rather than quantizing those products.
+Quantized: the decoder layers' linear projections and routed experts, a multi-token-prediction
+layer's (models.mtp) as well: its decoder layer's and its eh_proj. Kept in the model's dtype, as
+DeepSeek-V3's checkpoint keeps them: embeddings, norms, lm_head and an MTP layer's shared_head.head,
+routers (not nn.Linear modules) and Qwen2-MoE's shared-expert gate, plus MLA's kv_b_proj, which
+attention uses only in absorbed form (views of its weight multiplied per head, models.mla): a
+checkpoint's e4m3 kv_b_proj is dequantized at load into the model's dtype rather than quantizing
+those products.
 
 A checkpoint saved in FP8 decides which of these it quantized: a part is converted only if every
 weight it holds (each of a fused projection's parts, each expert's) is saved in e4m3 and none is in
-modules_to_not_convert; any other e4m3 weight is dequantized into the model's dtype as it loads.
---quantization fp8 on a float checkpoint converts every one.
+modules_to_not_convert; any other e4m3 weight is dequantized into the model's dtype as it loads
+(DeepSeek-V3 saves its MTP layer's decoder layer in e4m3, its eh_proj in bf16). --quantization fp8 on
+a float checkpoint converts every one.
 """
 
 import torch
@@ -19,9 +22,11 @@ from torch import nn
 
 from workers.engine.layers.fp8_linear import Fp8Linear
 from workers.engine.layers.moe import EXPERT_PROJECTIONS, RoutedExperts
+from workers.engine.models.mtp import checkpoint_name
 from workers.engine.weights.quantization import Fp8Format
 
-KEPT_IN_MODEL_DTYPE = frozenset({"kv_b_proj", "shared_expert_gate"})
+# "head": an MTP layer's shared_head.head, an output head like lm_head.
+KEPT_IN_MODEL_DTYPE = frozenset({"kv_b_proj", "shared_expert_gate", "head"})
 # Our fused projections and the HF modules they stack.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -33,9 +38,11 @@ def convert_to_fp8(
     they hold (random ones), else the fp8 modules await load_weights. `saved_fp8`: the checkpoint's
     tensors saved in e4m3; only a part whose every weight is one is converted (None: every part)."""
     for name, module in list(model.named_modules()):
-        if not name.startswith("layers.") or not all(fmt.converts(hf) for hf in hf_module_names(name)):
+        # An MTP layer's modules under the checkpoint's names: model.layers.L past the served layers.
+        checkpoint = checkpoint_name(name, model.config.num_layers)
+        if not checkpoint.startswith("layers.") or not all(fmt.converts(hf) for hf in hf_module_names(checkpoint)):
             continue
-        if saved_fp8 is not None and not _saved_in_fp8(name, module, saved_fp8):
+        if saved_fp8 is not None and not _saved_in_fp8(checkpoint, module, saved_fp8):
             continue
         if isinstance(module, RoutedExperts):
             module.use_fp8(fmt.block, keep_weights=keep_weights)
@@ -58,8 +65,9 @@ def finish_fp8_loading(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def hf_module_names(name: str) -> list[str]:
-    """The HF modules whose weights our module `name` holds (a fused projection's parts; a shared
-    expert under the singular name Qwen2-MoE uses or the plural that DeepSeek and dots1 use)."""
+    """The HF modules whose weights our module `name` (its layer numbered as the checkpoint's) holds
+    (a fused projection's parts; a shared expert under the singular name Qwen2-MoE uses or the plural
+    that DeepSeek and dots1 use)."""
     parent, _, child = f"model.{name}".rpartition(".")
     names = [f"{parent}.{part}" for part in FUSED_PARTS.get(child, (child,))]
     return [

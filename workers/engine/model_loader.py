@@ -15,6 +15,7 @@ from kernels.quant.fp8_blocks import FP8
 from workers.engine.config import ModelConfig
 from workers.engine.fp8_model import convert_to_fp8, finish_fp8_loading
 from workers.engine.models.decoder import DecoderForCausalLM
+from workers.engine.models.mtp import MultiTokenPredictor
 from workers.engine.models.registry import family_of
 from workers.engine.weights import load_weights, resolve_model
 from workers.engine.weights.loader import float8_tensor_names
@@ -46,6 +47,7 @@ def load_model(
     max_model_len: int | None,
     tokenizer: str | os.PathLike | None = None,
     quantization: str | None = None,
+    with_mtp: bool = False,
 ) -> LoadedModel:
     """A model from a packaged name or HF directory (its weights), or from a config (random weights).
 
@@ -53,6 +55,8 @@ def load_model(
     weights are drawn from `seed`, which is how tests and GPU benchmarks build models offline.
     `quantization` ("fp8", EngineArgs.quantization) quantizes the weights at load; a checkpoint
     saved quantized (its config's quantization_config) is served as saved whatever it says.
+    `with_mtp` also builds and loads the checkpoint's multi-token-prediction layers as the model's
+    `mtp` (models.mtp; a speculative drafter's); without it they are skipped.
     """
     files = None
     if isinstance(source, dict):
@@ -72,6 +76,8 @@ def load_model(
     # twice its bf16 bytes at once (80 GB), more than an H100 holds.
     with torch.device(device), _default_dtype(dtype):
         model = family.model_class(config, max_positions=length)
+        if with_mtp:
+            model.mtp = MultiTokenPredictor(model)
     if files is not None and files.weight_files:
         if fmt is not None:
             saved_fp8 = float8_tensor_names(files) if fmt.saved else None

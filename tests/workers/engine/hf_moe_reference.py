@@ -102,7 +102,12 @@ TINY_MOE_CONFIGS = {
 
 
 def build_hf_moe_model(name: str, seed: int = 0) -> torch.nn.Module:
-    raw = dict(TINY_MOE_CONFIGS[name])
+    return build_hf_moe_model_from(TINY_MOE_CONFIGS[name], seed)
+
+
+def build_hf_moe_model_from(config_fields: dict, seed: int = 0) -> torch.nn.Module:
+    """A random-weight HF MoE model of a config dict that names its model_type, its routers decisive."""
+    raw = dict(config_fields)
     model_type = raw.pop("model_type")
     config = AutoConfig.for_model(model_type, **raw)
     config._attn_implementation = "sdpa"

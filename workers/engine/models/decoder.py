@@ -32,6 +32,7 @@ from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_route
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from workers.engine.models.mla import MLAAttention
+from workers.engine.models.mtp import REQUIRED_TENSORS, MultiTokenPredictor, predictor_name
 from workers.engine.weights.quantization import BlockQuantized
 from workers.protocol.errors import ModelLoadError
 
@@ -141,7 +142,7 @@ class MLP(nn.Module):
 def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
     """Layer `layer`'s MLP: dense, or a sparse MoE block where the config routes that layer."""
     moe = config.moe
-    if moe is None or not moe.sparse_layers[layer]:
+    if moe is None or not moe.routes(layer):
         return MLP(config.hidden_size, config.intermediate_size)
     shared = MLP(config.hidden_size, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
     return SparseMoeBlock(
@@ -225,10 +226,14 @@ class DecoderForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.fused_ops = False
+        # The checkpoint's multi-token-prediction layers (models.mtp), where the loader is asked for them.
+        self.mtp: MultiTokenPredictor | None = None
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Run layers through the fused Triton ops (CUDA) instead of the torch reference ops."""
         self.fused_ops = enabled
+        if self.mtp is not None:
+            self.mtp.fused_ops = enabled
 
     def forward(
         self,
@@ -278,6 +283,8 @@ class DecoderForCausalLM(nn.Module):
                         generators[device] = torch.Generator(device=device).manual_seed(seed)
                     values = torch.randn(param.shape, generator=generators[device], device=device)
                     param.copy_((values * self.config.initializer_range).to(param.dtype))
+        if self.mtp is not None:
+            self.mtp.share_main_weights(self, loaded=())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockQuantized]]) -> None:
         """Copy Hugging Face-named tensors into the fused layout; every parameter must be covered. A
@@ -288,7 +295,7 @@ class DecoderForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            if self._unserved(hf_name):
+            if self._skipped_mtp_layer(hf_name):
                 continue
             expert = EXPERT_TENSOR.fullmatch(hf_name)
             if expert is not None:
@@ -298,7 +305,7 @@ class DecoderForCausalLM(nn.Module):
             target = _map_hf_name(hf_name, self.config)
             if target is None:
                 continue
-            name, offset = target
+            name, offset = predictor_name(target[0], self.config.num_layers), target[1]
             module_name, _, param_name = name.rpartition(".")
             fp8 = modules.get(module_name)
             if isinstance(fp8, Fp8Linear) and param_name == "weight":
@@ -315,20 +322,39 @@ class DecoderForCausalLM(nn.Module):
         missing = sorted(self.expected_hf_names() - loaded)
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        if self.mtp is not None:
+            missing = sorted(_expected_mtp_names(self.config) - loaded)
+            if missing:
+                raise ModelLoadError(
+                    f"the config's num_nextn_predict_layers={self.config.mtp_layers} declares multi-token-prediction "
+                    f"layers whose tensors the checkpoint lacks: {len(missing)} of them, e.g. {missing[:3]}"
+                )
+            self.mtp.share_main_weights(self, loaded)
 
     def expected_hf_names(self) -> set[str]:
-        """The checkpoint tensors this model needs, by their Hugging Face names."""
+        """The checkpoint tensors this model needs, by their Hugging Face names (its MTP layers' aside)."""
         return _expected_hf_names(self.config)
 
-    def _unserved(self, hf_name: str) -> bool:
-        """A tensor of a layer the checkpoint holds past the served ones (ModelConfig.unserved_layers)."""
+    def _skipped_mtp_layer(self, hf_name: str) -> bool:
+        """A tensor of a multi-token-prediction layer (ModelConfig.mtp_layers) when none is built."""
         layer = LAYER_TENSOR.match(hf_name)
         num_layers = self.config.num_layers
-        return layer is not None and num_layers <= int(layer[1]) < num_layers + self.config.unserved_layers
+        return (
+            self.mtp is None and layer is not None and num_layers <= int(layer[1]) < num_layers + self.config.mtp_layers
+        )
+
+    def _decoder_layer(self, layer: int) -> nn.Module | None:
+        """The checkpoint's decoder layer `layer`: one of ours, or an MTP layer's block."""
+        if layer < len(self.layers):
+            return self.layers[layer]
+        if self.mtp is not None and layer in self.mtp.checkpoint_layers:
+            return self.mtp.layers[layer - self.mtp.first_layer].block
+        return None
 
     def _load_expert_weight(self, hf_name: str, match: re.Match, tensor: torch.Tensor) -> None:
         layer, expert, projection = int(match[1]), int(match[2]), match[3]
-        mlp = self.layers[layer].mlp if layer < len(self.layers) else None
+        decoder_layer = self._decoder_layer(layer)
+        mlp = decoder_layer.mlp if decoder_layer is not None else None
         if not isinstance(mlp, SparseMoeBlock):
             raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in this model: layer {layer} is dense")
         if isinstance(tensor, BlockQuantized) and not isinstance(mlp.experts, RoutedExperts):
@@ -369,6 +395,23 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         names.add("lm_head.weight")
+    for i in range(config.num_layers):
+        names.update(_expected_layer_names(config, i))
+    return names
+
+
+def _expected_mtp_names(config: ModelConfig) -> set[str]:
+    """An MTP layer's own tensors but its embedding and head, which may be left to the main model's,
+    and its decoder layer's."""
+    names = set()
+    for i in range(config.num_layers, config.num_layers + config.mtp_layers):
+        names.update(f"model.layers.{i}.{name}" for name in REQUIRED_TENSORS)
+        names.update(_expected_layer_names(config, i))
+    return names
+
+
+def _expected_layer_names(config: ModelConfig, layer: int) -> set[str]:
+    """Decoder layer `layer`'s tensors."""
     per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
     if config.mla is not None:
         per_layer += _expected_mla_names(config)
@@ -379,11 +422,9 @@ def _expected_hf_names(config: ModelConfig) -> set[str]:
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     dense = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-    for i in range(config.num_layers):
-        sparse = config.moe is not None and config.moe.sparse_layers[i]
-        feed_forward = _expected_moe_names(config) if sparse else dense
-        names.update(f"model.layers.{i}.{p}" for p in per_layer + feed_forward)
-    return names
+    sparse = config.moe is not None and config.moe.routes(layer)
+    feed_forward = _expected_moe_names(config) if sparse else dense
+    return {f"model.layers.{layer}.{p}" for p in per_layer + feed_forward}
 
 
 def _expected_mla_names(config: ModelConfig) -> list[str]:

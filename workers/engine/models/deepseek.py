@@ -3,8 +3,8 @@ first layers dense. Their configs read as transformers reads them, its defaults 
 
 V2 routes by softmax (plain or group-limited top-k, times routed_scaling_factor, never renormalised);
 V3 by sigmoid within the best groups, chosen with a correction bias ("noaux_tc"). V3 checkpoints
-also hold the multi-token-prediction layers past num_hidden_layers (num_nextn_predict_layers), which
-are not served."""
+also hold the multi-token-prediction layers past num_hidden_layers (num_nextn_predict_layers): the
+loader skips them unless asked for them (models.mtp)."""
 
 from typing import Any, ClassVar
 
@@ -96,6 +96,8 @@ class _DeepSeek(DecoderFamily):
             intermediate_size=intermediate,
             norm_topk_prob=norm_topk_prob,
             sparse_layers=tuple(i >= first_sparse for i in range(num_layers)),
+            # The multi-token-prediction layers, numbered after the served ones, route by the same rule.
+            mtp_sparse_layers=tuple(i >= first_sparse for i in range(num_layers, num_layers + self.mtp_layers(hf))),
             routed_scaling_factor=float(hf["routed_scaling_factor"]),
             shared_intermediate_size=intermediate * int(hf["n_shared_experts"]),
             **self.routing(hf),
@@ -178,7 +180,7 @@ class DeepseekV3(_DeepSeek):
     def rope_interleave(self, hf: dict[str, Any]) -> bool:
         return bool(hf["rope_interleave"])
 
-    def unserved_layers(self, hf: dict[str, Any]) -> int:
+    def mtp_layers(self, hf: dict[str, Any]) -> int:
         return int(hf.get("num_nextn_predict_layers") or 0)
 
     def routing(self, hf: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,7 @@ class DecoderFamily:
                 initializer_range=float(hf.get("initializer_range", 0.02)),
                 moe=self.moe_config(hf, num_layers),
                 mla=self.mla_config(hf),
-                unserved_layers=self.unserved_layers(hf),
+                mtp_layers=self.mtp_layers(hf),
             )
         except KeyError as missing:
             raise ModelLoadError(f"model config lacks required field {missing}") from None
@@ -62,8 +62,8 @@ class DecoderFamily:
     def num_kv_heads(self, hf: dict[str, Any], num_heads: int) -> int:
         return int(hf.get("num_key_value_heads") or num_heads)
 
-    def unserved_layers(self, hf: dict[str, Any]) -> int:
-        """Layers past num_hidden_layers that a checkpoint of this family holds and nobody serves."""
+    def mtp_layers(self, hf: dict[str, Any]) -> int:
+        """The multi-token-prediction layers a checkpoint of this family holds past num_hidden_layers."""
         return 0
 
     def head_dim(self, hf: dict[str, Any], hidden_size: int, num_heads: int) -> int:

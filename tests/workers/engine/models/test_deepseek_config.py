@@ -78,6 +78,7 @@ def test_v3_reads_as_mla_with_grouped_sigmoid_routing():
     config = model_config(V3)
 
     assert config.family == "deepseek_v3"
+    assert config.mtp_layers == 1
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (128, 128, 192)
     assert config.mla.q_lora_rank == 1536
     assert config.mla.rope_interleave is True
@@ -89,6 +90,8 @@ def test_v3_reads_as_mla_with_grouped_sigmoid_routing():
         routing="grouped_sigmoid",
         norm_topk_prob=True,
         sparse_layers=(False, False, False, True),
+        # The MTP layer (num_nextn_predict_layers), routed as a fifth layer would be.
+        mtp_sparse_layers=(True,),
         num_groups=8,
         topk_groups=4,
         routed_scaling_factor=2.5,
