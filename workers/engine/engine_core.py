@@ -19,6 +19,7 @@ from workers.engine.kv_handoff import KVHandoff
 from workers.engine.outputs import RequestDelta
 from workers.engine.parallel.placement import Placement
 from workers.engine.resumption import ResumeStats
+from workers.engine.spec.stats import SpecStats
 from workers.engine.step_stats import StepStats
 from workers.kvstore.store import KVStore
 from workers.protocol.engine_request import EngineRequest
@@ -79,6 +80,7 @@ class EngineStats:
     cost_model_error: tuple[float, float] = (0.0, 0.0)
     steps: StepStats | None = None  # the engine's step times and tokens since start
     swa: SwaStats | None = None  # a model with sliding-window layers: its SWA state since start
+    spec: SpecStats | None = None  # speculative decoding's drafts and acceptance since start; None: off
 
 
 class EngineCore(ABC):
