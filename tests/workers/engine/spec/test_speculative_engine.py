@@ -125,9 +125,7 @@ def looping_params(tokenizer, max_tokens: int, **fields) -> SamplingParams:
     """Greedy over a handful of words (a logit bias lifts them far above the rest): the tiny model
     loops through them, so drafts are accepted and stop strings can be found inside accepted runs."""
     words = [tokenizer.encode(word)[0] for word in (" red", " green", " blue", " red green")]
-    return SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, logit_bias={token: 30.0 for token in words}, **fields
-    )
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias={token: 30.0 for token in words}, **fields)
 
 
 def test_stop_strings_and_end_of_sequence_inside_accepted_runs_end_as_without_speculation(text_pair):
@@ -142,7 +140,9 @@ def test_stop_strings_and_end_of_sequence_inside_accepted_runs_end_as_without_sp
         looping_params(tokenizer, 48, stop=[stops[0]]),
         looping_params(tokenizer, 48, stop=[stops[1]], include_stop_str_in_output=True),
         # End of sequence as likely as the words: it ends the output wherever the model picks it.
-        SamplingParams(temperature=0.0, max_tokens=48, logit_bias={**looping_params(tokenizer, 1).logit_bias, eos: 30.0}),
+        SamplingParams(
+            temperature=0.0, max_tokens=48, logit_bias={**looping_params(tokenizer, 1).logit_bias, eos: 30.0}
+        ),
         looping_params(tokenizer, 48, ignore_eos=True),
     ]
 
@@ -165,7 +165,9 @@ def test_seeded_sampled_requests_give_the_same_tokens_alone_in_a_batch_and_witho
     base, spec = pair(kv_cache_bytes=1 << 24)
     prompts = repeating_prompts(8, seed=4)
     # Biased towards the prompt's own tokens, so sampled continuations repeat it and drafts are accepted.
-    params = [sampled(100 + i, logit_bias={t: 4.0 for t in set(p)}, frequency_penalty=0.2) for i, p in enumerate(prompts)]
+    params = [
+        sampled(100 + i, logit_bias={t: 4.0 for t in set(p)}, frequency_penalty=0.2) for i, p in enumerate(prompts)
+    ]
 
     alone = [spec.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
     together = token_ids(spec.generate(prompts, params))
@@ -227,13 +229,13 @@ def test_sampled_tokens_keep_the_target_distribution_at_every_position(fields):
     without = draws(base, 0)
     with_spec = draws(spec, DRAWS)
 
-    stats = spec.engine.stats().spec
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     for position in range(1, 5):  # the first token comes from the prompt's step, which never drafts
         statistic, degrees = chi_square_homogeneity(
             Counter(t[position] for t in without), Counter(t[position] for t in with_spec)
         )
         assert statistic < chi_square_critical(degrees), (position, statistic, degrees)
+    stats = spec.engine.stats().spec
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 @pytest.mark.parametrize(
