@@ -4,7 +4,9 @@ Two paths, chosen by the attention backend:
 - The reference path (torch backends; the CPU default) builds the step's tensors from lists and
   pads every matmul's row count to at least `min_invariant_rows()` on the CPU, past the size at
   which the BLAS switches kernels for small matrices; with the blockwise backend this makes results
-  batch-invariant. Logits are computed for the rows that sample.
+  batch-invariant. Logits are computed for the rows that sample: a request that verifies drafts
+  samples at each of them and after the last, and keeps the drafts its samples agree with
+  (runner.verify). Only this path verifies drafts.
 - The device path (the Triton backend; the CUDA default) keeps a persistent input batch (block
   tables on the device, one host-to-device copy of a packed step buffer per step), runs the fused
   Triton layer ops, samples on the device, and replays the whole decode step from CUDA graphs per

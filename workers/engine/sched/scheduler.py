@@ -9,9 +9,12 @@ fair share of their tenants (see waiting). A hybrid model's hit may replay its w
 (kv.window_replay): the request then starts computing at the replay's start. While the next waiting
 request is another tenant's, the running prefills of other tenants leave it the tokens it needs in
 the step (up to the whole budget), so its first token waits for the step in progress, not for the
-rest of a long prompt. When pages run out, the most recently admitted running request is preempted:
-its pages are freed and it goes back to the front of the queue to be recomputed later. The scheduler
-moves request objects and lists of ints; it never touches tensors.
+rest of a long prompt. With speculative decoding (spec.speculator), a running request's decode also
+computes the tokens drafted after its last one, within the step's tokens and the request's
+max_tokens, and its pages cover them; verification keeps the accepted ones. When pages run out, the
+most recently admitted running request is preempted: its pages are freed and it goes back to the
+front of the queue to be recomputed later. The scheduler moves request objects and lists of ints; it
+never touches tensors.
 """
 
 import time
