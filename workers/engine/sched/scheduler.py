@@ -87,7 +87,9 @@ class Scheduler:
             if count > 1 and reserve and request.tenant != next_waiting.tenant:
                 count = max(0, min(count, budget - reserve))
             if count == 1 and request.output_token_ids and self.speculator is not None:
-                request.draft_token_ids = self.speculator.draft(request, budget - 1).token_ids
+                # Drafts leave a token for every running request after this one.
+                room = budget - 1 - (len(self.running) - index - 1)
+                request.draft_token_ids = self.speculator.draft(request, room).token_ids
                 count += len(request.draft_token_ids)
             if count and time_left is not None:
                 count = self._fit(time_left, request, count, first=not plan)

@@ -38,8 +38,10 @@ def greedy(max_tokens: int, **fields) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **fields)
 
 
-def test_greedy_tokens_are_the_same_with_lengths_ending_inside_accepted_runs():
-    base, spec = pair(kv_cache_bytes=1 << 24)
+# A dense model, and one with sliding-window layers beside full ones (a window group of pages).
+@pytest.mark.parametrize("model", ["llama", "qwen3_qknorm_layer_types"])
+def test_greedy_tokens_are_the_same_with_lengths_ending_inside_accepted_runs(model):
+    base, spec = pair(TINY_CONFIGS[model], kv_cache_bytes=1 << 24)
     prompts = repeating_prompts(12)
     params = [greedy(7 + 5 * i) for i in range(12)]
 
