@@ -2,6 +2,7 @@
 emits without speculation (greedy, and seeded sampled requests), through stops, lengths, aborts,
 preemption and prefix hits; sampled output keeps the target's distribution; bad settings are refused."""
 
+import argparse
 import math
 import random
 from collections import Counter
@@ -9,7 +10,7 @@ from collections import Counter
 import pytest
 
 from tests.workers.engine.hf_reference import TINY_CONFIGS
-from workers.args import EngineArgs
+from workers.args import EngineArgs, add_engine_arguments
 from workers.engine import LLM, SamplingParams
 from workers.protocol.engine_request import EngineRequest
 
@@ -268,3 +269,21 @@ def test_bad_settings_are_refused_naming_the_setting(settings, named):
 def test_choices_not_built_yet_are_refused_at_start_naming_the_setting(settings, named):
     with pytest.raises(ValueError, match=named):
         LLM(CONFIG, seed=0, num_pages=8, **settings)
+
+
+def test_the_settings_are_command_line_options():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    argv = ["--model", "x", "--spec-method", "ngram", "--spec-max-draft-tokens", "3", "--spec-min-confidence", "0.4"]
+
+    args = EngineArgs.from_namespace(parser.parse_args(argv))
+
+    assert (args.spec_method, args.spec_max_draft_tokens, args.spec_budget, args.spec_min_confidence) == (
+        "ngram",
+        3,
+        "fixed",
+        0.4,
+    )
+    assert args.to_argv() == ["--model=x", *[f"{a}={b}" for a, b in zip(argv[2::2], argv[3::2])]]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "x", "--spec-method", "medusa"])
