@@ -30,6 +30,9 @@ SWA_REPLAYS = ("approximate", "exact")  # see workers.engine.kv.window_replay
 QUANTIZATIONS = ("fp8",)
 # KV cache storage: auto keeps the model's dtype; fp8 stores e4m3 values with scales beside them.
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Speculative decoding: where drafts come from (workers.engine.spec), and how many each step verifies.
+SPEC_METHODS = ("none", "ngram", "draft", "mtp")
+SPEC_BUDGETS = ("fixed", "dspark")
 # Host memory for SWA state: at tens to hundreds of KiB a block, thousands of prefix ends' windows.
 SWA_STATE_BYTES = 1 << 30
 
@@ -157,6 +160,22 @@ class EngineArgs:
         "(CUDA IPC between GPU processes, shared memory between CPU ones; the KV cache is allocated "
         "shareable), other hosts get it as frames over ZMQ; zmq: always as frames through host memory",
     )
+    spec_method: str = setting(
+        "none",
+        choices=SPEC_METHODS,
+        help="speculative decoding's drafter: ngram proposes the tokens that followed the last earlier "
+        "occurrence of the request's latest tokens (prompt lookup); none decodes one token per step",
+    )
+    spec_max_draft_tokens: int = setting(5, help="draft tokens a request verifies per step at most (K)")
+    spec_budget: str = setting(
+        "fixed",
+        choices=SPEC_BUDGETS,
+        help="how many drafts each step verifies: fixed verifies every draft up to --spec-max-draft-tokens",
+    )
+    spec_min_confidence: float = setting(
+        0.0,
+        help="a draft stops at the first token whose cumulative drafter probability falls below this, in [0, 1]",
+    )
     ep_size: int = setting(
         1,
         help="expert-parallel ranks: processes that serve a mixture-of-experts model as one worker (attention "
@@ -169,6 +188,7 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        self._check_speculation()
         if self.ep_size < 1:
             raise ValueError(f"ep_size must be at least 1, got {self.ep_size}")
         if self.ep_slots_per_rank is not None and (self.ep_slots_per_rank < 1 or self.ep_size == 1):
@@ -210,6 +230,18 @@ class EngineArgs:
             raise ValueError(f"kv_store_max_retained_tokens must be >= 0, got {self.kv_store_max_retained_tokens}")
         if not (math.isfinite(self.kv_store_max_retention_s) and self.kv_store_max_retention_s >= 0):
             raise ValueError(f"kv_store_max_retention_s must be >= 0 and finite, got {self.kv_store_max_retention_s}")
+
+    def _check_speculation(self) -> None:
+        if self.spec_method not in SPEC_METHODS:
+            raise ValueError(f"unknown spec_method {self.spec_method!r}; choose from {list(SPEC_METHODS)}")
+        if self.spec_budget not in SPEC_BUDGETS:
+            raise ValueError(f"unknown spec_budget {self.spec_budget!r}; choose from {list(SPEC_BUDGETS)}")
+        if self.spec_max_draft_tokens < 1:
+            raise ValueError(f"spec_max_draft_tokens must be >= 1, got {self.spec_max_draft_tokens}")
+        if not 0 <= self.spec_min_confidence <= 1:
+            raise ValueError(f"spec_min_confidence must be in [0, 1], got {self.spec_min_confidence}")
+        if self.spec_method != "none" and self.ep_size > 1:
+            raise ValueError(f"spec_method {self.spec_method!r} needs ep_size 1 (not built for expert parallelism yet)")
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> "EngineArgs":

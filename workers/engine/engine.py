@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
+from itertools import groupby
+from operator import attrgetter
 
 import torch
 
@@ -43,6 +45,8 @@ from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.sizing.kv_sizing import kv_cache_size
+from workers.engine.spec.speculator import speculator_for
+from workers.engine.spec.stats import SpecDecodeStats
 from workers.engine.step_stats import StepStats
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.kvstore.block_hash import kv_model_id, namespace_extra
@@ -143,12 +147,22 @@ class LLMEngine(EngineCore):
         )
         # A hybrid model's SWA state and replays (kv.swa_stats); None for a model without windows.
         self.swa_stats = SwaStats() if len(specs.groups) > 1 else None
+        speculator = speculator_for(config.args)
+        if speculator is not None and self.runner.batch is not None:
+            raise ValueError(
+                f"spec_method {config.args.spec_method!r} runs on the reference path only (torch attention "
+                f"backends) for now, not with attention_backend {self.runner.backend.name!r}"
+            )
+        self.spec_stats = None
+        if speculator is not None:
+            self.spec_stats = SpecDecodeStats(config.args.spec_method, config.args.spec_max_draft_tokens)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.args.max_num_seqs,
             max_num_batched_tokens=config.args.max_num_batched_tokens,
             step_budget=self.step_budget,
             swa_stats=self.swa_stats,
+            speculator=speculator,
         )
         self.prediction_errors = PredictionErrorTracker() if config.cost_model is not None else None
         self.step_stats = StepStats()
@@ -521,19 +535,35 @@ class LLMEngine(EngineCore):
             stepped = [self.requests[request_id] for request_id in output.request_ids if request_id in self.requests]
             for connector in self.savers:
                 connector.save(stepped)
+        if output.draft_token_ids:
+            self._keep_accepted(output, result.num_accepted)
         deltas = []
-        for sampled in result.sampled:
-            request = self.requests.get(sampled.request_id)
+        for request_id, sampled in groupby(result.sampled, key=attrgetter("request_id")):
+            request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # finished or aborted since the step was launched: its token is dropped
             was_pending = request.has_pending_token
             if was_pending:
                 request.output_token_ids.pop()  # the sampled id takes the pending token's place
-            deltas.append(self._update(sampled))
+            deltas.append(self._update(request, list(sampled)))
             if was_pending and not request.is_finished:
                 # Pages that filled while the token was pending can be keyed now.
                 self.block_manager.cache_full_pages(request)
         return deltas
+
+    def _keep_accepted(self, output: SchedulerOutput, num_accepted: dict[str, int]) -> None:
+        """Count the step's verified drafts, and take each request's rejected drafts back out of its
+        computed tokens: their KV slots (in pages the request keeps, as room for its next drafts) are
+        written over by the tokens that take their positions. The scheduler keyed only pages of known
+        tokens, which drafts are not, so no page holding a draft's KV was keyed."""
+        verified = [len(drafts) for drafts in output.draft_token_ids.values()]
+        self.spec_stats.record_step(verified, [num_accepted[request_id] for request_id in output.draft_token_ids])
+        for request_id, drafts in output.draft_token_ids.items():
+            accepted = num_accepted[request_id]
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_computed_tokens -= len(drafts) - accepted
+                request.draft_token_ids = []
 
     def _can_defer(self, output: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before this one's tokens are read: not for a prefill
@@ -599,12 +629,12 @@ class LLMEngine(EngineCore):
             resume=self.resume_stats,
             cost_model_error=self.prediction_errors.percentiles() if self.prediction_errors else (0.0, 0.0),
             steps=self.step_stats,
+            spec_decode=self.spec_stats,
         )
 
-    def _update(self, sampled: SampledToken) -> RequestDelta:
-        """Append a sampled token to its request (see OutputProcessor.process); release it when
-        finished, or fail it alone when processing its token raised."""
-        request = self.requests[sampled.request_id]
+    def _update(self, request: Request, sampled: list[SampledToken]) -> RequestDelta:
+        """Append a step's sampled tokens to their request (see OutputProcessor.process); release it
+        when finished, or fail it alone when processing its tokens raised."""
         if request.resumed_at:
             self.resume_stats.first_token(request)
         try:

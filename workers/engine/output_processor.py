@@ -41,11 +41,28 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self.texts.pop(request_id, None)
 
-    def process(self, request: Request, sampled: SampledToken) -> RequestDelta:
-        """Append a sampled token to its request and finish the request when the token ends it.
+    def process(self, request: Request, sampled: list[SampledToken]) -> RequestDelta:
+        """Append a step's sampled tokens (one, or several when it verified drafts) to their request, in
+        order, until one ends it: the tokens after that one are dropped, as decoding one token per step
+        would never have sampled them.
 
         What can fail for one request (its constraint: ConstraintError; its detokenization) runs
         before the token joins the request; the engine then fails that request (fail_request)."""
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        for token in sampled:
+            self._append(request, token)
+            token_ids.append(token.token_id)
+            if token.logprobs is not None:
+                logprobs.append(token.logprobs)
+            if request.is_finished:
+                break
+        # Output tokens survive preemption, so the first one is produced exactly once.
+        first = len(request.output_token_ids) == len(token_ids) and request.prompt_logprobs is not None
+        return self.delta(request, token_ids, logprobs, request.prompt_token_logprobs if first else None)
+
+    def _append(self, request: Request, sampled: SampledToken) -> None:
+        """Append one sampled token and finish the request when the token ends it."""
         token = sampled.token_id
         if request.constraint is not None:
             request.constraint.advance(token)
@@ -55,8 +72,8 @@ class OutputProcessor:
         request.output_token_ids.append(token)
         if not request.first_token_at:
             request.first_token_at = time.monotonic()
-        logprobs = [sampled.logprobs] if sampled.logprobs is not None else []
-        request.logprobs.extend(logprobs)
+        if sampled.logprobs is not None:
+            request.logprobs.append(sampled.logprobs)
         params = request.params
         if token in params.stop_token_ids:
             request.finish(FinishReason.STOP, token)
@@ -70,10 +87,6 @@ class OutputProcessor:
             request.finish(FinishReason.LENGTH)
         elif request.prefill_only:
             request.finish(FinishReason.TRANSFER)
-
-        # Output tokens survive preemption, so the first one is produced exactly once.
-        first = len(request.output_token_ids) == 1 and request.prompt_logprobs is not None
-        return self.delta(request, [token], logprobs, request.prompt_token_logprobs if first else None)
 
     def failed(self, request: Request, failure: RequestFailure) -> RequestDelta:
         """The last delta of a request that failed: no tokens, and none of its held-back text (the

@@ -121,6 +121,9 @@ class Request:
     num_pages_sent: int = -1
     # A vision-language model's prompt images; None for a text prompt.
     images: PromptImages | None = None
+    # Speculative tokens the scheduled step verifies after the request's last token (spec.speculator);
+    # they are not its tokens: the step's verification keeps those the model agrees with.
+    draft_token_ids: list[int] = field(default_factory=list)
     # Hashes of the request's full pages, in order; the chain continues from the last.
     page_hashes: list[BlockHash] = field(default_factory=list)
     # The replay of its sliding windows after its prefix hit, if it needed one (kv.window_replay).
@@ -213,6 +216,7 @@ class Request:
         self.num_computed_tokens = 0
         self.pages = []
         self.num_pages_sent = -1
+        self.draft_token_ids = []
         self.page_hashes = []
         self.window_replay = None
         self.num_preemptions += 1

@@ -4,7 +4,9 @@ Two paths, chosen by the attention backend:
 - The reference path (torch backends; the CPU default) builds the step's tensors from lists and
   pads every matmul's row count to at least `min_invariant_rows()` on the CPU, past the size at
   which the BLAS switches kernels for small matrices; with the blockwise backend this makes results
-  batch-invariant. Logits are computed for the rows that sample.
+  batch-invariant. Logits are computed for the rows that sample: a request that verifies drafts
+  samples at each of them and after the last, and keeps the drafts its samples agree with
+  (runner.verify). Only this path verifies drafts.
 - The device path (the Triton backend; the CUDA default) keeps a persistent input batch (block
   tables on the device, one host-to-device copy of a packed step buffer per step), runs the fused
   Triton layer ops, samples on the device, and replays the whole decode step from CUDA graphs per
@@ -26,7 +28,7 @@ work for them.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,7 +42,8 @@ from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
-from workers.engine.sample.sampler import Sampler, SamplingBatch, token_logprobs
+from workers.engine.runner.verify import num_rows, sample_and_verify
+from workers.engine.sample.sampler import Sampler, token_logprobs
 from workers.engine.sched.output import SchedulerOutput
 from workers.protocol.images import ImageEmbeddings
 from workers.protocol.logprobs import TokenLogprobs
@@ -70,8 +73,11 @@ class PromptLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
+    # In batch order; a request that verified drafts has one per token it emits, consecutive.
     sampled: list[SampledToken]
     prompt_logprobs: list[PromptLogprobs]
+    # Of the requests that verified drafts, how many of its drafts each accepted.
+    num_accepted: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -342,13 +348,24 @@ class ModelRunner:
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.sample]
         if not sampling:
             return StepOutput(sampled=[], prompt_logprobs=prompt_logprobs)
-        logits = self._logits(hidden, [metadata.query_start[i + 1] - 1 for i, _ in sampling])
-        result = self.sampler(logits, _sampling_batch([s.state for _, s in sampling]))
+        # The last rows of each sampling sequence: its last token's, or with drafts, theirs too.
+        rows = [
+            row
+            for i, s in sampling
+            for row in range(metadata.query_start[i + 1] - num_rows(s), metadata.query_start[i + 1])
+        ]
+        verified = sample_and_verify(self.sampler, self._logits(hidden, rows), [s for _, s in sampling])
         sampled = [
             SampledToken(s.state.request_id, token, logprobs)
-            for (_, s), token, logprobs in zip(sampling, result.token_ids, result.logprobs, strict=True)
+            for (_, s), result in zip(sampling, verified, strict=True)
+            for token, logprobs in zip(result.token_ids, result.logprobs, strict=True)
         ]
-        return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
+        num_accepted = {
+            s.state.request_id: result.num_accepted
+            for (_, s), result in zip(sampling, verified, strict=True)
+            if s.draft_token_ids
+        }
+        return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs, num_accepted=num_accepted)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of the given hidden rows; padded like the model's matmuls, for batch invariance."""
@@ -375,15 +392,6 @@ def embeddings_tensor(image: ImageEmbeddings) -> torch.Tensor:
     """An image's embeddings (checked at admission) as a [num_tokens, hidden] tensor, a copy."""
     dtype = getattr(torch, image.dtype)
     return torch.frombuffer(bytearray(image.data), dtype=dtype).reshape(image.shape)
-
-
-def _sampling_batch(states: Sequence[RequestState]) -> SamplingBatch:
-    return SamplingBatch(
-        params=[s.params for s in states],
-        prompt_token_ids=[s.prompt_token_ids for s in states],
-        output_token_ids=[s.output_token_ids for s in states],
-        allowed_tokens=[s.constraint.allowed_tokens() if s.constraint else None for s in states],
-    )
 
 
 class _PinnedOutputs:

@@ -6,7 +6,7 @@ Per step, `scheduled` pairs each of the step's sequences with its state: what th
 and the host-driven sampler read.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine.request import PromptImages, WindowReplay, token_slice
@@ -45,12 +45,14 @@ class RequestState:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSequence:
-    """One sequence of a step, with its state: the tokens it computes from `start`."""
+    """One sequence of a step, with its state: the tokens it computes from `start`, the last of them
+    `draft_token_ids` (speculative tokens it verifies, not yet its own)."""
 
     state: RequestState
     token_ids: list[int]
     start: int
     sample: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_logprobs(self) -> int | None:
@@ -103,5 +105,10 @@ class RequestStates:
             output.request_ids, output.num_scheduled_tokens, output.num_computed_tokens, output.sample, strict=True
         ):
             state = self.states[request_id]
-            sequences.append(ScheduledSequence(state, state.token_slice(start, start + count), start, sample))
+            drafts = output.draft_token_ids.get(request_id)
+            if drafts:
+                tokens = state.token_slice(start, start + count - len(drafts)) + drafts
+                sequences.append(ScheduledSequence(state, tokens, start, sample, drafts))
+            else:
+                sequences.append(ScheduledSequence(state, state.token_slice(start, start + count), start, sample))
         return sequences

@@ -57,6 +57,9 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     # Of the others, the pages each was given since the runner last heard of it (absent: none).
     new_block_ids: dict[str, BlockIds] = field(default_factory=dict)
+    # Of the sampling requests, the draft tokens each verifies after its last token (absent: none);
+    # they are the last of its scheduled tokens.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Slots past each scheduled token that its pages already cover (for speculative tokens).
     num_lookahead_tokens: int = 0
     # Requests that lost their pages this step; they come back as new requests.

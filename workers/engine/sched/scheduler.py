@@ -9,9 +9,12 @@ fair share of their tenants (see waiting). A hybrid model's hit may replay its w
 (kv.window_replay): the request then starts computing at the replay's start. While the next waiting
 request is another tenant's, the running prefills of other tenants leave it the tokens it needs in
 the step (up to the whole budget), so its first token waits for the step in progress, not for the
-rest of a long prompt. When pages run out, the most recently admitted running request is preempted:
-its pages are freed and it goes back to the front of the queue to be recomputed later. The scheduler
-moves request objects and lists of ints; it never touches tensors.
+rest of a long prompt. With speculative decoding (spec.speculator), a running request's decode also
+computes the tokens drafted after its last one, within the step's tokens and the request's
+max_tokens, and its pages cover them; verification keeps the accepted ones. When pages run out, the
+most recently admitted running request is preempted: its pages are freed and it goes back to the
+front of the queue to be recomputed later. The scheduler moves request objects and lists of ints; it
+never touches tensors.
 """
 
 import time
@@ -23,8 +26,9 @@ from workers.engine.kv.block_manager import BlockManager
 from workers.engine.kv.swa_stats import SwaStats
 from workers.engine.request import Request, RequestStatus
 from workers.engine.sched.output import NewRequestData, SchedulerOutput
-from workers.engine.sched.step_budget import StepBudget
+from workers.engine.sched.step_budget import StepBudget, StepTimeLeft
 from workers.engine.sched.waiting import WaitingQueue
+from workers.engine.spec.speculator import Speculator
 from workers.kvstore.block_hash import BlockHash
 
 
@@ -38,15 +42,19 @@ class Scheduler:
         step_budget: StepBudget | None = None,
         num_lookahead_tokens: int = 0,
         swa_stats: SwaStats | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """`step_budget`, when given, also caps each step by predicted time (see step_budget);
         `num_lookahead_tokens` more slots past every scheduled token are covered by pages (room for
-        speculative tokens); `swa_stats` counts a hybrid model's window replays (the engine's)."""
+        speculative tokens); `swa_stats` counts a hybrid model's window replays (the engine's);
+        `speculator`, when given, drafts tokens that each decode step verifies after its token (they
+        are scheduled, and given pages, like the tokens they may become)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_budget = step_budget
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.speculator = speculator
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_admitted_prompt_tokens = 0
@@ -78,8 +86,13 @@ class Scheduler:
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if count > 1 and reserve and request.tenant != next_waiting.tenant:
                 count = max(0, min(count, budget - reserve))
+            if count == 1 and request.output_token_ids and self.speculator is not None:
+                # Drafts leave a token for every running request after this one.
+                room = budget - 1 - (len(self.running) - index - 1)
+                request.draft_token_ids = self.speculator.draft(request, room).token_ids
+                count += len(request.draft_token_ids)
             if count and time_left is not None:
-                count = time_left.fit(count, request.num_computed_tokens, first=not plan)
+                count = self._fit(time_left, request, count, first=not plan)
             if not count:
                 # Nothing to compute: with async scheduling, a request whose last sampled token is
                 # still on its way (and ends it) waits for it.
@@ -176,6 +189,16 @@ class Scheduler:
         return output
 
     @staticmethod
+    def _fit(time_left: StepTimeLeft, request: Request, count: int, *, first: bool) -> int:
+        """What of `count` tokens fits the step's time; a drafting decode keeps its token and as many
+        drafts as fit."""
+        granted = time_left.fit(count, request.num_computed_tokens, first=first)
+        if request.draft_token_ids:
+            granted = granted or time_left.fit(1, request.num_computed_tokens, first=first)
+            request.draft_token_ids = request.draft_token_ids[: granted - 1]
+        return granted
+
+    @staticmethod
     def _with_fetched_blocks(
         request: Request, cached: tuple[list[int], list[BlockHash]]
     ) -> tuple[tuple[list[int], list[BlockHash]], LoadedBlocks | None]:
@@ -214,7 +237,9 @@ class Scheduler:
         output.request_ids.append(request.request_id)
         output.num_scheduled_tokens.append(count)
         output.num_computed_tokens.append(start)
-        output.sample.append(start + count == request.num_tokens)
+        output.sample.append(start + count - len(request.draft_token_ids) == request.num_tokens)
+        if request.draft_token_ids:
+            output.draft_token_ids[request.request_id] = request.draft_token_ids
         tables = [self.block_manager.pages_of(request, group) for group in range(len(self.block_manager.pools))]
         if request.num_pages_sent < 0:
             output.new_requests.append(

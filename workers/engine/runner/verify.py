@@ -1,0 +1,66 @@
+"""Verification of drafted tokens: the target samples every position of a sequence's draft, and the
+draft is kept up to its first token the target did not sample.
+
+A sequence that verifies d drafts has d + 1 rows of logits: row j scores the token after its tokens
+and drafts[:j]. Each row is sampled as the Sampler samples any row, with row j's history (what
+penalties count, and the step index that keys a seeded request's noise) extended by drafts[:j]. The
+emitted tokens are the samples up to and including the first that differs from its draft (or the
+bonus sample after the last draft, when every draft matched).
+
+This is exact rejection sampling (Leviathan et al.) for a point-mass draft x: the draft is accepted
+exactly when the target's sample is x, with probability p(x), and when it is not, the sample is the
+target's distribution with x removed and renormalised. So the output is distributed as without
+speculation, and more: a sample at a given position is the draw that position gets without
+speculation (the same noise, keyed by the request's seed and step index, from the same processed
+logits, since the history before it is the same), so greedy and seeded requests emit exactly the
+tokens they would one token per step, alone or in any batch.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.runner.request_states import ScheduledSequence
+from workers.engine.sample.sampler import Sampler, SamplingBatch
+from workers.protocol.logprobs import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """What one sequence emits: its accepted drafts, then the target's own token."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per token; None where the request asked for none
+    num_accepted: int
+
+
+def num_rows(sequence: ScheduledSequence) -> int:
+    """Rows of logits a sampling sequence needs: one per draft, plus the one after them."""
+    return len(sequence.draft_token_ids) + 1
+
+
+def sample_and_verify(sampler: Sampler, logits: torch.Tensor, sequences: Sequence[ScheduledSequence]) -> list[Verified]:
+    """`logits`: the rows of every sequence (num_rows each), in order."""
+    params, prompts, outputs, allowed = [], [], [], []
+    for sequence in sequences:
+        state = sequence.state
+        drafts = sequence.draft_token_ids
+        for j in range(len(drafts) + 1):
+            params.append(state.params)
+            prompts.append(state.prompt_token_ids)
+            outputs.append(state.output_token_ids + drafts[:j] if j else state.output_token_ids)
+            # Constrained requests do not draft (spec.speculator): one row, masked by their constraint.
+            allowed.append(state.constraint.allowed_tokens() if state.constraint else None)
+    result = sampler(logits, SamplingBatch(params, prompts, outputs, allowed))
+    verified = []
+    row = 0
+    for sequence in sequences:
+        drafts = sequence.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and result.token_ids[row + accepted] == drafts[accepted]:
+            accepted += 1
+        emitted = slice(row, row + accepted + 1)
+        verified.append(Verified(result.token_ids[emitted], result.logprobs[emitted], accepted))
+        row += len(drafts) + 1
+    return verified

@@ -1,0 +1,42 @@
+"""What a drafter is, and the drafts one step verifies.
+
+A drafter proposes, for one request, up to k tokens that may follow its tokens so far, each with the
+drafter's probability of that token. Verification (workers.engine.runner.verify) treats every draft
+as a point mass: the drafter chose its tokens deterministically, whatever probability it reports. The
+probabilities are confidences, for cutting drafts short (--spec-min-confidence) and for a budget that
+weighs them; they do not enter acceptance.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    token_ids: list[int]
+    probs: list[float]  # per token, the drafter's probability that it follows the ones before it
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def cut(self, max_tokens: int, min_confidence: float) -> "Draft":
+        """At most `max_tokens` tokens, ending before the first whose cumulative probability (the chance
+        that it and every token before it are accepted) falls below `min_confidence`."""
+        keep = 0
+        confidence = 1.0
+        for prob in self.probs[:max_tokens]:
+            confidence *= prob
+            if confidence < min_confidence:
+                break
+            keep += 1
+        return Draft(self.token_ids[:keep], self.probs[:keep])
+
+
+NO_DRAFT = Draft([], [])
+
+
+class Drafter(Protocol):
+    def propose(self, prompt_token_ids: list[int], output_token_ids: list[int], max_tokens: int) -> Draft:
+        """Up to `max_tokens` tokens likely to follow a request's prompt and output so far (its own
+        lists: read, never written)."""
+        ...
