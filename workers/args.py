@@ -164,17 +164,27 @@ class EngineArgs:
         "none",
         choices=SPEC_METHODS,
         help="speculative decoding's drafter: ngram proposes the tokens that followed the last earlier "
-        "occurrence of the request's latest tokens (prompt lookup); none decodes one token per step",
+        "occurrence of the request's latest tokens (prompt lookup); draft, the greedy tokens of a smaller "
+        "model sharing the target's tokenizer (--spec-draft-model); none decodes one token per step",
+    )
+    spec_draft_model: str | os.PathLike | dict[str, Any] | None = setting(
+        None,
+        help="the draft model of --spec-method draft: a packaged name, Hugging Face directory, or config JSON "
+        "(random weights, drafting with the target's tokenizer)",
+        none="none",
     )
     spec_max_draft_tokens: int = setting(5, help="draft tokens a request verifies per step at most (K)")
     spec_budget: str = setting(
         "fixed",
         choices=SPEC_BUDGETS,
-        help="how many drafts each step verifies: fixed verifies every draft up to --spec-max-draft-tokens",
+        help="how many drafts each step verifies: fixed, every draft up to --spec-max-draft-tokens; dspark, the "
+        "total that maximises expected tokens per second on the fitted step-time curve (needs --cost-model), "
+        "split among requests by their drafts' calibrated confidence",
     )
     spec_min_confidence: float = setting(
         0.0,
-        help="a draft stops at the first token whose cumulative drafter probability falls below this, in [0, 1]",
+        help="no draft token is verified whose chance that it and every draft before it are accepted falls "
+        "below this, in [0, 1]: the drafter's own probability with the fixed budget, calibrated with dspark",
     )
     ep_size: int = setting(
         1,
@@ -240,6 +250,10 @@ class EngineArgs:
             raise ValueError(f"spec_max_draft_tokens must be >= 1, got {self.spec_max_draft_tokens}")
         if not 0 <= self.spec_min_confidence <= 1:
             raise ValueError(f"spec_min_confidence must be in [0, 1], got {self.spec_min_confidence}")
+        if self.spec_method == "draft" and self.spec_draft_model is None:
+            raise ValueError("spec_method 'draft' needs spec_draft_model: the draft model to propose tokens")
+        if self.spec_budget == "dspark" and self.spec_method != "none" and not self.cost_model:
+            raise ValueError("spec_budget 'dspark' needs a cost_model: its total comes from the fitted step-time curve")
         if self.spec_method != "none" and self.ep_size > 1:
             raise ValueError(f"spec_method {self.spec_method!r} needs ep_size 1 (not built for expert parallelism yet)")
 

@@ -46,7 +46,6 @@ from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.sizing.kv_sizing import kv_cache_size
 from workers.engine.spec.speculator import speculator_for
-from workers.engine.spec.stats import SpecDecodeStats
 from workers.engine.step_stats import StepStats
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
 from workers.kvstore.block_hash import kv_model_id, namespace_extra
@@ -147,15 +146,15 @@ class LLMEngine(EngineCore):
         )
         # A hybrid model's SWA state and replays (kv.swa_stats); None for a model without windows.
         self.swa_stats = SwaStats() if len(specs.groups) > 1 else None
-        speculator = speculator_for(config.args)
+        speculator = speculator_for(
+            config, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size, max_model_len=loaded.max_model_len
+        )
         if speculator is not None and self.runner.batch is not None:
             raise ValueError(
                 f"spec_method {config.args.spec_method!r} runs on the reference path only (torch attention "
                 f"backends) for now, not with attention_backend {self.runner.backend.name!r}"
             )
-        self.spec_stats = None
-        if speculator is not None:
-            self.spec_stats = SpecDecodeStats(config.args.spec_method, config.args.spec_max_draft_tokens)
+        self.spec_stats = speculator.stats if speculator is not None else None
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.args.max_num_seqs,
@@ -535,7 +534,7 @@ class LLMEngine(EngineCore):
             stepped = [self.requests[request_id] for request_id in output.request_ids if request_id in self.requests]
             for connector in self.savers:
                 connector.save(stepped)
-        if output.draft_token_ids:
+        if self.scheduler.speculator is not None:
             self._keep_accepted(output, result.num_accepted)
         deltas = []
         for request_id, sampled in groupby(result.sampled, key=attrgetter("request_id")):
@@ -552,17 +551,16 @@ class LLMEngine(EngineCore):
         return deltas
 
     def _keep_accepted(self, output: SchedulerOutput, num_accepted: dict[str, int]) -> None:
-        """Count the step's verified drafts, and take each request's rejected drafts back out of its
-        computed tokens: their KV slots (in pages the request keeps, as room for its next drafts) are
-        written over by the tokens that take their positions. The scheduler keyed only pages of known
-        tokens, which drafts are not, so no page holding a draft's KV was keyed."""
-        verified = [len(drafts) for drafts in output.draft_token_ids.values()]
-        self.spec_stats.record_step(verified, [num_accepted[request_id] for request_id in output.draft_token_ids])
+        """Tell the speculator what the step's drafts became, and take each request's rejected drafts
+        back out of its computed tokens: their KV slots (in pages the request keeps, as room for its
+        next drafts) are written over by the tokens that take their positions. The scheduler keyed only
+        pages of known tokens, which drafts are not, so no page holding a draft's KV was keyed."""
+        verified = {request_id: len(drafts) for request_id, drafts in output.draft_token_ids.items()}
+        self.scheduler.speculator.observe(verified, num_accepted)
         for request_id, drafts in output.draft_token_ids.items():
-            accepted = num_accepted[request_id]
             request = self.requests.get(request_id)
             if request is not None:
-                request.num_computed_tokens -= len(drafts) - accepted
+                request.num_computed_tokens -= len(drafts) - num_accepted[request_id]
                 request.draft_token_ids = []
 
     def _can_defer(self, output: SchedulerOutput) -> bool:

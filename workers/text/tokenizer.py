@@ -117,6 +117,11 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._parses_specials.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Whether `other` spells every token id as this one does, with the same special tokens: a
+        model of either tokenizer reads the other's ids as the same text."""
+        return self._token_bytes == other._token_bytes and self.special_token_ids == other.special_token_ids
+
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes this token stands for; b"" for an id the vocabulary does not assign, which
         decode() drops too."""

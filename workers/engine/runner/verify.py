@@ -46,12 +46,14 @@ def sample_and_verify(sampler: Sampler, logits: torch.Tensor, sequences: Sequenc
     for sequence in sequences:
         state = sequence.state
         drafts = sequence.draft_token_ids
+        # A constrained request's rows are masked as its constraint would be after the drafts before
+        # each (the speculator cut its drafts to what the constraint allows).
+        masks = state.constraint.masks_along(drafts) if state.constraint else [None] * (len(drafts) + 1)
         for j in range(len(drafts) + 1):
             params.append(state.params)
             prompts.append(state.prompt_token_ids)
             outputs.append(state.output_token_ids + drafts[:j] if j else state.output_token_ids)
-            # Constrained requests do not draft (spec.speculator): one row, masked by their constraint.
-            allowed.append(state.constraint.allowed_tokens() if state.constraint else None)
+            allowed.append(masks[j])
     result = sampler(logits, SamplingBatch(params, prompts, outputs, allowed))
     verified = []
     row = 0

@@ -80,16 +80,17 @@ class Scheduler:
         can_admit = next_waiting is not None and len(self.running) < self.max_num_seqs
         reserve = min(next_waiting.num_tokens, self.max_num_batched_tokens) if can_admit else 0
 
+        drafts = self._plan_drafts() if self.speculator is not None else {}
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             if count > 1 and reserve and request.tenant != next_waiting.tenant:
                 count = max(0, min(count, budget - reserve))
-            if count == 1 and request.output_token_ids and self.speculator is not None:
+            if count == 1 and request.request_id in drafts:
                 # Drafts leave a token for every running request after this one.
                 room = budget - 1 - (len(self.running) - index - 1)
-                request.draft_token_ids = self.speculator.draft(request, room).token_ids
+                request.draft_token_ids = drafts[request.request_id].token_ids[: max(room, 0)]
                 count += len(request.draft_token_ids)
             if count and time_left is not None:
                 count = self._fit(time_left, request, count, first=not plan)
@@ -187,6 +188,16 @@ class Scheduler:
         for request, count in plan:
             self._describe(request, count, output)
         return output
+
+    def _plan_drafts(self) -> dict:
+        """The drafts of the running requests whose next step is a decode, by request id: planned
+        together, since the verification budget splits one total among them."""
+        decoding = [
+            request
+            for request in self.running
+            if request.output_token_ids and request.num_tokens - request.num_computed_tokens == 1
+        ]
+        return self.speculator.plan(decoding) if decoding else {}
 
     @staticmethod
     def _fit(time_left: StepTimeLeft, request: Request, count: int, *, first: bool) -> int:

@@ -25,13 +25,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from workers.args import SPEC_BUDGETS
 from workers.cost_model import PrefillCostModel
 
 # Seconds of a verify step against the number of tokens in it (R requests' own tokens plus the
 # drafts verified), vectorised over an integer array.
 StepSeconds = Callable[[np.ndarray], np.ndarray]
 
-SPEC_BUDGETS = ("fixed", "dspark")
 # Speculation must beat no speculation by this much (relative, in expected tokens per second) to run:
 # the step-time fit is a few percent off, and a draft's gain is only an estimate.
 VALVE_MARGIN = 0.02

@@ -1,45 +1,95 @@
-"""The drafts each decode step verifies: the engine's drafter, asked for at most K tokens (fixed
-budget), cut by --spec-min-confidence and by what the request and the step have room for.
+"""The drafts each decode step verifies: the engine's drafter asked for at most K tokens per request,
+then as many of them as the verification budget gives each (spec.planner), cut by what the request
+and the step have room for. After the step, what each request accepted goes back to the planner.
 
-Requests with an output constraint never draft: verifying a draft would advance the grammar through
-tokens that may be rejected, and its state has no rollback here yet.
+A request with an output constraint drafts only what its grammar allows in turn; the verify step
+samples each row under the mask the grammar would give after the drafts before it (the grammar is
+rolled back after computing them), and then advances through the emitted tokens only.
 """
 
-from workers.args import EngineArgs
+from workers.engine.config import EngineConfig
 from workers.engine.request import Request
 from workers.engine.spec.drafter import NO_DRAFT, Draft, Drafter
 from workers.engine.spec.ngram import NgramDrafter
+from workers.engine.spec.planner import VerificationPlanner
+from workers.engine.spec.stats import SpecDecodeStats
+from workers.text.tokenizer import Tokenizer
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, *, max_draft_tokens: int, min_confidence: float) -> None:
+    def __init__(self, drafter: Drafter, planner: VerificationPlanner, *, raw_min_confidence: float = 0.0) -> None:
+        """`raw_min_confidence`: drafts end before the drafter's own cumulative probability falls
+        below it (the fixed budget's use of --spec-min-confidence; dspark applies it to the calibrated
+        confidence instead)."""
         self.drafter = drafter
-        self.max_draft_tokens = max_draft_tokens
-        self.min_confidence = min_confidence
+        self.planner = planner
+        self.max_draft_tokens = planner.max_draft_tokens
+        self.raw_min_confidence = raw_min_confidence
+        self._planned: list[str] = []  # the request ids of the last plan, in its order
 
-    def draft(self, request: Request, room: int) -> Draft:
-        """The draft a decode step of `request` verifies, at most `room` tokens (what the step's token
-        budget leaves). Never more than the request may still emit: the step emits every accepted
-        draft token plus one, and must not pass max_tokens (nor, so, the context window)."""
-        limit = min(self.max_draft_tokens, room, request.max_tokens - len(request.output_token_ids) - 1)
-        if limit <= 0 or request.constraint is not None:
+    @property
+    def stats(self) -> SpecDecodeStats:
+        return self.planner.stats
+
+    def plan(self, requests: list[Request]) -> dict[str, Draft]:
+        """The drafts of the decode steps of `requests` this step may verify, by request id. Never
+        more than a request may still emit: a step emits every accepted draft token plus one, and
+        must not pass max_tokens (nor, so, the context window)."""
+        drafts = [self._draft(request) for request in requests]
+        lengths = self.planner.plan(drafts, total_kv=sum(request.num_computed_tokens for request in requests))
+        self._planned = [request.request_id for request in requests]
+        return {
+            request.request_id: Draft(draft.token_ids[:length], draft.probs[:length])
+            for request, draft, length in zip(requests, drafts, lengths, strict=True)
+        }
+
+    def observe(self, verified: dict[str, int], accepted: dict[str, int]) -> None:
+        """After a planned step: the draft tokens each request verified and, of those, accepted (a
+        request absent verified none: the step had no room for its drafts, or it left)."""
+        if not self._planned:
+            return
+        planned, self._planned = self._planned, []
+        self.planner.observe(
+            [verified.get(request_id, 0) for request_id in planned],
+            [accepted.get(request_id, 0) for request_id in planned],
+        )
+
+    def _draft(self, request: Request) -> Draft:
+        limit = min(self.max_draft_tokens, request.max_tokens - len(request.output_token_ids) - 1)
+        if limit <= 0:
             return NO_DRAFT
         draft = self.drafter.propose(request.prompt_token_ids, request.output_token_ids, limit)
-        return draft.cut(limit, self.min_confidence)
+        draft = draft.cut(limit, self.raw_min_confidence)
+        if request.constraint is not None:
+            # A draft token the grammar refuses cannot be accepted: the draft ends before it.
+            valid = request.constraint.valid_prefix(draft.token_ids)
+            draft = Draft(draft.token_ids[:valid], draft.probs[:valid])
+        return draft
 
 
-def speculator_for(args: EngineArgs) -> Speculator | None:
-    """The engine's speculator, None without speculation; ValueError naming the setting for a choice
-    not built yet."""
-    if args.spec_budget != "fixed":
-        raise ValueError(
-            f"spec_budget {args.spec_budget!r} is not available yet; use 'fixed' (every draft up to "
-            "spec_max_draft_tokens is verified)"
-        )
+def speculator_for(config: EngineConfig, *, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int):
+    """The engine's speculator, None without speculation; ValueError (or ModelLoadError, for a draft
+    model) naming the setting for a choice that cannot run."""
+    args = config.args
     if args.spec_method == "none":
         return None
-    if args.spec_method != "ngram":
-        raise ValueError(f"spec_method {args.spec_method!r} is not available yet; use 'ngram' or 'none'")
-    return Speculator(
-        NgramDrafter(), max_draft_tokens=args.spec_max_draft_tokens, min_confidence=args.spec_min_confidence
+    if args.spec_method == "mtp":
+        raise ValueError("spec_method 'mtp' is not available yet; use 'ngram', 'draft' or 'none'")
+    stats = SpecDecodeStats(args.spec_method, args.spec_max_draft_tokens)
+    planner = VerificationPlanner(
+        args.spec_budget,
+        max_draft_tokens=args.spec_max_draft_tokens,
+        min_confidence=args.spec_min_confidence if args.spec_budget == "dspark" else 0.0,
+        cost_model=config.cost_model,
+        stats=stats,
     )
+    if args.spec_method == "draft":
+        from workers.engine.spec.draft_model import DraftModelDrafter
+
+        drafter = DraftModelDrafter.for_target(
+            args.spec_draft_model, args, tokenizer=tokenizer, vocab_size=vocab_size, max_model_len=max_model_len
+        )
+    else:
+        drafter = NgramDrafter()
+    raw_min_confidence = args.spec_min_confidence if args.spec_budget == "fixed" else 0.0
+    return Speculator(drafter, planner, raw_min_confidence=raw_min_confidence)

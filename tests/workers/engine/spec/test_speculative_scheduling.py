@@ -1,12 +1,14 @@
 """How the scheduler gives drafts to decode steps: within the step's tokens and the request's
-max_tokens, with pages for them, and never for a prefill or a constrained request."""
+max_tokens, with pages for them, never for a prefill, and for a constrained request only what its
+constraint allows."""
 
 from workers.engine.kv.block_manager import BlockManager
 from workers.engine.request import Request
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.spec.ngram import NgramDrafter
+from workers.engine.spec.planner import VerificationPlanner
 from workers.engine.spec.speculator import Speculator
-from workers.engine.structured.constraint import TokenConstraint
+from workers.engine.spec.stats import SpecDecodeStats
 from workers.protocol.sampling_params import SamplingParams
 
 # Decoding it after [1..8] * 2 drafts 1, 2, 3, ... (what followed the earlier 7, 8).
@@ -29,7 +31,10 @@ def decoding(request_id: str, max_tokens: int = 64, output: int = 1) -> Request:
 
 def scheduler_with(*requests: Request, budget: int = 64, pages: int = 64, k: int = 5) -> Scheduler:
     manager = BlockManager(num_pages=pages, page_size=4)
-    speculator = Speculator(NgramDrafter(), max_draft_tokens=k, min_confidence=0.0)
+    planner = VerificationPlanner(
+        "fixed", max_draft_tokens=k, min_confidence=0.0, cost_model=None, stats=SpecDecodeStats("ngram", k)
+    )
+    speculator = Speculator(NgramDrafter(), planner)
     scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=budget, speculator=speculator)
     for request in requests:
         assert manager.allocate(request, request.num_tokens - 1)
@@ -66,16 +71,26 @@ def test_drafts_fit_the_step_budget_and_the_tokens_left_to_emit():
     assert scheduler.schedule().draft_token_ids == {"c": [2, 3]}
 
 
-def test_a_request_at_its_last_token_or_with_a_constraint_drafts_nothing():
+class AllowsBelow:
+    """A constraint that allows the tokens below `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        return next((i for i, token in enumerate(token_ids) if token >= self.limit), len(token_ids))
+
+
+def test_a_request_at_its_last_token_drafts_nothing_and_a_constrained_one_what_its_constraint_allows():
     last = decoding("a", max_tokens=2, output=1)
     constrained = decoding("b")
-    constrained.constraint = object.__new__(TokenConstraint)
+    constrained.constraint = AllowsBelow(4)
     scheduler = scheduler_with(last, constrained)
 
     output = scheduler.schedule()
 
-    assert output.draft_token_ids == {}
-    assert output.num_scheduled_tokens == [1, 1]
+    assert output.draft_token_ids == {"b": [2, 3]}
+    assert output.num_scheduled_tokens == [1, 3]
 
 
 def test_finish_step_keys_only_pages_of_known_tokens():

@@ -1,0 +1,123 @@
+"""Drafts from a smaller model that shares the target's tokenizer (--spec-method draft,
+--spec-draft-model), run by an engine of its own in the same process and on the same device.
+
+A proposal is one request to the draft engine: its prompt the request's tokens so far, greedy, up to
+k new tokens, each with its logprob. The draft engine's prefix cache keeps a request's history from
+one proposal to the next, so a proposal computes only the tokens since the previous one (and the
+last partial page) plus its k decode steps. The drafted tokens are the draft model's argmax: a point
+mass, as verification treats every draft; the probability its softmax gave each one is the draft's
+confidence.
+
+The draft engine holds KV for the target's batch at the target's context length (`num_pages`), so it
+never preempts; its weights and KV come out of the device memory the target leaves.
+"""
+
+import itertools
+import math
+from pathlib import Path
+
+from workers.args import EngineArgs
+from workers.engine.engine import LLMEngine
+from workers.engine.model_loader import ModelSource
+from workers.engine.spec.drafter import NO_DRAFT, Draft
+from workers.protocol.engine_request import EngineRequest
+from workers.protocol.errors import ModelLoadError
+from workers.protocol.sampling_params import SamplingParams
+from workers.text.tokenizer import Tokenizer
+
+DRAFT_SETTING = "spec_draft_model"
+
+
+class DraftModelDrafter:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._ids = itertools.count()
+
+    @classmethod
+    def for_target(
+        cls,
+        draft_model: ModelSource | None,
+        target: EngineArgs,
+        *,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+    ) -> "DraftModelDrafter":
+        """The drafter of the engine built from `target`, whose model reads `vocab_size` ids with
+        `tokenizer` over `max_model_len` tokens; ModelLoadError naming spec_draft_model for a draft
+        model that cannot draft for it (none given, another tokenizer, another vocabulary size)."""
+        from workers.engine.builder import build_rank_engine
+
+        if draft_model is None:
+            raise ModelLoadError(f"spec_method 'draft' needs {DRAFT_SETTING}: the draft model to propose tokens")
+        pages_per_request = -(-max_model_len // target.page_size)
+        args = EngineArgs(
+            model=draft_model,
+            # A config (random weights) has no tokenizer of its own: it drafts with the target's.
+            tokenizer=_tokenizer_source(target) if _is_config(draft_model) else None,
+            device=target.device,
+            dtype=target.dtype,
+            seed=target.seed,
+            attention_backend=target.attention_backend,
+            max_model_len=max_model_len,
+            max_num_seqs=target.max_num_seqs,
+            page_size=target.page_size,
+            num_pages=target.max_num_seqs * pages_per_request + 1,
+            enforce_eager=target.enforce_eager,
+        )
+        drafter = cls(build_rank_engine(args))
+        drafter.check_matches(tokenizer, vocab_size)
+        return drafter
+
+    def check_matches(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
+        info = self.engine.info
+        if info.model_config.vocab_size != vocab_size:
+            raise ModelLoadError(
+                f"{DRAFT_SETTING} {info.model_name!r} reads {info.model_config.vocab_size} token ids, "
+                f"the target {vocab_size}: a draft model must share the target's tokenizer"
+            )
+        if tokenizer is None or info.tokenizer is None:
+            if tokenizer is not info.tokenizer:
+                raise ModelLoadError(
+                    f"{DRAFT_SETTING} {info.model_name!r}: one of the draft and target models has a tokenizer "
+                    "and the other none, so they cannot be checked to share one"
+                )
+        elif not tokenizer.same_vocabulary(info.tokenizer):
+            raise ModelLoadError(
+                f"{DRAFT_SETTING} {info.model_name!r} has another tokenizer than the target: its token ids "
+                "spell other text, so its drafts would never be accepted"
+            )
+
+    def propose(self, prompt_token_ids: list[int], output_token_ids: list[int], max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return NO_DRAFT
+        request_id = f"draft-{next(self._ids)}"
+        self.engine.add_request(
+            EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=[*prompt_token_ids, *output_token_ids],
+                params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0),
+            )
+        )
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        finished = False
+        while not finished:
+            for delta in self.engine.step():
+                token_ids.extend(delta.token_ids)
+                logprobs.extend(entry.logprob for entry in delta.logprobs)
+                finished = finished or delta.finished
+        return Draft(token_ids, [math.exp(logprob) for logprob in logprobs])
+
+
+def _is_config(model: ModelSource) -> bool:
+    """Whether `model` is a config (a dict or a JSON file: random weights, no tokenizer of its own)."""
+    return isinstance(model, dict) or Path(model).is_file()
+
+
+def _tokenizer_source(target: EngineArgs) -> ModelSource | None:
+    """Where the target's tokenizer comes from: its tokenizer setting, else its model (a name or a
+    directory; a config has none)."""
+    if target.tokenizer is not None:
+        return target.tokenizer
+    return None if _is_config(target.model) else target.model
