@@ -173,11 +173,7 @@ class Command(BaseCommand):
         if engine.kv_store and kv_store_index == "memory":
             # The store's GC process serves its index here, in the private runtime directory.
             engine = replace(engine, kv_store_index=f"ipc://{runtime}/kv-index")
-        # Decode workers run their steps unbudgeted.
-        decode_engine = replace(engine, cost_model=None, step_budget_ms=None)
-        # Encoders run the same model's vision tower: no steps to budget, no KV and so no KV store.
-        encode_engine = replace(decode_engine, kv_store=None)
-        role_engines = {"decode": decode_engine, "prefill": engine, "mixed": engine, ENCODE_ROLE: encode_engine}
+        role_engines = engines_by_role(engine)
         # Workers register here; the registry keeps their EngineInstance rows current.
         registry_endpoint = f"ipc://{runtime}/registry"
         pools = [(role, role, roles.count(role)) for role in dict.fromkeys(roles)]
@@ -353,6 +349,15 @@ class KVCacheReport:
         self.stdout.write(f"sluice's workers are up. KV cache: {sizes}\n")
         self.stdout.flush()
         self.reported = True
+
+
+def engines_by_role(engine: EngineArgs) -> dict[str, EngineArgs]:
+    """The engine settings of each role's workers, from serve's. Decode workers run their steps
+    unbudgeted, with no cost model unless DSpark's verification budget reads its step-time curve;
+    encoders run the same model's vision tower: no steps to budget, no KV and so no KV store."""
+    dspark = engine.spec_method != "none" and engine.spec_budget == "dspark"
+    decode = replace(engine, cost_model=engine.cost_model if dspark else None, step_budget_ms=None)
+    return {"decode": decode, "prefill": engine, "mixed": engine, ENCODE_ROLE: replace(decode, kv_store=None)}
 
 
 def with_device_share(engine: EngineArgs, num_workers: int) -> EngineArgs:

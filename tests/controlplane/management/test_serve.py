@@ -8,7 +8,7 @@ import pytest
 from django.core.management.base import OutputWrapper
 
 from controlplane.management.commands import serve
-from controlplane.management.commands.serve import KVCacheReport, with_device_share
+from controlplane.management.commands.serve import KVCacheReport, engines_by_role, with_device_share
 from workers.args import EngineArgs
 from workers.worker import node_agent
 from workers.worker.args import WorkerArgs
@@ -31,6 +31,19 @@ def test_workers_on_one_cuda_device_split_its_memory(device, num_workers, expect
 
     assert shared.gpu_memory_utilization == pytest.approx(expected)
     assert shared == EngineArgs(model="m", device=device, gpu_memory_utilization=shared.gpu_memory_utilization)
+
+
+@pytest.mark.parametrize("budget", ["fixed", "dspark"])
+def test_decode_workers_run_unbudgeted_and_keep_the_cost_model_only_for_dspark(budget):
+    engine = EngineArgs(model="m", cost_model="/fit.json", step_budget_ms=50.0, spec_method="ngram", spec_budget=budget)
+
+    engines = engines_by_role(engine)
+
+    assert engines["prefill"] == engines["mixed"] == engine
+    decode = engines["decode"]
+    assert decode.step_budget_ms is None and decode.spec_budget == budget
+    assert decode.cost_model == ("/fit.json" if budget == "dspark" else None)
+    assert engines["encode"].kv_store is None
 
 
 def test_each_workers_share_reaches_its_command_line():
