@@ -14,12 +14,13 @@ never preempts; its weights and KV come out of the device memory the target leav
 
 import itertools
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from workers.args import EngineArgs
 from workers.engine.engine import LLMEngine
 from workers.engine.model_loader import ModelSource
-from workers.engine.spec.drafter import NO_DRAFT, Draft
+from workers.engine.spec.drafter import NO_DRAFT, Draft, DraftAsk
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.errors import ModelLoadError
 from workers.protocol.sampling_params import SamplingParams
@@ -88,26 +89,30 @@ class DraftModelDrafter:
                 "spell other text, so its drafts would never be accepted"
             )
 
-    def propose(self, prompt_token_ids: list[int], output_token_ids: list[int], max_tokens: int) -> Draft:
-        if max_tokens <= 0:
-            return NO_DRAFT
-        request_id = f"draft-{next(self._ids)}"
-        self.engine.add_request(
-            EngineRequest(
-                request_id=request_id,
-                prompt_token_ids=[*prompt_token_ids, *output_token_ids],
-                params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0),
+    def propose_all(self, asks: Sequence[DraftAsk]) -> list[Draft]:
+        """One draft engine request per ask that may draft, run together as one batch."""
+        names = {}
+        for ask in asks:
+            if ask.max_tokens <= 0:
+                continue
+            request_id = f"draft-{next(self._ids)}"
+            names[request_id] = len(names)
+            self.engine.add_request(
+                EngineRequest(
+                    request_id=request_id,
+                    prompt_token_ids=[*ask.prompt_token_ids, *ask.output_token_ids],
+                    params=SamplingParams(temperature=0.0, max_tokens=ask.max_tokens, ignore_eos=True, logprobs=0),
+                )
             )
-        )
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        finished = False
-        while not finished:
+        token_ids: list[list[int]] = [[] for _ in names]
+        logprobs: list[list[float]] = [[] for _ in names]
+        while self.engine.has_unfinished():
             for delta in self.engine.step():
-                token_ids.extend(delta.token_ids)
-                logprobs.extend(entry.logprob for entry in delta.logprobs)
-                finished = finished or delta.finished
-        return Draft(token_ids, [math.exp(logprob) for logprob in logprobs])
+                index = names[delta.request_id]
+                token_ids[index].extend(delta.token_ids)
+                logprobs[index].extend(entry.logprob for entry in delta.logprobs)
+        drafts = iter([Draft(tokens, [math.exp(lp) for lp in lps]) for tokens, lps in zip(token_ids, logprobs)])
+        return [next(drafts) if ask.max_tokens > 0 else NO_DRAFT for ask in asks]
 
 
 def _is_config(model: ModelSource) -> bool:

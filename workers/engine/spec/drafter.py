@@ -7,8 +7,9 @@ probabilities are confidences, for cutting drafts short (--spec-min-confidence) 
 weighs them; they do not enter acceptance.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +36,16 @@ class Draft:
 NO_DRAFT = Draft([], [])
 
 
+class DraftAsk(NamedTuple):
+    """A request's tokens so far (its own lists: read, never written), and the most tokens to draft."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    max_tokens: int
+
+
 class Drafter(Protocol):
-    def propose(self, prompt_token_ids: list[int], output_token_ids: list[int], max_tokens: int) -> Draft:
-        """Up to `max_tokens` tokens likely to follow a request's prompt and output so far (its own
-        lists: read, never written)."""
+    def propose_all(self, asks: Sequence[DraftAsk]) -> list[Draft]:
+        """For each request of a step, in order, up to its `max_tokens` tokens likely to follow its
+        tokens so far (all at once: a model drafts them as one batch)."""
         ...

@@ -5,10 +5,12 @@ The search reads only the last `lookback` tokens, so a step's work per request i
 long the request grows: O(lookback * max_n) vectorised comparisons, and one copy of the window.
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from workers.engine.request import token_slice
-from workers.engine.spec.drafter import NO_DRAFT, Draft
+from workers.engine.spec.drafter import NO_DRAFT, Draft, DraftAsk
 
 # One token matches almost anywhere and would draft noise; two already follow a quoted span. The window
 # holds a typical quoted prompt.
@@ -26,6 +28,9 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.lookback = lookback
+
+    def propose_all(self, asks: Sequence[DraftAsk]) -> list[Draft]:
+        return [self.propose(*ask) for ask in asks]
 
     def propose(self, prompt_token_ids: list[int], output_token_ids: list[int], max_tokens: int) -> Draft:
         """The tokens after the latest earlier match of the last n tokens; probability 1 each, as the

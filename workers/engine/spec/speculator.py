@@ -9,7 +9,7 @@ rolled back after computing them), and then advances through the emitted tokens 
 
 from workers.engine.config import EngineConfig
 from workers.engine.request import Request
-from workers.engine.spec.drafter import NO_DRAFT, Draft, Drafter
+from workers.engine.spec.drafter import NO_DRAFT, Draft, DraftAsk, Drafter
 from workers.engine.spec.ngram import NgramDrafter
 from workers.engine.spec.planner import VerificationPlanner
 from workers.engine.spec.stats import SpecDecodeStats
@@ -35,7 +35,10 @@ class Speculator:
         """The drafts of the decode steps of `requests` this step may verify, by request id. Never
         more than a request may still emit: a step emits every accepted draft token plus one, and
         must not pass max_tokens (nor, so, the context window)."""
-        drafts = [self._draft(request) for request in requests]
+        limits = [min(self.max_draft_tokens, r.max_tokens - len(r.output_token_ids) - 1) for r in requests]
+        asks = [DraftAsk(r.prompt_token_ids, r.output_token_ids, limit) for r, limit in zip(requests, limits)]
+        proposed = self.drafter.propose_all(asks)
+        drafts = [self._fitted(r, draft, limit) for r, draft, limit in zip(requests, proposed, limits, strict=True)]
         lengths = self.planner.plan(drafts, total_kv=sum(request.num_computed_tokens for request in requests))
         self._planned = [request.request_id for request in requests]
         return {
@@ -54,11 +57,10 @@ class Speculator:
             [accepted.get(request_id, 0) for request_id in planned],
         )
 
-    def _draft(self, request: Request) -> Draft:
-        limit = min(self.max_draft_tokens, request.max_tokens - len(request.output_token_ids) - 1)
+    def _fitted(self, request: Request, draft: Draft, limit: int) -> Draft:
+        """`draft` cut to `limit` tokens, the drafter's confidence and the request's constraint."""
         if limit <= 0:
             return NO_DRAFT
-        draft = self.drafter.propose(request.prompt_token_ids, request.output_token_ids, limit)
         draft = draft.cut(limit, self.raw_min_confidence)
         if request.constraint is not None:
             # A draft token the grammar refuses cannot be accepted: the draft ends before it.

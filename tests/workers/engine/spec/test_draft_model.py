@@ -13,6 +13,7 @@ from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.args import EngineArgs
 from workers.engine import LLM, SamplingParams
 from workers.engine.spec.draft_model import DraftModelDrafter
+from workers.engine.spec.drafter import DraftAsk
 from workers.engine.weights.loader import resolve_model
 from workers.protocol.errors import ModelLoadError
 
@@ -44,15 +45,15 @@ def test_the_target_s_own_model_drafts_its_greedy_continuation_and_reuses_the_hi
     [expected] = target.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     continuation = expected.outputs[0].token_ids
 
-    first = drafter.propose(prompt, [], 5)
+    first = drafter.propose_all([DraftAsk(prompt, [], 5)])[0]
     computed = drafter.engine.runner.num_computed_tokens
-    second = drafter.propose(prompt, continuation[:5], 6)
+    second = drafter.propose_all([DraftAsk(prompt, continuation[:5], 6)])[0]
 
     assert first.token_ids == continuation[:5] and second.token_ids == continuation[5:11]
     assert len(first.probs) == 5 and all(0 < p <= 1 for p in first.probs + second.probs)
     # The second proposal computed the tokens since the first one's last full page, not the history.
     assert drafter.engine.runner.num_computed_tokens - computed < len(prompt)
-    assert drafter.propose(prompt, [], 0).token_ids == []
+    assert drafter.propose_all([DraftAsk(prompt, [], 0)])[0].token_ids == []
 
 
 def test_another_model_drafts_what_it_would_generate(target):
@@ -61,7 +62,7 @@ def test_another_model_drafts_what_it_would_generate(target):
     prompt = target.tokenizer.encode("The quick brown fox")
     [alone] = LLM(other, **SETTINGS).generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
-    draft = drafter.propose(prompt, [], 4)
+    draft = drafter.propose_all([DraftAsk(prompt, [], 4)])[0]
 
     assert draft.token_ids == alone.outputs[0].token_ids
     assert all(0 < p <= 1 for p in draft.probs) and not all(math.isclose(p, 1.0) for p in draft.probs)
@@ -90,3 +91,16 @@ def test_a_draft_model_with_another_tokenizer_is_refused(target, tmp_path: Path)
 def test_no_draft_model_is_refused_naming_the_setting(target):
     with pytest.raises(ModelLoadError, match="spec_method 'draft' needs spec_draft_model"):
         drafter_for(target, None)
+
+
+def test_a_step_s_asks_are_drafted_as_one_batch_each_as_it_would_be_alone(target):
+    drafter = drafter_for(target, CONFIG)
+    prompts = [target.tokenizer.encode(text) for text in ("One fish, two fish", "Red fish, blue fish, old fish")]
+    asks = [DraftAsk(prompts[0], [], 4), DraftAsk(prompts[1], [], 0), DraftAsk(prompts[1], [], 3)]
+    alone = [drafter.propose_all([ask])[0] for ask in asks]
+    steps = drafter.engine.stats().steps.num_steps
+
+    together = drafter.propose_all(asks)
+
+    assert together == alone and together[1].token_ids == [] and len(together[2]) == 3
+    assert drafter.engine.stats().steps.num_steps - steps <= 5  # one step per drafted position, not per ask

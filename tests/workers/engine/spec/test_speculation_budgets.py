@@ -70,8 +70,8 @@ def test_the_real_smollm2_with_a_tiny_random_draft_model_gives_its_own_greedy_to
         SMOLLM2, seed=0, kv_cache_bytes=1 << 26, max_model_len=256, spec_method="draft", spec_draft_model=drafter
     )
 
-    [expected] = base.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32))
-    [result] = spec.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32))
+    [expected] = base.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
+    [result] = spec.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
 
     assert result.outputs[0].token_ids == expected.outputs[0].token_ids
     assert spec.engine.stats().spec_decode.num_draft_tokens > 0
