@@ -12,9 +12,11 @@ from workers.cost_model import PrefillCostModel
 from workers.engine.config import EngineConfig
 from workers.engine.engine import ConstraintCompiler, LLMEngine
 from workers.engine.layers.moe import RoutedExperts
-from workers.engine.model_loader import load_model
+from workers.engine.model_loader import ModelSource, load_model
+from workers.engine.spec.draft_model import DraftModelDrafter, check_draft_model, draft_engine_args
 from workers.kvstore.store import open_store
 from workers.protocol.errors import ModelLoadError
+from workers.text.tokenizer import Tokenizer
 
 
 def build_rank_engine(args: EngineArgs, compile_constraint: ConstraintCompiler | None = None) -> LLMEngine:
@@ -34,7 +36,40 @@ def build_rank_engine(args: EngineArgs, compile_constraint: ConstraintCompiler |
         # Expert-parallel ranks move stacked expert weights between devices without their scales.
         raise ModelLoadError("ep_size > 1 does not serve fp8 experts on CUDA yet (quantization / an fp8 checkpoint)")
     store = open_store(Path(args.kv_store), args.kv_store_index) if args.kv_store else None
-    return LLMEngine(loaded, config, store, compile_constraint=compile_constraint)
+    drafter = None
+    if args.spec_method == "draft":
+        drafter = build_draft_drafter(
+            args.spec_draft_model,
+            args,
+            tokenizer=loaded.tokenizer,
+            vocab_size=loaded.config.vocab_size,
+            max_model_len=loaded.max_model_len,
+        )
+    return LLMEngine(loaded, config, store, compile_constraint=compile_constraint, drafter=drafter)
+
+
+def build_draft_drafter(
+    draft_model: ModelSource | None,
+    target: EngineArgs,
+    *,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    max_model_len: int,
+) -> DraftModelDrafter:
+    """The draft-model drafter of an engine built from `target`, whose model reads `vocab_size` ids
+    with `tokenizer` over `max_model_len` tokens: the draft model in an engine of its own; ModelLoadError
+    naming spec_draft_model for one that cannot draft for it (none given, another tokenizer or
+    vocabulary size)."""
+    engine = build_rank_engine(draft_engine_args(draft_model, target, max_model_len))
+    info = engine.info
+    check_draft_model(
+        info.model_name,
+        info.model_config.vocab_size,
+        info.tokenizer,
+        target_vocab_size=vocab_size,
+        target_tokenizer=tokenizer,
+    )
+    return DraftModelDrafter(engine)
 
 
 def engine_config(args: EngineArgs) -> EngineConfig:

@@ -45,6 +45,7 @@ from workers.engine.sched.output import SchedulerOutput
 from workers.engine.sched.scheduler import Scheduler
 from workers.engine.sched.step_budget import StepBudget
 from workers.engine.sizing.kv_sizing import kv_cache_size
+from workers.engine.spec.drafter import Drafter
 from workers.engine.spec.speculator import speculator_for
 from workers.engine.step_stats import StepStats
 from workers.engine.structured.constraint import ConstraintError, IsolatedConstraint, TokenConstraint
@@ -107,6 +108,7 @@ class LLMEngine(EngineCore):
         *,
         max_pending_transfers: int = MAX_PENDING_TRANSFERS,
         compile_constraint: ConstraintCompiler | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -146,9 +148,7 @@ class LLMEngine(EngineCore):
         )
         # A hybrid model's SWA state and replays (kv.swa_stats); None for a model without windows.
         self.swa_stats = SwaStats() if len(specs.groups) > 1 else None
-        speculator = speculator_for(
-            config, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size, max_model_len=loaded.max_model_len
-        )
+        speculator = speculator_for(config, drafter)
         if speculator is not None and self.runner.batch is not None:
             raise ValueError(
                 f"spec_method {config.args.spec_method!r} runs on the reference path only (torch attention "

@@ -9,17 +9,19 @@ mass, as verification treats every draft; the probability its softmax gave each 
 confidence.
 
 The draft engine holds KV for the target's batch at the target's context length (`num_pages`), so it
-never preempts; its weights and KV come out of the device memory the target leaves.
+never preempts; its weights and KV come out of the device memory the target leaves. The builder
+(workers.engine.builder) makes it and checks that it reads the target's token ids as the same text.
 """
 
 import itertools
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 from workers.args import EngineArgs
-from workers.engine.engine import LLMEngine
-from workers.engine.model_loader import ModelSource
+from workers.engine.outputs import RequestDelta
 from workers.engine.spec.drafter import NO_DRAFT, Draft, DraftAsk
 from workers.protocol.engine_request import EngineRequest
 from workers.protocol.errors import ModelLoadError
@@ -27,67 +29,74 @@ from workers.protocol.sampling_params import SamplingParams
 from workers.text.tokenizer import Tokenizer
 
 DRAFT_SETTING = "spec_draft_model"
+ModelSource = str | os.PathLike | dict[str, Any]
+
+
+class DraftEngine(Protocol):
+    """What the drafter needs of the draft model's engine (an LLMEngine: workers.engine.builder
+    builds it)."""
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+def draft_engine_args(draft_model: ModelSource | None, target: EngineArgs, max_model_len: int) -> EngineArgs:
+    """The draft model's engine settings for a target engine of `target` serving `max_model_len`
+    tokens; ModelLoadError naming spec_draft_model when there is no draft model."""
+    if draft_model is None:
+        raise ModelLoadError(f"spec_method 'draft' needs {DRAFT_SETTING}: the draft model to propose tokens")
+    pages_per_request = -(-max_model_len // target.page_size)
+    return EngineArgs(
+        model=draft_model,
+        # A config (random weights) has no tokenizer of its own: it drafts with the target's.
+        tokenizer=_tokenizer_source(target) if _is_config(draft_model) else None,
+        device=target.device,
+        dtype=target.dtype,
+        seed=target.seed,
+        attention_backend=target.attention_backend,
+        max_model_len=max_model_len,
+        max_num_seqs=target.max_num_seqs,
+        page_size=target.page_size,
+        num_pages=target.max_num_seqs * pages_per_request + 1,
+        enforce_eager=target.enforce_eager,
+    )
+
+
+def check_draft_model(
+    name: str,
+    vocab_size: int,
+    tokenizer: Tokenizer | None,
+    *,
+    target_vocab_size: int,
+    target_tokenizer: Tokenizer | None,
+) -> None:
+    """ModelLoadError naming spec_draft_model unless draft model `name` reads the target's token ids as
+    the same text."""
+    if vocab_size != target_vocab_size:
+        raise ModelLoadError(
+            f"{DRAFT_SETTING} {name!r} reads {vocab_size} token ids, the target {target_vocab_size}: "
+            "a draft model must share the target's tokenizer"
+        )
+    if tokenizer is None or target_tokenizer is None:
+        if tokenizer is not target_tokenizer:
+            raise ModelLoadError(
+                f"{DRAFT_SETTING} {name!r}: one of the draft and target models has a tokenizer and the other "
+                "none, so they cannot be checked to share one"
+            )
+    elif not target_tokenizer.same_vocabulary(tokenizer):
+        raise ModelLoadError(
+            f"{DRAFT_SETTING} {name!r} has another tokenizer than the target: its token ids spell other "
+            "text, so its drafts would never be accepted"
+        )
 
 
 class DraftModelDrafter:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
         self._ids = itertools.count()
-
-    @classmethod
-    def for_target(
-        cls,
-        draft_model: ModelSource | None,
-        target: EngineArgs,
-        *,
-        tokenizer: Tokenizer | None,
-        vocab_size: int,
-        max_model_len: int,
-    ) -> "DraftModelDrafter":
-        """The drafter of the engine built from `target`, whose model reads `vocab_size` ids with
-        `tokenizer` over `max_model_len` tokens; ModelLoadError naming spec_draft_model for a draft
-        model that cannot draft for it (none given, another tokenizer, another vocabulary size)."""
-        from workers.engine.builder import build_rank_engine
-
-        if draft_model is None:
-            raise ModelLoadError(f"spec_method 'draft' needs {DRAFT_SETTING}: the draft model to propose tokens")
-        pages_per_request = -(-max_model_len // target.page_size)
-        args = EngineArgs(
-            model=draft_model,
-            # A config (random weights) has no tokenizer of its own: it drafts with the target's.
-            tokenizer=_tokenizer_source(target) if _is_config(draft_model) else None,
-            device=target.device,
-            dtype=target.dtype,
-            seed=target.seed,
-            attention_backend=target.attention_backend,
-            max_model_len=max_model_len,
-            max_num_seqs=target.max_num_seqs,
-            page_size=target.page_size,
-            num_pages=target.max_num_seqs * pages_per_request + 1,
-            enforce_eager=target.enforce_eager,
-        )
-        drafter = cls(build_rank_engine(args))
-        drafter.check_matches(tokenizer, vocab_size)
-        return drafter
-
-    def check_matches(self, tokenizer: Tokenizer | None, vocab_size: int) -> None:
-        info = self.engine.info
-        if info.model_config.vocab_size != vocab_size:
-            raise ModelLoadError(
-                f"{DRAFT_SETTING} {info.model_name!r} reads {info.model_config.vocab_size} token ids, "
-                f"the target {vocab_size}: a draft model must share the target's tokenizer"
-            )
-        if tokenizer is None or info.tokenizer is None:
-            if tokenizer is not info.tokenizer:
-                raise ModelLoadError(
-                    f"{DRAFT_SETTING} {info.model_name!r}: one of the draft and target models has a tokenizer "
-                    "and the other none, so they cannot be checked to share one"
-                )
-        elif not tokenizer.same_vocabulary(info.tokenizer):
-            raise ModelLoadError(
-                f"{DRAFT_SETTING} {info.model_name!r} has another tokenizer than the target: its token ids "
-                "spell other text, so its drafts would never be accepted"
-            )
 
     def propose_all(self, asks: Sequence[DraftAsk]) -> list[Draft]:
         """One draft engine request per ask that may draft, run together as one batch."""

@@ -13,7 +13,6 @@ from workers.engine.spec.drafter import NO_DRAFT, Draft, DraftAsk, Drafter
 from workers.engine.spec.ngram import NgramDrafter
 from workers.engine.spec.planner import VerificationPlanner
 from workers.engine.spec.stats import SpecDecodeStats
-from workers.text.tokenizer import Tokenizer
 
 
 class Speculator:
@@ -69,29 +68,22 @@ class Speculator:
         return draft
 
 
-def speculator_for(config: EngineConfig, *, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int):
-    """The engine's speculator, None without speculation; ValueError (or ModelLoadError, for a draft
-    model) naming the setting for a choice that cannot run."""
+def speculator_for(config: EngineConfig, drafter: Drafter | None = None) -> Speculator | None:
+    """The engine's speculator, None without speculation; ValueError naming the setting for a choice
+    that cannot run. `drafter`: the draft model's (spec_method 'draft'; workers.engine.builder makes it)."""
     args = config.args
     if args.spec_method == "none":
         return None
     if args.spec_method == "mtp":
         raise ValueError("spec_method 'mtp' is not available yet; use 'ngram', 'draft' or 'none'")
-    stats = SpecDecodeStats(args.spec_method, args.spec_max_draft_tokens)
+    if args.spec_method == "draft" and drafter is None:
+        raise ValueError("spec_method 'draft' needs the draft model's drafter (workers.engine.builder builds it)")
     planner = VerificationPlanner(
         args.spec_budget,
         max_draft_tokens=args.spec_max_draft_tokens,
         min_confidence=args.spec_min_confidence if args.spec_budget == "dspark" else 0.0,
         cost_model=config.cost_model,
-        stats=stats,
+        stats=SpecDecodeStats(args.spec_method, args.spec_max_draft_tokens),
     )
-    if args.spec_method == "draft":
-        from workers.engine.spec.draft_model import DraftModelDrafter
-
-        drafter = DraftModelDrafter.for_target(
-            args.spec_draft_model, args, tokenizer=tokenizer, vocab_size=vocab_size, max_model_len=max_model_len
-        )
-    else:
-        drafter = NgramDrafter()
     raw_min_confidence = args.spec_min_confidence if args.spec_budget == "fixed" else 0.0
-    return Speculator(drafter, planner, raw_min_confidence=raw_min_confidence)
+    return Speculator(drafter or NgramDrafter(), planner, raw_min_confidence=raw_min_confidence)

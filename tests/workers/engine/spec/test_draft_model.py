@@ -12,6 +12,7 @@ import pytest
 from tests.workers.engine.hf_reference import TINY_CONFIGS
 from workers.args import EngineArgs
 from workers.engine import LLM, SamplingParams
+from workers.engine.builder import build_draft_drafter
 from workers.engine.spec.draft_model import DraftModelDrafter
 from workers.engine.spec.drafter import DraftAsk
 from workers.engine.weights.loader import resolve_model
@@ -30,7 +31,7 @@ def target() -> LLM:
 
 def drafter_for(target: LLM, draft_model) -> DraftModelDrafter:
     info = target.engine.info
-    return DraftModelDrafter.for_target(
+    return build_draft_drafter(
         draft_model,
         EngineArgs(model=CONFIG, **SETTINGS),
         tokenizer=info.tokenizer,
