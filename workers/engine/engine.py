@@ -149,11 +149,6 @@ class LLMEngine(EngineCore):
         # A hybrid model's SWA state and replays (kv.swa_stats); None for a model without windows.
         self.swa_stats = SwaStats() if len(specs.groups) > 1 else None
         speculator = speculator_for(config, drafter)
-        if speculator is not None and self.runner.batch is not None:
-            raise ValueError(
-                f"spec_method {config.args.spec_method!r} runs on the reference path only (torch attention "
-                f"backends) for now, not with attention_backend {self.runner.backend.name!r}"
-            )
         self.spec_stats = speculator.stats if speculator is not None else None
         self.scheduler = Scheduler(
             self.block_manager,
@@ -565,10 +560,15 @@ class LLMEngine(EngineCore):
 
     def _can_defer(self, output: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before this one's tokens are read: not for a prefill
-        that hands its KV off after its first token."""
-        return self.config.args.async_scheduling and not any(
-            sample and _is_prefill_only(self.requests.get(request_id))
-            for request_id, sample in zip(output.request_ids, output.sample, strict=True)
+        that hands its KV off after its first token, and never with speculation (drafts follow a
+        request's last token, which a deferred step leaves pending)."""
+        return (
+            self.config.args.async_scheduling
+            and self.spec_stats is None
+            and not any(
+                sample and _is_prefill_only(self.requests.get(request_id))
+                for request_id, sample in zip(output.request_ids, output.sample, strict=True)
+            )
         )
 
     def _add_pending_tokens(self, output: SchedulerOutput) -> None:

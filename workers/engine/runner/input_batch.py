@@ -339,9 +339,13 @@ class InputBatch:
         kept = (plan.counts == 1) & self.token_on_device[plan.rows]
         input_ids[query_start[:-1][kept]] = -1
         for i in np.flatnonzero(~kept):
-            state: RequestState = states[output.request_ids[i]]
+            request_id = output.request_ids[i]
+            state: RequestState = states[request_id]
             start = int(plan.starts[i])
-            input_ids[query_start[i] : query_start[i + 1]] = state.token_slice(start, start + int(plan.counts[i]))
+            stop = start + int(plan.counts[i])
+            drafts = output.draft_token_ids.get(request_id)
+            tokens = state.token_slice(start, stop - len(drafts)) + drafts if drafts else state.token_slice(start, stop)
+            input_ids[query_start[i] : query_start[i + 1]] = tokens
 
     def _fill_padding(
         self, fields: dict[str, np.ndarray], layout: PackedLayout, n: int, num_tokens: int, samples: int
@@ -415,6 +419,17 @@ class InputBatch:
     def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
         """Keep each sampling sequence's token on the device for the row's next step."""
         self.last_tokens.index_copy_(0, inputs.sample_rows, tokens)
+
+    def record_emitted(self, rows: np.ndarray, emitted: Sequence[list[int]]) -> None:
+        """After a step sampled on the host (one that verified drafts): each row's last emitted token
+        is its next input, and every emitted token joins the row's sampling history, as the device
+        sampler records its own."""
+        last = torch.tensor([tokens[-1] for tokens in emitted], dtype=torch.int64)
+        self.last_tokens.index_copy_(0, torch.from_numpy(rows).to(self.device), last.to(self.device))
+        if self.extras is not None:
+            history_rows = torch.from_numpy(np.repeat(rows, [len(tokens) for tokens in emitted])).to(self.device)
+            tokens = torch.tensor([token for row_tokens in emitted for token in row_tokens], dtype=torch.int64)
+            self.extras.record(history_rows, tokens.to(self.device))
 
 
 class _StagingSlot:

@@ -6,13 +6,15 @@ Two paths, chosen by the attention backend:
   which the BLAS switches kernels for small matrices; with the blockwise backend this makes results
   batch-invariant. Logits are computed for the rows that sample: a request that verifies drafts
   samples at each of them and after the last, and keeps the drafts its samples agree with
-  (runner.verify). Only this path verifies drafts.
+  (runner.verify).
 - The device path (the Triton backend; the CUDA default) keeps a persistent input batch (block
   tables on the device, one host-to-device copy of a packed step buffer per step), runs the fused
   Triton layer ops, samples on the device, and replays the whole decode step from CUDA graphs per
   batch bucket. The host reads back one thing per step: the sampled ids. Rows that need logit bias,
   penalties, logprobs or an output constraint are sampled from the same logits by the host-driven
   Sampler instead.
+  A step that verifies drafts runs eagerly and is sampled by the host Sampler, as on the reference
+  path; the decode steps between keep their graphs.
 
 Both paths read the runner's own record of its requests (runner.request_states), kept from the
 scheduler's output: each request in full once, then only the pages it gains. Prompt logprobs (both
@@ -42,7 +44,7 @@ from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
-from workers.engine.runner.verify import num_rows, sample_and_verify
+from workers.engine.runner.verify import Verified, num_rows, sample_and_verify
 from workers.engine.sample.sampler import Sampler, token_logprobs
 from workers.engine.sched.output import SchedulerOutput
 from workers.protocol.images import ImageEmbeddings
@@ -223,6 +225,8 @@ class ModelRunner:
         self.num_computed_tokens += plan.num_tokens
         if len(plan.constrained):
             self._stage_constraint_masks(plan, output)
+        if output.draft_token_ids:
+            return LaunchedStep(self._verify_on_device(output, plan, injected))
         prompt_logprobs: list[PromptLogprobs] = []
         # A graph replays its captured inputs only: a step that injects embeddings runs eagerly.
         if plan.decode_only and injected is None and self.graphs is not None and self.graphs.fits(len(plan.rows)):
@@ -249,6 +253,33 @@ class ModelRunner:
         deferred = DeferredTokens(tokens, logprobs, request_ids, num_logprobs, pinned)
         # A constrained request's next mask needs this token: the next step waits for it.
         return LaunchedStep(None, deferred, prompt_logprobs=prompt_logprobs, can_defer=not len(plan.constrained))
+
+    def _verify_on_device(
+        self, output: SchedulerOutput, plan: StepPlan, injected: InjectedEmbeddings | None
+    ) -> StepOutput:
+        """A step that verifies drafts, eagerly: the forward on the device, then every sampling
+        sequence sampled by the host Sampler at each of its drafts and after them (runner.verify),
+        as the reference path does. Each row's last token and sampling history on the device then
+        take in what it emitted, so the steps after it decode on the device as usual."""
+        layout, device_buffer = self.batch.prepare(plan, output, self.states)
+        inputs = self.batch.step_inputs(layout, device_buffer, decode_only=False, max_query_len=plan.max_query_len)
+        hidden = self._hidden(inputs, injected)
+        query_ends = np.cumsum(plan.counts)
+        scheduled = self.states.scheduled(output)
+        prompt_logprobs = [
+            self._prompt_logprobs(scheduled[i], hidden, int(query_ends[i] - plan.counts[i]))
+            for i in plan.prompt_logprobs
+        ]
+        sequences = [scheduled[i] for i in plan.sampling]
+        rows = [
+            row
+            for i, s in zip(plan.sampling, sequences, strict=True)
+            for row in range(int(query_ends[i]) - num_rows(s), int(query_ends[i]))
+        ]
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        verified = sample_and_verify(self.sampler, logits, sequences)
+        self.batch.record_emitted(plan.rows[plan.sampling], [result.token_ids for result in verified])
+        return _step_output(sequences, verified, prompt_logprobs)
 
     def _stage_constraint_masks(self, plan: StepPlan, output: SchedulerOutput) -> None:
         """The allowed-token masks of the step's constrained sampling rows, into their device rows."""
@@ -354,18 +385,9 @@ class ModelRunner:
             for i, s in sampling
             for row in range(metadata.query_start[i + 1] - num_rows(s), metadata.query_start[i + 1])
         ]
-        verified = sample_and_verify(self.sampler, self._logits(hidden, rows), [s for _, s in sampling])
-        sampled = [
-            SampledToken(s.state.request_id, token, logprobs)
-            for (_, s), result in zip(sampling, verified, strict=True)
-            for token, logprobs in zip(result.token_ids, result.logprobs, strict=True)
-        ]
-        num_accepted = {
-            s.state.request_id: result.num_accepted
-            for (_, s), result in zip(sampling, verified, strict=True)
-            if s.draft_token_ids
-        }
-        return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs, num_accepted=num_accepted)
+        sequences = [s for _, s in sampling]
+        verified = sample_and_verify(self.sampler, self._logits(hidden, rows), sequences)
+        return _step_output(sequences, verified, prompt_logprobs)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of the given hidden rows; padded like the model's matmuls, for batch invariance."""
@@ -392,6 +414,22 @@ def embeddings_tensor(image: ImageEmbeddings) -> torch.Tensor:
     """An image's embeddings (checked at admission) as a [num_tokens, hidden] tensor, a copy."""
     dtype = getattr(torch, image.dtype)
     return torch.frombuffer(bytearray(image.data), dtype=dtype).reshape(image.shape)
+
+
+def _step_output(
+    sequences: Sequence[ScheduledSequence], verified: Sequence[Verified], prompt_logprobs: list[PromptLogprobs]
+) -> StepOutput:
+    sampled = [
+        SampledToken(s.state.request_id, token, logprobs)
+        for s, result in zip(sequences, verified, strict=True)
+        for token, logprobs in zip(result.token_ids, result.logprobs, strict=True)
+    ]
+    num_accepted = {
+        s.state.request_id: result.num_accepted
+        for s, result in zip(sequences, verified, strict=True)
+        if s.draft_token_ids
+    }
+    return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs, num_accepted=num_accepted)
 
 
 class _PinnedOutputs:

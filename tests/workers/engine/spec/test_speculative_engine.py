@@ -263,7 +263,6 @@ def test_bad_settings_are_refused_naming_the_setting(settings, named):
         (dict(spec_method="draft"), "spec_method"),
         (dict(spec_method="mtp"), "spec_method"),
         (dict(spec_method="ngram", spec_budget="dspark"), "spec_budget"),
-        (dict(spec_method="ngram", attention_backend="triton"), "spec_method"),
     ],
 )
 def test_choices_not_built_yet_are_refused_at_start_naming_the_setting(settings, named):
