@@ -48,7 +48,10 @@ def sample_and_verify(sampler: Sampler, logits: torch.Tensor, sequences: Sequenc
         drafts = sequence.draft_token_ids
         # A constrained request's rows are masked as its constraint would be after the drafts before
         # each (the speculator cut its drafts to what the constraint allows).
-        masks = state.constraint.masks_along(drafts) if state.constraint else [None] * (len(drafts) + 1)
+        if state.constraint is None:
+            masks = [None] * (len(drafts) + 1)
+        else:
+            masks = state.constraint.masks_along(drafts) if drafts else [state.constraint.allowed_tokens()]
         for j in range(len(drafts) + 1):
             params.append(state.params)
             prompts.append(state.prompt_token_ids)

@@ -36,4 +36,4 @@ def test_device_path_with_speculation_gives_the_reference_tokens_without_it(name
 
     assert [r.token_ids for r in results] == [r.token_ids for r in expected]
     assert [(e.token_id, e.rank) for e in results[1].logprobs] == [(e.token_id, e.rank) for e in expected[1].logprobs]
-    assert device.engine.stats().spec.num_accepted_tokens > 0
+    assert device.engine.stats().spec_decode.num_accepted_tokens > 0
