@@ -165,7 +165,8 @@ class EngineArgs:
         choices=SPEC_METHODS,
         help="speculative decoding's drafter: ngram proposes the tokens that followed the last earlier "
         "occurrence of the request's latest tokens (prompt lookup); draft, the greedy tokens of a smaller "
-        "model sharing the target's tokenizer (--spec-draft-model); none decodes one token per step",
+        "model sharing the target's tokenizer (--spec-draft-model); mtp, DeepSeek-V3's multi-token-prediction "
+        "layer, chained (reference path); none decodes one token per step",
     )
     spec_draft_model: str | os.PathLike | dict[str, Any] | None = setting(
         None,

@@ -31,6 +31,7 @@ def build_rank_engine(args: EngineArgs, compile_constraint: ConstraintCompiler |
         max_model_len=args.max_model_len,
         tokenizer=args.tokenizer,
         quantization=args.quantization,
+        with_mtp=args.spec_method == "mtp",
     )
     if args.ep_size > 1 and any(isinstance(m, RoutedExperts) and m.quantized for m in loaded.model.modules()):
         # Expert-parallel ranks move stacked expert weights between devices without their scales.

@@ -157,6 +157,8 @@ class LLMEngine(EngineCore):
             step_budget=self.step_budget,
             swa_stats=self.swa_stats,
             speculator=speculator,
+            # MTP drafts the positions after a decode's tokens: their latents need pages.
+            num_lookahead_tokens=config.args.spec_max_draft_tokens if self.runner.mtp_pass is not None else 0,
         )
         self.prediction_errors = PredictionErrorTracker() if config.cost_model is not None else None
         self.step_stats = StepStats()
@@ -531,6 +533,8 @@ class LLMEngine(EngineCore):
                 connector.save(stepped)
         if self.scheduler.speculator is not None:
             self._keep_accepted(output, result.num_accepted)
+        if self.runner.mtp_pass is not None:
+            self.scheduler.speculator.drafter.receive(result.drafts)
         deltas = []
         for request_id, sampled in groupby(result.sampled, key=attrgetter("request_id")):
             request = self.requests.get(request_id)

@@ -90,7 +90,7 @@ class MultiTokenPredictor(nn.Module):
         config: ModelConfig = main.config
         if not config.mtp_layers:
             raise ModelLoadError(
-                "multi-token prediction was asked of a model whose config has no MTP layers "
+                "multi-token prediction (spec_method 'mtp') was asked of a model whose config has no MTP layers "
                 "(num_nextn_predict_layers is 0 or absent; DeepSeek-V3's checkpoints hold one)"
             )
         self.config = config

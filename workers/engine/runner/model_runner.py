@@ -30,7 +30,7 @@ work for them.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -43,10 +43,12 @@ from workers.engine.models.decoder import DecoderForCausalLM, InjectedEmbeddings
 from workers.engine.runner import device_sampling
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
+from workers.engine.runner.mtp_pass import MtpPass
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
 from workers.engine.runner.verify import Verified, num_rows, sample_and_verify
 from workers.engine.sample.sampler import Sampler, token_logprobs
 from workers.engine.sched.output import SchedulerOutput
+from workers.engine.spec.drafter import Draft
 from workers.protocol.images import ImageEmbeddings
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import MAX_LOGPROBS
@@ -80,6 +82,8 @@ class StepOutput:
     prompt_logprobs: list[PromptLogprobs]
     # Of the requests that verified drafts, how many of its drafts each accepted.
     num_accepted: dict[str, int] = field(default_factory=dict)
+    # With MTP drafting (runner.mtp_pass): the drafts after each sampling request's last token.
+    drafts: dict[str, Draft] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -94,7 +98,10 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         enforce_eager: bool = False,
+        mtp_draft_tokens: int = 0,
     ) -> None:
+        """`mtp_draft_tokens`: with a model that holds its MTP layers (models.mtp), drafts it makes
+        after each step for speculative decoding (runner.mtp_pass); 0 for none."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = get_backend(attention_backend)
@@ -109,6 +116,11 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.num_computed_tokens = 0  # tokens run through the model since start: proves prefix hits skip work
         self.states = RequestStates()
+        self.mtp_pass = None
+        if model.mtp is not None and mtp_draft_tokens:
+            if self.backend.needs_device_tensors:
+                raise ValueError("spec_method 'mtp' runs on the reference path only (torch attention backends) for now")
+            self.mtp_pass = MtpPass(model.mtp, kv_cache, self.backend, max_draft_tokens=mtp_draft_tokens)
         self.batch: InputBatch | None = None
         self.graphs = None
         # Pinned buffers for the sampled ids (and logprobs) of the last two steps: async scheduling
@@ -150,6 +162,7 @@ class ModelRunner:
             max_num_seqs=config.args.max_num_seqs,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+            mtp_draft_tokens=config.args.spec_max_draft_tokens if config.args.spec_method == "mtp" else 0,
         )
 
     @property
@@ -378,6 +391,8 @@ class ModelRunner:
         ]
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.sample]
         if not sampling:
+            if self.mtp_pass is not None:
+                self.mtp_pass.run(scheduled, hidden, metadata.query_start, {})
             return StepOutput(sampled=[], prompt_logprobs=prompt_logprobs)
         # The last rows of each sampling sequence: its last token's, or with drafts, theirs too.
         rows = [
@@ -387,7 +402,11 @@ class ModelRunner:
         ]
         sequences = [s for _, s in sampling]
         verified = sample_and_verify(self.sampler, self._logits(hidden, rows), sequences)
-        return _step_output(sequences, verified, prompt_logprobs)
+        output = _step_output(sequences, verified, prompt_logprobs)
+        if self.mtp_pass is None:
+            return output
+        emitted = {s.state.request_id: result.token_ids for s, result in zip(sequences, verified, strict=True)}
+        return replace(output, drafts=self.mtp_pass.run(scheduled, hidden, metadata.query_start, emitted))
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of the given hidden rows; padded like the model's matmuls, for batch invariance."""

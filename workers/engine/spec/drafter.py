@@ -39,6 +39,7 @@ NO_DRAFT = Draft([], [])
 class DraftAsk(NamedTuple):
     """A request's tokens so far (its own lists: read, never written), and the most tokens to draft."""
 
+    request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     max_tokens: int

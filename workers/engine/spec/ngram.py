@@ -30,7 +30,7 @@ class NgramDrafter:
         self.lookback = lookback
 
     def propose_all(self, asks: Sequence[DraftAsk]) -> list[Draft]:
-        return [self.propose(*ask) for ask in asks]
+        return [self.propose(ask.prompt_token_ids, ask.output_token_ids, ask.max_tokens) for ask in asks]
 
     def propose(self, prompt_token_ids: list[int], output_token_ids: list[int], max_tokens: int) -> Draft:
         """The tokens after the latest earlier match of the last n tokens; probability 1 each, as the

@@ -10,6 +10,7 @@ rolled back after computing them), and then advances through the emitted tokens 
 from workers.engine.config import EngineConfig
 from workers.engine.request import Request
 from workers.engine.spec.drafter import NO_DRAFT, Draft, DraftAsk, Drafter
+from workers.engine.spec.mtp_drafter import MtpDrafter
 from workers.engine.spec.ngram import NgramDrafter
 from workers.engine.spec.planner import VerificationPlanner
 from workers.engine.spec.stats import SpecDecodeStats
@@ -35,7 +36,7 @@ class Speculator:
         more than a request may still emit: a step emits every accepted draft token plus one, and
         must not pass max_tokens (nor, so, the context window)."""
         limits = [min(self.max_draft_tokens, r.max_tokens - len(r.output_token_ids) - 1) for r in requests]
-        asks = [DraftAsk(r.prompt_token_ids, r.output_token_ids, limit) for r, limit in zip(requests, limits)]
+        asks = [DraftAsk(r.request_id, r.prompt_token_ids, r.output_token_ids, n) for r, n in zip(requests, limits)]
         proposed = self.drafter.propose_all(asks)
         drafts = [self._fitted(r, draft, limit) for r, draft, limit in zip(requests, proposed, limits, strict=True)]
         lengths = self.planner.plan(drafts, total_kv=sum(request.num_computed_tokens for request in requests))
@@ -74,8 +75,6 @@ def speculator_for(config: EngineConfig, drafter: Drafter | None = None) -> Spec
     args = config.args
     if args.spec_method == "none":
         return None
-    if args.spec_method == "mtp":
-        raise ValueError("spec_method 'mtp' is not available yet; use 'ngram', 'draft' or 'none'")
     if args.spec_method == "draft" and drafter is None:
         raise ValueError("spec_method 'draft' needs the draft model's drafter (workers.engine.builder builds it)")
     planner = VerificationPlanner(
@@ -85,5 +84,7 @@ def speculator_for(config: EngineConfig, drafter: Drafter | None = None) -> Spec
         cost_model=config.cost_model,
         stats=SpecDecodeStats(args.spec_method, args.spec_max_draft_tokens),
     )
+    if args.spec_method == "mtp":
+        drafter = MtpDrafter()  # fed by the model runner's MTP pass
     raw_min_confidence = args.spec_min_confidence if args.spec_budget == "fixed" else 0.0
     return Speculator(drafter or NgramDrafter(), planner, raw_min_confidence=raw_min_confidence)

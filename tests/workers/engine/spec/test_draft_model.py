@@ -46,15 +46,15 @@ def test_the_target_s_own_model_drafts_its_greedy_continuation_and_reuses_the_hi
     [expected] = target.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     continuation = expected.outputs[0].token_ids
 
-    first = drafter.propose_all([DraftAsk(prompt, [], 5)])[0]
+    first = drafter.propose_all([DraftAsk("r", prompt, [], 5)])[0]
     computed = drafter.engine.runner.num_computed_tokens
-    second = drafter.propose_all([DraftAsk(prompt, continuation[:5], 6)])[0]
+    second = drafter.propose_all([DraftAsk("r", prompt, continuation[:5], 6)])[0]
 
     assert first.token_ids == continuation[:5] and second.token_ids == continuation[5:11]
     assert len(first.probs) == 5 and all(0 < p <= 1 for p in first.probs + second.probs)
     # The second proposal computed the tokens since the first one's last full page, not the history.
     assert drafter.engine.runner.num_computed_tokens - computed < len(prompt)
-    assert drafter.propose_all([DraftAsk(prompt, [], 0)])[0].token_ids == []
+    assert drafter.propose_all([DraftAsk("r", prompt, [], 0)])[0].token_ids == []
 
 
 def test_another_model_drafts_what_it_would_generate(target):
@@ -63,7 +63,7 @@ def test_another_model_drafts_what_it_would_generate(target):
     prompt = target.tokenizer.encode("The quick brown fox")
     [alone] = LLM(other, **SETTINGS).generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
 
-    draft = drafter.propose_all([DraftAsk(prompt, [], 4)])[0]
+    draft = drafter.propose_all([DraftAsk("r", prompt, [], 4)])[0]
 
     assert draft.token_ids == alone.outputs[0].token_ids
     assert all(0 < p <= 1 for p in draft.probs) and not all(math.isclose(p, 1.0) for p in draft.probs)
@@ -97,7 +97,7 @@ def test_no_draft_model_is_refused_naming_the_setting(target):
 def test_a_step_s_asks_are_drafted_as_one_batch_each_as_it_would_be_alone(target):
     drafter = drafter_for(target, CONFIG)
     prompts = [target.tokenizer.encode(text) for text in ("One fish, two fish", "Red fish, blue fish, old fish")]
-    asks = [DraftAsk(prompts[0], [], 4), DraftAsk(prompts[1], [], 0), DraftAsk(prompts[1], [], 3)]
+    asks = [DraftAsk("a", prompts[0], [], 4), DraftAsk("b", prompts[1], [], 0), DraftAsk("c", prompts[1], [], 3)]
     alone = [drafter.propose_all([ask])[0] for ask in asks]
     steps = drafter.engine.stats().steps.num_steps
 

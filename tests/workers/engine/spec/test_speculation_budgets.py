@@ -106,7 +106,6 @@ def test_dspark_s_valve_verifies_nothing_when_no_draft_can_pay(expected):
     [
         (dict(spec_method="draft"), "spec_method 'draft' needs spec_draft_model"),
         (dict(spec_method="ngram", spec_budget="dspark"), "spec_budget 'dspark' needs a cost_model"),
-        (dict(spec_method="mtp"), "spec_method 'mtp' is not available yet"),
     ],
 )
 def test_speculation_that_cannot_run_is_refused_naming_the_setting(settings, message):

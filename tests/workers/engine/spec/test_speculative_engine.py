@@ -261,7 +261,6 @@ def test_bad_settings_are_refused_naming_the_setting(settings, named):
     ("settings", "named"),
     [
         (dict(spec_method="draft"), "spec_method"),
-        (dict(spec_method="mtp"), "spec_method"),
         (dict(spec_method="ngram", spec_budget="dspark"), "spec_budget"),
     ],
 )
