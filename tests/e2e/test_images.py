@@ -101,12 +101,13 @@ def image_server():
 
 
 @pytest.fixture(scope="module")
-def vlm_stack(tmp_path_factory, postgres_database, vlm_dir):
+def vlm_stack(tmp_path_factory, vlm_dir):
+    # A database of its own, as the other modules' stacks have: the session's stack registers workers of
+    # the same names (prefill-0, decode-0) serving a text-only model, which this gateway must not see.
+    tmp = tmp_path_factory.mktemp("vlm-stack")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SLUICE_IMAGE_FETCH_ALLOWED_NETWORKS", ALLOWED_NETWORK)
-        process, stack = start_stack(
-            tmp_path_factory.mktemp("vlm-stack"), postgres_database, "vlm", f"--model={vlm_dir}", "--encode=2"
-        )
+        process, stack = start_stack(tmp, f"sqlite:///{tmp / 'vlm.sqlite3'}", "vlm", f"--model={vlm_dir}", "--encode=2")
     try:
         wait_for_encoders(stack, 2)
         yield stack, process
