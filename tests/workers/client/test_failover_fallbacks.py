@@ -139,7 +139,13 @@ class Filler:
         self.dealer = Dealer(worker.endpoints[0])
         self.request_id = request_id
         self.dealer.send(GenerateRequest(request_id, prompt(8, 99), greedy(LONG)))
-        first = self.dealer.receive()
+        try:
+            # Six worker processes share this machine's cores with whatever else runs: a first token
+            # may take a while. A dealer left open would hang its context's collection later.
+            first = self.dealer.receive(timeout_s=STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.dealer.close()
+            raise
         assert isinstance(first, GenerateOutput) and first.token_ids, first
 
     def close(self) -> None:
