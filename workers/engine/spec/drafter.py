@@ -30,7 +30,11 @@ class Draft:
             if confidence < min_confidence:
                 break
             keep += 1
-        return Draft(self.token_ids[:keep], self.probs[:keep])
+        return self.prefix(keep)
+
+    def prefix(self, length: int) -> "Draft":
+        """Its first `length` tokens."""
+        return Draft(self.token_ids[:length], self.probs[:length])
 
 
 NO_DRAFT = Draft([], [])

@@ -21,5 +21,5 @@ class MtpDrafter:
         proposed = []
         for ask in asks:
             draft = self._drafts.pop(ask.request_id, NO_DRAFT)
-            proposed.append(Draft(draft.token_ids[: ask.max_tokens], draft.probs[: ask.max_tokens]))
+            proposed.append(draft.prefix(ask.max_tokens))
         return proposed

@@ -42,7 +42,7 @@ class VerificationPlanner:
         self.max_draft_tokens = max_draft_tokens
         self.stats = stats
         self._lagged: np.ndarray | None = None  # the previous step's expected accepted prefixes
-        self._planned: tuple[torch.Tensor, torch.Tensor] | None = None  # the last plan's raw probabilities, lengths
+        self._planned: torch.Tensor | None = None  # the last plan's raw probabilities
         self._steps = 0
 
     def plan(self, drafts: list[Draft], total_kv: int) -> list[int]:
@@ -59,12 +59,12 @@ class VerificationPlanner:
         total = self.budget.plan_total(batch=len(drafts), step_seconds=curve, lagged_prefix=self._lagged)
         lengths = self.budget.allocate(expected, total)
         self._lagged = expected.numpy()
-        self._planned = (raw, lengths)
+        self._planned = raw
         return lengths.tolist()
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """The draft tokens each request of the last plan verified and, of those, accepted, in its order."""
-        raw, _ = self._planned
+        raw = self._planned
         self._planned = None
         self.calibrator.observe(
             raw, torch.tensor(verified, dtype=torch.int64), torch.tensor(accepted, dtype=torch.int64)

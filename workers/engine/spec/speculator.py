@@ -42,7 +42,7 @@ class Speculator:
         lengths = self.planner.plan(drafts, total_kv=sum(request.num_computed_tokens for request in requests))
         self._planned = [request.request_id for request in requests]
         return {
-            request.request_id: Draft(draft.token_ids[:length], draft.probs[:length])
+            request.request_id: draft.prefix(length)
             for request, draft, length in zip(requests, drafts, lengths, strict=True)
         }
 
@@ -65,7 +65,7 @@ class Speculator:
         if request.constraint is not None:
             # A draft token the grammar refuses cannot be accepted: the draft ends before it.
             valid = request.constraint.valid_prefix(draft.token_ids)
-            draft = Draft(draft.token_ids[:valid], draft.probs[:valid])
+            draft = draft.prefix(valid)
         return draft
 
 
