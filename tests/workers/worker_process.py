@@ -128,6 +128,26 @@ async def collect(client: EngineClient, request: GenerateRequest) -> list[Genera
     return [output async for output in client.generate(request)]
 
 
+def heartbeat_of(client: EngineClient, worker_id: str) -> WorkerHeartbeat:
+    """The client's latest heartbeat from a healthy worker."""
+    return next(beat for beat in client.healthy_workers() if beat.worker_id == worker_id)
+
+
+async def stream_into(client: EngineClient, request: GenerateRequest, tokens: list[int]) -> str:
+    """Stream `request`, appending its tokens as they come; its finish reason."""
+    async for output in client.generate(request):
+        tokens.extend(output.token_ids)
+        if output.finish_reason is not None:
+            return output.finish_reason
+    return ""
+
+
+async def all_have(tokens: dict[str, list[int]], count: int) -> None:
+    """Wait until every stream has `count` tokens."""
+    while min(len(t) for t in tokens.values()) < count:
+        await asyncio.sleep(0.01)
+
+
 def token_ids(outputs: list[GenerateOutput]) -> list[int]:
     return [token for output in outputs for token in output.token_ids]
 

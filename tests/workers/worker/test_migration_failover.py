@@ -13,10 +13,13 @@ import pytest
 from tests.workers.worker_process import (
     CONFIG,
     Dealer,
+    all_have,
     collect,
     connected_client,
+    heartbeat_of,
     role_options,
     start_worker,
+    stream_into,
     token_ids,
     wait_for_heartbeat,
 )
@@ -29,7 +32,6 @@ from workers.protocol.messages import (
     GenerateRequest,
     ResumeDecodeRequest,
     ResumeRequest,
-    WorkerHeartbeat,
 )
 from workers.worker.checkpoints import Checkpoints, DirectoryStorage
 
@@ -95,24 +97,6 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
 
 
-def beat(client, name: str) -> WorkerHeartbeat:
-    return next(b for b in client.healthy_workers() if b.worker_id == name)
-
-
-async def _started(tokens: dict[str, list[int]], count: int) -> None:
-    """Wait until every stream has `count` tokens."""
-    while min(len(t) for t in tokens.values()) < count:
-        await asyncio.sleep(0.01)
-
-
-async def _stream(client, request: GenerateRequest, tokens: list[int]) -> str:
-    async for output in client.generate(request):
-        tokens.extend(output.token_ids)
-        if output.finish_reason is not None:
-            return output.finish_reason
-    return ""
-
-
 def test_a_drain_with_grace_migrates_every_stream_to_the_other_decode_worker_with_nothing_recomputed(cluster):
     workers, _, reference, _ = cluster
 
@@ -121,16 +105,16 @@ def test_a_drain_with_grace_migrates_every_stream_to_the_other_decode_worker_wit
         try:
             batch = requests(KINDS)
             tokens = {r.request_id: [] for r in batch}
-            streams = [asyncio.create_task(_stream(client, r, tokens[r.request_id])) for r in batch]
-            await _started(tokens, 8)
+            streams = [asyncio.create_task(stream_into(client, r, tokens[r.request_id])) for r in batch]
+            await all_have(tokens, 8)
             with Dealer(workers["d0"].endpoints[0]) as dealer:
                 dealer.send(DrainRequest("drain-1", grace_s=0.2))
                 ack = await asyncio.to_thread(dealer.receive)
             assert isinstance(ack, ControlAck) and ack.ok
             moved = ack.num_in_flight
             reasons = await asyncio.gather(*streams)
-            await wait_for_heartbeat(client, lambda beats: beat(client, "d0").state == "drained")
-            return reasons, tokens, moved, beat(client, "d0"), beat(client, "d1")
+            await wait_for_heartbeat(client, lambda beats: heartbeat_of(client, "d0").state == "drained")
+            return reasons, tokens, moved, heartbeat_of(client, "d0"), heartbeat_of(client, "d1")
         finally:
             await client.close()
 
@@ -158,12 +142,12 @@ def test_a_killed_decode_worker_s_streams_resume_on_the_other_from_the_store_rec
             await wait_for_heartbeat(client, lambda beats: all(b.state == "ready" for b in beats))
             batch = requests(KINDS)
             tokens = {r.request_id: [] for r in batch}
-            streams = [asyncio.create_task(_stream(client, r, tokens[r.request_id])) for r in batch]
-            await _started(tokens, 3 * BLOCK)
-            victim = beat(client, "d1").num_running
+            streams = [asyncio.create_task(stream_into(client, r, tokens[r.request_id])) for r in batch]
+            await all_have(tokens, 3 * BLOCK)
+            victim = heartbeat_of(client, "d1").num_running
             os.kill(workers["d1"].process.pid, signal.SIGKILL)
             reasons = await asyncio.gather(*streams)
-            return reasons, tokens, victim, beat(client, "d0")
+            return reasons, tokens, victim, heartbeat_of(client, "d0")
         finally:
             await client.close()
 
@@ -199,16 +183,16 @@ def test_streams_whose_checkpoints_are_corrupt_fall_back_to_a_rerun_and_finish_w
         try:
             batch = [r for r in requests(KINDS) if r.params.temperature == 0]
             tokens = {r.request_id: [] for r in batch}
-            streams = [asyncio.create_task(_stream(client, r, tokens[r.request_id])) for r in batch]
-            await _started(tokens, 2 * BLOCK)
-            victim = max(("d0", "d1"), key=lambda name: beat(client, name).num_running)
-            assert beat(client, victim).num_running >= 1
-            resumed_before = beat(client, "d1" if victim == "d0" else "d0").num_resumed
+            streams = [asyncio.create_task(stream_into(client, r, tokens[r.request_id])) for r in batch]
+            await all_have(tokens, 2 * BLOCK)
+            victim = max(("d0", "d1"), key=lambda name: heartbeat_of(client, name).num_running)
+            assert heartbeat_of(client, victim).num_running >= 1
+            resumed_before = heartbeat_of(client, "d1" if victim == "d0" else "d0").num_resumed
             os.kill(workers[victim].process.pid, signal.SIGKILL)
             for path in (store / FOLDER).iterdir():  # the dead worker's checkpoints among them
                 path.write_bytes(b"SKVC" + os.urandom(40))
             reasons = await asyncio.gather(*streams)
-            return reasons, tokens, resumed_before, beat(client, "d1" if victim == "d0" else "d0")
+            return reasons, tokens, resumed_before, heartbeat_of(client, "d1" if victim == "d0" else "d0")
         finally:
             await client.close()
 

@@ -14,15 +14,18 @@ import pytest
 from tests.workers.worker_process import (
     CONFIG,
     Dealer,
+    all_have,
     collect,
     connected_client,
+    heartbeat_of,
     role_options,
     start_worker,
+    stream_into,
     token_ids,
     wait_for_heartbeat,
 )
 from workers.engine import SamplingParams
-from workers.protocol.messages import ControlAck, DrainRequest, GenerateRequest, ResumeRequest, WorkerHeartbeat
+from workers.protocol.messages import ControlAck, DrainRequest, GenerateRequest, ResumeRequest
 
 VOCAB = CONFIG["vocab_size"]
 MODEL = "tiny"
@@ -76,23 +79,6 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
 
 
-def beat(client, name: str) -> WorkerHeartbeat:
-    return next(b for b in client.healthy_workers() if b.worker_id == name)
-
-
-async def _stream(client, request: GenerateRequest, tokens: list[int]) -> str:
-    async for output in client.generate(request):
-        tokens.extend(output.token_ids)
-        if output.finish_reason is not None:
-            return output.finish_reason
-    return ""
-
-
-async def _started(tokens: dict[str, list[int]], count: int) -> None:
-    while min(len(t) for t in tokens.values()) < count:
-        await asyncio.sleep(0.01)
-
-
 def test_a_drain_migrates_speculating_streams_and_a_kill_resumes_them_with_the_uninterrupted_tokens(cluster):
     workers, reference = cluster
 
@@ -101,23 +87,23 @@ def test_a_drain_migrates_speculating_streams_and_a_kill_resumes_them_with_the_u
         try:
             batch = requests()
             tokens = {r.request_id: [] for r in batch}
-            streams = [asyncio.create_task(_stream(client, r, tokens[r.request_id])) for r in batch]
+            streams = [asyncio.create_task(stream_into(client, r, tokens[r.request_id])) for r in batch]
             # given streams speculating on both decode workers
-            await _started(tokens, 2 * BLOCK)
+            await all_have(tokens, 2 * BLOCK)
             # when d0 drains (its streams migrate to d1), then d1 is killed (they resume on d0)
             with Dealer(workers["d0"].endpoints[0]) as dealer:
                 dealer.send(DrainRequest("drain-spec", grace_s=0.2))
                 ack = await asyncio.to_thread(dealer.receive)
             assert isinstance(ack, ControlAck) and ack.ok
-            await wait_for_heartbeat(client, lambda beats: beat(client, "d0").state == "drained", timeout_s=30)
-            drafted = beat(client, "d0").spec_decode
+            await wait_for_heartbeat(client, lambda beats: heartbeat_of(client, "d0").state == "drained", timeout_s=30)
+            drafted = heartbeat_of(client, "d0").spec_decode
             with Dealer(workers["d0"].endpoints[0]) as dealer:
                 dealer.send(ResumeRequest("resume-spec"))
                 assert (await asyncio.to_thread(dealer.receive)).ok
-            await _started(tokens, 3 * BLOCK)
+            await all_have(tokens, 3 * BLOCK)
             os.kill(workers["d1"].process.pid, signal.SIGKILL)
             reasons = await asyncio.gather(*streams)
-            return reasons, tokens, ack.num_in_flight, drafted, beat(client, "d0")
+            return reasons, tokens, ack.num_in_flight, drafted, heartbeat_of(client, "d0")
         finally:
             await client.close()
 
