@@ -1,13 +1,21 @@
-"""CUDA graphs of the whole decode step: embedding, layers, logits and sampling, per batch bucket.
+"""CUDA graphs of whole steps: embedding, layers, logits, sampling (and verification), per bucket.
 
-Each bucket (a batch size) has a static device buffer in the packed layout of input_batch; a
-graph is captured over it once per sampling mode (runner.device_sampling.MODES: "greedy" at start,
-the others on first use), largest bucket first, all graphs sharing one memory pool. A step of n
-decode requests replays the smallest bucket >= n: its packed inputs (padded with length-0 sequences
-that write nothing) are copied into the bucket's buffer in one host-to-device copy, and the graph
-leaves the sampled ids (and in "logprobs" mode their logprobs) in static outputs. A cache of several
-KV groups has a slot section per group in the packed buffer and a block table per group in each
-row: every one of them at a fixed address, so a graph reads each group's as eagerly.
+Two kinds, sharing one memory pool:
+- Decode graphs: each bucket a batch size n, n sequences of one token that each sample once; a step
+  of n decode requests replays the smallest bucket >= n.
+- Verify graphs (speculative decoding): each bucket a total token count t; every sequence computes
+  its last token and its drafts and samples at each (runner.verify.accept_on_device picks what it
+  emits), so t tokens are t samples, in at most min(t, batch rows) sequences, each at most
+  1 + max drafts long (the attention grid's query length). A step that verifies t tokens replays
+  the smallest bucket >= t.
+
+Each bucket has a static device buffer in the packed layout of input_batch; a graph is captured over
+it once per sampling mode (runner.device_sampling.MODES), on first use or ahead (`capture`), largest
+bucket first. A step's packed inputs, padded to the bucket (InputBatch._fill_padding: padding writes
+nothing and reads nothing), are copied into the bucket's buffer in one host-to-device copy, and the
+graph leaves the sampled ids (and in "logprobs" mode their logprobs) in static outputs. A cache of
+several KV groups has a slot section per group in the packed buffer and a block table per group in
+each row: every one of them at a fixed address, so a graph reads each group's as eagerly.
 """
 
 from collections.abc import Callable, Sequence
@@ -20,7 +28,7 @@ from workers.engine.runner.input_batch import InputBatch, PackedLayout, StepInpu
 from workers.engine.runner.request_states import RequestStates
 from workers.engine.sched.output import SchedulerOutput
 
-StepOutputs = tuple[torch.Tensor, SampledLogprobs | None]  # sampled ids [size], their logprobs
+StepOutputs = tuple[torch.Tensor, SampledLogprobs | None]  # sampled ids [samples], their logprobs
 
 
 def bucket_sizes(max_size: int) -> list[int]:
@@ -30,9 +38,18 @@ def bucket_sizes(max_size: int) -> list[int]:
     return sorted(set(sizes + [max_size]))
 
 
+def decode_layouts(max_rows: int, num_groups: int) -> list[PackedLayout]:
+    return [PackedLayout(size, size, size, num_groups) for size in bucket_sizes(max_rows)]
+
+
+def verify_layouts(max_rows: int, max_draft_tokens: int, num_groups: int) -> list[PackedLayout]:
+    """From 2 tokens (one sequence, one draft) to every row verifying the most drafts."""
+    sizes = [t for t in bucket_sizes(max_rows * (max_draft_tokens + 1)) if t >= 2]
+    return [PackedLayout(t, min(t, max_rows), t, num_groups) for t in sizes]
+
+
 @dataclass
 class _Bucket:
-    size: int
     layout: PackedLayout
     buffer: torch.Tensor  # static device copy of the packed inputs
     graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
@@ -40,54 +57,60 @@ class _Bucket:
     outputs: dict[str, StepOutputs] = field(default_factory=dict)
 
 
-class DecodeGraphs:
+class StepGraphs:
     """`forward(inputs, mode)` runs the step eagerly and returns its StepOutputs; capture records it
-    per bucket and mode."""
+    per bucket and mode. `decode_only` and `max_query_len` are the attention metadata every bucket's
+    steps share."""
 
     def __init__(
         self,
         batch: InputBatch,
         forward: Callable[[StepInputs, str], StepOutputs],
+        layouts: Sequence[PackedLayout],
         *,
-        max_size: int,
+        decode_only: bool,
+        max_query_len: int,
         device: torch.device,
+        pool: tuple[int, int],
     ) -> None:
         self.batch = batch
         self.forward = forward
-        self.device = device
-        self.max_size = max_size
-        self.pool = torch.cuda.graph_pool_handle()
-        self.buckets = [self._bucket(size) for size in bucket_sizes(max_size)]
+        self.decode_only = decode_only
+        self.max_query_len = max_query_len
+        self.pool = pool
+        self.buckets = [
+            _Bucket(layout, torch.zeros(layout.size, dtype=torch.int64, device=device)) for layout in layouts
+        ]
 
-    def _bucket(self, size: int) -> _Bucket:
-        layout = PackedLayout(size, size, size, self.batch.num_groups)
-        return _Bucket(size, layout, torch.zeros(layout.size, dtype=torch.int64, device=self.device))
-
-    def capture(self, modes: Sequence[str] = MODES) -> None:
-        for bucket in reversed(self.buckets):
+    def capture(self, modes: Sequence[str] = MODES, *, largest_only: bool = False) -> None:
+        for bucket in reversed(self.buckets[-1:] if largest_only else self.buckets):
             for mode in modes:
                 self._capture(bucket, mode)
 
+    def _inputs(self, bucket: _Bucket) -> StepInputs:
+        return self.batch.step_inputs(
+            bucket.layout, bucket.buffer, decode_only=self.decode_only, max_query_len=self.max_query_len
+        )
+
     def _capture(self, bucket: _Bucket, mode: str) -> None:
-        self.batch.prepare(StepPlan.empty(), SchedulerOutput(), RequestStates(), pad_to=bucket.size, out=bucket.buffer)
-        inputs = self.batch.step_inputs(bucket.layout, bucket.buffer, decode_only=True, max_query_len=1)
-        self.forward(inputs, mode)  # warm-up: compiles kernels, fills lazy caches, outside the graph
-        torch.cuda.synchronize(self.device)
+        empty = StepPlan.empty()
+        self.batch.prepare(empty, SchedulerOutput(), RequestStates(), pad_to=bucket.layout, out=bucket.buffer)
+        self.forward(self._inputs(bucket), mode)  # warm-up: compiles kernels, fills lazy caches, outside the graph
+        torch.cuda.synchronize(bucket.buffer.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            inputs = self.batch.step_inputs(bucket.layout, bucket.buffer, decode_only=True, max_query_len=1)
-            bucket.outputs[mode] = self.forward(inputs, mode)
+            bucket.outputs[mode] = self.forward(self._inputs(bucket), mode)
         bucket.graphs[mode] = graph
 
-    def fits(self, num_requests: int) -> bool:
-        return num_requests <= self.max_size
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.buckets[-1].layout.tokens
 
     def run(self, plan: StepPlan, output: SchedulerOutput, states: RequestStates) -> StepOutputs:
-        """Replay a decode step in the plan's mode: its outputs are the graph's static ones, the first
-        len(plan.rows) rows of the bucket's."""
-        bucket = next(b for b in self.buckets if b.size >= len(plan.rows))
+        """Replay a step in the plan's mode: its outputs are the graph's static ones, the first
+        plan.num_samples rows of the bucket's."""
+        bucket = next(b for b in self.buckets if b.layout.tokens >= plan.num_tokens)
         if plan.mode not in bucket.graphs:
             self._capture(bucket, plan.mode)
-        self.batch.prepare(plan, output, states, pad_to=bucket.size, out=bucket.buffer)
+        self.batch.prepare(plan, output, states, pad_to=bucket.layout, out=bucket.buffer)
         bucket.graphs[plan.mode].replay()
         return bucket.outputs[plan.mode]

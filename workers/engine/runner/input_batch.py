@@ -38,7 +38,17 @@ from workers.protocol.sampling_params import SamplingParams
 # ("slot_mapping" is `tokens` long per KV group: [groups, tokens]).
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "token_rows")
 SEQ_FIELDS = ("seq_lens", "query_start", "rows", "first_keys")
-SAMPLE_FIELDS = ("logit_rows", "sample_rows", "greedy", "top_k", "seed_lo", "seed_hi", "step")
+SAMPLE_FIELDS = (
+    "logit_rows",
+    "sample_rows",
+    "greedy",
+    "top_k",
+    "seed_lo",
+    "seed_hi",
+    "step",
+    "draft_ids",
+    "first_sample",
+)
 # Stored as float64 bit patterns in the int64 buffer.
 FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -47,9 +57,13 @@ FLOAT_SAMPLE_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "f
 class StepInputs:
     input_ids: torch.Tensor  # [tokens] int64, tokens kept on the device already filled in
     attention: tuple[DeviceStepTensors, ...]  # per KV group
-    logit_rows: torch.Tensor  # [samples] int64: the token row whose logits each sampling sequence reads
-    sample_rows: torch.Tensor  # [samples] int64: each sampling sequence's row in the input batch
+    logit_rows: torch.Tensor  # [samples] int64: the token row whose logits each sample reads
+    sample_rows: torch.Tensor  # [samples] int64: the input-batch row of each sample's sequence
     sample_fields: dict[str, torch.Tensor]  # the packed buffer's views of the sampling parameters
+    # [samples] int64: the draft each sample is checked against (-1 after a sequence's last draft),
+    # and the index of its sequence's first sample (runner.verify.accept_on_device).
+    draft_ids: torch.Tensor
+    first_sample: torch.Tensor
 
     def sampling(self) -> SamplingTensors:
         """The sampling parameters as the sampler takes them. Built on demand: a greedy step (or its
@@ -78,16 +92,40 @@ class StepPlan:
     constrained: np.ndarray  # of those, the indices (into `sampling`) whose output a constraint masks
     decode_only: bool  # every sequence computes one token and samples, none reports prompt logprobs
     prompt_logprobs: list[int]  # sequences reporting prompt logprobs this step
+    # [seqs] the drafts each sequence verifies (the last of its tokens); all 0 in a step without any.
+    draft_counts: np.ndarray
+    # Every sequence computes its last token and its drafts and samples at each, some have drafts,
+    # none reports prompt logprobs: the step a verify graph replays.
+    verify_only: bool = False
 
     @classmethod
     def empty(cls) -> "StepPlan":
         """No sequences: what a CUDA graph is captured over, every sequence padding."""
         none = np.zeros(0, dtype=np.int64)
-        return cls(none, none, none, none, mode="greedy", constrained=none, decode_only=True, prompt_logprobs=[])
+        return cls(
+            none,
+            none,
+            none,
+            none,
+            mode="greedy",
+            constrained=none,
+            decode_only=True,
+            prompt_logprobs=[],
+            draft_counts=none,
+        )
 
     @property
     def num_tokens(self) -> int:
         return int(self.counts.sum())
+
+    @property
+    def samples_per_sequence(self) -> np.ndarray:
+        """[sampling] rows each sampling sequence samples: one per draft, and the one after them."""
+        return self.draft_counts[self.sampling] + 1
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sampling) + int(self.draft_counts[self.sampling].sum())
 
     @property
     def max_query_len(self) -> int:
@@ -255,6 +293,13 @@ class InputBatch:
             mode = "extras"
         else:
             mode = "greedy" if self.greedy[sample_rows].all() else "sample"
+        drafts = output.draft_token_ids
+        draft_counts = (
+            np.fromiter((len(drafts.get(request_id, ())) for request_id in output.request_ids), np.int64, count=n)
+            if drafts
+            else np.zeros(n, dtype=np.int64)
+        )
+        all_sample = bool(n) and bool(sample.all()) and not prompt_logprobs
         return StepPlan(
             rows=rows,
             counts=counts,
@@ -262,8 +307,10 @@ class InputBatch:
             sampling=sampling,
             mode=mode,
             constrained=np.flatnonzero(self.constrained[sample_rows]),
-            decode_only=bool(n) and bool((counts == 1).all() and sample.all()) and not prompt_logprobs,
+            decode_only=all_sample and bool((counts == 1).all()),
             prompt_logprobs=prompt_logprobs,
+            draft_counts=draft_counts,
+            verify_only=all_sample and bool(drafts) and bool((counts == draft_counts + 1).all()),
         )
 
     def prepare(
@@ -272,21 +319,26 @@ class InputBatch:
         output: SchedulerOutput,
         states: RequestStates,
         *,
-        pad_to: int | None = None,
+        pad_to: PackedLayout | None = None,
         out: torch.Tensor | None = None,
     ) -> tuple[PackedLayout, torch.Tensor]:
         """Send the changed block-table rows to the device, fill the step's packed buffer and send it in
         one host-to-device copy: into `out` (a device buffer of the layout's size, such as a CUDA
-        graph's static input) or a new device tensor, returned. `pad_to` pads a decode step to a graph
-        bucket with sequences of length 0 on the padding row."""
+        graph's static input) or a new device tensor, returned. `pad_to` pads the step to a graph
+        bucket's layout (_fill_padding).
+
+        Each sampling sequence samples at its last token and, when it verifies drafts, at each token
+        before them (its drafts' positions): sample j of a sequence with d drafts reads the logits of
+        its token d - j from the end, is checked against draft j (none after the last), and draws the
+        noise of the request's step that position would have without speculation."""
         self._turn ^= 1
         slot = self._staging[self._turn]
         slot.wait_until_sent()
         self._send_changed_rows(slot)
         n = len(plan.rows)
         num_tokens = plan.num_tokens
-        num_samples = len(plan.sampling)
-        layout = PackedLayout(pad_to or num_tokens, pad_to or n, pad_to or num_samples, self.num_groups)
+        num_samples = plan.num_samples
+        layout = pad_to or PackedLayout(num_tokens, n, num_samples, self.num_groups)
         staged = slot.packed(layout.size)
         packed = staged.numpy()
         fields = {name: packed[cut] for name, cut in layout.slices.items()}
@@ -306,12 +358,28 @@ class InputBatch:
         fields["rows"][:n] = rows
         fields["first_keys"][:n] = self.replay_start[rows]
         sampling = plan.sampling
-        sample_rows = rows[sampling]
-        fields["logit_rows"][:num_samples] = query_start[sampling + 1] - 1
+        per_sequence = plan.samples_per_sequence
+        first = np.cumsum(per_sequence) - per_sequence  # each sequence's first sample
+        index = np.arange(num_samples) - np.repeat(first, per_sequence)  # of each sample in its sequence
+        sample_rows = np.repeat(rows[sampling], per_sequence)
+        # Sample j of a sequence reads the row of its draft j's position: that draft's predecessor.
+        logit_rows = np.repeat(query_start[sampling + 1] - per_sequence, per_sequence) + index
+        fields["logit_rows"][:num_samples] = logit_rows
         fields["sample_rows"][:num_samples] = sample_rows
         for name in ("greedy", "top_k", "seed_lo", "seed_hi"):
             fields[name][:num_samples] = getattr(self, name)[sample_rows]
-        fields["step"][:num_samples] = starts[sampling] + counts[sampling] - self.prompt_len[sample_rows]
+        fields["step"][:num_samples] = (
+            logit_rows
+            - np.repeat(query_start[sampling], per_sequence)
+            + 1
+            + np.repeat(starts[sampling], per_sequence)
+            - self.prompt_len[sample_rows]
+        )
+        is_last = index == np.repeat(per_sequence - 1, per_sequence)
+        fields["draft_ids"][:num_samples] = np.where(
+            is_last, -1, fields["input_ids"][np.minimum(logit_rows + 1, max(num_tokens - 1, 0))]
+        )
+        fields["first_sample"][:num_samples] = np.repeat(first, per_sequence)
         for name in FLOAT_SAMPLE_FIELDS:
             fields[name].view(np.float64)[:num_samples] = getattr(self, name)[sample_rows]
         if pad_to is not None:
@@ -350,21 +418,28 @@ class InputBatch:
     def _fill_padding(
         self, fields: dict[str, np.ndarray], layout: PackedLayout, n: int, num_tokens: int, samples: int
     ) -> None:
-        """Padding sequences (of a decode step: each samples): one token each on the padding row,
-        length 0 (attention writes zeros), slot -1 (nothing is written to the cache), greedy."""
+        """Padding up to a graph bucket's layout, on the padding row: the padding sequences take one
+        padding token each while both last (a decode bucket pads this way only), the rest have none,
+        and tokens left over belong to no sequence (attention leaves their rows zero). Padding tokens
+        have slot -1 (nothing is written to the cache), padding sequences length 0 (nothing is read);
+        each padding sample reads a padding token's row (the last, when there are fewer), greedily."""
+        padding_seqs = layout.seqs - n
+        owned = min(layout.tokens - num_tokens, padding_seqs)  # padding tokens that have a sequence
         fields["input_ids"][num_tokens:] = 0
         fields["positions"][num_tokens:] = 0
         fields["slot_mapping"].reshape(self.num_groups, layout.tokens)[:, num_tokens:] = -1
         fields["token_rows"][num_tokens:] = self.padding_row
         fields["seq_lens"][n:] = 0
-        fields["query_start"][n + 1 :] = num_tokens + np.arange(1, layout.seqs - n + 1)
+        fields["query_start"][n + 1 :] = num_tokens + np.minimum(np.arange(1, padding_seqs + 1), owned)
         fields["rows"][n:] = self.padding_row
         fields["first_keys"][n:] = 0
-        padding_tokens = np.arange(num_tokens, num_tokens + layout.samples - samples)
-        fields["logit_rows"][samples:] = np.minimum(padding_tokens, layout.tokens - 1)
+        padding_samples = np.arange(samples, layout.samples)
+        fields["logit_rows"][samples:] = np.minimum(num_tokens + padding_samples - samples, layout.tokens - 1)
         fields["sample_rows"][samples:] = self.padding_row
         for name in ("greedy", "seed_lo", "seed_hi", "step", "top_k"):
             fields[name][samples:] = 1 if name == "greedy" else 0
+        fields["draft_ids"][samples:] = -1
+        fields["first_sample"][samples:] = padding_samples
         for name, value in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0)):
             fields[name].view(np.float64)[samples:] = value
         for name in ("frequency_penalty", "presence_penalty"):
@@ -414,11 +489,20 @@ class InputBatch:
             logit_rows=view["logit_rows"],
             sample_rows=view["sample_rows"],
             sample_fields={name: view[name] for name in SAMPLE_FIELDS + FLOAT_SAMPLE_FIELDS},
+            draft_ids=view["draft_ids"],
+            first_sample=view["first_sample"],
         )
 
     def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
         """Keep each sampling sequence's token on the device for the row's next step."""
         self.last_tokens.index_copy_(0, inputs.sample_rows, tokens)
+
+    def record_verified(self, inputs: StepInputs, tokens: torch.Tensor, ends: torch.Tensor) -> None:
+        """After a step verified on the device: each sequence's last emitted token (its sample where
+        `ends`) is its row's next input. The other samples write to the padding row, so the copy
+        needs no host sync to pick them out."""
+        targets = torch.where(ends, inputs.sample_rows, self.padding_row)
+        self.last_tokens.index_copy_(0, targets, tokens)
 
     def record_emitted(self, rows: np.ndarray, emitted: Sequence[list[int]]) -> None:
         """After a step sampled on the host (one that verified drafts): each row's last emitted token

@@ -13,8 +13,10 @@ Two paths, chosen by the attention backend:
   batch bucket. The host reads back one thing per step: the sampled ids. Rows that need logit bias,
   penalties, logprobs or an output constraint are sampled from the same logits by the host-driven
   Sampler instead.
-  A step that verifies drafts runs eagerly and is sampled by the host Sampler, as on the reference
-  path; the decode steps between keep their graphs.
+  A step that verifies drafts samples each of its drafts' positions and picks what each sequence
+  emits on the device too (runner.verify.accept_on_device), and replays a verify graph bucketed by
+  its total tokens when every sequence in it is a decode; one whose rows need the host Sampler (bias,
+  penalties, logprobs, a constraint) runs eagerly and is verified there, as on the reference path.
 
 Both paths read the runner's own record of its requests (runner.request_states), kept from the
 scheduler's output: each request in full once, then only the pages it gains. Prompt logprobs (both
@@ -29,6 +31,7 @@ run alone in a decode-shaped step). While no request the runner holds has images
 work for them.
 """
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -41,17 +44,21 @@ from workers.engine.config import EngineConfig
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.models.decoder import DecoderForCausalLM, InjectedEmbeddings
 from workers.engine.runner import device_sampling
+from workers.engine.runner.cuda_graphs import StepGraphs, decode_layouts, verify_layouts
 from workers.engine.runner.device_sampling import SampledLogprobs, logprobs_entry
 from workers.engine.runner.input_batch import InputBatch, StepInputs, StepPlan
 from workers.engine.runner.mtp_pass import MtpPass
 from workers.engine.runner.request_states import RequestState, RequestStates, ScheduledSequence
-from workers.engine.runner.verify import Verified, num_rows, sample_and_verify
+from workers.engine.runner.verify import Verified, accept_on_device, num_rows, sample_and_verify
 from workers.engine.sample.sampler import Sampler, token_logprobs
 from workers.engine.sched.output import SchedulerOutput
 from workers.engine.spec.drafter import Draft
 from workers.protocol.images import ImageEmbeddings
 from workers.protocol.logprobs import TokenLogprobs
 from workers.protocol.sampling_params import MAX_LOGPROBS
+
+# The sampling modes whose steps verify drafts on the device: their samples need no history.
+DEVICE_VERIFY_MODES = ("greedy", "sample")
 
 # Prompt logprobs are computed this many positions at a time, which bounds the [rows, vocab] logits
 # a long prompt chunk would otherwise materialise at once.
@@ -98,10 +105,12 @@ class ModelRunner:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         enforce_eager: bool = False,
+        max_draft_tokens: int = 0,
         mtp_draft_tokens: int = 0,
     ) -> None:
-        """`mtp_draft_tokens`: with a model that holds its MTP layers (models.mtp), drafts it makes
-        after each step for speculative decoding (runner.mtp_pass); 0 for none."""
+        """`max_draft_tokens`: the most drafts a sequence verifies in a step (speculative decoding's
+        K; 0 without it). `mtp_draft_tokens`: with a model that holds its MTP layers (models.mtp),
+        drafts it makes after each step for speculative decoding (runner.mtp_pass); 0 for none."""
         self.model = model
         self.kv_cache = kv_cache
         self.backend = get_backend(attention_backend)
@@ -121,8 +130,10 @@ class ModelRunner:
             if self.backend.needs_device_tensors:
                 raise ValueError("spec_method 'mtp' runs on the reference path only (torch attention backends) for now")
             self.mtp_pass = MtpPass(model.mtp, kv_cache, self.backend, max_draft_tokens=mtp_draft_tokens)
+        self.max_draft_tokens = max_draft_tokens
         self.batch: InputBatch | None = None
-        self.graphs = None
+        self.graphs: StepGraphs | None = None  # decode steps'
+        self.verify_graphs: StepGraphs | None = None
         # Pinned buffers for the sampled ids (and logprobs) of the last two steps: async scheduling
         # reads one step late.
         self._pinned: list[_PinnedOutputs] = []
@@ -162,6 +173,7 @@ class ModelRunner:
             max_num_seqs=config.args.max_num_seqs,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
+            max_draft_tokens=config.args.spec_max_draft_tokens if config.args.spec_method != "none" else 0,
             mtp_draft_tokens=config.args.spec_max_draft_tokens if config.args.spec_method == "mtp" else 0,
         )
 
@@ -176,10 +188,31 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, modes: Sequence[str]) -> None:
         """Capture the decode step of every batch bucket in these sampling modes (a step in another
-        mode captures its own on first use)."""
-        from workers.engine.runner.cuda_graphs import DecodeGraphs
-
-        self.graphs = DecodeGraphs(self.batch, self._decode_forward, max_size=self.batch.max_rows, device=self.device)
+        mode captures its own on first use). With speculation, the largest verify bucket too, in
+        these modes, so the pool holds its peak; the smaller verify buckets are captured on first
+        use, within it."""
+        pool = torch.cuda.graph_pool_handle()
+        groups = self.batch.num_groups
+        self.graphs = StepGraphs(
+            self.batch,
+            self._decode_forward,
+            decode_layouts(self.batch.max_rows, groups),
+            decode_only=True,
+            max_query_len=1,
+            device=self.device,
+            pool=pool,
+        )
+        if self.max_draft_tokens:
+            self.verify_graphs = StepGraphs(
+                self.batch,
+                self._verify_forward,
+                verify_layouts(self.batch.max_rows, self.max_draft_tokens, groups),
+                decode_only=False,
+                max_query_len=self.max_draft_tokens + 1,
+                device=self.device,
+                pool=pool,
+            )
+            self.verify_graphs.capture(modes=[m for m in modes if m in DEVICE_VERIFY_MODES], largest_only=True)
         self.graphs.capture(modes=modes)
 
     @torch.inference_mode()
@@ -227,7 +260,8 @@ class ModelRunner:
     def pinned_outputs(self) -> "_PinnedOutputs":
         """One of two sets of pinned buffers, in turn, for a step's sampled ids and logprobs."""
         if not self._pinned:
-            self._pinned = [_PinnedOutputs(self.batch.max_rows + 1) for _ in range(2)]
+            samples = self.batch.max_rows * (self.max_draft_tokens + 1)
+            self._pinned = [_PinnedOutputs(samples + 1) for _ in range(2)]
         self._pinned_turn ^= 1
         return self._pinned[self._pinned_turn]
 
@@ -238,12 +272,14 @@ class ModelRunner:
         self.num_computed_tokens += plan.num_tokens
         if len(plan.constrained):
             self._stage_constraint_masks(plan, output)
-        if output.draft_token_ids:
-            return LaunchedStep(self._verify_on_device(output, plan, injected))
+        verifies = bool(output.draft_token_ids)
+        if verifies and plan.mode not in DEVICE_VERIFY_MODES:
+            return LaunchedStep(self._verify_on_host(output, plan, injected))
         prompt_logprobs: list[PromptLogprobs] = []
         # A graph replays its captured inputs only: a step that injects embeddings runs eagerly.
-        if plan.decode_only and injected is None and self.graphs is not None and self.graphs.fits(len(plan.rows)):
-            tokens, logprobs = self.graphs.run(plan, output, self.states)
+        graphs = self.verify_graphs if plan.verify_only else self.graphs if plan.decode_only else None
+        if injected is None and graphs is not None and graphs.fits(plan.num_tokens):
+            tokens, logprobs = graphs.run(plan, output, self.states)
         else:
             layout, device_buffer = self.batch.prepare(plan, output, self.states)
             inputs = self.batch.step_inputs(
@@ -259,21 +295,30 @@ class ModelRunner:
             if not len(plan.sampling):
                 return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
-            tokens, logprobs = self._sample(logits, inputs, plan.mode)
-        request_ids = [output.request_ids[i] for i in plan.sampling]
+            tokens, logprobs = self._sample(logits, inputs, plan.mode, verifies=verifies)
+        sequences = [output.request_ids[i] for i in plan.sampling]
+        request_ids = (
+            [r for r, count in zip(sequences, plan.samples_per_sequence.tolist()) for _ in range(count)]
+            if verifies
+            else sequences
+        )
         num_logprobs = [int(k) for k in self.batch.logprobs[plan.rows[plan.sampling]]] if logprobs else None
         pinned = self.pinned_outputs() if self.device.type == "cuda" else None
-        deferred = DeferredTokens(tokens, logprobs, request_ids, num_logprobs, pinned)
-        # A constrained request's next mask needs this token: the next step waits for it.
-        return LaunchedStep(None, deferred, prompt_logprobs=prompt_logprobs, can_defer=not len(plan.constrained))
+        drafting = [output.request_ids[i] for i in np.flatnonzero(plan.draft_counts)] if verifies else None
+        deferred = DeferredTokens(tokens, logprobs, request_ids, num_logprobs, pinned, drafting=drafting)
+        # A constrained request's next mask needs this token, and the scheduler places a verifying
+        # request's next step by what it accepted: the next step waits for either.
+        can_defer = not len(plan.constrained) and not verifies
+        return LaunchedStep(None, deferred, prompt_logprobs=prompt_logprobs, can_defer=can_defer)
 
-    def _verify_on_device(
+    def _verify_on_host(
         self, output: SchedulerOutput, plan: StepPlan, injected: InjectedEmbeddings | None
     ) -> StepOutput:
-        """A step that verifies drafts, eagerly: the forward on the device, then every sampling
-        sequence sampled by the host Sampler at each of its drafts and after them (runner.verify),
-        as the reference path does. Each row's last token and sampling history on the device then
-        take in what it emitted, so the steps after it decode on the device as usual."""
+        """A step that verifies drafts of rows that need the host Sampler, eagerly: the forward on the
+        device, then every sampling sequence sampled by the host Sampler at each of its drafts and
+        after them (runner.verify), as the reference path does. Each row's last token and sampling
+        history on the device then take in what it emitted, so the steps after it decode on the
+        device as usual."""
         layout, device_buffer = self.batch.prepare(plan, output, self.states)
         inputs = self.batch.step_inputs(layout, device_buffer, decode_only=False, max_query_len=plan.max_query_len)
         hidden = self._hidden(inputs, injected)
@@ -339,18 +384,29 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache.layers, per_layer, self.backend, injected=injected)
 
     def _sample(
-        self, logits: torch.Tensor, inputs: StepInputs, mode: str
+        self, logits: torch.Tensor, inputs: StepInputs, mode: str, *, verifies: bool = False
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """The samples' ids (and logprobs); a step that `verifies` drafts gives -1 for each sample its
+        sequence does not emit."""
         params = inputs.sampling() if mode != "greedy" else None
         tokens, logprobs = device_sampling.sample(
             logits, params, mode, rows=inputs.sample_rows, extras=self.batch.extras
         )
-        self.batch.record_sampled(inputs, tokens)
-        return tokens, logprobs
+        if not verifies:
+            self.batch.record_sampled(inputs, tokens)
+            return tokens, logprobs
+        emitted, ends = accept_on_device(tokens, inputs.draft_ids, inputs.first_sample)
+        self.batch.record_verified(inputs, tokens, ends)
+        return emitted, logprobs
 
     def _decode_forward(self, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        """One decode step from the inputs to the sampled ids: what a CUDA graph captures."""
+        """One decode step from the inputs to the sampled ids: what a decode graph captures."""
         return self._sample(self.model.compute_logits(self._hidden(inputs)), inputs, mode)
+
+    def _verify_forward(self, inputs: StepInputs, mode: str) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """One verify step from the inputs to the emitted ids: what a verify graph captures."""
+        logits = self.model.compute_logits(self._hidden(inputs).index_select(0, inputs.logit_rows))
+        return self._sample(logits, inputs, mode, verifies=True)
 
     # The reference path.
 
@@ -474,9 +530,12 @@ class DeferredTokens:
         request_ids: list[str],
         num_logprobs: list[int] | None,
         pinned: _PinnedOutputs | None,
+        *,
+        drafting: list[str] | None = None,
     ) -> None:
         self.request_ids = request_ids
         self.num_logprobs = num_logprobs
+        self.drafting = drafting
         n = len(request_ids)
         self.event = None
         if pinned is not None:
@@ -496,11 +555,22 @@ class DeferredTokens:
             if logprobs is not None:
                 self.outputs += [logprobs.chosen, logprobs.rank, logprobs.top_ids, logprobs.top_values]
 
+    def step_output(self, prompt_logprobs: list[PromptLogprobs]) -> StepOutput:
+        sampled = self.sampled()
+        if self.drafting is None:
+            return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs)
+        emitted = Counter(token.request_id for token in sampled)
+        num_accepted = {request_id: emitted[request_id] - 1 for request_id in self.drafting}
+        return StepOutput(sampled=sampled, prompt_logprobs=prompt_logprobs, num_accepted=num_accepted)
+
     def sampled(self) -> list[SampledToken]:
+        """In sample order; of a step that verified drafts, only the samples emitted (not -1)."""
         if self.event is not None:
             self.event.synchronize()
         n = len(self.request_ids)
         values = [output[:n].tolist() for output in self.outputs]
+        if self.drafting is not None:
+            return [SampledToken(request_id, t, None) for request_id, t in zip(self.request_ids, values[0]) if t >= 0]
         if self.num_logprobs is None:
             return [SampledToken(request_id, token, None) for request_id, token in zip(self.request_ids, values[0])]
         return [
@@ -528,5 +598,5 @@ class LaunchedStep:
 
     def result(self) -> StepOutput:
         if self._output is None:
-            self._output = StepOutput(sampled=self.deferred.sampled(), prompt_logprobs=self.prompt_logprobs)
+            self._output = self.deferred.step_output(self.prompt_logprobs)
         return self._output

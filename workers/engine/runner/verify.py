@@ -14,6 +14,11 @@ speculation, and more: a sample at a given position is the draw that position ge
 speculation (the same noise, keyed by the request's seed and step index, from the same processed
 logits, since the history before it is the same), so greedy and seeded requests emit exactly the
 tokens they would one token per step, alone or in any batch.
+
+On the device path a step whose samples need no history (runner.device_sampling's "greedy" and
+"sample" modes) is verified on the device (accept_on_device): the samples are drawn there, and which
+of them a sequence emits is found there too, so the host reads one array back; a step with penalties,
+logit bias, logprobs or a constraint is verified by the host Sampler (sample_and_verify).
 """
 
 from collections.abc import Sequence
@@ -33,6 +38,22 @@ class Verified:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # per token; None where the request asked for none
     num_accepted: int
+
+
+def accept_on_device(
+    tokens: torch.Tensor, draft_ids: torch.Tensor, first_sample: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which samples each sequence emits, with no host sync: its samples up to and including the
+    first that differs from its draft (a sequence's last sample has no draft, -1, and always
+    differs). `tokens`, `draft_ids`, `first_sample`: [samples], each sequence's samples consecutive,
+    `first_sample` the index of the sequence's first. Returns the tokens with -1 where not emitted,
+    and the mask of each sequence's last emitted sample."""
+    differs = (tokens != draft_ids).to(torch.int32)
+    # Samples that differ before each one: a sequence emits those with none before them in it.
+    before = torch.cumsum(differs, 0) - differs
+    emitted = before == before.index_select(0, first_sample)
+    ends = emitted & differs.bool()
+    return torch.where(emitted, tokens, -1), ends
 
 
 def num_rows(sequence: ScheduledSequence) -> int:

@@ -184,7 +184,9 @@ def test_the_step_s_device_tensors_are_per_kv_group_sharing_all_but_slots_and_ta
     driver.batch.update(output, dropped)
     plan = driver.batch.plan(output, driver.states)
 
-    layout, packed = driver.batch.prepare(plan, output, driver.states, pad_to=8)  # a CUDA graph's bucket
+    layout, packed = driver.batch.prepare(
+        plan, output, driver.states, pad_to=PackedLayout(8, 8, 8, 2)
+    )  # a CUDA graph's bucket
     full, window = driver.batch.step_inputs(layout, packed, decode_only=False, max_query_len=6).attention
 
     manager = driver.scheduler.block_manager
