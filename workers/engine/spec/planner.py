@@ -47,9 +47,12 @@ class VerificationPlanner:
 
     def plan(self, drafts: list[Draft], total_kv: int) -> list[int]:
         """How many of its drafts each request verifies this step (a prefix of each)."""
-        raw = torch.full((len(drafts), self.max_draft_tokens), NO_DRAFT)
+        # Filled as a host array, then wrapped: a small tensor op per request costs more than its row.
+        probs = np.full((len(drafts), self.max_draft_tokens), NO_DRAFT, dtype=np.float32)
         for row, draft in enumerate(drafts):
-            raw[row, : len(draft)] = torch.tensor(draft.probs[: self.max_draft_tokens])
+            if draft.probs:
+                probs[row, : len(draft)] = draft.probs[: self.max_draft_tokens]
+        raw = torch.from_numpy(probs)
         expected = expected_accepted_prefix(self.calibrator.calibrate(raw))
         curve = (
             VerifyStepCurve.from_cost_model(self.cost_model, batch=len(drafts), total_kv=total_kv)

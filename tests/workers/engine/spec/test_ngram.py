@@ -1,8 +1,10 @@
 """The n-gram (prompt lookup) drafter and the cutting of drafts."""
 
+import random
+
 import pytest
 
-from workers.engine.spec.drafter import Draft
+from workers.engine.spec.drafter import Draft, DraftAsk
 from workers.engine.spec.ngram import NgramDrafter
 
 
@@ -52,3 +54,20 @@ def test_cut_keeps_tokens_while_the_cumulative_probability_holds():
     # Cumulative: 0.9, 0.72, 0.648, 0.324.
     assert draft.cut(4, 0.7) == Draft([1, 2], [0.9, 0.8])
     assert draft.cut(4, 0.95).token_ids == []
+
+
+@pytest.mark.parametrize("lookback", [5, 9, 4096])
+def test_windows_kept_between_steps_draft_what_a_fresh_search_drafts(lookback):
+    # Requests grow by a few tokens a step, some skip steps, one's history is replaced (a request
+    # resumed elsewhere under its id): the kept windows, compacted past 2 * lookback, stay exact.
+    rng = random.Random(lookback)
+    kept, fresh = NgramDrafter(lookback=lookback), NgramDrafter(lookback=lookback)
+    requests = {str(i): ([rng.randrange(4) for _ in range(rng.randrange(1, 12))], []) for i in range(6)}
+    for _ in range(60):
+        asks = [DraftAsk(i, prompt, output, 3) for i, (prompt, output) in requests.items() if rng.random() < 0.8]
+        expected = [fresh.propose(ask.prompt_token_ids, ask.output_token_ids, 3) for ask in asks]
+        assert kept.propose_all(asks) == expected
+        for _, output in requests.values():
+            output.extend(rng.randrange(4) for _ in range(rng.randrange(4)))
+        if rng.random() < 0.1:
+            requests[rng.choice(list(requests))] = ([rng.randrange(4) for _ in range(5)], [])
