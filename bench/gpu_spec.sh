@@ -8,6 +8,8 @@
 # 3.12 manylinux x86_64:
 #   msgspec==0.23.0 (cp312 manylinux), gguf==0.19.0 (py3-none-any), pyzmq==27.3.0 (cp312 abi3 manylinux),
 #   llguidance==1.9.1 (cp39 abi3 manylinux_2_31: the test's grammar-constrained request), about 4.2 MB.
+# Only these: with a GGUF half (47 MiB) and the tree (about 5 MiB), bench/gpu_stack.sh's 46 MB of wheels
+# would take a call over its 64 MiB.
 # Everything else (torch, triton, numpy, safetensors, tokenizers, jinja2, tqdm, pyyaml) is in the image.
 #
 # The GGUF (98 MB) is over one call's 64 MiB, so it travels in two halves, each in a folder of its own
