@@ -3,6 +3,7 @@ requests, at several concurrencies:
 
     python -m bench.spec_decode                                   # CPU, the real SmolLM2, n-gram drafts
     python -m bench.spec_decode --device cuda --concurrency 1,16,64,96 --variants none,fixed,dspark
+    python -m bench.spec_decode --model /tmp/smollm2-dir   # the same model converted where it is not packaged
 
 Variants: `none` (the peer), `fixed` (every request verifies up to K drafts each step, K =
 --max-draft-tokens), `dspark` (the verification budget from the fitted step-time curve and the
@@ -134,7 +135,9 @@ def _counters(engine) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    model = dict(SMOLLM2_135M_CONFIG) if args.random_weights else SMOLLM2
+    model = dict(SMOLLM2_135M_CONFIG) if args.random_weights else args.model
+    # A model directory carries its own tokenizer; a config alone (random weights) borrows the packaged one.
+    tokenizer = SMOLLM2 if args.random_weights or args.model == SMOLLM2 else None
     results: dict[str, list[dict]] = {}
     for variant in args.variants.split(","):
         settings = dict(VARIANTS[variant])
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             model,
             device=args.device,
             seed=0,
-            tokenizer=SMOLLM2,
+            tokenizer=tokenizer,
             max_num_seqs=max(levels),
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "benchmark": "spec_decode",
                 "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-                "model": "SmolLM2-135M config, random weights" if args.random_weights else SMOLLM2,
+                "model": "SmolLM2-135M config, random weights" if args.random_weights else args.model,
                 "acceptance": "synthetic (random weights)" if args.random_weights else "real text, real model",
                 "spec_method": args.spec_method,
                 "max_draft_tokens": args.max_draft_tokens,
@@ -197,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model",
+        default=SMOLLM2,
+        help="the packaged model's name, or a model directory or .gguf file of it (where the package is not installed)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--variants", default="none,fixed")
@@ -214,6 +222,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="SmolLM2's config with random weights",
     )
     args = parser.parse_args(argv)
+    if args.random_weights and args.model != SMOLLM2:
+        parser.error("--random-weights builds SmolLM2's config; it takes no --model")
     unknown = set(args.variants.split(",")) - VARIANTS.keys()
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {sorted(VARIANTS)}")

@@ -8,7 +8,10 @@ from workers.engine.weights.loader import resolve_model
 from workers.text.tokenizer import Tokenizer
 
 
-@pytest.mark.parametrize("argv", [["--variants", "none,fast"], ["--variants", "none,dspark"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--variants", "none,fast"], ["--variants", "none,dspark"], ["--random-weights", "--model", "/tmp/smollm2"]],
+)
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit) as exit_info:
         _parse_args(argv)
