@@ -28,6 +28,7 @@
 # STEPS (default "tests fit spec") picks what runs; a step that fails is reported and the later ones
 # still run. CONCURRENCY (default 1,16,64,96) and MAX_TOKENS (default 96) shape the spec step; it uses
 # the fit step's cost model, or COST_MODEL's file, and leaves out dspark without either.
+# SPEC_ARGS adds options to bench.spec_decode (e.g. --enforce-eager).
 set -euo pipefail
 out=${OUT:-bench-out}
 steps=${STEPS:-tests fit spec}
@@ -79,7 +80,7 @@ if has spec; then
   variants=none,fixed,dspark
   [ -n "$cost_model" ] && [ -f "$cost_model" ] || { variants=none,fixed; echo "no cost model: dspark left out"; }
   if python3 -m bench.spec_decode --device cuda --model "$model" --concurrency "${CONCURRENCY:-1,16,64,96}" \
-    --variants "$variants" --max-tokens "${MAX_TOKENS:-96}" ${cost_model:+--cost-model "$cost_model"} \
+    --variants "$variants" --max-tokens "${MAX_TOKENS:-96}" ${cost_model:+--cost-model "$cost_model"} ${SPEC_ARGS:-} \
     >"$out/spec_decode_cuda.json" 2>"$out/spec_decode_cuda.log"; then
     python3 -c "
 import json; d = json.load(open('$out/spec_decode_cuda.json'))

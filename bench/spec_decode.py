@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=max(levels),
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
+            enforce_eager=args.enforce_eager,
             **settings,
         )
         requests = prompts(llm.tokenizer, max(levels))
@@ -212,6 +213,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-draft-tokens", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode or verify)")
     parser.add_argument(
         "--cost-model",
         help="a fitted cost model (bench.fit_cost_model --out): dspark needs one",

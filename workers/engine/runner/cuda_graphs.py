@@ -82,8 +82,8 @@ class StepGraphs:
             _Bucket(layout, torch.zeros(layout.size, dtype=torch.int64, device=device)) for layout in layouts
         ]
 
-    def capture(self, modes: Sequence[str] = MODES, *, largest_only: bool = False) -> None:
-        for bucket in reversed(self.buckets[-1:] if largest_only else self.buckets):
+    def capture(self, modes: Sequence[str] = MODES) -> None:
+        for bucket in reversed(self.buckets):
             for mode in modes:
                 self._capture(bucket, mode)
 

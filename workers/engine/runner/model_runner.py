@@ -188,9 +188,8 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self, modes: Sequence[str]) -> None:
         """Capture the decode step of every batch bucket in these sampling modes (a step in another
-        mode captures its own on first use). With speculation, the largest verify bucket too, in
-        these modes, so the pool holds its peak; the smaller verify buckets are captured on first
-        use, within it."""
+        mode captures its own on first use), and with speculation the verify step of every token
+        bucket in those of these modes that verify on the device."""
         pool = torch.cuda.graph_pool_handle()
         groups = self.batch.num_groups
         self.graphs = StepGraphs(
@@ -212,7 +211,7 @@ class ModelRunner:
                 device=self.device,
                 pool=pool,
             )
-            self.verify_graphs.capture(modes=[m for m in modes if m in DEVICE_VERIFY_MODES], largest_only=True)
+            self.verify_graphs.capture(modes=[m for m in modes if m in DEVICE_VERIFY_MODES])
         self.graphs.capture(modes=modes)
 
     @torch.inference_mode()
