@@ -32,8 +32,9 @@ work for them.
 """
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -127,8 +128,6 @@ class ModelRunner:
         self.states = RequestStates()
         self.mtp_pass = None
         if model.mtp is not None and mtp_draft_tokens:
-            if self.backend.needs_device_tensors:
-                raise ValueError("spec_method 'mtp' runs on the reference path only (torch attention backends) for now")
             self.mtp_pass = MtpPass(model.mtp, kv_cache, self.backend, max_draft_tokens=mtp_draft_tokens)
         self.max_draft_tokens = max_draft_tokens
         self.batch: InputBatch | None = None
@@ -179,8 +178,14 @@ class ModelRunner:
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """Whether decode steps can replay CUDA graphs here (the device path on CUDA)."""
-        return self.batch is not None and self.device.type == "cuda" and self.backend.supports_cuda_graphs
+        """Whether decode steps can replay CUDA graphs here: the device path on CUDA, without MTP
+        drafting (its pass reads each step's hidden states, which a graph keeps to itself)."""
+        return (
+            self.batch is not None
+            and self.device.type == "cuda"
+            and self.backend.supports_cuda_graphs
+            and self.mtp_pass is None
+        )
 
     # In inference mode, as the captures on first use are (inside launch): the rows' sampling history
     # is made of inference tensors, and without autograd's records a captured step's activations are
@@ -275,6 +280,7 @@ class ModelRunner:
         if verifies and plan.mode not in DEVICE_VERIFY_MODES:
             return LaunchedStep(self._verify_on_host(output, plan, injected))
         prompt_logprobs: list[PromptLogprobs] = []
+        then: Callable[[StepOutput], StepOutput] | None = None
         # A graph replays its captured inputs only: a step that injects embeddings runs eagerly.
         graphs = self.verify_graphs if plan.verify_only else self.graphs if plan.decode_only else None
         if injected is None and graphs is not None and graphs.fits(plan.num_tokens):
@@ -291,8 +297,13 @@ class ModelRunner:
                     self._prompt_logprobs(self._sequence(output, i), hidden, int(query_starts[i]))
                     for i in plan.prompt_logprobs
                 ]
+            if self.mtp_pass is not None:
+                # The emitted tokens reach the host with the step's result: the pass drafts then.
+                starts = np.concatenate([[0], np.cumsum(plan.counts)]).tolist()
+                then = partial(self._with_drafts, self.states.scheduled(output), hidden, starts)
             if not len(plan.sampling):
-                return LaunchedStep(StepOutput(sampled=[], prompt_logprobs=prompt_logprobs))
+                result = StepOutput(sampled=[], prompt_logprobs=prompt_logprobs)
+                return LaunchedStep(result if then is None else then(result))
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
             tokens, logprobs = self._sample(logits, inputs, plan.mode, verifies=verifies)
         sequences = [output.request_ids[i] for i in plan.sampling]
@@ -305,10 +316,10 @@ class ModelRunner:
         pinned = self.pinned_outputs() if self.device.type == "cuda" else None
         drafting = [output.request_ids[i] for i in np.flatnonzero(plan.draft_counts)] if verifies else None
         deferred = DeferredTokens(tokens, logprobs, request_ids, num_logprobs, pinned, drafting=drafting)
-        # A constrained request's next mask needs this token, and the scheduler places a verifying
-        # request's next step by what it accepted: the next step waits for either.
-        can_defer = not len(plan.constrained) and not verifies
-        return LaunchedStep(None, deferred, prompt_logprobs=prompt_logprobs, can_defer=can_defer)
+        # A constrained request's next mask needs this token, the scheduler places a verifying
+        # request's next step by what it accepted, and MTP drafts follow it: the next step waits.
+        can_defer = not len(plan.constrained) and not verifies and then is None
+        return LaunchedStep(None, deferred, prompt_logprobs=prompt_logprobs, can_defer=can_defer, then=then)
 
     def _verify_on_host(
         self, output: SchedulerOutput, plan: StepPlan, injected: InjectedEmbeddings | None
@@ -336,7 +347,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
         verified = sample_and_verify(self.sampler, logits, sequences)
         self.batch.record_emitted(plan.rows[plan.sampling], [result.token_ids for result in verified])
-        return _step_output(sequences, verified, prompt_logprobs)
+        result = _step_output(sequences, verified, prompt_logprobs)
+        if self.mtp_pass is None:
+            return result
+        return self._with_drafts(scheduled, hidden, (query_ends - plan.counts).tolist(), result)
 
     def _stage_constraint_masks(self, plan: StepPlan, output: SchedulerOutput) -> None:
         """The allowed-token masks of the step's constrained sampling rows, into their device rows."""
@@ -460,8 +474,23 @@ class ModelRunner:
         output = _step_output(sequences, verified, prompt_logprobs)
         if self.mtp_pass is None:
             return output
-        emitted = {s.state.request_id: result.token_ids for s, result in zip(sequences, verified, strict=True)}
-        return replace(output, drafts=self.mtp_pass.run(scheduled, hidden, metadata.query_start, emitted))
+        return self._with_drafts(scheduled, hidden, metadata.query_start, output)
+
+    # In inference mode as launch is: the device path drafts when it reads a step's result, outside it.
+    @torch.inference_mode()
+    def _with_drafts(
+        self,
+        scheduled: Sequence[ScheduledSequence],
+        hidden: torch.Tensor,
+        query_starts: Sequence[int],
+        output: StepOutput,
+    ) -> StepOutput:
+        """The step's output with the MTP pass's drafts, from the main model's final hidden states of
+        the step's rows (sequence i's from query_starts[i]) and the tokens each request emitted."""
+        emitted: dict[str, list[int]] = {}
+        for token in output.sampled:
+            emitted.setdefault(token.request_id, []).append(token.token_id)
+        return replace(output, drafts=self.mtp_pass.run(scheduled, hidden, query_starts, emitted))
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of the given hidden rows; padded like the model's matmuls, for batch invariance."""
@@ -580,7 +609,8 @@ class DeferredTokens:
 
 class LaunchedStep:
     """A step started on the device: its output now, or `deferred` until its sampled ids are read.
-    `can_defer`: the next step may be launched before this one's ids are read."""
+    `can_defer`: the next step may be launched before this one's ids are read. `then` completes a
+    deferred output once read (the MTP pass's drafts, which follow the tokens emitted)."""
 
     def __init__(
         self,
@@ -589,13 +619,17 @@ class LaunchedStep:
         *,
         prompt_logprobs: list[PromptLogprobs] | None = None,
         can_defer: bool = False,
+        then: Callable[[StepOutput], StepOutput] | None = None,
     ) -> None:
         self._output = output
         self.deferred = deferred
         self.prompt_logprobs = prompt_logprobs or []
         self.can_defer = can_defer and deferred is not None
+        self._then = then
 
     def result(self) -> StepOutput:
         if self._output is None:
             self._output = self.deferred.step_output(self.prompt_logprobs)
+            if self._then is not None:
+                self._output = self._then(self._output)
         return self._output

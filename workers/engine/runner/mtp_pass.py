@@ -1,5 +1,10 @@
-"""DeepSeek-V3's multi-token-prediction layer run after each step on the reference path, for
-speculative decoding (--spec-method mtp; the layer is models.mtp.MultiTokenPredictor).
+"""DeepSeek-V3's multi-token-prediction layer run after each step, for speculative decoding
+(--spec-method mtp; the layer is models.mtp.MultiTokenPredictor).
+
+It runs on both of the runner's paths, with the runner's attention backend: the reference path's
+torch backends take the step's host lists, and a backend that needs device tensors (Triton, the
+device path's) gets them built from the same lists (`device_step_tensors`). The device path runs it
+when a step's result reaches the host, as the emitted tokens are known only then.
 
 Its KV: one latent per position, in a tensor of its own with the main cache's pages, so a position's
 latent sits at the slot the main model's does and the requests' block tables serve both (the main
@@ -17,9 +22,10 @@ keeps the target's tokens.
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from kernels.attention import AttentionBackend, StepBatch
+from kernels.attention import NULL_PAGE, AttentionBackend, DeviceStepTensors, StepBatch
 from workers.engine.kv.kv_cache import KVCache
 from workers.engine.models.mtp import MultiTokenPredictor
 from workers.engine.runner.request_states import ScheduledSequence
@@ -116,9 +122,19 @@ class MtpPass:
         tables: list[list[int]],
     ) -> torch.Tensor:
         device = hidden.device
+        tensors = (
+            device_step_tensors(query_lens, seq_lens, tables, self.page_size, device)
+            if self.backend.needs_device_tensors
+            else None
+        )
         metadata = self.backend.build_metadata(
             StepBatch(
-                query_lens=query_lens, seq_lens=seq_lens, block_tables=tables, page_size=self.page_size, device=device
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                block_tables=tables,
+                page_size=self.page_size,
+                device=device,
+                tensors=tensors,
             )
         )
         return self.mtp(
@@ -129,3 +145,29 @@ class MtpPass:
             metadata,
             self.backend,
         )
+
+
+def device_step_tensors(
+    query_lens: list[int], seq_lens: list[int], tables: list[list[int]], page_size: int, device: torch.device
+) -> DeviceStepTensors:
+    """A step's layout as a device backend reads it, from the host lists: sequence b's query rows
+    are the last query_lens[b] of its seq_lens[b] positions, each written at its slot of the block
+    table (as the input batch places the main model's), tables padded with NULL_PAGE."""
+    query_len = np.asarray(query_lens, dtype=np.int64)
+    seq_len = np.asarray(seq_lens, dtype=np.int64)
+    query_start = np.concatenate([[0], np.cumsum(query_len)])
+    seq_of_token = np.repeat(np.arange(len(query_len)), query_len)
+    positions = np.arange(query_start[-1]) - query_start[seq_of_token] + (seq_len - query_len)[seq_of_token]
+    padded = np.full((len(tables), max(map(len, tables))), NULL_PAGE, dtype=np.int64)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = table
+    slots = padded[seq_of_token, positions // page_size] * page_size + positions % page_size
+    return DeviceStepTensors(
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        seq_lens=torch.from_numpy(seq_len).to(device=device, dtype=torch.int32),
+        query_start=torch.from_numpy(query_start).to(device=device, dtype=torch.int32),
+        block_tables=torch.from_numpy(padded).to(device=device, dtype=torch.int32),
+        max_query_len=int(query_len.max()),
+        decode_only=bool((query_len == 1).all()),
+    )
