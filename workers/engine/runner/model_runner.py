@@ -18,6 +18,12 @@ Two paths, chosen by the attention backend:
   its total tokens when every sequence in it is a decode; one whose rows need the host Sampler (bias,
   penalties, logprobs, a constraint) runs eagerly and is verified there, as on the reference path.
 
+With MTP drafting (--spec-method mtp, runner.mtp_pass) both paths run the model's MTP layer after
+each step over the step's final hidden states and the tokens it emitted, and return its drafts in
+StepOutput.drafts: the reference path within the step, the device path when the step's result
+reaches the host (LaunchedStep.result; such a step is never deferred). On the device path every
+step then runs eagerly, none from a CUDA graph: a graph's hidden states stay inside it.
+
 Both paths read the runner's own record of its requests (runner.request_states), kept from the
 scheduler's output: each request in full once, then only the pages it gains. Prompt logprobs (both
 paths) are computed eagerly for every prompt position of the requests that ask for them. This is

@@ -47,8 +47,8 @@ def test_mtp_asked_of_a_model_without_mtp_layers_is_refused_naming_the_setting()
         LLM(TINY_CONFIGS["llama"], **SETTINGS, spec_method="mtp")
 
 
-def recorded_drafts(llm: LLM, prompt_list: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """The MTP drafts made after each step of the first prompt's request, in order, and its tokens."""
+def recording_drafts(llm: LLM) -> dict[str, list[list[int]]]:
+    """From now on, the MTP drafts the engine makes after each step, by request id, in order."""
     drafter = llm.engine.scheduler.speculator.drafter
     made: dict[str, list[list[int]]] = {}
     receive = drafter.receive
@@ -59,6 +59,12 @@ def recorded_drafts(llm: LLM, prompt_list: list[list[int]], max_tokens: int) -> 
         receive(drafts)
 
     drafter.receive = record
+    return made
+
+
+def recorded_drafts(llm: LLM, prompt_list: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """The MTP drafts made after each step of the first prompt's request, in order, and its tokens."""
+    made = recording_drafts(llm)
     results = llm.generate(prompt_list, greedy(max_tokens))
     return made[f"{results[0].request_id}-0"], results[0].outputs[0].token_ids
 
