@@ -9,8 +9,9 @@ torch._scaled_mm is given DeepSeek-V3's scales (1x128 per-token groups, 128x128 
 this torch and GPU take them, checked against the reference; otherwise rowwise scales (one per token,
 one per output channel of the dequantized weight) as the nearest peer. `scaled_mm_scaling` says which.
 Its activations are quantized before the timed call (our kernel quantizes inside its own time).
-Up to GEMV_MAX_M rows the FP8 GEMV (kernels.quant.fp8_gemv) is timed beside them: the candidate for
-decode at small batch, which the dispatcher takes only once a device run shows it ahead.
+Up to GEMV_MAX_M rows the FP8 GEMV (kernels.quant.fp8_gemv) is timed beside them with its own config
+choice (what `ours`, the dispatcher, runs up to kernels.quant.fp8_gemm.GEMV_MAX_M rows), so a sweep
+can compare its configs with the tiled kernel's.
 
 Per row: the median of triton.testing.do_bench (L2 flushed between calls) for each op; TFLOP/s
 (2 * M * N * K over the time); our time over each peer's; and each op's fraction of the memory
@@ -201,7 +202,7 @@ def measure_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: 
             "scaled_mm": time_ms(scaled_mm),
         }
         gemv = None
-        if m <= GEMV_MAX_M:  # the GEMV candidate (kernels.quant.fp8_gemv), not yet what decode runs
+        if m <= GEMV_MAX_M:
             gemv = partial(block_fp8_gemv_with, x, values, scale_inv, BLOCK, None, gemv_config(m, n, k, BLOCK[1]))
             times["gemv"] = time_ms(gemv)
         config = gemm_config(m, n, k, BLOCK[1])

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
             enforce_eager=args.enforce_eager,
+            gpu_memory_utilization=0.25,
             **settings,
         )
         requests = prompts(llm.tokenizer, max(levels))

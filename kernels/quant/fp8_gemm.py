@@ -15,7 +15,8 @@ Scaling and summing each block_k-deep product in float32 is also what keeps the 
 tensor cores' FP8 accumulation keeps fewer bits than float32 (DeepSeek-V3 promotes its partial sums
 every 128 channels for that reason).
 
-Two shapes of call, two ways (GemmConfig):
+Up to GEMV_MAX_M rows the GEMV of kernels.quant.fp8_gemv runs instead (no tensor cores; faster at a
+row or two). Otherwise two shapes of call, two ways (GemmConfig):
 - decode (M up to 16): the weight streams once and the activation is a few rows, so quantizing them in
   every program's prologue costs nothing. Few rows make few column blocks, too few programs to keep
   every SM reading: the K loop is split over `split_k` programs per tile, each writing a float32
@@ -39,6 +40,7 @@ import triton.language as tl
 
 from kernels.quant.fp8_activations import quantize_activation, quantize_group
 from kernels.quant.fp8_blocks import FP8, block_grid, check_block
+from kernels.quant.fp8_gemv import block_fp8_gemv_with, gemv_config
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -68,10 +70,13 @@ CONFIGS: tuple[tuple[int | None, GemmConfig], ...] = (
 MIN_PROGRAMS = 264
 SPLIT_K_MAX_M = 16  # past it the float32 partials' bytes start to rival the weight's
 NARROWEST_BLOCK_N = 32
-# Prefill past this many rows runs on torch._scaled_mm's blockwise FP8 GEMM (cuBLAS) where this torch
-# offers it: on an H100, bench.fp8_gemm measured it 1.5-2x this kernel from 512 rows on, while this
-# kernel leads at decode sizes. Past every decode batch a CUDA graph captures (max_num_seqs).
-CUBLAS_MIN_M = 256
+# Up to this many rows the GEMV (kernels.quant.fp8_gemv) runs: on an H100 at the Llama-3.1-8B
+# projections bench.fp8_gemm measured it 1.3-1.7x bf16 at one row, where this kernel's split-K tiles
+# gave 0.8-1.3x (and torch's blockwise GEMM refuses one or two rows).
+GEMV_MAX_M = 3
+# Past this many rows torch._scaled_mm's blockwise FP8 GEMM (cuBLAS) runs where this torch offers it:
+# on an H100 bench.fp8_gemm measured it 1.1-5x this kernel at 4 and 16 rows and 1.5-2x from 512 on.
+CUBLAS_MIN_M = 3
 CUBLAS_OUT_DTYPES = (torch.bfloat16, torch.float16)
 CUBLAS_AGREEMENT = 1e-2  # relative, against this kernel: the two sum in other orders
 # How mat_b's [K / 128, N / 128] scales may have to be laid out, per torch version: a transposed
@@ -106,6 +111,9 @@ def w8a8_block_fp8_matmul(
     check_matmul_inputs(x, weight, weight_scale_inv, block, bias)
     n, k = weight.shape
     m = x.shape[:-1].numel()
+    if 0 < m <= GEMV_MAX_M and n:
+        config = gemv_config(m, n, k, block[1])
+        return block_fp8_gemv_with(_rows(x, k), weight, weight_scale_inv, block, bias, config).reshape(*x.shape[:-1], n)
     if m > CUBLAS_MIN_M and _cublas_may_take(x, weight, block):
         values, scales = quantize_activation(_rows(x, k), block[1])
         out = _cublas_blockwise(values, scales, weight, weight_scale_inv, x.dtype)
@@ -222,7 +230,12 @@ def _cublas_blockwise(
     device = values.device
     layout = _CUBLAS_SCALE_LAYOUT.get(device)
     if layout is not None:
-        return None if layout < 0 else _scaled_mm(values, scales, weight, weight_scale_inv, layout, out_dtype)
+        if layout < 0:
+            return None
+        try:
+            return _scaled_mm(values, scales, weight, weight_scale_inv, layout, out_dtype)
+        except (RuntimeError, ValueError, TypeError):  # a shape it refuses: this call only runs ours
+            return None
     if torch.cuda.is_current_stream_capturing():
         return None  # found out outside a graph, never inside one
     _CUBLAS_SCALE_LAYOUT[device] = -1

@@ -30,12 +30,15 @@ class GemvConfig:
     num_warps: int
 
 
-# Programs to keep in flight: four per multiprocessor of an H100 (132), so that each has enough weight
-# bytes outstanding to cover HBM latency. Column blocks narrow until a call has them.
-MIN_PROGRAMS = 528
-WIDEST_BLOCK_N = 32
+# From bench.fp8_gemm --sweep on an H100 at the Llama-3.1-8B projections, one row: 8 warps each
+# loading 64 weight bytes a step (16 KiB a program), column blocks of 16 narrowed to 8 until about
+# three programs per multiprocessor (132) are in flight, were the fastest at three of four shapes and
+# within 4% at the fourth (1.3-1.4x the first 4-warp, 8 KiB, 528-program choice at qkv and down).
+MIN_PROGRAMS = 384
+WIDEST_BLOCK_N = 16
 NARROWEST_BLOCK_N = 4
-SLAB_BYTES = 8192  # e4m3 weight bytes a program loads per step: 64 per thread of 4 warps
+NUM_WARPS = 8
+SLAB_BYTES = 16384  # e4m3 weight bytes a program loads per step: 64 per thread
 
 
 def gemv_config(m: int, n: int, k: int, block_k: int = 128) -> GemvConfig:
@@ -45,7 +48,7 @@ def gemv_config(m: int, n: int, k: int, block_k: int = 128) -> GemvConfig:
         block_n //= 2
     groups = triton.cdiv(k, block_k)
     groups_per_step = max(1, min(triton.next_power_of_2(groups), SLAB_BYTES // (block_n * block_k)))
-    return GemvConfig(block_n=block_n, groups_per_step=groups_per_step, num_warps=4)
+    return GemvConfig(block_n=block_n, groups_per_step=groups_per_step, num_warps=NUM_WARPS)
 
 
 def block_fp8_gemv_with(
