@@ -95,11 +95,19 @@ class AcceptanceCalibrator:
         value = table[flat] * (1.0 - frac) + table[flat + 1] * frac
         return torch.where(present, value, NO_DRAFT)
 
-    def observe(self, raw: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(
+        self,
+        raw: torch.Tensor,
+        verified: torch.Tensor,
+        accepted: torch.Tensor,
+        *,
+        calibrated: torch.Tensor | None = None,
+    ) -> None:
         """Learn from one verify step: row r verified its first `verified[r]` drafts (raw
         probabilities `raw[r]`) and accepted the first `accepted[r]` of them. Drafts at positions
         >= verified[r] were not verified, and drafts after the first rejected one were not judged on
-        their own: neither teaches anything."""
+        their own: neither teaches anything. `calibrated`: `calibrate(raw)` as the caller already
+        computed it since the last observe (the estimate the outcomes are scored against)."""
         self._check_raw(raw)
         rows, k = raw.shape
         for name, value in (("verified", verified), ("accepted", accepted)):
@@ -122,7 +130,8 @@ class AcceptanceCalibrator:
         hit = (seen & (position < accepted)).float()
         seen = seen.float()
         probability = raw.float().nan_to_num(0.0).clamp(0.0, 1.0)
-        predicted = self.calibrate(raw).clamp(0.0, 1.0)  # before this step's outcomes: an honest score
+        # Before this step's outcomes: an honest score.
+        predicted = (self.calibrate(raw) if calibrated is None else calibrated).clamp(0.0, 1.0)
 
         decay = torch.exp2(-seen.sum(0) / self.half_life)[:, None]
         self._sums[:, :, :k] *= decay

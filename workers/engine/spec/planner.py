@@ -9,6 +9,12 @@ by greedy marginal allocation. After verification, what each request accepted up
 calibration, and the counters (stats.SpecDecodeStats) count the step.
 
 On the reference path this all runs on the host's tensors.
+
+What it costs per step matters: a verify step waits for the host (no async overlap), so every
+millisecond here is a millisecond of the step. `fixed` plans from which drafts exist alone and hands
+its outcomes to the calibrator every OBSERVE_EVERY steps in one call (its calibration feeds only the
+reported error); `dspark` calibrates and learns every step, scoring outcomes with the calibrated
+probabilities its plan computed rather than computing them again.
 """
 
 import numpy as np
@@ -22,6 +28,10 @@ from workers.engine.spec.stats import SpecDecodeStats
 
 # Steps between refreshes of the calibration error the counters report (it reads the calibrator back).
 CALIBRATION_ERROR_EVERY = 64
+# Steps whose outcomes the fixed budget gathers before the calibrator learns them, in one call: the
+# outcomes of a batch are decayed together rather than in order, a difference of under 16 steps'
+# outcomes in a memory of thousands.
+OBSERVE_EVERY = 16
 
 
 class VerificationPlanner:
@@ -41,8 +51,11 @@ class VerificationPlanner:
         self.cost_model = cost_model
         self.max_draft_tokens = max_draft_tokens
         self.stats = stats
+        self.calibrates_each_step = budget == "dspark"
         self._lagged: np.ndarray | None = None  # the previous step's expected accepted prefixes
-        self._planned: torch.Tensor | None = None  # the last plan's raw probabilities
+        # The last plan's raw probabilities, and calibrated ones where it computed them.
+        self._planned: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._unobserved: list[tuple[torch.Tensor, list[int], list[int]]] = []  # gathered by fixed
         self._steps = 0
 
     def plan(self, drafts: list[Draft], total_kv: int) -> list[int]:
@@ -53,7 +66,13 @@ class VerificationPlanner:
             if draft.probs:
                 probs[row, : len(draft)] = draft.probs[: self.max_draft_tokens]
         raw = torch.from_numpy(probs)
-        expected = expected_accepted_prefix(self.calibrator.calibrate(raw))
+        if not self.calibrates_each_step:
+            # Which drafts exist is all the fixed budget reads: the raw matrix marks them.
+            self._planned = (raw, None)
+            total = self.budget.plan_total(batch=len(drafts), step_seconds=None, lagged_prefix=None)
+            return self.budget.allocate(raw, total).tolist()
+        calibrated = self.calibrator.calibrate(raw)
+        expected = expected_accepted_prefix(calibrated)
         curve = (
             VerifyStepCurve.from_cost_model(self.cost_model, batch=len(drafts), total_kv=total_kv)
             if self.cost_model is not None
@@ -62,17 +81,33 @@ class VerificationPlanner:
         total = self.budget.plan_total(batch=len(drafts), step_seconds=curve, lagged_prefix=self._lagged)
         lengths = self.budget.allocate(expected, total)
         self._lagged = expected.numpy()
-        self._planned = raw
+        self._planned = (raw, calibrated)
         return lengths.tolist()
 
     def observe(self, verified: list[int], accepted: list[int]) -> None:
         """The draft tokens each request of the last plan verified and, of those, accepted, in its order."""
-        raw = self._planned
+        raw, calibrated = self._planned
         self._planned = None
-        self.calibrator.observe(
-            raw, torch.tensor(verified, dtype=torch.int64), torch.tensor(accepted, dtype=torch.int64)
-        )
         self.stats.record_step(verified, accepted)
         self._steps += 1
+        if calibrated is not None:
+            self.calibrator.observe(
+                raw,
+                torch.tensor(verified, dtype=torch.int64),
+                torch.tensor(accepted, dtype=torch.int64),
+                calibrated=calibrated,
+            )
+        else:
+            self._unobserved.append((raw, verified, accepted))
+            if len(self._unobserved) >= OBSERVE_EVERY or self._steps % CALIBRATION_ERROR_EVERY == 0:
+                self._observe_gathered()
         if self._steps % CALIBRATION_ERROR_EVERY == 0:
             self.stats.calibration_error = self.calibrator.calibration_error().overall
+
+    def _observe_gathered(self) -> None:
+        gathered, self._unobserved = self._unobserved, []
+        self.calibrator.observe(
+            torch.cat([raw for raw, _, _ in gathered]),
+            torch.tensor([v for _, verified, _ in gathered for v in verified], dtype=torch.int64),
+            torch.tensor([a for _, _, accepted in gathered for a in accepted], dtype=torch.int64),
+        )

@@ -237,3 +237,18 @@ def test_the_hot_path_never_syncs_with_the_host():
         expected_accepted_prefix(calibrator.calibrate(raw))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_outcomes_scored_with_the_calibration_a_plan_computed_learn_as_scoring_them_anew():
+    # The planner passes the calibrated matrix its plan computed: the same estimate observe would
+    # compute, so the map and the reported error come out the same.
+    given, anew = AcceptanceCalibrator(K), AcceptanceCalibrator(K)
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(50):
+        raw = torch.rand(16, K, generator=generator)
+        verified, accepted = verify_step(raw, lambda r: r**2, generator)
+        given.observe(raw, verified, accepted, calibrated=given.calibrate(raw))
+        anew.observe(raw, verified, accepted)
+
+    assert torch.equal(given.table, anew.table)
+    assert given.calibration_error() == anew.calibration_error()
