@@ -165,6 +165,7 @@ class LLMEngine(EngineCore):
         # A launched step whose sampled ids are read at the next step (async scheduling), with its
         # scheduler output and start time.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep, float] | None = None
+        self._last_finished_at: float | None = None  # when the last step's result was read (speculation's valve)
         self.store = (
             StoreConnector(
                 store,
@@ -502,6 +503,7 @@ class LLMEngine(EngineCore):
         in_flight, self._in_flight = self._in_flight, None
         if output.is_empty:
             if in_flight is None:
+                self._last_finished_at = None  # idle: the time until the next step is no step's
                 self._wait_for_fetches()
                 return []
             return self._finish(*in_flight)
@@ -533,6 +535,11 @@ class LLMEngine(EngineCore):
                 connector.save(stepped)
         if self.scheduler.speculator is not None:
             self._keep_accepted(output, result.num_accepted)
+            finished_at = time.perf_counter()
+            if self._last_finished_at is not None:
+                seconds = finished_at - self._last_finished_at
+                self.scheduler.speculator.record_step(seconds, len(result.sampled))
+            self._last_finished_at = finished_at
         if self.runner.mtp_pass is not None:
             self.scheduler.speculator.drafter.receive(result.drafts)
         deltas = []
@@ -564,11 +571,12 @@ class LLMEngine(EngineCore):
 
     def _can_defer(self, output: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before this one's tokens are read: not for a prefill
-        that hands its KV off after its first token, and never with speculation (drafts follow a
-        request's last token, which a deferred step leaves pending)."""
+        that hands its KV off after its first token, and not while speculating (drafts follow a
+        request's last token, which a deferred step leaves pending): only in the plain phase of
+        DSpark's valve (spec.valve), whose next step is planned in the same phase."""
         return (
             self.config.args.async_scheduling
-            and self.spec_stats is None
+            and (self.spec_stats is None or not self.scheduler.speculator.drafting)
             and not any(
                 sample and _is_prefill_only(self.requests.get(request_id))
                 for request_id, sample in zip(output.request_ids, output.sample, strict=True)

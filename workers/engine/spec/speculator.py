@@ -9,20 +9,31 @@ rolled back after computing them), and then advances through the emitted tokens 
 
 from workers.engine.config import EngineConfig
 from workers.engine.request import Request
+from workers.engine.spec.budget import VALVE_MARGIN
 from workers.engine.spec.drafter import NO_DRAFT, Draft, DraftAsk, Drafter
 from workers.engine.spec.mtp_drafter import MtpDrafter
 from workers.engine.spec.ngram import NgramDrafter
 from workers.engine.spec.planner import VerificationPlanner
 from workers.engine.spec.stats import SpecDecodeStats
+from workers.engine.spec.valve import ThroughputValve
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, planner: VerificationPlanner, *, raw_min_confidence: float = 0.0) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        planner: VerificationPlanner,
+        *,
+        raw_min_confidence: float = 0.0,
+        valve: ThroughputValve | None = None,
+    ) -> None:
         """`raw_min_confidence`: drafts end before the drafter's own cumulative probability falls
         below it (the fixed budget's use of --spec-min-confidence; dspark applies it to the calibrated
-        confidence instead)."""
+        confidence instead). `valve` (dspark's): turns drafting off for the steps where plain
+        decoding measures faster."""
         self.drafter = drafter
         self.planner = planner
+        self.valve = valve
         self.max_draft_tokens = planner.max_draft_tokens
         self.raw_min_confidence = raw_min_confidence
         self._planned: list[str] = []  # the request ids of the last plan, in its order
@@ -31,10 +42,22 @@ class Speculator:
     def stats(self) -> SpecDecodeStats:
         return self.planner.stats
 
+    @property
+    def drafting(self) -> bool:
+        """Whether this step drafts (False while the valve's phase is plain)."""
+        return self.valve is None or self.valve.drafts
+
+    def record_step(self, seconds: float, num_tokens: int) -> None:
+        """A finished step: the time since the previous one finished, and the tokens it emitted."""
+        if self.valve is not None:
+            self.valve.record(seconds, num_tokens)
+
     def plan(self, requests: list[Request]) -> dict[str, Draft]:
         """The drafts of the decode steps of `requests` this step may verify, by request id. Never
         more than a request may still emit: a step emits every accepted draft token plus one, and
-        must not pass max_tokens (nor, so, the context window)."""
+        must not pass max_tokens (nor, so, the context window). None while not drafting."""
+        if not self.drafting:
+            return {}
         limits = [min(self.max_draft_tokens, r.max_tokens - len(r.output_token_ids) - 1) for r in requests]
         asks = [DraftAsk(r.request_id, r.prompt_token_ids, r.output_token_ids, n) for r, n in zip(requests, limits)]
         proposed = self.drafter.propose_all(asks)
@@ -87,4 +110,5 @@ def speculator_for(config: EngineConfig, drafter: Drafter | None = None) -> Spec
     if args.spec_method == "mtp":
         drafter = MtpDrafter()  # fed by the model runner's MTP pass
     raw_min_confidence = args.spec_min_confidence if args.spec_budget == "fixed" else 0.0
-    return Speculator(drafter or NgramDrafter(), planner, raw_min_confidence=raw_min_confidence)
+    valve = ThroughputValve(margin=VALVE_MARGIN) if args.spec_budget == "dspark" else None
+    return Speculator(drafter or NgramDrafter(), planner, raw_min_confidence=raw_min_confidence, valve=valve)
