@@ -368,13 +368,8 @@ class InputBatch:
         fields["sample_rows"][:num_samples] = sample_rows
         for name in ("greedy", "top_k", "seed_lo", "seed_hi"):
             fields[name][:num_samples] = getattr(self, name)[sample_rows]
-        fields["step"][:num_samples] = (
-            logit_rows
-            - np.repeat(query_start[sampling], per_sequence)
-            + 1
-            + np.repeat(starts[sampling], per_sequence)
-            - self.prompt_len[sample_rows]
-        )
+        # The tokens the request had sampled before each sample's token (at the position after its row's).
+        fields["step"][:num_samples] = positions[logit_rows] + 1 - self.prompt_len[sample_rows]
         is_last = index == np.repeat(per_sequence - 1, per_sequence)
         fields["draft_ids"][:num_samples] = np.where(
             is_last, -1, fields["input_ids"][np.minimum(logit_rows + 1, max(num_tokens - 1, 0))]

@@ -69,8 +69,7 @@ class ThroughputValve:
             return not self.winner
         rate, winner_rate = self._current.rate(), self.rates[self.winner]
         spec, plain = (rate, winner_rate) if self.drafts else (winner_rate, rate)
-        speculation_wins = spec > plain * (1 + self.margin)
-        return speculation_wins
+        return spec > plain * (1 + self.margin)
 
     def _begin(self, drafts: bool) -> None:
         probe_ended = self.drafts != self.winner
