@@ -2,6 +2,7 @@
 
 python -m bench.profile_step --device cuda --batch-size 64 --prompt-len 512 --steps 5 [--enforce-eager]
     [--shape qwen3_30b_a3b_16_layers]  (a shape of bench.shapes, random weights; SmolLM2-135M's by default)
+    [--quantization fp8] [--kv-cache-dtype fp8]  (FP8 weights and KV cache, as the engine's flags)
 
 Prefills the batch first, then profiles `--steps` decode steps: prints the wall time of each step,
 the device time of its kernels (from the profiler), and the top kernels. With CUDA graphs the
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(SHAPES))
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     config = shape(args.shape)
     llm = LLM(
@@ -43,6 +46,8 @@ def main() -> None:
         num_pages=args.batch_size * -(-(args.prompt_len + 64) // 16) + 2,
         max_model_len=args.prompt_len + 64,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     prompts = torch.randint(0, config["vocab_size"], (args.batch_size, args.prompt_len)).tolist()
     engine = llm.engine
