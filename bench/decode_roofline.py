@@ -10,20 +10,23 @@ negligible; of each sparse layer's routed experts, the expected number a batch o
 under uniform routing, E * (1 - (1 - k/E)^B)) plus each sequence's KV over its mean context, at
 the bytes per token of the model's KV cache spec. Its time at the copy bandwidth (a 1 GiB
 device-to-device copy, bytes read plus written) over the measured step time is the fraction.
-Prints one JSON object; timing as bench.engine_throughput (distinct random prompts, a warm-up run).
+Timed: the run's decode-only engine calls (no prompt chunk in the step), after a warm-up run of two
+prompts; a batch the KV cache takes in waves (`max_running`: the mean sequences per decode step) is
+timed on its decode steps. Prints one JSON object.
 """
 
 import argparse
 import gc
 import json
 import sys
+import time
 
 import torch
 
-from bench.engine_throughput import measure_run, timed_engine_run
 from bench.shapes import shape
-from workers.engine import LLM
+from workers.engine import LLM, SamplingParams
 from workers.engine.layers.moe import RoutedExperts
+from workers.protocol.engine_request import EngineRequest
 
 COPY_BYTES = 1 << 30
 
@@ -86,28 +89,29 @@ def _measure_shape(name: str, args: argparse.Namespace, batch_sizes: list[int], 
 def decode_rows(
     llm: LLM, batch_sizes: list[int], args: argparse.Namespace, copy_bytes_per_s: float, label: dict[str, str]
 ) -> list[dict]:
-    """Per batch size of random prompts (args.prompt_len, args.new_tokens): the engine's run and its
-    decode step against the step's roofline, each row also printed to stderr after `label`."""
+    """Per batch size of random prompts (args.prompt_len, args.new_tokens): the engine's decode
+    steps against their roofline, each row also printed to stderr after `label`."""
     runner = llm.engine.runner
     specs = runner.kv_cache.specs
-    context = args.prompt_len + args.new_tokens
     rows = []
     for batch_size in batch_sizes:
         prompts = torch.randint(
             0, runner.model.config.vocab_size, (batch_size, args.prompt_len), generator=torch.Generator().manual_seed(7)
-        )
-        measured = measure_run(
-            timed_engine_run(llm, prompts), args.new_tokens, batch_size, args.prompt_len, full_warm_up=False
-        )
+        ).tolist()
+        _run(llm, prompts[:2], 2)  # warm-up: kernels compile, the allocator grows
+        measured = _run(llm, prompts, args.new_tokens)
         weight_bytes = touched_weight_bytes(runner.model, batch_size)
-        # The sequences that run at once: fewer than the batch where the KV cache cannot hold it all.
-        running = min(batch_size, runner.kv_cache.num_pages * specs.page_size // context)
-        kv_bytes = running * (args.prompt_len + args.new_tokens // 2) * specs.bytes_per_token
-        step_s = running / measured["decode_tok_s"]
+        # The sequences that ran at once: fewer than the batch where the KV cache cannot hold it all.
+        running = measured["decode_tokens"] / measured["decode_steps"]
+        kv_bytes = round(running * (args.prompt_len + args.new_tokens // 2) * specs.bytes_per_token)
+        step_s = measured["decode_s"] / measured["decode_steps"]
         row = {
             "batch_size": batch_size,
-            "max_running": running,
-            **measured,
+            "max_running": round(running, 1),
+            "first_token_s": round(measured["first_token_s"], 4),
+            "total_s": round(measured["total_s"], 4),
+            "decode_tok_s": round(measured["decode_tokens"] / measured["decode_s"], 1),
+            "decode_steps": measured["decode_steps"],
             "step_ms": round(step_s * 1e3, 3),
             "weight_bytes_per_step": weight_bytes,
             "kv_bytes_per_step": kv_bytes,
@@ -117,6 +121,52 @@ def decode_rows(
         rows.append(row)
         print(json.dumps({**label, **row}), file=sys.stderr, flush=True)
     return rows
+
+
+def _run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    """One run of `prompts` to `new_tokens` greedy tokens each, timing its decode-only engine calls:
+    those whose every computed token was a sampled one (no prompt chunk rode along), so a batch the
+    KV cache takes in waves is timed on its decode steps alone, not on the next wave's prefill."""
+    engine = llm.engine
+    stats = engine.step_stats
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    device = torch.device(engine.config.args.device)
+    _synchronize(device)
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(request_id=f"r{index}", prompt_token_ids=prompt, params=params))
+    started: set[str] = set()
+    first_token_s = None
+    decode_s = 0.0
+    decode_tokens = decode_steps = produced_total = 0
+    while engine.has_unfinished():
+        computed_before, steps_before = stats.tokens.total, stats.num_steps
+        called = time.perf_counter()
+        deltas = engine.step()
+        seconds = time.perf_counter() - called
+        produced = sum(len(delta.token_ids) for delta in deltas)
+        produced_total += produced
+        started.update(delta.request_id for delta in deltas)
+        if produced and stats.tokens.total - computed_before == produced:
+            decode_s += seconds
+            decode_tokens += produced
+            decode_steps += stats.num_steps - steps_before
+        if first_token_s is None and len(started) == len(prompts):
+            first_token_s = time.perf_counter() - start
+    _synchronize(device)
+    assert produced_total == len(prompts) * new_tokens
+    return {
+        "first_token_s": first_token_s,
+        "total_s": time.perf_counter() - start,
+        "decode_s": decode_s,
+        "decode_tokens": decode_tokens,
+        "decode_steps": decode_steps,
+    }
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def touched_weight_bytes(model: torch.nn.Module, batch_size: int) -> int:

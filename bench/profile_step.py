@@ -3,6 +3,7 @@
 python -m bench.profile_step --device cuda --batch-size 64 --prompt-len 512 --steps 5 [--enforce-eager]
     [--shape qwen3_30b_a3b_16_layers]  (a shape of bench.shapes, random weights; SmolLM2-135M's by default)
     [--quantization fp8] [--kv-cache-dtype fp8]  (FP8 weights and KV cache, as the engine's flags)
+    [--prefill]  (profile the batch's prefill steps instead of decode steps)
 
 Prefills the batch first, then profiles `--steps` decode steps: prints the wall time of each step,
 the device time of its kernels (from the profiler), and the top kernels. With CUDA graphs the
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2_135m", choices=sorted(SHAPES))
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--prefill", action="store_true")
     args = parser.parse_args()
     config = shape(args.shape)
     llm = LLM(
@@ -51,6 +53,9 @@ def main() -> None:
     )
     prompts = torch.randint(0, config["vocab_size"], (args.batch_size, args.prompt_len)).tolist()
     engine = llm.engine
+    if args.prefill:
+        # One prompt through first, so that the profiled prefill compiles no kernel.
+        llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=1))
     for index, prompt in enumerate(prompts):
         engine.add_request(
             EngineRequest(
@@ -59,19 +64,31 @@ def main() -> None:
                 params=SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
             )
         )
-    started: set[str] = set()
-    while len(started) < len(prompts):
-        started.update(delta.request_id for delta in engine.step())
-    for _ in range(3):
-        engine.step()  # warm decode steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            engine.step()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            print(f"decode step at batch {args.batch_size}: {1000 * (time.perf_counter() - start):.3f} ms", flush=True)
+    started: set[str] = set()
+    if args.prefill:
+        steps = 0
+        with profile(activities=activities) as prof:
+            while len(started) < len(prompts):
+                start = time.perf_counter()
+                started.update(delta.request_id for delta in engine.step())
+                _synchronize(args.device)
+                steps += 1
+                print(f"prefill step: {1000 * (time.perf_counter() - start):.3f} ms", flush=True)
+        args.steps = steps
+    else:
+        while len(started) < len(prompts):
+            started.update(delta.request_id for delta in engine.step())
+        for _ in range(3):
+            engine.step()  # warm decode steps
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                engine.step()
+                _synchronize(args.device)
+                print(
+                    f"decode step at batch {args.batch_size}: {1000 * (time.perf_counter() - start):.3f} ms", flush=True
+                )
     events = prof.key_averages()
     if args.device == "cuda":
         device_us = sum(e.self_device_time_total for e in events) / args.steps
@@ -87,6 +104,11 @@ def main() -> None:
     pstats.Stats(host).sort_stats("tottime").print_stats(20)
     while engine.has_unfinished():
         engine.step()
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
