@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enabled
+
 MAX_HIDDEN = 65536  # one row must fit one program's block
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -58,7 +60,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
         _check_like("out", out, x)
     block, num_warps = _block(x.shape[1])
     _rms_norm_kernel[(x.shape[0],)](
-        x, x.stride(0), weight, out, out.stride(0), x.shape[1], eps, BLOCK=block, num_warps=num_warps
+        x, x.stride(0), weight, out, out.stride(0), x.shape[1], eps, BLOCK=block, PDL=pdl_enabled(x.device),
+        num_warps=num_warps,
     )
     return out
 
@@ -73,7 +76,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _check_weight(weight, x)
     block, num_warps = _block(x.shape[1])
     _fused_add_rms_norm_kernel[(x.shape[0],)](
-        x, x.stride(0), residual, residual.stride(0), weight, x.shape[1], eps, BLOCK=block, num_warps=num_warps
+        x, x.stride(0), residual, residual.stride(0), weight, x.shape[1], eps, BLOCK=block,
+        PDL=pdl_enabled(x.device), num_warps=num_warps,
     )
     return x
 
@@ -123,7 +127,11 @@ def _scaled_norm(x, w_ptr, cols, mask, hidden, eps, out_dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_row_stride, w_ptr, out_ptr, out_row_stride, hidden, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, x_row_stride, w_ptr, out_ptr, out_row_stride, hidden, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # kernels.pdl: the next kernel may start; it waits for this one
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -133,7 +141,11 @@ def _rms_norm_kernel(x_ptr, x_row_stride, w_ptr, out_ptr, out_row_stride, hidden
 
 
 @triton.jit
-def _fused_add_rms_norm_kernel(x_ptr, x_row_stride, res_ptr, res_row_stride, w_ptr, hidden, eps, BLOCK: tl.constexpr):
+def _fused_add_rms_norm_kernel(
+    x_ptr, x_row_stride, res_ptr, res_row_stride, w_ptr, hidden, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # kernels.pdl: the next kernel may start; it waits for this one
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from kernels.attention.fp8_kv import row_bytes, scale_group
 from kernels.attention.sinks import check_sinks
+from kernels.pdl import pdl_enabled
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -237,6 +238,7 @@ def paged_decode_attention(
         USE_WINDOW=window is not None,
         USE_DOT=use_dot,
         HAS_SINKS=sinks is not None,
+        PDL=pdl_enabled(q.device),
         **cache_rows(k_cache, head_dim),
     )
     return out
@@ -298,7 +300,10 @@ def _decode_kernel(
     FP8: tl.constexpr,
     ROW: tl.constexpr,  # elements of one cached row: HEAD_DIM, or an FP8 row's bytes
     SCALE_GROUP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # kernels.pdl: the next kernel may start; it waits for this one
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
