@@ -13,9 +13,10 @@ written once in x's dtype, no host syncs (safe in a CUDA graph).
 Rows are the grid's fastest dimension, so the programs of a column block for different rows run
 together and read its weight slab once from HBM, the rest from L2.
 
-Each step's weight slab is loaded one step ahead. On Hopper the kernel is launched with programmatic
-dependent launch (kernels.pdl): it may start while the kernel that writes its input still runs, and
-its first slab is in flight before it waits for that kernel (the weights are no kernel's output).
+On Hopper the kernel is launched with programmatic dependent launch (kernels.pdl): it starts while
+the kernel that writes its input still runs and waits for it before its first load. Loading the
+first weight slab before that wait, one step ahead of the loop, measured 20% slower on an H100 at
+batch 1 (the loop-carried slab), so the wait comes first; PDL alone gained 1.7%.
 """
 
 from dataclasses import dataclass
@@ -121,6 +122,8 @@ def _w8a8_gemv_kernel(
     GROUPS_PER_STEP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before writes the input, and may read what this one overwrites
     pid = tl.program_id(0)
     row = pid % M
     cols = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,17 +135,15 @@ def _w8a8_gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None, None] * w_row_stride
     # A column block may straddle weight tiles: one scale row per column.
     scale_rows = w_scale_ptr + (cols // SCALE_BLOCK_N)[:, None] * scale_row_stride
-    w = _weight_slab(w_rows, col_mask, step_groups, lanes, K, GROUP)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the input and output are the kernels' before; the weights never are
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for first_group in range(0, groups, GROUPS_PER_STEP):
         group_ids = first_group + step_groups
         ks = group_ids[:, None] * GROUP + lanes[None, :]
-        x = tl.load(x_row + ks, mask=ks < K, other=0.0)
+        k_mask = ks < K
+        x = tl.load(x_row + ks, mask=k_mask, other=0.0)
         x_values, x_scale = quantize_group(x)
+        w = tl.load(w_rows + ks[None, :, :], mask=col_mask[:, None, None] & k_mask[None, :, :], other=0.0)
         products = tl.sum(w.to(tl.float32) * x_values.to(tl.float32)[None, :, :], axis=2)
-        w = _weight_slab(w_rows, col_mask, group_ids + GROUPS_PER_STEP, lanes, K, GROUP)  # the next step's
         w_scale = tl.load(
             scale_rows + group_ids[None, :] * scale_col_stride,
             mask=col_mask[:, None] & (group_ids < groups)[None, :],
@@ -152,10 +153,3 @@ def _w8a8_gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _weight_slab(w_rows, col_mask, group_ids, lanes, K, GROUP: tl.constexpr):
-    """The e4m3 weights [BLOCK_N, GROUPS_PER_STEP, GROUP] of groups `group_ids` (0 past K)."""
-    ks = group_ids[:, None] * GROUP + lanes[None, :]
-    return tl.load(w_rows + ks[None, :, :], mask=col_mask[:, None, None] & (ks < K)[None, :, :], other=0.0)
