@@ -86,7 +86,7 @@ def load_model(
             model = build()
     else:
         # Built on meta and converted there, so the device never holds the float weights of its fp8
-        # parts (DeepSeek-V3's 4 layers: 41 GB in fp8, 72 GB in bf16); they are quantized as they
+        # parts (DeepSeek-V3's 4 layers: 39 GB in fp8, 74 GB in bf16); they are quantized as they
         # load or are drawn, a tensor or chunk at a time.
         with torch.device("meta"), default_dtype(dtype):
             model = build()

@@ -75,8 +75,9 @@ class GroupedSigmoidRouter(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
 
     def init_buffers(self) -> None:
-        """A zero correction bias (a checkpoint's overwrites it), on the default device. A buffer so
-        that it stays float32 when the parameters move to a low-precision dtype."""
+        """A zero correction bias (a checkpoint's overwrites it) on the default device, at construction and
+        once a model built on meta has storage (workers.engine.materialize). A buffer so that it stays
+        float32 when the parameters move to a low-precision dtype."""
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

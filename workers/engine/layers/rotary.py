@@ -70,7 +70,8 @@ class RotaryEmbedding(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        """The tables, on the default device (again once a model built on meta has storage: buffers)."""
+        """The tables, on the default device: at construction, and again once a model built on meta has
+        storage (workers.engine.materialize)."""
         rope = self.rope
         freqs = torch.outer(
             torch.arange(self.max_positions, dtype=torch.float32), inverse_frequencies(rope, self.head_dim)

@@ -65,7 +65,8 @@ class ScaledEmbedding(nn.Embedding):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        """The factor, in the default dtype (the model's, as it is built) on the default device."""
+        """The factor, in the default dtype (the model's) on the default device: at construction, and again
+        once a model built on meta has storage (workers.engine.materialize)."""
         self.register_buffer("scale", torch.tensor(self.embedding_dim**0.5), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

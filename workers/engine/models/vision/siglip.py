@@ -56,7 +56,8 @@ class VisionEmbeddings(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        """The patches' position ids, on the default device."""
+        """The patches' position ids, on the default device: at construction, and again once a model built
+        on meta has storage (workers.engine.materialize)."""
         self.register_buffer("position_ids", patch_position_ids(self.patches_per_side), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
