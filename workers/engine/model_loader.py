@@ -1,10 +1,8 @@
 """Builds a ready model (and its tokenizer) from a model name, a directory, or a bare config."""
 
-import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ import torch
 from kernels.quant.fp8_blocks import FP8
 from workers.engine.config import ModelConfig
 from workers.engine.fp8_model import convert_to_fp8, finish_fp8_loading
+from workers.engine.materialize import default_dtype, materialize
 from workers.engine.models.decoder import DecoderForCausalLM
 from workers.engine.models.mtp import MultiTokenPredictor
 from workers.engine.models.registry import family_of
@@ -72,22 +71,33 @@ def load_model(
     config = family.model_config(hf_config)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     length = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-    # Parameters are made in their final dtype: made in float32 and cast, a 20B model's would need
-    # twice its bf16 bytes at once (80 GB), more than an H100 holds.
-    with torch.device(device), _default_dtype(dtype):
+    checkpoint = files is not None and bool(files.weight_files)
+
+    def build() -> DecoderForCausalLM:
         model = family.model_class(config, max_positions=length)
         if with_mtp:
             model.mtp = MultiTokenPredictor(model)
-    if files is not None and files.weight_files:
-        if fmt is not None:
-            saved_fp8 = float8_tensor_names(files) if fmt.saved else None
-            convert_to_fp8(model, fmt, keep_weights=False, saved_fp8=saved_fp8)
+        return model
+
+    # Parameters are made in their final dtype: made in float32 and cast, a 20B model's would need
+    # twice its bf16 bytes at once (80 GB), more than an H100 holds.
+    if fmt is None:
+        with torch.device(device), default_dtype(dtype):
+            model = build()
+    else:
+        # Built on meta and converted there, so the device never holds the float weights of its fp8
+        # parts (DeepSeek-V3's 4 layers: 39 GB in fp8, 74 GB in bf16); they are quantized as they
+        # load or are drawn, a tensor or chunk at a time.
+        with torch.device("meta"), default_dtype(dtype):
+            model = build()
+        saved_fp8 = float8_tensor_names(files) if checkpoint and fmt.saved else None
+        convert_to_fp8(model, fmt, saved_fp8=saved_fp8)
+        materialize(model, device, dtype)
+    if checkpoint:
         model.load_weights(pair_scales(load_weights(files), fmt))
     else:
         log.warning("model %s has no weights: using random weights (seed %d)", name, seed)
         model.init_random_weights(seed)
-        if fmt is not None:
-            convert_to_fp8(model, fmt, keep_weights=True)
     # Parameters only: the rotary tables stay float32, as HF computes angles in float32. Weights held
     # in e4m3 stay so (their scales are float32 buffers).
     for param in model.parameters():
@@ -117,16 +127,6 @@ def load_model(
         max_model_len=length,
         weight_dtype=weight_dtype_name(fmt, dtype),
     )
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

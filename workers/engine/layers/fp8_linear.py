@@ -39,6 +39,7 @@ class QuantizedRows:
         self.block = block
         # float32 [N, K] once a part is not tile-aligned; quantized as a whole by finish().
         self.staging: torch.Tensor | None = None
+        self.rows_written = 0
 
     def write(self, offset: int, part: WeightPart, name: str) -> None:
         rows, cols = self.values.shape
@@ -50,6 +51,7 @@ class QuantizedRows:
             )
         block_n = self.block[0]
         aligned = offset % block_n == 0 and (n % block_n == 0 or offset + n == rows)
+        self.rows_written += n
         if aligned and self.staging is None:
             if isinstance(part, BlockQuantized):
                 values, scale_inv = part.values, part.scale_inv
@@ -65,6 +67,9 @@ class QuantizedRows:
             self.staging = dequantize_weight_blocks(self.values, self.scale_inv, self.block)
         real = part.dequantize(torch.float32) if isinstance(part, BlockQuantized) else part.float()
         self.staging[offset : offset + n].copy_(real)
+        if self.rows_written == rows:
+            # Every part is in: quantized now, not held in float32 (every expert's) until loading ends.
+            self.finish()
 
     def finish(self) -> None:
         if self.staging is None:
@@ -83,7 +88,8 @@ class Fp8Linear(nn.Module):
         self.block = block
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
         self.weight_scale_inv: torch.Tensor | None
-        self.register_buffer("weight_scale_inv", torch.empty(block_grid((out_features, in_features), block)))
+        scale_inv = torch.empty(block_grid((out_features, in_features), block), dtype=torch.float32)
+        self.register_buffer("weight_scale_inv", scale_inv)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._rows: QuantizedRows | None = None
 

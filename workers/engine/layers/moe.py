@@ -66,13 +66,19 @@ class GroupedSigmoidRouter(nn.Module):
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        # A buffer so that it stays float32 when the parameters move to a low-precision dtype.
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.num_experts = num_experts
+        self.init_buffers()
         self.top_k = top_k
         self.num_groups = num_groups
         self.topk_groups = topk_groups
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
+
+    def init_buffers(self) -> None:
+        """A zero correction bias (a checkpoint's overwrites it) on the default device, at construction and
+        once a model built on meta has storage (workers.engine.materialize). A buffer so that it stays
+        float32 when the parameters move to a low-precision dtype."""
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(hidden.float(), self.weight.float()).sigmoid()
@@ -195,19 +201,16 @@ class RoutedExperts(nn.Module):
         # While loading fp8: each (expert, "w13" / "w2") matrix's row writer.
         self._rows: dict[tuple[int, str], QuantizedRows] = {}
 
-    def use_fp8(self, block: tuple[int, int], *, keep_weights: bool) -> None:
-        """Hold the experts as block-scaled e4m3, quantizing the weights held now if `keep_weights`
-        (random ones), else to be loaded by load_expert_weight."""
-        float_weights = (self.w13.data, self.w2.data)
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts as block-scaled e4m3 (on the device the float ones were: meta, as a model
+        is built for an fp8 load), to be loaded by load_expert_weight or load_experts."""
         self.block = block
-        for name, weight in zip(("w13", "w2"), float_weights, strict=True):
+        for name in ("w13", "w2"):
+            weight = getattr(self, name)
             grid = block_grid(tuple(weight.shape[1:]), block)
             setattr(self, name, nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False))
-            self.register_buffer(f"{name}_scale_inv", torch.empty(weight.shape[0], *grid, device=weight.device))
-        if keep_weights:
-            for expert in range(self.w13.shape[0]):
-                self._writer(expert, "w13").write(0, float_weights[0][expert], f"expert {expert}'s w13")
-                self._writer(expert, "w2").write(0, float_weights[1][expert], f"expert {expert}'s w2")
+            scale_inv = torch.empty(weight.shape[0], *grid, dtype=torch.float32, device=weight.device)
+            self.register_buffer(f"{name}_scale_inv", scale_inv)
 
     @property
     def quantized(self) -> bool:
@@ -258,6 +261,13 @@ class RoutedExperts(nn.Module):
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
 
+    def load_experts(self, matrix: str, first: int, weights: torch.Tensor) -> None:
+        """Experts first.. of `matrix` ("w13" or "w2") from float `weights` [n, rows, cols], quantized
+        (random weights, drawn a few experts at a time)."""
+        for index, weight in enumerate(weights):
+            expert = first + index
+            self._writer(expert, matrix).write(0, weight, f"expert {expert}'s {matrix}")
+
     def finish_loading(self, dtype: torch.dtype) -> None:
         """Quantize what was assembled in float32; off CUDA, dequantize into `dtype` for good."""
         if not self.quantized:
@@ -269,7 +279,10 @@ class RoutedExperts(nn.Module):
             return
         for name in ("w13", "w2"):
             values, scale_inv = getattr(self, name).data, getattr(self, f"{name}_scale_inv")
-            real = dequantize_weight_blocks(values, scale_inv, self.block, dtype)
+            # Expert by expert: dequantizing the stack at once would take several float32 copies of it.
+            real = torch.empty(values.shape, dtype=dtype, device=values.device)
+            for expert, (expert_values, expert_scale_inv) in enumerate(zip(values, scale_inv, strict=True)):
+                real[expert] = dequantize_weight_blocks(expert_values, expert_scale_inv, self.block, dtype)
             setattr(self, name, nn.Parameter(real, requires_grad=False))
             setattr(self, f"{name}_scale_inv", None)
 

@@ -64,7 +64,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(rope, head_dim))
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """The tables, on the default device: at construction, and again once a model built on meta has
+        storage (workers.engine.materialize)."""
+        rope = self.rope
+        freqs = torch.outer(
+            torch.arange(self.max_positions, dtype=torch.float32), inverse_frequencies(rope, self.head_dim)
+        )
         angles = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", angles.cos() * rope.attention_factor, persistent=False)
         self.register_buffer("sin", angles.sin() * rope.attention_factor, persistent=False)

@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBackend, write_kv
+from kernels.quant.fp8_blocks import FP8
 from workers.engine.config import ModelConfig
+from workers.engine.fp8_model import init_random_fp8
 from workers.engine.layers.fp8_linear import Fp8Linear
 from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
 from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
@@ -269,8 +271,11 @@ class DecoderForCausalLM(nn.Module):
     def init_random_weights(self, seed: int) -> None:
         """Normal(0, initializer_range) matrices and unit norms, as HF initializes, reproducibly: the same
         weights for the same seed on every device of one type. Drawn where the parameters live (a
-        GPU draws an 8B model's in a second, a CPU thread in a minute)."""
+        GPU draws an 8B model's in a second, a CPU thread in a minute). An fp8 module's weight gets
+        the values the unquantized model would hold, quantized (fp8_model.init_random_fp8)."""
         generators: dict[torch.device, torch.Generator] = {}
+        # The unquantized model's dtype: the embedding's, which is never quantized.
+        dtype = self.embed_tokens.weight.dtype
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
@@ -281,8 +286,13 @@ class DecoderForCausalLM(nn.Module):
                     device = param.device
                     if device not in generators:
                         generators[device] = torch.Generator(device=device).manual_seed(seed)
-                    values = torch.randn(param.shape, generator=generators[device], device=device)
-                    param.copy_((values * self.config.initializer_range).to(param.dtype))
+                    if param.dtype == FP8:
+                        module, _, weight = name.rpartition(".")
+                        std = self.config.initializer_range
+                        init_random_fp8(self.get_submodule(module), weight, generators[device], std, dtype)
+                    else:
+                        values = torch.randn(param.shape, generator=generators[device], device=device)
+                        param.copy_((values * self.config.initializer_range).to(param.dtype))
         if self.mtp is not None:
             self.mtp.share_main_weights(self, loaded=())
 

@@ -62,7 +62,12 @@ class ScaledEmbedding(nn.Embedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        self.register_buffer("scale", torch.tensor(embedding_dim**0.5), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """The factor, in the default dtype (the model's) on the default device: at construction, and again
+        once a model built on meta has storage (workers.engine.materialize)."""
+        self.register_buffer("scale", torch.tensor(self.embedding_dim**0.5), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids) * self.scale.to(self.weight.dtype)

@@ -76,7 +76,7 @@ def test_parts_off_tile_boundaries_are_quantized_as_one_matrix(as_saved):
 def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized_and_quantize_their_activations():
     num_experts, hidden, intermediate = 4, 64, 128
     experts = RoutedExperts(num_experts, hidden, intermediate)
-    experts.use_fp8(BLOCK, keep_weights=False)
+    experts.use_fp8(BLOCK)
     saved_parts = {}
     for expert in range(num_experts):
         for index, (projection, shape) in enumerate(

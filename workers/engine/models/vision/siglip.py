@@ -52,7 +52,13 @@ class VisionEmbeddings(nn.Module):
             config.num_channels, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size
         )
         self.position_embedding = nn.Embedding(config.patches_per_side**2, config.hidden_size)
-        self.register_buffer("position_ids", patch_position_ids(config.patches_per_side), persistent=False)
+        self.patches_per_side = config.patches_per_side
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """The patches' position ids, on the default device: at construction, and again once a model built
+        on meta has storage (workers.engine.materialize)."""
+        self.register_buffer("position_ids", patch_position_ids(self.patches_per_side), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[tiles, channels, side, side] pixels → [tiles, patches, hidden]."""
