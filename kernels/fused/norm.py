@@ -60,7 +60,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
         _check_like("out", out, x)
     block, num_warps = _block(x.shape[1])
     _rms_norm_kernel[(x.shape[0],)](
-        x, x.stride(0), weight, out, out.stride(0), x.shape[1], eps, BLOCK=block, PDL=pdl_enabled(x.device),
+        x,
+        x.stride(0),
+        weight,
+        out,
+        out.stride(0),
+        x.shape[1],
+        eps,
+        BLOCK=block,
+        PDL=pdl_enabled(x.device),
         num_warps=num_warps,
     )
     return out
@@ -76,8 +84,16 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     _check_weight(weight, x)
     block, num_warps = _block(x.shape[1])
     _fused_add_rms_norm_kernel[(x.shape[0],)](
-        x, x.stride(0), residual, residual.stride(0), weight, x.shape[1], eps, BLOCK=block,
-        PDL=pdl_enabled(x.device), num_warps=num_warps,
+        x,
+        x.stride(0),
+        residual,
+        residual.stride(0),
+        weight,
+        x.shape[1],
+        eps,
+        BLOCK=block,
+        PDL=pdl_enabled(x.device),
+        num_warps=num_warps,
     )
     return x
 
