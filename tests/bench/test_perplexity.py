@@ -15,16 +15,21 @@ pytestmark = pytest.mark.slow
 # before them from the KV cache; 32 greedy tokens per held prompt (256 positions in all). Each variant
 # then takes a few seconds on two CPU cores.
 SETUP = Setup(max_tokens=1024, window=512, chunk=128, new_tokens=32)
-# The issue asks for at most 1.02x. On this 135M model e4m3's 3 mantissa bits cost more than that: on
-# these 1,024 tokens FP8 weights measured 1.050x, FP8 KV 1.031x and both 1.111x (on the whole text,
-# bench.perplexity: 1.067x, 1.017x, 1.098x). The bounds sit above those and far below what a wrong
-# scale, a misread row or an unquantized cache read as quantized gives (2x and more, or NaN).
-MAX_RATIO = {"fp8_weights": 1.08, "fp8_kv": 1.05, "fp8_both": 1.15}
-# Teacher-forced, the share of the baseline's greedy tokens the variant also ranks first. FP8 simulated
-# outside the engine (e4m3 weights in 128x128 blocks, e4m3 K/V per head and token, quantized and read
-# back) kept 0.98 of them on all eight prompts x 64 tokens; 0.95 is more than three standard errors of
-# 256 positions below that, and far above what a broken cache or scale gives.
-MIN_TOKEN_AGREEMENT = 0.95
+# The issue asks for at most 1.02x. On this 135M model e4m3's 3 mantissa bits cost more than that. With
+# each tile's scale searched (kernels.quant.fp8_blocks.SEARCHED_SCALE_FACTORS), on these 1,024 tokens
+# FP8 weights measured 1.062x, FP8 KV 1.031x and both 1.081x (on the whole text, bench.perplexity:
+# 1.049x, 1.017x, 1.059x). Which way each tile happens to round moves these by a few hundredths: with
+# amax scales the same tokens gave 1.050x and 1.111x, and on the whole text the searched grid shifted
+# per tile by a random part of a step gave FP8 weights 1.025x-1.068x. The bounds sit 0.02-0.04 above
+# today's measurements and far below what a wrong scale, a misread row or an unquantized cache read as
+# quantized gives (2x and more, or NaN).
+MAX_RATIO = {"fp8_weights": 1.09, "fp8_kv": 1.05, "fp8_both": 1.12}
+# Teacher-forced, the share of the baseline's greedy tokens the variant also ranks first. On these 256
+# positions the variants measured 0.949 (both) to 0.988, with amax or searched weight scales; on the
+# whole bench's 512, FP8 weights kept 0.957-0.979 over eleven sets of scales (amax and searched, exact
+# and shifted at random). 0.92 is two standard errors (0.014) below the lowest, and far above what a
+# broken cache or scale gives.
+MIN_TOKEN_AGREEMENT = 0.92
 
 
 @pytest.fixture(scope="module")

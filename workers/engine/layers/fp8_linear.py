@@ -9,8 +9,12 @@ model's dtype, and the forward quantizes the activation exactly as that kernel d
 Loading writes row ranges: a fused projection (q/k/v, gate/up) is its checkpoint parts stacked along
 N. Stacking quantized parts is exact when each part starts and ends on a block_n boundary (or at N),
 since then every tile belongs to one part. Where one does not (a tiny model's k/v heads, an MoE's
-odd intermediate size), the matrix is assembled in float32 and quantized once as a whole when loading
-finishes: tiles that straddle two parts share one scale, a second rounding for those parts' values.
+odd intermediate size), its rows are assembled in float32 and their tile rows quantized when loading
+finishes: tiles that straddle two parts share one scale, a second rounding for a saved part's values.
+Tile rows that an aligned part filled keep the tiles it was quantized to.
+
+Float weights are quantized with each tile's scale searched (SEARCHED_SCALE_FACTORS): of a few
+scales around amax / 448, the one whose rounding has the least squared error.
 """
 
 import torch
@@ -18,6 +22,7 @@ from torch import nn
 
 from kernels.quant.fp8_blocks import (
     FP8,
+    SEARCHED_SCALE_FACTORS,
     block_grid,
     dequantize_weight_blocks,
     dequantized_w8a8,
@@ -37,8 +42,10 @@ class QuantizedRows:
         self.values = values
         self.scale_inv = scale_inv
         self.block = block
-        # float32 [N, K] once a part is not tile-aligned; quantized as a whole by finish().
+        # float32 [N, K] once a part is not tile-aligned: its tile rows (`staged`, per tile row) are
+        # quantized by finish().
         self.staging: torch.Tensor | None = None
+        self.staged: torch.Tensor | None = None
         self.rows_written = 0
 
     def write(self, offset: int, part: WeightPart, name: str) -> None:
@@ -50,34 +57,42 @@ class QuantizedRows:
                 f"of a [{rows}, {cols}] weight"
             )
         block_n = self.block[0]
-        aligned = offset % block_n == 0 and (n % block_n == 0 or offset + n == rows)
         self.rows_written += n
-        if aligned and self.staging is None:
+        if offset % block_n == 0 and (n % block_n == 0 or offset + n == rows):
             if isinstance(part, BlockQuantized):
                 values, scale_inv = part.values, part.scale_inv
             else:
-                values, scale_inv = quantize_weight_blocks(part.to(self.values.device), self.block)
+                part = part.to(self.values.device)
+                values, scale_inv = quantize_weight_blocks(part, self.block, scale_factors=SEARCHED_SCALE_FACTORS)
             first = offset // block_n
             self.values[offset : offset + n].copy_(values)
             self.scale_inv[first : first + scale_inv.shape[0]].copy_(scale_inv)
-            return
+        else:
+            self._stage(offset, part)
+        if self.rows_written == rows:
+            # Every part is in: the staged tile rows are quantized now, not held in float32 (every
+            # expert's) until loading ends.
+            self.finish()
+
+    def _stage(self, offset: int, part: WeightPart) -> None:
+        """Keep an unaligned part in float32 until the parts sharing its tile rows are in."""
+        rows, cols = self.values.shape
+        n, block_n = part.shape[0], self.block[0]
         if self.staging is None:
-            # The rows written so far dequantize exactly (their tiles are theirs); the rest is
-            # overwritten by the parts still to come.
-            self.staging = dequantize_weight_blocks(self.values, self.scale_inv, self.block)
+            self.staging = torch.zeros(rows, cols, dtype=torch.float32, device=self.values.device)
+            self.staged = torch.zeros(self.scale_inv.shape[0], dtype=torch.bool, device=self.values.device)
         real = part.dequantize(torch.float32) if isinstance(part, BlockQuantized) else part.float()
         self.staging[offset : offset + n].copy_(real)
-        if self.rows_written == rows:
-            # Every part is in: quantized now, not held in float32 (every expert's) until loading ends.
-            self.finish()
+        self.staged[offset // block_n : (offset + n - 1) // block_n + 1] = True
 
     def finish(self) -> None:
         if self.staging is None:
             return
-        values, scale_inv = quantize_weight_blocks(self.staging, self.block)
-        self.values.copy_(values)
-        self.scale_inv.copy_(scale_inv)
-        self.staging = None
+        values, scale_inv = quantize_weight_blocks(self.staging, self.block, scale_factors=SEARCHED_SCALE_FACTORS)
+        staged_rows = self.staged.repeat_interleave(self.block[0])[: self.values.shape[0]]
+        self.values.view(torch.uint8)[staged_rows] = values.view(torch.uint8)[staged_rows]
+        self.scale_inv[self.staged] = scale_inv[self.staged]
+        self.staging = self.staged = None
 
 
 class Fp8Linear(nn.Module):

@@ -9,6 +9,7 @@ import torch
 from kernels.moe import experts_reference
 from kernels.quant.fp8_blocks import (
     FP8,
+    SEARCHED_SCALE_FACTORS,
     dequantize_weight_blocks,
     quantize_weight_blocks,
     w8a8_block_matmul_reference,
@@ -22,6 +23,11 @@ BLOCK = (128, 128)
 
 def random(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def searched(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 tiles a float weight is quantized to at load."""
+    return quantize_weight_blocks(weight, BLOCK, scale_factors=SEARCHED_SCALE_FACTORS)
 
 
 def saved(weight: torch.Tensor) -> BlockQuantized:
@@ -70,7 +76,21 @@ def test_parts_off_tile_boundaries_are_quantized_as_one_matrix(as_saved):
     layer.finish_loading(torch.float32)
     whole = torch.cat([part.dequantize(torch.float32) if as_saved else part for part in parts])
 
-    assert torch.equal(layer.weight, dequantize_weight_blocks(*quantize_weight_blocks(whole, BLOCK), BLOCK))
+    assert torch.equal(layer.weight, dequantize_weight_blocks(*searched(whole), BLOCK))
+
+
+def test_float_parts_get_searched_scales_and_aligned_ones_keep_their_own_tiles():
+    # q fills tile rows 0-1 on its own; k and v share tile row 2, assembled and quantized at the end.
+    q, k, v = random(256, 256, seed=1) * 0.02, random(32, 256, seed=2) * 0.02, random(32, 256, seed=3) * 0.02
+    layer = loaded_linear([q, k, v], 256)
+    layer.finish_loading(torch.float32)
+    q_values, q_scale = searched(q)
+    kv_values, kv_scale = searched(torch.cat([k, v]))
+
+    assert torch.equal(layer.weight[:256], dequantize_weight_blocks(q_values, q_scale, BLOCK))
+    assert torch.equal(layer.weight[256:], dequantize_weight_blocks(kv_values, kv_scale, BLOCK))
+    # Searched, not amax's: some tiles' scales differ.
+    assert not torch.equal(q_scale, quantize_weight_blocks(q, BLOCK)[1])
 
 
 def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized_and_quantize_their_activations():
@@ -114,6 +134,18 @@ def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized_and_quantize_their
     )
     torch.testing.assert_close(out, kernel, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(out, experts_reference(hidden_states, w13, w2, ids, weights), rtol=1e-4, atol=1e-4)
+
+
+def test_random_fp8_experts_hold_their_float_weights_quantized_with_searched_scales():
+    experts = RoutedExperts(3, 256, 192)
+    w13, w2 = random(3, 384, 256, seed=1) * 0.02, random(3, 256, 192, seed=2) * 0.02
+    experts.w13.data.copy_(w13)
+    experts.w2.data.copy_(w2)
+    experts.use_fp8(BLOCK, keep_weights=True)
+    experts.finish_loading(torch.float32)
+
+    assert torch.equal(experts.w13, dequantize_weight_blocks(*searched(w13), BLOCK))
+    assert torch.equal(experts.w2, dequantize_weight_blocks(*searched(w2), BLOCK))
 
 
 @pytest.mark.gpu
