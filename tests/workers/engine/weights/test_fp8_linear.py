@@ -139,9 +139,9 @@ def test_fp8_experts_off_cuda_are_the_saved_tiles_dequantized_and_quantize_their
 def test_random_fp8_experts_hold_their_float_weights_quantized_with_searched_scales():
     experts = RoutedExperts(3, 256, 192)
     w13, w2 = random(3, 384, 256, seed=1) * 0.02, random(3, 256, 192, seed=2) * 0.02
-    experts.w13.data.copy_(w13)
-    experts.w2.data.copy_(w2)
-    experts.use_fp8(BLOCK, keep_weights=True)
+    experts.use_fp8(BLOCK)
+    experts.load_experts("w13", 0, w13)
+    experts.load_experts("w2", 0, w2)
     experts.finish_loading(torch.float32)
 
     assert torch.equal(experts.w13, dequantize_weight_blocks(*searched(w13), BLOCK))

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels.quant.fp8_blocks import dequantize_weight_blocks, quantize_weight_blocks
+from kernels.quant.fp8_blocks import SEARCHED_SCALE_FACTORS, dequantize_weight_blocks, quantize_weight_blocks
 from tests.workers.engine.hf_idefics3_reference import TINY_IDEFICS3
 from tests.workers.engine.hf_moe_reference import TINY_MOE_CONFIGS
 from tests.workers.engine.hf_reference import TINY, TINY_CONFIGS
@@ -147,7 +147,7 @@ def test_random_fp8_weights_are_the_unquantized_models_quantized(family, dtype):
         for weight in weights:
             quantized_names.add(f"{name}.{weight}")
             expected = dequantize_weight_blocks(
-                *quantize_weight_blocks(reference_state[f"{name}.{weight}"], BLOCK), BLOCK
+                *quantize_weight_blocks(reference_state[f"{name}.{weight}"], BLOCK, scale_factors=SEARCHED_SCALE_FACTORS), BLOCK
             )
             assert torch.equal(getattr(module, weight), expected.to(dtype)), f"{name}.{weight}"
 
