@@ -1,6 +1,6 @@
 """Which parts of a built model hold FP8 weights, turning them into fp8 modules
 (layers.fp8_linear.Fp8Linear, RoutedExperts.use_fp8) before their weights exist (the model is built on
-the meta device: workers.engine.materialize), and drawing random weights into them.
+the meta device: workers.engine.materialize); layers.fp8_random draws random weights into them.
 
 Quantized: the decoder layers' linear projections and routed experts, a multi-token-prediction
 layer's (models.mtp) as well: its decoder layer's and its eh_proj. Kept in the model's dtype, as
@@ -17,9 +17,6 @@ modules_to_not_convert; any other e4m3 weight is dequantized into the model's dt
 a float checkpoint converts every one.
 """
 
-import math
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -32,11 +29,6 @@ from workers.engine.weights.quantization import Fp8Format
 KEPT_IN_MODEL_DTYPE = frozenset({"kv_b_proj", "shared_expert_gate", "head"})
 # Our fused projections and the HF modules they stack.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# An fp8 weight whose float32 draw is larger is drawn and quantized in chunks of about this many bytes,
-# so that drawing random weights holds no float copy of a whole one. No tiny test model reaches it.
-RANDOM_CHUNK_BYTES = 256 << 20
-# CPU's randn fills 16 values at a time: chunks of a multiple of 16 values draw what one call would.
-RANDN_GROUP = 16
 
 
 def convert_to_fp8(model: nn.Module, fmt: Fp8Format, *, saved_fp8: frozenset[str] | None = None) -> None:
@@ -55,27 +47,6 @@ def convert_to_fp8(model: nn.Module, fmt: Fp8Format, *, saved_fp8: frozenset[str
         elif type(module) is nn.Linear and name.rpartition(".")[2] not in KEPT_IN_MODEL_DTYPE:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, Fp8Linear.like(module, fmt.block))
-
-
-def init_random_fp8(
-    module: Fp8Linear | RoutedExperts, name: str, generator: torch.Generator, std: float, dtype: torch.dtype
-) -> None:
-    """Normal(0, std) values for `module`'s e4m3 weight `name`, rounded to `dtype` and quantized: the
-    values the unquantized model (in `dtype`) holds for it, drawn by the same calls on `generator`
-    where its float32 draw is at most RANDOM_CHUNK_BYTES. A larger one is drawn in chunks of rows
-    (of experts for experts), which on the CPU draw the same values and on CUDA other ones (its
-    randn spreads a call's values over threads by the call's size), still the same for a seed."""
-    weight = getattr(module, name)
-    rows, *row_shape = weight.shape
-    # Fp8Linear's chunks end on tiles (block_n rows), so each quantizes on its own.
-    align = module.block[0] if isinstance(module, Fp8Linear) else 1
-    for first, count in _row_chunks(rows, math.prod(row_shape), align):
-        values = torch.randn((count, *row_shape), generator=generator, device=weight.device)
-        part = (values * std).to(dtype)
-        if isinstance(module, Fp8Linear):
-            module.load_rows(first, part, f"random rows {first}..{first + count} of {name}")
-        else:
-            module.load_experts(name, first, part)
 
 
 def finish_fp8_loading(model: nn.Module, dtype: torch.dtype) -> None:
@@ -111,15 +82,3 @@ def _saved_in_fp8(name: str, module: nn.Module, saved_fp8: frozenset[str]) -> bo
     # hf_module_names spells a shared expert's parts two ways, of which a checkpoint uses one.
     saved = sum(f"{hf}.weight" in saved_fp8 for hf in hf_module_names(name))
     return saved == len(FUSED_PARTS.get(child, (child,)))
-
-
-def _row_chunks(rows: int, row_numel: int, align: int) -> Iterator[tuple[int, int]]:
-    """(first row, rows) of each chunk a weight of `rows` rows of `row_numel` values is drawn in."""
-    row_bytes = row_numel * torch.float32.itemsize
-    if rows * row_bytes <= RANDOM_CHUNK_BYTES:
-        yield 0, rows
-        return
-    step = math.lcm(align, RANDN_GROUP // math.gcd(row_numel, RANDN_GROUP))
-    count = max(step, RANDOM_CHUNK_BYTES // row_bytes // step * step)
-    for first in range(0, rows, count):
-        yield first, min(count, rows - first)

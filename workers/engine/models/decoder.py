@@ -27,8 +27,8 @@ from torch import nn
 from kernels.attention import AttentionBackend, write_kv
 from kernels.quant.fp8_blocks import FP8
 from workers.engine.config import ModelConfig
-from workers.engine.fp8_model import init_random_fp8
 from workers.engine.layers.fp8_linear import Fp8Linear
+from workers.engine.layers.fp8_random import init_random_fp8
 from workers.engine.layers.fused import fused_add_rms_norm, rms_norm, rotary_and_cache_write, silu_and_mul
 from workers.engine.layers.moe import RoutedExperts, SparseMoeBlock, build_router
 from workers.engine.layers.norm import RMSNorm
@@ -272,7 +272,7 @@ class DecoderForCausalLM(nn.Module):
         """Normal(0, initializer_range) matrices and unit norms, as HF initializes, reproducibly: the same
         weights for the same seed on every device of one type. Drawn where the parameters live (a
         GPU draws an 8B model's in a second, a CPU thread in a minute). An fp8 module's weight gets
-        the values the unquantized model would hold, quantized (fp8_model.init_random_fp8)."""
+        the values the unquantized model would hold, quantized (layers.fp8_random.init_random_fp8)."""
         generators: dict[torch.device, torch.Generator] = {}
         # The unquantized model's dtype: the embedding's, which is never quantized.
         dtype = self.embed_tokens.weight.dtype

@@ -26,7 +26,8 @@ from tests.workers.engine.hf_idefics3_reference import TINY_IDEFICS3
 from tests.workers.engine.hf_moe_reference import TINY_MOE_CONFIGS
 from tests.workers.engine.hf_reference import TINY, TINY_CONFIGS
 from tests.workers.engine.weights.fp8_checkpoints import FP8_CONFIG, hf_weights, quantized
-from workers.engine import fp8_model, model_loader
+from workers.engine import model_loader
+from workers.engine.layers import fp8_random
 from workers.engine.layers.fp8_linear import Fp8Linear
 from workers.engine.layers.moe import RoutedExperts
 from workers.engine.materialize import materialize
@@ -115,7 +116,7 @@ def test_an_fp8_load_holds_the_fp8_model_and_a_bounded_working_set_never_the_bf1
     source, moe_checkpoints, monkeypatch
 ):
     bf16_model = model_bytes(load(MOE).model)
-    monkeypatch.setattr(fp8_model, "RANDOM_CHUNK_BYTES", CHUNK_BYTES)
+    monkeypatch.setattr(fp8_random, "RANDOM_CHUNK_BYTES", CHUNK_BYTES)
     live = LiveStorageBytes()
     at_finish = {}
     finish = model_loader.finish_fp8_loading
@@ -146,9 +147,9 @@ def test_random_fp8_weights_are_the_unquantized_models_quantized(family, dtype):
         weights = {Fp8Linear: ("weight",), RoutedExperts: ("w13", "w2")}.get(type(module), ())
         for weight in weights:
             quantized_names.add(f"{name}.{weight}")
-            expected = dequantize_weight_blocks(
-                *quantize_weight_blocks(reference_state[f"{name}.{weight}"], BLOCK, scale_factors=SEARCHED_SCALE_FACTORS), BLOCK
-            )
+            reference = reference_state[f"{name}.{weight}"]
+            searched = quantize_weight_blocks(reference, BLOCK, scale_factors=SEARCHED_SCALE_FACTORS)
+            expected = dequantize_weight_blocks(*searched, BLOCK)
             assert torch.equal(getattr(module, weight), expected.to(dtype)), f"{name}.{weight}"
 
     assert quantized_names
@@ -161,7 +162,7 @@ def test_random_fp8_weights_are_the_unquantized_models_quantized(family, dtype):
 def test_random_fp8_weights_drawn_in_chunks_are_the_same_on_the_cpu_and_per_seed(monkeypatch):
     whole = load(MOE, quantization="fp8").model.state_dict()
     # Experts (512 KiB in float32) one at a time, the dense MLP's projections in blocks of 128 or 256 rows.
-    monkeypatch.setattr(fp8_model, "RANDOM_CHUNK_BYTES", 256 << 10)
+    monkeypatch.setattr(fp8_random, "RANDOM_CHUNK_BYTES", 256 << 10)
     chunked = load(MOE, quantization="fp8").model.state_dict()
     other_seed = load(MOE, quantization="fp8", seed=1).model.state_dict()
 
