@@ -90,12 +90,21 @@ class Supervisor:
         self.stop_steps = list(stop_steps)
         self.stopping = False
 
-    def run(self) -> int:
-        """Start the children and keep them running until a signal asks to stop; returns the exit code."""
+    def listen_for_stop(self) -> None:
+        """From now on SIGINT and SIGTERM ask this supervisor to stop (run calls it too). A caller that
+        says it is ready before run, as serve's banner does, calls it first: a Ctrl-C right after the
+        banner would otherwise raise wherever the main thread is."""
         signal.signal(signal.SIGINT, self._request_stop)
         signal.signal(signal.SIGTERM, self._request_stop)
+
+    def run(self) -> int:
+        """Start the children and keep them running until a signal asks to stop; returns the exit code.
+        A stop asked before or while they start starts no more of them."""
+        self.listen_for_stop()
         try:
             for child in self.children:
+                if self.stopping:
+                    break
                 child.start()
             for timer in self.timers:
                 timer.due_at = time.monotonic() + timer.interval_s

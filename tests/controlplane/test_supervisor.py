@@ -127,3 +127,19 @@ def test_a_child_that_fails_to_start_stops_those_started_before_it(tmp_path, sig
 
     # then the one it had started is not left running
     assert started.process.poll() is not None
+
+
+def test_ctrl_c_after_the_supervisor_listens_but_before_it_runs_starts_no_child(tmp_path, signal_handlers_restored):
+    # given a supervisor listening for stop signals, as serve's is before it prints its banner
+    child = stopping_child(tmp_path, "never", 0)
+    supervisor = Supervisor([child])
+    supervisor.listen_for_stop()
+
+    # when Ctrl-C comes before run (without the handler, KeyboardInterrupt would be raised here)
+    signal.raise_signal(signal.SIGINT)
+    code = supervisor.run()
+
+    # then it stops at once, having started nothing
+    assert code == 0
+    assert child.process is None
+    assert alive(tmp_path) == []

@@ -263,21 +263,6 @@ class Command(BaseCommand):
                 stop_stage=STOP_GATEWAY,
             )
         )
-        key = dev_api_key()
-        self.stdout.write(
-            f"\nsluice is starting: {_describe(roles)} of {model} on {device}\n"
-            f"  API        http://{host}:{port}/v1   (OpenAI- and Anthropic-compatible)\n"
-            f"  dev key    {key}\n"
-            f"  control    http://{host}:{port}/admin/ and /api/v1/docs/ "
-            "(users: python manage.py createsuperuser)\n"
-            f"  cost model {engine.cost_model or 'nominal (fit one: python -m bench.fit_cost_model)'}\n"
-            f"  KV store   {_describe_store(engine.kv_store, kv_store_index)}\n"
-            f"  try        curl http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {key}' "
-            f"-H 'content-type: application/json' "
-            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'
-            "Ctrl-C stops everything.\n\n"
-        )
-        self.stdout.flush()
         # The local node's agent: the workers the autoscaler (or an operator) adds beyond these.
         agent = NodeAgent(
             runtime_dir=runtime,
@@ -298,7 +283,24 @@ class Command(BaseCommand):
             Timer("eplb", settings.SLUICE_EP_REBALANCE_TICK_S, ep_rebalance_tick_task.delay),
         ]
         stop_added_workers = StopStep(STOP_WORKERS, lambda: agent.stop_all(grace_s=settings.SLUICE_NODE_STOP_GRACE_S))
-        Supervisor(children, timers, stop_steps=[stop_added_workers]).run()
+        supervisor = Supervisor(children, timers, stop_steps=[stop_added_workers])
+        supervisor.listen_for_stop()
+        key = dev_api_key()
+        self.stdout.write(
+            f"\nsluice is starting: {_describe(roles)} of {model} on {device}\n"
+            f"  API        http://{host}:{port}/v1   (OpenAI- and Anthropic-compatible)\n"
+            f"  dev key    {key}\n"
+            f"  control    http://{host}:{port}/admin/ and /api/v1/docs/ "
+            "(users: python manage.py createsuperuser)\n"
+            f"  cost model {engine.cost_model or 'nominal (fit one: python -m bench.fit_cost_model)'}\n"
+            f"  KV store   {_describe_store(engine.kv_store, kv_store_index)}\n"
+            f"  try        curl http://{host}:{port}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+            f"-H 'content-type: application/json' "
+            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'
+            "Ctrl-C stops everything.\n\n"
+        )
+        self.stdout.flush()
+        supervisor.run()
 
     def _migrate(self) -> None:
         """The embedded default sets its database up itself: a fresh SQLite file under var/ or an empty
