@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from kernels.attention import NULL_PAGE, AttentionMetadata, write_kv  # noqa: E402
-from kernels.attention.fp8_kv import dequantize_rows, quantize_rows, row_bytes  # noqa: E402
+from kernels.attention.fp8_kv import ROW_ALIGN, dequantize_rows, quantize_rows, row_bytes, scales_end  # noqa: E402
 from kernels.attention.torch_blockwise import paged_attention_blockwise  # noqa: E402
 from kernels.attention.torch_sdpa import paged_attention_sdpa  # noqa: E402
 from kernels.attention.triton import (  # noqa: E402
@@ -51,6 +51,18 @@ def fp8_pages(seq_lens, *, kv_heads, width, page, seed=0):
     for row, table in enumerate(tables):
         block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
     return fp8, dequantized, tables, block_tables
+
+
+@pytest.mark.parametrize(("width", "stored"), [(16, 32), (64, 80), (128, 144), (576, 624)])
+def test_rows_are_values_scales_then_zeros_to_whole_16_byte_vectors(width, stored):
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(width))
+    rows = quantize_rows(x)
+    assert rows.shape == (3, stored) and stored == row_bytes(width) and stored % ROW_ALIGN == 0
+    assert not rows[:, scales_end(width) :].any()
+    group = min(width, 128) if width % 128 == 0 or width < 128 else 64
+    scales = rows[:, width : scales_end(width)].contiguous().view(torch.float32)
+    assert torch.equal(scales, x.unflatten(-1, (-1, group)).abs().amax(-1) / torch.finfo(torch.float8_e4m3fn).max)
+    torch.testing.assert_close(dequantize_rows(rows, width, torch.float32), x, rtol=0.07, atol=1e-6)
 
 
 def metadata(query_lens, seq_lens, tables, page):
