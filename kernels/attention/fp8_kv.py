@@ -8,10 +8,12 @@ ROW_ALIGN bytes, in one uint8 row of `row_bytes(width)`: a head of 128 takes 144
 bf16's 256. The padding is what lets the attention kernels read a row's e4m3 bytes in 16-byte
 vectors: Triton vectorizes a gather only as far as it can prove the rows' alignment, and 132-byte
 rows compiled (sm_90) to 4-byte async copies, four times the load instructions of a bf16 row.
-Pages start zeroed and no kernel writes the padding, so it stays zero in pages, runs and store files. The scales sit beside their values, per token,
-because a page fills token by token: a scale per page would have to be fixed before the page's later
-tokens are seen (clipping them) or rewritten with the page. DeepSeek's persisted KV keeps its scales
-inline the same way (512 latent values and 4 float32 scales: 528 bytes).
+Pages start zeroed and no kernel writes the padding, so it stays zero in pages, runs and store files.
+
+The scales sit beside their values, per token, because a page fills token by token: a scale per page
+would have to be fixed before the page's later tokens are seen (clipping them) or rewritten with the
+page. DeepSeek's persisted KV keeps its scales inline the same way (512 latent values and 4 float32
+scales: 528 bytes, already a multiple of 16).
 
 Groups are at most 128 values (the gcd of the width and 128), so the scale offset (`width`) is 4-byte
 aligned for every width a model uses (a multiple of 4) and a Triton kernel can load scales as float32.
