@@ -60,4 +60,5 @@ def test_an_fp8_variant_keeps_perplexity_and_greedy_tokens_close(baseline, varia
     assert row["weights"] == ("fp8_e4m3" if "quantization" in VARIANTS[variant] else "bfloat16")
     assert row["kv_cache"] == ("fp8_e4m3" if "kv_cache_dtype" in VARIANTS[variant] else "bfloat16")
     assert row["ratio"] <= MAX_RATIO[variant], row
+    assert row["ratio_95"][0] <= row["ratio"] <= row["ratio_95"][1], row
     assert row["greedy_token_agreement"] >= MIN_TOKEN_AGREEMENT, row
