@@ -18,7 +18,8 @@ SETUP = Setup(max_tokens=1024, window=512, chunk=128, new_tokens=32)
 # The issue asks for at most 1.02x. On this 135M model e4m3's 3 mantissa bits cost more than that. With
 # each tile's scale searched (kernels.quant.fp8_blocks.SEARCHED_SCALE_FACTORS), on these 1,024 tokens
 # FP8 weights measured 1.062x, FP8 KV 1.031x and both 1.081x (on the whole text, bench.perplexity:
-# 1.037x-1.049x, 1.015x-1.017x, 1.059x on two machines whose bf16 matmuls round differently). Which way each tile happens to round moves these by a few hundredths: with
+# 1.037x-1.049x, 1.015x-1.017x, 1.059x on two machines whose bf16 matmuls round differently). Which
+# way each tile happens to round moves these by a few hundredths: with
 # amax scales the same tokens gave 1.050x and 1.111x, and on the whole text the searched grid shifted
 # per tile by a random part of a step gave FP8 weights 1.025x-1.068x. The bounds sit 0.02-0.04 above
 # today's measurements and far below what a wrong scale, a misread row or an unquantized cache read as

@@ -155,30 +155,31 @@ def cache_rows(cache: torch.Tensor, width: int) -> dict[str, int | bool]:
 
 
 @triton.jit
-def load_rows(head_ptr, row_starts, dims, mask, WIDTH: tl.constexpr, SCALE_GROUP: tl.constexpr, FP8: tl.constexpr):
-    """[N, len(dims)] values of the cache rows starting at element offsets `row_starts` ([N]) of
-    `head_ptr`: the cache's own dtype, or FP8 rows of WIDTH values dequantized to fp32."""
-    if FP8:
-        at = head_ptr + row_starts[:, None]
-        values = tl.load((at + dims[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask[:, None], other=0.0)
-        scale_ptrs = (at + WIDTH).to(tl.pointer_type(tl.float32))
-        if SCALE_GROUP == WIDTH:
-            # One scale per row ([N, 1], broadcast): one load per row, not one per value.
-            scales = tl.load(scale_ptrs, mask=mask[:, None], other=0.0)
-        else:
-            scales = tl.load(scale_ptrs + dims[None, :] // SCALE_GROUP, mask=mask[:, None], other=0.0)
-        return values.to(tl.float32) * scales
-    else:
-        return tl.load(head_ptr + row_starts[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
-
-
-@triton.jit
 def load_scaled_rows(head_ptr, row_starts, dims, mask, WIDTH: tl.constexpr):
     """The e4m3 values [N, len(dims)] and float32 scales [N] of FP8 rows with one scale each."""
     at = head_ptr + row_starts
     values = tl.load((at[:, None] + dims[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask[:, None], other=0.0)
     scales = tl.load((at + WIDTH).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
     return values, scales
+
+
+@triton.jit
+def load_rows(head_ptr, row_starts, dims, mask, WIDTH: tl.constexpr, SCALE_GROUP: tl.constexpr, FP8: tl.constexpr):
+    """[N, len(dims)] values of the cache rows starting at element offsets `row_starts` ([N]) of
+    `head_ptr`: the cache's own dtype, or FP8 rows of WIDTH values dequantized to fp32."""
+    if FP8:
+        if SCALE_GROUP == WIDTH:
+            # One scale per row, broadcast: one load per row, not one per value.
+            values, row_scales = load_scaled_rows(head_ptr, row_starts, dims, mask, WIDTH)
+            scales = row_scales[:, None]
+        else:
+            at = head_ptr + row_starts[:, None]
+            values = tl.load((at + dims[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=mask[:, None], other=0.0)
+            scale_ptrs = (at + WIDTH).to(tl.pointer_type(tl.float32))
+            scales = tl.load(scale_ptrs + dims[None, :] // SCALE_GROUP, mask=mask[:, None], other=0.0)
+        return values.to(tl.float32) * scales
+    else:
+        return tl.load(head_ptr + row_starts[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
 
 
 def sinks_log2(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
