@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_enabled
+from kernels.pdl import launch_options, pdl_prologue
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 1024
@@ -46,7 +46,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
         raise ValueError(f"out's last dimension must be contiguous, got strides {out.stride()}")
     grid = (tokens, triton.cdiv(intermediate, BLOCK))
     _silu_and_mul_kernel[grid](
-        gate_up, gate_up.stride(0), out, out.stride(0), intermediate, BLOCK=BLOCK, PDL=pdl_enabled(gate_up.device)
+        gate_up, gate_up.stride(0), out, out.stride(0), intermediate, BLOCK=BLOCK, **launch_options(gate_up.device)
     )
     return out
 
@@ -55,8 +55,7 @@ def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> t
 def _silu_and_mul_kernel(
     gate_up_ptr, gate_up_row_stride, out_ptr, out_row_stride, intermediate, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # kernels.pdl: the next kernel may start; it waits for this one
+    pdl_prologue(PDL)  # kernels.pdl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_enabled
+from kernels.pdl import launch_options, pdl_prologue
 
 MAX_HIDDEN = 65536  # one row must fit one program's block
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,7 +68,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
         x.shape[1],
         eps,
         BLOCK=block,
-        PDL=pdl_enabled(x.device),
+        **launch_options(x.device),
         num_warps=num_warps,
     )
     return out
@@ -92,7 +92,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         x.shape[1],
         eps,
         BLOCK=block,
-        PDL=pdl_enabled(x.device),
+        **launch_options(x.device),
         num_warps=num_warps,
     )
     return x
@@ -146,8 +146,7 @@ def _scaled_norm(x, w_ptr, cols, mask, hidden, eps, out_dtype: tl.constexpr):
 def _rms_norm_kernel(
     x_ptr, x_row_stride, w_ptr, out_ptr, out_row_stride, hidden, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # kernels.pdl: the next kernel may start; it waits for this one
+    pdl_prologue(PDL)  # kernels.pdl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -160,8 +159,7 @@ def _rms_norm_kernel(
 def _fused_add_rms_norm_kernel(
     x_ptr, x_row_stride, res_ptr, res_row_stride, w_ptr, hidden, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # kernels.pdl: the next kernel may start; it waits for this one
+    pdl_prologue(PDL)  # kernels.pdl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden

@@ -37,6 +37,7 @@ import triton.language as tl
 from kernels.attention.fp8_kv import row_bytes, scale_group
 from kernels.attention.paged import is_fp8
 from kernels.fused.fp8_rows import group_tile, store_fp8_row
+from kernels.pdl import launch_options, pdl_prologue
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -98,10 +99,12 @@ def rotary_and_cache_write(
         group = scale_group(head_dim)
         _rotary_fp8_cache_kernel[(tokens, heads)](
             *args, HALF=half, GROUP=group, BLOCK_GROUPS=triton.next_power_of_2(head_dim // group),
-            num_warps=1, enable_fp_fusion=False,
+            num_warps=1, enable_fp_fusion=False, **launch_options(qk.device),
         )  # fmt: skip
     else:
-        _rotary_cache_kernel[(tokens, heads)](*args, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+        _rotary_cache_kernel[(tokens, heads)](
+            *args, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1, **launch_options(qk.device)
+        )
     return q
 
 
@@ -176,8 +179,9 @@ def _rotary_cache_kernel(
     kc_ptr, kc_head_stride, kc_page_stride, kc_offset_stride,
     vc_ptr, vc_head_stride, vc_page_stride, vc_offset_stride,
     slot_ptr, q_ptr, num_heads, page_size,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)  # kernels.pdl
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -218,8 +222,9 @@ def _rotary_fp8_cache_kernel(
     kc_ptr, kc_head_stride, kc_page_stride, kc_offset_stride,
     vc_ptr, vc_head_stride, vc_page_stride, vc_offset_stride,
     slot_ptr, q_ptr, num_heads, page_size,
-    HALF: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+    HALF: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_prologue(PDL)  # kernels.pdl
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = group_tile(GROUP, BLOCK_GROUPS)

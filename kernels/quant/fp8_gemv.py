@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_enabled
+from kernels.pdl import launch_options, pdl_prologue
 from kernels.quant.fp8_activations import quantize_group
 
 
@@ -73,7 +73,6 @@ def block_fp8_gemv_with(
     if m == 0 or n == 0:
         return out
     grid = (m * triton.cdiv(n, config.block_n),)
-    pdl = pdl_enabled(rows.device)
     _w8a8_gemv_kernel[grid](
         rows,
         weight,
@@ -93,9 +92,8 @@ def block_fp8_gemv_with(
         BLOCK_N=config.block_n,
         GROUP=block[1],
         GROUPS_PER_STEP=config.groups_per_step,
-        PDL=pdl,
         num_warps=config.num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **launch_options(rows.device),
     )
     return out
 
@@ -122,8 +120,7 @@ def _w8a8_gemv_kernel(
     GROUPS_PER_STEP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the kernel before writes the input, and may read what this one overwrites
+    pdl_prologue(PDL)  # kernels.pdl: the kernel before writes the input, and may read what this one overwrites
     pid = tl.program_id(0)
     row = pid % M
     cols = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
