@@ -10,10 +10,11 @@ launch for each batch size and split, and each split's ratio against the engine'
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
-from kernels.attention.triton.decode import SPLIT_KEYS, paged_decode_attention
+from kernels.attention.triton.decode import SPLIT_KEYS, decode_config, paged_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 LAYERS = 30
@@ -32,9 +33,11 @@ def time_launches(batch: int, context: int, split_keys: int) -> float:
     seq_lens = torch.full((batch,), context, device=device, dtype=torch.int32)
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
+    config = replace(decode_config(HEAD_DIM, fp8=False), split_keys=split_keys)
+
     def launches() -> None:
         for k, v in caches:
-            paged_decode_attention(q, k, v, tables, seq_lens, scale=HEAD_DIM**-0.5, split_keys=split_keys)
+            paged_decode_attention(q, k, v, tables, seq_lens, scale=HEAD_DIM**-0.5, config=config)
 
     launches()
     torch.cuda.synchronize()

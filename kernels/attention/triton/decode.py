@@ -33,16 +33,21 @@ row's e4m3 bytes through a float8e4nv pointer, its float32 scales at byte `HEAD_
 through a float32 pointer, value = e4m3 * scale in fp32, rounded to q's dtype: the values the torch
 backends dequantize to, so the math after the load is the same as for a bf16 cache. Where a row has
 one scale (heads of 64 and 128), the decode kernel instead takes each row's e4m3 values as they are
-(exact in bf16) and applies the scales to what they multiply: a key's scale to its scores, a value's
-to its probabilities, before the value product. That leaves a tile's [keys] scales where load_rows
-makes a [keys, head_dim] float32 product: compiled for sm_90 the kernel needs 128 registers a
-thread instead of 136 (four programs per multiprocessor instead of three) and half the multiplies.
-Its results differ from the dequantized values' by rounding only (the scaled products are rounded
-where the values were).
+and applies the scales to what they multiply: a key's scale to its scores, a value's to its
+probabilities, before the value product. With bf16 or fp16 queries the products take fp16 operands
+(`fp16_queries`, `fp16_probabilities`): e4m3 converts to fp16 exactly in one instruction per two
+values, and the values are converted before their change of layout (`e4m3_to_fp16_in_place`), so a
+value tile moves to its dot operand by ldmatrix, not a byte at a time. Each program of an FP8 cache
+reads a longer split (`decode_config`), since its rows are half as many bytes. Results differ from
+the dequantized values' by rounding only, and are closer to fp32 attention than bf16 operands'.
 
 The input checks shared with the prefill wrapper (`check_supported`, `check_paged_inputs`,
 `sinks_log2`, `cache_rows`) live here too.
 """
+
+import functools
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -50,7 +55,7 @@ import triton.language as tl
 
 from kernels.attention.fp8_kv import row_bytes, scale_group
 from kernels.attention.sinks import check_sinks
-from kernels.pdl import pdl_enabled
+from kernels.pdl import launch_options, pdl_prologue
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -73,6 +78,48 @@ def key_tile(head_dim: int) -> int:
     the largest tiles whose bf16 kernels fit 255 registers without spilling (ptxas resource usage).
     """
     return min(64, 4096 // head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """How the decode kernel cuts and runs its work: keys per split, keys per K/V tile, warps,
+    software-pipeline stages. A row's result depends on split_keys and block_n (the order of its
+    sums), never on the batch: an engine keeps one config per cache dtype."""
+
+    split_keys: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# FP8 rows: 512 keys a split, 64-key tiles of 128-wide heads, 2 warps, 2 stages. Each program streams
+# half the bytes of a bf16 one, so with bf16's 128-key splits its fixed costs (the block table's loads
+# ahead of the rows', the partial it writes and the merge) weighed twice as much: at 4k contexts and
+# batch 64 on an H100 (bench.kv_decode_attention --sweep) this config reads at 0.81 of the copy
+# bandwidth, bf16's config on FP8 rows at 0.50.
+FP8_SPLIT_KEYS = 512
+FP8_TILE_BYTES = 8192  # e4m3 bytes of one K or V tile: 64 keys of 128
+
+
+def decode_config(head_dim: int, fp8: bool) -> DecodeConfig:
+    """The engine's config for heads of `head_dim` over a bf16/fp16/fp32 cache or FP8 rows."""
+    if fp8:
+        return DecodeConfig(
+            split_keys=FP8_SPLIT_KEYS, block_n=min(128, FP8_TILE_BYTES // head_dim), num_warps=2, num_stages=2
+        )
+    return DecodeConfig(split_keys=SPLIT_KEYS, block_n=key_tile(head_dim), num_warps=4, num_stages=3)
+
+
+def fp8_cvt_instructions(device: torch.device) -> bool:
+    """Whether kernels on `device` can convert e4m3 with PTX's cvt (compiled for CUDA, sm_89 or later)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def check_supported(head_dim: int, dtype: torch.dtype) -> None:
@@ -164,6 +211,48 @@ def load_scaled_rows(head_ptr, row_starts, dims, mask, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def e4m3_to_fp16_in_place(values):
+    """e4m3 values as fp16, converted in the layout they were loaded in (two per cvt instruction).
+
+    Not marked pure, so Triton's layout optimizer cannot move the conversion after the change of layout
+    that a dot operand needs: there, values contracted along keys (not along their contiguous head
+    dimension) are read from shared memory a byte at a time; fp16 values move by ldmatrix instead."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r",
+        args=[values.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def fp16_queries(q):
+    """Queries [M, D] as fp16 operands for e4m3 keys, and each row's power-of-two scale: e4m3 converts to
+    fp16 exactly in one instruction per two values (to bf16 it takes one more per value), and a row
+    scaled to at most 1 cannot overflow fp16, whose longer mantissa holds its bf16 values exactly."""
+    amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+    exponent = tl.where(amax > 0, tl.ceil(tl.log2(amax)), 0.0)
+    return (q.to(tl.float32) * tl.exp2(-exponent)[:, None]).to(tl.float16), tl.exp2(exponent)
+
+
+@triton.jit
+def fp16_probabilities(probs, v_scales):
+    """Probabilities [M, N] times the values' scales [N] as fp16 operands for e4m3 values, relative to
+    the tile's largest scale (returned, to multiply the product by): in [0, 1], where fp16 is finer
+    than bf16."""
+    top = tl.max(v_scales, axis=0)
+    top = tl.where(top > 0, top, 1.0)
+    return (probs * (v_scales / top)[None, :]).to(tl.float16), top
+
+
+@triton.jit
 def load_rows(head_ptr, row_starts, dims, mask, WIDTH: tl.constexpr, SCALE_GROUP: tl.constexpr, FP8: tl.constexpr):
     """[N, len(dims)] values of the cache rows starting at element offsets `row_starts` ([N]) of
     `head_ptr`: the cache's own dtype, or FP8 rows of WIDTH values dequantized to fp32."""
@@ -200,20 +289,21 @@ def paged_decode_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    split_keys: int = SPLIT_KEYS,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its cached keys: [B, heads, head_dim] in q.dtype.
 
     q: [B, heads, head_dim], the query at position seq_lens[b] - 1 (its K/V already in the cache);
     k_cache, v_cache: [kv_heads, pages, page_size, head_dim]; block_tables: [B, max_pages] int32;
     seq_lens: [B] int32, 0 for a padding row (its output is zeros); sinks: [heads] logits or None;
-    split_keys: keys per split, a multiple of the key tile (a row's result depends on it, so one
-    engine keeps one value).
+    config: how the kernel cuts the work (default: decode_config for the head and cache dtype).
     """
     check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
     sinks = sinks_log2(sinks, q)
-    if split_keys < 1 or split_keys % key_tile(q.shape[2]):
-        raise ValueError(f"split_keys must be a positive multiple of {key_tile(q.shape[2])}, got {split_keys}")
+    config = config or decode_config(q.shape[2], fp8=k_cache.dtype == torch.uint8)
+    split_keys = config.split_keys
+    if split_keys < 1 or split_keys % config.block_n:
+        raise ValueError(f"split_keys must be a positive multiple of block_n {config.block_n}, got {split_keys}")
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows for {block_tables.shape[0]} sequences")
     if window is not None and window < 1:
@@ -255,13 +345,16 @@ def paged_decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group),
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_N=key_tile(head_dim),
+        BLOCK_N=config.block_n,
         SPLIT_KEYS=split_keys,
         USE_WINDOW=window is not None,
         USE_DOT=use_dot,
         HAS_SINKS=sinks is not None,
-        PDL=pdl_enabled(q.device),
+        ASM_CONVERT=fp8_cvt_instructions(q.device),
+        **launch_options(q.device),
         **cache_rows(k_cache, head_dim),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
@@ -322,10 +415,10 @@ def _decode_kernel(
     FP8: tl.constexpr,
     ROW: tl.constexpr,  # elements of one cached row: HEAD_DIM, or an FP8 row's bytes
     SCALE_GROUP: tl.constexpr,
+    ASM_CONVERT: tl.constexpr,  # e4m3 to fp16 by cvt instructions (e4m3_to_fp16_in_place)
     PDL: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # kernels.pdl: the next kernel may start; it waits for this one
+    pdl_prologue(PDL)  # kernels.pdl
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -373,6 +466,7 @@ def _decode_kernel(
             FP8,
             ROW,
             SCALE_GROUP,
+            ASM_CONVERT,
         )
 
     tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
@@ -423,11 +517,18 @@ def _attend_split(
     FP8: tl.constexpr,
     ROW: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
+    ASM_CONVERT: tl.constexpr,
 ):
     """Online softmax over keys [start, end) of the group's rows; stores the normalized partial
     output and its base-2 log-sum-exp at workspace row `part`."""
     ROW_SCALED: tl.constexpr = FP8 and SCALE_GROUP == HEAD_DIM
     q = tl.load(q_ptr + heads[:, None] * stride_qh + dims[None, :], mask=row_ok[:, None], other=0.0)
+    # fp32 queries keep fp32 operands (tf32x3 dots): fp16 would round them.
+    F16_OPERANDS: tl.constexpr = ROW_SCALED and USE_DOT and q_ptr.dtype.element_ty != tl.float32
+    score_scale = tl.full([BLOCK_H], scale_log2, tl.float32)
+    if F16_OPERANDS:
+        q, q_pow2 = fp16_queries(q)
+        score_scale = score_scale * q_pow2
     row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -442,7 +543,10 @@ def _attend_split(
             k, k_scale = load_scaled_rows(k_head, row_starts, dims, visible, HEAD_DIM)
             v, v_scale = load_scaled_rows(v_head, row_starts, dims, visible, HEAD_DIM)
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            if F16_OPERANDS and ASM_CONVERT:
+                v = e4m3_to_fp16_in_place(v)
+            else:
+                v = v.to(q.dtype)
         else:
             k = load_rows(k_head, row_starts, dims, visible, HEAD_DIM, SCALE_GROUP, FP8).to(q.dtype)
             v = load_rows(v_head, row_starts, dims, visible, HEAD_DIM, SCALE_GROUP, FP8).to(q.dtype)
@@ -452,21 +556,25 @@ def _attend_split(
             scores = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
         if ROW_SCALED:
             scores = scores * k_scale[None, :]
-        scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))
+        scores = tl.where(visible[None, :], scores * score_scale[:, None], float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet stays at zero
         probs = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(row_max - shift)
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        if ROW_SCALED:
-            probs_v = probs * v_scale[None, :]
+        if F16_OPERANDS:
+            probs_v, v_top = fp16_probabilities(probs, v_scale)
+            acc = acc * rescale[:, None] + tl.dot(probs_v, v, input_precision=DOT_PRECISION) * v_top
         else:
-            probs_v = probs
-        if USE_DOT:
-            acc = acc * rescale[:, None] + tl.dot(probs_v.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            acc = acc * rescale[:, None] + tl.sum(probs_v[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+            if ROW_SCALED:
+                probs_v = probs * v_scale[None, :]
+            else:
+                probs_v = probs
+            if USE_DOT:
+                acc = acc * rescale[:, None] + tl.dot(probs_v.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * rescale[:, None] + tl.sum(probs_v[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
         row_max = new_max
 
     has_keys = row_sum > 0  # a row that saw a key has row_sum >= 1
