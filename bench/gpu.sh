@@ -19,7 +19,8 @@
 # DeepSeek-V2-Lite) as fractions of their memory rooflines, and a profile of a MoE shape's graphed
 # decode step at batch 1.
 # Then FP8 (issue 26): the W8A8 block-scaled GEMM against bf16 and torch's _scaled_mm at the Llama-3.1-8B
-# projections, and decode with FP8 weights and KV against bf16 (Llama-3.1-8B at batch 1 and at batch
+# projections, decode attention alone over FP8 and bf16 rows (bench.kv_decode_attention), and decode with
+# FP8 weights and KV against bf16 (Llama-3.1-8B at batch 1 and at batch
 # 256 with 4k contexts; DeepSeek-V3's 4-layer shape at batch 1 and 64 against its roofline).
 # STEPS (default "tests attention mla mla_prefill moe ep handoff cached sanitizer profile roofline throughput fit
 # fp8_gemm fp8_decode")
@@ -122,6 +123,8 @@ if has fp8_gemm; then
   python3 -m bench.fp8_gemm >"$out/fp8_gemm_gpu.json" 2>"$out/fp8_gemm_gpu.log" || echo "FP8 GEMM BENCHMARK FAILED"
 fi
 if has fp8_decode; then
+  python3 -m bench.kv_decode_attention --batch-sizes 1,64,128 >"$out/kv_decode_attention.json" \
+    2>"$out/kv_decode_attention.log" || echo "FP8 KV DECODE ATTENTION BENCHMARK FAILED"
   python3 -m bench.fp8_decode --shape llama3_8b --batch-sizes 1 --prompt-len 1024 --variants bf16,fp8_weights,fp8_kv \
     >"$out/fp8_decode_llama3_8b_b1.json" 2>"$out/fp8_decode.log" || echo "FP8 DECODE (batch 1) FAILED"
   python3 -m bench.fp8_decode --shape llama3_8b --batch-sizes 256 --prompt-len 4096 --new-tokens 64 \
