@@ -4,7 +4,7 @@ same run:
 
     python -m bench.kv_decode_attention [--batch-sizes 1,64,128] [--context 4096] [--sweep]
 
-Each call is timed in CUDA-graph replays (bench.mla_decode's median_ms) over enough distinct caches
+Each call is timed in CUDA-graph replays (bench.kernel_timing) over enough distinct caches
 that no launch finds the last one's rows in L2. Bytes moved are what the call must read at least:
 every row's keys and values as stored (an FP8 row's e4m3 bytes, scale and padding: 144 bytes where
 bf16 takes 256), its queries and its outputs. The FP8 cache is the same random bf16 values quantized
@@ -21,8 +21,9 @@ from dataclasses import asdict
 
 import torch
 
+from bench import kernel_timing
 from bench.decode_roofline import copy_bandwidth
-from bench.mla_decode import median_ms
+from bench.kernel_timing import median_ms
 from kernels.attention.fp8_kv import quantize_rows
 from kernels.attention.triton.decode import DecodeConfig, decode_config, paged_decode_attention
 
@@ -59,13 +60,7 @@ def time_decode(batch: int, context: int, cache_dtype: str, config: DecodeConfig
 
 
 def timed_or_failed(batch: int, context: int, cache_dtype: str, config: DecodeConfig, peer_gb_s: float) -> dict:
-    """The config's figures, or why it did not run (a config over the SM's registers or shared memory
-    fails to compile)."""
-    try:
-        result = time_decode(batch, context, cache_dtype, config)
-        result["fraction_of_copy"] = round(result["achieved_gb_s"] / peer_gb_s, 3)
-    except Exception as error:  # noqa: BLE001 - any failing config is reported, the sweep goes on
-        result = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+    result = kernel_timing.timed_or_failed(lambda: time_decode(batch, context, cache_dtype, config), peer_gb_s)
     torch.cuda.empty_cache()
     print(
         json.dumps({"batch": batch, "cache": cache_dtype, **asdict(config), **result}),

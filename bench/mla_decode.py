@@ -4,7 +4,7 @@ same run:
 
     python -m bench.mla_decode [--heads 128] [--batch-sizes 64,128] [--context 4096] [--sweep]
 
-Each call is timed in CUDA-graph replays of LAUNCHES launches (median of REPEATS replays, after a
+Each call is timed in CUDA-graph replays of LAUNCHES launches (bench.kernel_timing: the median replay, after a
 warmup replay). Bytes moved are what the call must touch at least: every row's latents (context x
 576 x 2 bytes), its queries and its outputs; the split partials the kernel writes and merges are
 reported beside them, not counted. The peer is a large device-to-device tensor copy (bytes read
@@ -23,6 +23,8 @@ from dataclasses import asdict, replace
 
 import torch
 
+from bench import kernel_timing
+from bench.kernel_timing import median_ms
 from kernels.attention.triton.mla_decode import DECODE_CONFIG, MlaDecodeConfig, paged_mla_decode
 
 V_DIM, ROPE_DIM = 512, 64
@@ -30,33 +32,12 @@ LATENT_DIM = V_DIM + ROPE_DIM
 PAGE = 16  # workers/args.py's default page_size
 DTYPE = torch.bfloat16
 LAUNCHES = 10  # per graph replay
-REPEATS = 20
 COPY_BYTES = 2**31  # the peer copy's source: far larger than L2
 # The kernel configs a sweep times: heads per program, keys per tile, warps, pipeline stages.
 SWEEP = {"block_h": (16, 32, 64), "block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 SWEEP_SPLITS = (2, 4, 8, 16)
 SWEEP_PARTIALS = (torch.float32, torch.bfloat16)
 SWEEP_FINALISTS = 3
-
-
-def median_ms(run, launches: int) -> float:
-    """Milliseconds per launch: a graph of `launches` calls of `run`, median of REPEATS replays."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            run()
-    graph.replay()  # warmup
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth() -> float:
@@ -96,13 +77,7 @@ def described(config: MlaDecodeConfig) -> dict:
 
 
 def timed_or_failed(batch: int, heads: int, context: int, config: MlaDecodeConfig, peer: float) -> dict:
-    """The config's figures, or why it did not run (a config over the SM's registers or shared memory
-    fails to compile)."""
-    try:
-        result = time_decode(batch, heads, context, config)
-        result["fraction_of_copy"] = round(result["achieved_gb_s"] / peer, 3)
-    except Exception as error:  # noqa: BLE001 - any failing config is reported, the sweep goes on
-        result = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+    result = kernel_timing.timed_or_failed(lambda: time_decode(batch, heads, context, config), peer)
     # Progress on stderr: a sweep compiles dozens of kernels.
     print(json.dumps({"batch": batch, **described(config), **result}), file=sys.stderr, flush=True)
     return result
