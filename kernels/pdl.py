@@ -15,26 +15,19 @@ a kernel finishes only after its own wait returned, so each one's predecessors h
 After a kernel that never lets dependents launch early (cuBLAS, torch's own) the wait returns at once.
 """
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-HOPPER = 9
+from kernels.device import compiled_capability
+
+HOPPER = (9, 0)
 
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on `device` use PDL: CUDA on Hopper or later, compiled (not interpreted)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _compute_capability(device.index if device.index is not None else torch.cuda.current_device()) >= HOPPER
-
-
-@functools.cache
-def _compute_capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    capability = compiled_capability(device)
+    return capability is not None and capability >= HOPPER
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

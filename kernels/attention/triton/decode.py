@@ -36,7 +36,7 @@ one scale (heads of 64 and 128), the decode kernel instead takes each row's e4m3
 and applies the scales to what they multiply: a key's scale to its scores, a value's to its
 probabilities, before the value product. With bf16 or fp16 queries the products take fp16 operands
 (`fp16_queries`, `fp16_probabilities`): e4m3 converts to fp16 exactly in one instruction per two
-values, and the values are converted before their change of layout (`e4m3_to_fp16_in_place`), so a
+values, and the values are converted before their change of layout (`e4m3_to_fp16_as_loaded`), so a
 value tile moves to its dot operand by ldmatrix, not a byte at a time. Each program of an FP8 cache
 reads a longer split (`decode_config`), since its rows are half as many bytes. Results differ from
 the dequantized values' by rounding only, and are closer to fp32 attention than bf16 operands'.
@@ -45,8 +45,6 @@ The input checks shared with the prefill wrapper (`check_supported`, `check_page
 `sinks_log2`, `cache_rows`) live here too.
 """
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +53,7 @@ import triton.language as tl
 
 from kernels.attention.fp8_kv import row_bytes, scale_group
 from kernels.attention.sinks import check_sinks
+from kernels.device import compiled_capability
 from kernels.pdl import launch_options, pdl_prologue
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,14 +111,8 @@ def decode_config(head_dim: int, fp8: bool) -> DecodeConfig:
 
 def fp8_cvt_instructions(device: torch.device) -> bool:
     """Whether kernels on `device` can convert e4m3 with PTX's cvt (compiled for CUDA, sm_89 or later)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    capability = compiled_capability(device)
+    return capability is not None and capability >= (8, 9)
 
 
 def check_supported(head_dim: int, dtype: torch.dtype) -> None:
@@ -211,7 +204,7 @@ def load_scaled_rows(head_ptr, row_starts, dims, mask, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def e4m3_to_fp16_in_place(values):
+def e4m3_to_fp16_as_loaded(values):
     """e4m3 values as fp16, converted in the layout they were loaded in (two per cvt instruction).
 
     Not marked pure, so Triton's layout optimizer cannot move the conversion after the change of layout
@@ -415,7 +408,7 @@ def _decode_kernel(
     FP8: tl.constexpr,
     ROW: tl.constexpr,  # elements of one cached row: HEAD_DIM, or an FP8 row's bytes
     SCALE_GROUP: tl.constexpr,
-    ASM_CONVERT: tl.constexpr,  # e4m3 to fp16 by cvt instructions (e4m3_to_fp16_in_place)
+    ASM_CONVERT: tl.constexpr,  # e4m3 to fp16 by cvt instructions (e4m3_to_fp16_as_loaded)
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)  # kernels.pdl
@@ -544,7 +537,7 @@ def _attend_split(
             v, v_scale = load_scaled_rows(v_head, row_starts, dims, visible, HEAD_DIM)
             k = k.to(q.dtype)
             if F16_OPERANDS and ASM_CONVERT:
-                v = e4m3_to_fp16_in_place(v)
+                v = e4m3_to_fp16_as_loaded(v)
             else:
                 v = v.to(q.dtype)
         else:
