@@ -560,10 +560,9 @@ def _attend_split(
             probs_v, v_top = fp16_probabilities(probs, v_scale)
             acc = acc * rescale[:, None] + tl.dot(probs_v, v, input_precision=DOT_PRECISION) * v_top
         else:
+            probs_v = probs
             if ROW_SCALED:
                 probs_v = probs * v_scale[None, :]
-            else:
-                probs_v = probs
             if USE_DOT:
                 acc = acc * rescale[:, None] + tl.dot(probs_v.to(v.dtype), v, input_precision=DOT_PRECISION)
             else:
