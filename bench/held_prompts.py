@@ -25,6 +25,10 @@ RAW_PROMPTS = [
 
 
 def held_prompts(tokenizer: Tokenizer) -> list[list[int]]:
-    """The prompts as token ids: the chats through the model's chat template, then the raw texts."""
-    chats = [tokenizer.encode(tokenizer.apply_chat_template(c), allow_special=True) for c in CONVERSATIONS]
+    """The prompts as token ids: the chats through the model's chat template, then the raw texts. A
+    model without a chat template (a pretrained one) reads each chat's messages as lines of raw text."""
+    if tokenizer.chat_template is None:
+        chats = [tokenizer.encode("\n".join(message["content"] for message in c)) for c in CONVERSATIONS]
+    else:
+        chats = [tokenizer.encode(tokenizer.apply_chat_template(c), allow_special=True) for c in CONVERSATIONS]
     return chats + [tokenizer.encode(text) for text in RAW_PROMPTS]
